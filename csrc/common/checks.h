@@ -1,0 +1,46 @@
+// Argument checks shared by the CPU and CUDA implementations of every op. Each check names
+// the op and the tensor at fault, so that a bad call says what to fix.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <string>
+
+#define DEEPINFER_CHECK(cond, op, ...) TORCH_CHECK(cond, "deepinfer_ops.", op, ": ", __VA_ARGS__)
+
+namespace deepinfer {
+
+inline void check_same_device(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
+                              const char* b_name) {
+  DEEPINFER_CHECK(a.device() == b.device(), op, a_name, " is on ", a.device(), " but ", b_name, " is on ",
+                  b.device());
+}
+
+inline void check_dtype(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype) {
+  DEEPINFER_CHECK(t.scalar_type() == dtype, op, name, " must be ", dtype, ", got ", t.scalar_type());
+}
+
+inline bool is_float_activation(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
+}
+
+// View `t` ([..., last]) as [rows, last] without copying; last dim must be contiguous.
+// Leading dims must collapse into one stride (true for contiguous tensors and 2-D row-strided views).
+inline at::Tensor as_rows(const char* op, const at::Tensor& t, const char* name) {
+  DEEPINFER_CHECK(t.dim() >= 1, op, name, " must have at least 1 dim, got a scalar");
+  const int64_t last = t.size(-1);
+  DEEPINFER_CHECK(t.numel() == 0 || last == 1 || t.stride(-1) == 1, op, name,
+                  " must be contiguous in its last dim (stride(-1) == 1), got strides ", t.strides());
+  if (t.dim() == 2) return t;
+  if (t.dim() == 1) return t.view({1, last});
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  DEEPINFER_CHECK(t.numel() == 0 || t.is_contiguous() || t.dim() == 2, op, name,
+                  " with more than 2 dims must be contiguous (got strides ", t.strides(), "); pass a 2-D [rows, ",
+                  last, "] view for row-strided data");
+  return t.view({rows, last});
+}
+
+}  // namespace deepinfer

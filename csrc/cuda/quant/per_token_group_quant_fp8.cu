@@ -1,0 +1,91 @@
+#include <cuda_fp8.h>
+
+#include "deepinfer/quant/per_token_group_quant_fp8.cuh"
+
+namespace deepinfer::quant {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+constexpr float kFp8Max = 448.0f;
+constexpr float kAmaxEps = 1e-10f;
+
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || isnan(a)) ? a : b; }
+
+__device__ __forceinline__ float round_up_pow2(float s) {
+  uint32_t bits = __float_as_uint(s);
+  uint32_t exp = (bits >> 23) & 0xffu;
+  if ((bits & 0x7fffffu) != 0u) exp += 1u;
+  return __uint_as_float(exp << 23);
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float v, float scale) {
+  v = v / scale;  // IEEE division: identical to the CPU implementation and the reference
+  v = v < -kFp8Max ? -kFp8Max : v;
+  v = v > kFp8Max ? kFp8Max : v;  // comparisons keep NaN as NaN
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+template <typename T, int kVec>
+__global__ void __launch_bounds__(kWarpsPerBlock * 32) per_token_group_quant_fp8_kernel(PerTokenGroupQuantParams p) {
+  const int lane = threadIdx.x % 32;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / 32;
+  if (item >= p.rows * p.num_groups) return;
+  const int64_t r = item / p.num_groups, g = item % p.num_groups;
+  const int64_t k0 = g * p.group_size;
+  const int64_t len = min(p.group_size, p.K - k0);
+  const T* x = static_cast<const T*>(p.input) + r * p.input_row_stride + k0;
+  uint8_t* q = p.out_q + r * p.q_row_stride + k0;
+  using V = Vec<T, kVec>;
+
+  float amax = 0.f;
+  for (int64_t k = lane * kVec; k < len; k += 32 * kVec) {
+    if (kVec > 1 && k + kVec <= len) {
+      const V v = *reinterpret_cast<const V*>(x + k);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) amax = nan_max(fabsf(to_float(v.v[j])), amax);
+    } else {
+      for (int j = 0; j < kVec && k + j < len; ++j) amax = nan_max(fabsf(to_float(x[k + j])), amax);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, m), amax);
+  float scale = isnan(amax) ? amax : fmaxf(amax, kAmaxEps) / kFp8Max;
+  if (p.scale_ue8m0 && isfinite(scale)) scale = round_up_pow2(scale);
+  if (lane == 0) p.out_scale[r * p.scale_row_stride + g * p.scale_col_stride] = scale;
+
+  for (int64_t k = lane * kVec; k < len; k += 32 * kVec) {
+    if (kVec > 1 && k + kVec <= len) {
+      const V v = *reinterpret_cast<const V*>(x + k);
+      Vec<uint8_t, kVec> o;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) o.v[j] = to_e4m3(to_float(v.v[j]), scale);
+      *reinterpret_cast<Vec<uint8_t, kVec>*>(q + k) = o;
+    } else {
+      for (int j = 0; j < kVec && k + j < len; ++j) q[k + j] = to_e4m3(to_float(x[k + j]), scale);
+    }
+  }
+}
+
+template <typename T>
+void launch_typed(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
+  constexpr int kVec = 4;
+  const bool vec_ok = p.group_size % kVec == 0 && p.input_row_stride % kVec == 0 && p.q_row_stride % kVec == 0 &&
+                      is_aligned(p.input, sizeof(T) * kVec) && is_aligned(p.out_q, kVec);
+  const int64_t items = p.rows * p.num_groups;
+  const dim3 grid(static_cast<unsigned>((items + kWarpsPerBlock - 1) / kWarpsPerBlock));
+  if (vec_ok) {
+    per_token_group_quant_fp8_kernel<T, kVec><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
+  } else {
+    per_token_group_quant_fp8_kernel<T, 1><<<grid, kWarpsPerBlock * 32, 0, stream>>>(p);
+  }
+  DEEPINFER_CHECK_LAUNCH("per_token_group_quant_fp8_kernel");
+}
+
+}  // namespace
+
+void launch_per_token_group_quant_fp8(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
+  if (p.rows == 0 || p.K == 0) return;
+  DEEPINFER_DISPATCH_FLOAT(p.dtype, [&] { launch_typed<scalar_t>(p, stream); });
+}
+
+}  // namespace deepinfer::quant

@@ -1,0 +1,27 @@
+// Declarations of every op entry point, one section per domain. Each op has a shared
+// argument check (csrc/common/<domain>_checks.h), a CPU implementation (csrc/cpu/<domain>/)
+// and, when built with CUDA, a CUDA implementation (csrc/cuda/<domain>/). torch_bindings.cpp
+// registers the schemas and binds each implementation to its dispatch key.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+namespace deepinfer {
+
+// ---- norm ----
+void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& weight, double eps);
+void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& weight, double eps);
+
+// ---- quant ----
+void per_token_group_quant_fp8_cpu(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& input,
+                                   int64_t group_size, bool scale_ue8m0);
+void per_token_group_quant_fp8_cuda(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& input,
+                                    int64_t group_size, bool scale_ue8m0);
+
+// ---- rope ----
+void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin_cache, bool inverse);
+void rotary_embedding_cuda(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin_cache, bool inverse);
+
+}  // namespace deepinfer

@@ -1,0 +1,33 @@
+"""deepinfer_ops: native ops for DeepSeek-V4-family inference, registered as ``torch.ops.deepinfer_ops.*``.
+
+Importing this package loads the compiled extension ``deepinfer_ops._C`` (CPU kernels always; CUDA kernels
+when built with CUDA) and the fake implementations used by torch.compile. The functions below are thin
+wrappers that allocate outputs; pure-torch float32 references live in ``deepinfer_ops.testing.refs``.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from . import _C  # noqa: F401  (registers torch.ops.deepinfer_ops.*)
+from . import _fake  # noqa: F401
+from .backend import BUILT_WITH_CUDA, BackendUnavailableError, device_for, select_accelerator
+from .norm import rms_norm
+from .quant import FP8_E4M3_MAX, per_token_group_quant_fp8
+from .rope import rope_cos_sin_cache, rotary_embedding
+from .topk import topk
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BUILT_WITH_CUDA",
+    "BackendUnavailableError",
+    "FP8_E4M3_MAX",
+    "device_for",
+    "per_token_group_quant_fp8",
+    "rms_norm",
+    "rope_cos_sin_cache",
+    "rotary_embedding",
+    "select_accelerator",
+    "topk",
+]

@@ -1,0 +1,35 @@
+"""Every environment variable deepinfer reads, declared in one place (prefix ``DEEPINFER_``).
+
+Build time (read by setup.py / CMakeLists.txt, listed here for reference):
+    DEEPINFER_BUILD_CUDA   ``auto`` (default), ``1`` or ``0``
+    DEEPINFER_CUDA_ARCHS   CUDA archs, default ``90a`` (e.g. ``90a;100a``)
+    DEEPINFER_BUILD_DIR    CMake build folder
+Run time:
+    DEEPINFER_ACCELERATOR  ``auto`` (default), ``nvidia``, ``ascend`` or ``cpu``: the backend the engine runs on.
+    DEEPINFER_CACHE_DIR    where generated artefacts (the built-in tiny checkpoint) are kept;
+                           default ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+ACCELERATORS = ("auto", "nvidia", "ascend", "cpu")
+
+
+def accelerator() -> str:
+    """``DEEPINFER_ACCELERATOR``, lower-cased; raises ValueError naming the variable if it is not one of ACCELERATORS."""
+    value = os.environ.get("DEEPINFER_ACCELERATOR", "auto").strip().lower() or "auto"
+    if value not in ACCELERATORS:
+        raise ValueError(f"DEEPINFER_ACCELERATOR={value!r} is not one of {', '.join(ACCELERATORS)}")
+    return value
+
+
+def cache_dir() -> Path:
+    """``DEEPINFER_CACHE_DIR`` or the XDG cache folder for deepinfer."""
+    env = os.environ.get("DEEPINFER_CACHE_DIR")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "deepinfer"

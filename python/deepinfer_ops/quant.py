@@ -1,0 +1,51 @@
+"""Quantisation ops: FP8 e4m3 with per-token-group scales (the DeepSeek-V3/V4 activation recipe)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+FP8_E4M3_MAX = 448.0
+
+
+def per_token_group_quant_fp8(
+    x: torch.Tensor,
+    group_size: int = 128,
+    scale_ue8m0: bool = False,
+    column_major_scales: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``x`` to float8_e4m3fn with one scale per ``group_size`` consecutive elements of a row.
+
+    For each row r and group g (elements ``[g*group_size, min(K, (g+1)*group_size))``; the last group may be
+    partial): ``amax = max|x|``, ``scale = max(amax, 1e-10) / 448`` (with ``scale_ue8m0``, rounded up to the next
+    power of two: UE8M0-representable), ``q = e4m3(clamp(x / scale, -448, 448))`` with round-to-nearest-even.
+    NaN inputs propagate (NaN scale and NaN codes). CPU, CUDA and ``testing.refs`` agree bit for bit.
+
+    Args:
+        x: ``[..., K]`` float32/bfloat16/float16, last dim contiguous.
+        group_size: elements per scale, default 128.
+        scale_ue8m0: round scales up to powers of two (stored as float32).
+        column_major_scales: return scales with strides ``(1, rows)`` (a transposed ``[G, rows]`` buffer), the
+            layout cuBLASLt's block-scaled ``torch._scaled_mm`` and DeepGEMM read.
+    Returns:
+        ``(q, scale)``: q ``[..., K]`` float8_e4m3fn; scale float32 ``[rows, ceil(K / group_size)]`` where rows is
+        the product of the leading dims (0 rows give empty tensors of these shapes).
+    Raises:
+        RuntimeError naming the argument at fault.
+    Source: DeepSeek-V3 technical report (fine-grained FP8 quantisation), DeepGEMM's activation layout.
+    """
+    if group_size <= 0:
+        raise ValueError(f"group_size must be > 0, got {group_size}")
+    if x.dim() == 0:
+        raise ValueError("x must have at least 1 dim")
+    k = x.shape[-1]
+    rows = math.prod(x.shape[:-1])
+    groups = -(-k // group_size)
+    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    if column_major_scales:
+        scale = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
+    else:
+        scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    torch.ops.deepinfer_ops.per_token_group_quant_fp8(q, scale, x, group_size, scale_ue8m0)
+    return q, scale

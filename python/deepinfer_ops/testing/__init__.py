@@ -1,0 +1,1 @@
+"""Test helpers shipped with deepinfer_ops: pure-torch references (``refs``) and comparison tiers (``compare``)."""

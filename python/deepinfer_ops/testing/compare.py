@@ -1,0 +1,77 @@
+"""Comparison tiers for tests: exact, tolerance (abs + rel + cosine, NaN positions), quantized (calc_diff).
+
+Tolerances live in one named table per dtype (TOLERANCES), never as inline literals in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+    min_cosine: float
+
+
+# Per output dtype, for an op computed in fp32 and rounded once, compared with the fp32 reference
+# rounded to the same dtype (one rounding step apart at most).
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(atol=1e-5, rtol=1e-5, min_cosine=0.999999),
+    torch.bfloat16: Tolerance(atol=1e-2, rtol=1.6e-2, min_cosine=0.9999),
+    torch.float16: Tolerance(atol=1e-3, rtol=2e-3, min_cosine=0.99999),
+}
+
+# calc_diff thresholds per recipe (DeepGEMM's metric).
+CALC_DIFF_MAX = {"fp8": 1e-3}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance | None = None, name: str = "out") -> None:
+    """Assert shape equality, identical NaN/inf positions and |a-e| <= atol + rtol|e| everywhere, plus cosine
+    similarity >= min_cosine. On failure the message names the worst element."""
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    tol = tol or TOLERANCES[expected.dtype if expected.dtype in TOLERANCES else torch.float32]
+    a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
+    nan_a, nan_e = torch.isnan(a), torch.isnan(e)
+    assert torch.equal(nan_a, nan_e), f"{name}: NaN positions differ ({int(nan_a.sum())} vs {int(nan_e.sum())})"
+    inf_a, inf_e = torch.isinf(a), torch.isinf(e)
+    assert torch.equal(inf_a, inf_e) and torch.equal(a[inf_a], e[inf_e]), f"{name}: inf positions differ"
+    ok = ~(nan_e | inf_e)
+    a, e = a[ok], e[ok]
+    if a.numel() == 0:
+        return
+    err = (a - e).abs()
+    bound = tol.atol + tol.rtol * e.abs()
+    bad = err > bound
+    if bool(bad.any()):
+        i = int(torch.argmax(err - bound))
+        raise AssertionError(
+            f"{name}: {int(bad.sum())}/{a.numel()} elements out of tolerance; worst at flat index {i}: "
+            f"actual {a[i].item()!r} expected {e[i].item()!r} (atol {tol.atol}, rtol {tol.rtol})")
+    denom = (a.norm() * e.norm()).item()
+    if denom > 0:
+        cos = float((a * e).sum().item() / denom)
+        assert cos >= tol.min_cosine, f"{name}: cosine similarity {cos} < {tol.min_cosine}"
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's error metric ``1 - 2 sum(xy) / sum(x^2 + y^2)`` in float64 (0 when equal)."""
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """Fill ``t`` with NaN (floats, including fp8) or the max value (integers) so unwritten elements show."""
+    if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        t.view(torch.uint8).fill_(0x7F)
+    elif t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(torch.iinfo(t.dtype).max)
+    return t
