@@ -12,6 +12,14 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.deepinfer_ops.*)
 from . import _fake  # noqa: F401
 from .backend import BUILT_WITH_CUDA, BackendUnavailableError, device_for, select_accelerator
+from .gemm import (
+    fp4_to_fp8_blockscaled,
+    fp8_gemm_nt,
+    m_grouped_fp8_gemm_nt_contiguous,
+    m_grouped_fp8_gemm_nt_masked,
+    swiglu_clamp_quant_fp8,
+)
+from .moe import fused_moe_fp8
 from .norm import rms_norm
 from .quant import FP8_E4M3_MAX, per_token_group_quant_fp8
 from .rope import rope_cos_sin_cache, rotary_embedding
@@ -24,10 +32,16 @@ __all__ = [
     "BackendUnavailableError",
     "FP8_E4M3_MAX",
     "device_for",
+    "fp4_to_fp8_blockscaled",
+    "fp8_gemm_nt",
+    "fused_moe_fp8",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
     "per_token_group_quant_fp8",
     "rms_norm",
     "rope_cos_sin_cache",
     "rotary_embedding",
     "select_accelerator",
+    "swiglu_clamp_quant_fp8",
     "topk",
 ]
