@@ -12,6 +12,9 @@
 
 namespace deepinfer {
 
+// torch's Python name of a dtype ("torch.float32"), for error messages.
+inline std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+
 inline void check_same_device(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
                               const char* b_name) {
   DEEPINFER_CHECK(a.device() == b.device(), op, a_name, " is on ", a.device(), " but ", b_name, " is on ",
@@ -19,7 +22,7 @@ inline void check_same_device(const char* op, const at::Tensor& a, const char* a
 }
 
 inline void check_dtype(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype) {
-  DEEPINFER_CHECK(t.scalar_type() == dtype, op, name, " must be ", dtype, ", got ", t.scalar_type());
+  DEEPINFER_CHECK(t.scalar_type() == dtype, op, name, " must be ", dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
 }
 
 inline bool is_float_activation(at::ScalarType t) {
