@@ -19,22 +19,39 @@ namespace deepinfer {
 namespace {
 
 // fp32 [R, N] = block-scaled A2 [R, K] . B2[N, K]^T. sa [R, ceil(K/128)], sb [ceil(N/128), ceil(K/128)], any strides.
+// Each output element is computed by one thread in a fixed order (per K block: sequential fp32 sum of the block's
+// products, then total += sum * (sa * sb)), so the result is deterministic and independent of R and of threading.
 at::Tensor blockscaled_mm_f32(const at::Tensor& a2, const at::Tensor& sa, const at::Tensor& b2, const at::Tensor& sb) {
   const int64_t R = a2.size(0), K = a2.size(1), N = b2.size(0);
   auto acc = at::zeros({R, N}, a2.options().dtype(at::kFloat));
   if (R == 0 || N == 0 || K == 0) return acc;
-  const auto af = a2.to(at::kFloat);
-  const auto bf = b2.to(at::kFloat);
+  const auto af = a2.to(at::kFloat).contiguous();
+  const auto bf = b2.to(at::kFloat).contiguous();
   const auto saf = sa.to(at::kFloat);
   const auto sbf = sb.to(at::kFloat);
+  const float* A = af.const_data_ptr<float>();
+  const float* B = bf.const_data_ptr<float>();
+  const float* SA = saf.const_data_ptr<float>();
+  const float* SB = sbf.const_data_ptr<float>();
+  const int64_t sa_r = saf.stride(0), sa_k = saf.stride(1), sb_n = sbf.stride(0), sb_k = sbf.stride(1);
+  float* C = acc.mutable_data_ptr<float>();
   const int64_t kb_count = gemm_ceil_div(K, kGemmScaleBlock);
-  for (int64_t kb = 0; kb < kb_count; ++kb) {
-    const int64_t k0 = kb * kGemmScaleBlock, kl = std::min(kGemmScaleBlock, K - k0);
-    const auto partial = at::mm(af.narrow(1, k0, kl), bf.narrow(1, k0, kl).t());  // [R, N], fp32 sums of one block
-    const auto sb_n = sbf.select(1, kb).repeat_interleave(kGemmScaleBlock).narrow(0, 0, N);  // [N]
-    const auto scale = saf.select(1, kb).unsqueeze(1) * sb_n.unsqueeze(0);                 // [R, N]
-    acc.add_(partial * scale);
-  }
+  at::parallel_for(0, R * N, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t r = idx / N, n = idx % N;
+      const float* a = A + r * K;
+      const float* b = B + n * K;
+      float total = 0.f;
+      for (int64_t kb = 0; kb < kb_count; ++kb) {
+        const int64_t k0 = kb * kGemmScaleBlock, k1 = std::min(K, k0 + kGemmScaleBlock);
+        float part = 0.f;
+        for (int64_t k = k0; k < k1; ++k) part += a[k] * b[k];
+        const float scale = SA[r * sa_r + kb * sa_k] * SB[(n / kGemmScaleBlock) * sb_n + kb * sb_k];
+        total += part * scale;
+      }
+      C[idx] = total;
+    }
+  });
   return acc;
 }
 
