@@ -26,9 +26,9 @@ void rotary_embedding_cuda(at::Tensor& x, const at::Tensor& positions, const at:
 
 // ---- gemm ----
 void fp8_gemm_nt_cpu(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
-                     const at::Tensor& b_scale, bool accumulate);
+                     const at::Tensor& b_scale, bool accumulate, int64_t split_k);
 void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
-                      const at::Tensor& b_scale, bool accumulate);
+                      const at::Tensor& b_scale, bool accumulate, int64_t split_k);
 void m_grouped_fp8_gemm_nt_contiguous_cpu(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
                                           const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& m_indices);
 void m_grouped_fp8_gemm_nt_contiguous_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,

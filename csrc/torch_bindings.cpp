@@ -16,7 +16,9 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   // rope
   m.def("rotary_embedding(Tensor! x, Tensor positions, Tensor cos_sin_cache, bool inverse) -> ()");
   // gemm
-  m.def("fp8_gemm_nt(Tensor! out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool accumulate) -> ()");
+  m.def(
+      "fp8_gemm_nt(Tensor! out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, bool accumulate, "
+      "int split_k=1) -> ()");
   m.def(
       "m_grouped_fp8_gemm_nt_contiguous(Tensor! out, Tensor a, Tensor a_scale, Tensor b, Tensor b_scale, "
       "Tensor m_indices) -> ()");

@@ -22,10 +22,13 @@ inline void check_shape(const char* op, const at::Tensor& t, const char* name, a
   DEEPINFER_CHECK(t.sizes() == expected, op, name, " must be ", expected, " (", what, "), got ", t.sizes());
 }
 
-// fp8_gemm_nt(out, a, a_scale, b, b_scale, accumulate)
+// fp8_gemm_nt(out, a, a_scale, b, b_scale, accumulate, split_k)
 inline void check_fp8_gemm_nt(const at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
-                              const at::Tensor& b, const at::Tensor& b_scale, bool accumulate) {
+                              const at::Tensor& b, const at::Tensor& b_scale, bool accumulate, int64_t split_k) {
   const char* op = "fp8_gemm_nt";
+  DEEPINFER_CHECK(split_k >= 1, op, "split_k must be >= 1, got ", split_k);
+  DEEPINFER_CHECK(split_k == 1 || out.scalar_type() == at::kBFloat16, op,
+                  "split_k > 1 needs a bfloat16 out (and no accumulate), got ", out.scalar_type());
   check_fp8(op, a, "a", 2);
   check_fp8(op, b, "b", 2);
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);

@@ -27,7 +27,7 @@ def _rotary_embedding_fake(x, positions, cos_sin_cache, inverse):
 
 
 @torch.library.register_fake("deepinfer_ops::fp8_gemm_nt")
-def _fp8_gemm_nt_fake(out, a, a_scale, b, b_scale, accumulate):
+def _fp8_gemm_nt_fake(out, a, a_scale, b, b_scale, accumulate, split_k=1):
     torch._check(out.shape == (a.shape[0], b.shape[0]), lambda: "fp8_gemm_nt: out must be [M, N]")
     return None
 

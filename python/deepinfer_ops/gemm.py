@@ -32,6 +32,7 @@ def fp8_gemm_nt(
     out: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
     accumulate: bool = False,
+    split_k: int = 1,
 ) -> torch.Tensor:
     """``out[M, N] = A[M, K] @ B[N, K]^T`` with FP8 block scaling ("NT": both operands K-contiguous).
 
@@ -45,6 +46,11 @@ def fp8_gemm_nt(
         out: optional preallocated ``[M, N]`` bfloat16 or float32 output (N contiguous); mutated.
         out_dtype: dtype of a newly allocated ``out`` (bfloat16 or float32).
         accumulate: float32 ``out`` only: ``out += A @ B^T`` instead of overwriting (one rounding).
+        split_k: 1 (default): every output tile is computed by one CTA over all of K -- deterministic and
+            batch-invariant (a row's bits do not depend on M). > 1 (bfloat16 out, no accumulate; clamped to
+            ceil(K/128)): CUDA splits K into that many parts and reduces the fp32 partial tiles in a fixed order
+            (still deterministic for a given split_k, but not bit-equal to split_k = 1). For small M, where the
+            ceil(N/128) tiles leave SMs idle. The CPU op ignores it.
     Returns:
         ``out``. M = 0 or N = 0 returns the empty result; K = 0 gives zeros (or leaves ``out`` with accumulate).
     Raises:
@@ -54,7 +60,7 @@ def fp8_gemm_nt(
         if accumulate:
             raise ValueError("accumulate=True needs a preallocated float32 out")
         out = torch.empty((a.shape[0], b.shape[0]), dtype=out_dtype, device=a.device)
-    torch.ops.deepinfer_ops.fp8_gemm_nt(out, a, a_scale, b, b_scale, accumulate)
+    torch.ops.deepinfer_ops.fp8_gemm_nt(out, a, a_scale, b, b_scale, accumulate, split_k)
     return out
 
 

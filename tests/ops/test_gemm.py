@@ -32,22 +32,30 @@ V4_FLASH_DENSE_NK = [
     (8192, 1024),   # indexer wq_b: q_lora -> 64 x 128
     (448, 576), (576, 576), (2112, 576),  # partial last blocks in N and K
 ]
-# Shapes of a tiny debugging model (hidden 256, moe_inter 96, q_lora 192): all partial or sub-128 blocks.
+# Stand-ins for the `tiny` model's GEMMs (its config is not in the repository yet; update when it lands):
+# hidden 256, moe_inter 96, q_lora 192 -- sub-128 and partial blocks.
 TINY_DENSE_NK = [(192, 256), (256, 192), (192, 256), (256, 96), (96, 256), (512, 256)]
 
 
+# Inputs are generated on the generator's device (CUDA tests use a CUDA generator: the expert-shape tensors are
+# GBs, too slow to draw on the CPU).
 def _rand_fp8(shape, gen, scale=1.0):
-    return (torch.randn(shape, generator=gen) * scale).clamp(-448, 448).to(FP8)
+    return (torch.randn(shape, generator=gen, device=gen.device) * scale).clamp(-448, 448).to(FP8)
 
 
 def _rand_scales(shape, gen, pow2=False):
     if pow2:
-        return torch.ldexp(torch.ones(shape), torch.randint(-4, 3, shape, generator=gen).float())
-    return torch.rand(shape, generator=gen) * 0.02 + 0.001
+        exps = torch.randint(-4, 3, shape, generator=gen, device=gen.device).float()
+        return torch.ldexp(torch.ones(shape, device=gen.device), exps)
+    return torch.rand(shape, generator=gen, device=gen.device) * 0.02 + 0.001
 
 
 def _int_fp8(shape, gen, lo=-3, hi=4):
-    return torch.randint(lo, hi, shape, generator=gen).float().to(FP8)
+    return torch.randint(lo, hi, shape, generator=gen, device=gen.device).float().to(FP8)
+
+
+def _cuda_gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
 
 
 def _dense_inputs(m, n, k, gen, integer=False):
@@ -116,7 +124,7 @@ def test_fp8_gemm_nt_accumulate_fp32(device):
     ref = refs.fp8_gemm_nt_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), torch.float32, c=c.cpu())
     assert torch.equal(out.cpu(), ref)
     with pytest.raises(RuntimeError, match="accumulate=True needs a float32 out"):
-        torch.ops.deepinfer_ops.fp8_gemm_nt(torch.empty(33, 256, dtype=torch.bfloat16, device=device), a, sa, b, sb, True)
+        torch.ops.deepinfer_ops.fp8_gemm_nt(torch.empty(33, 256, dtype=torch.bfloat16, device=device), a, sa, b, sb, True, 1)
 
 
 def test_fp8_gemm_nt_per_block_scales(device):
@@ -149,8 +157,25 @@ def test_fp8_gemm_nt_edge_sizes(device):
     outk = poison_(torch.empty(3, 256, dtype=torch.bfloat16, device=device))
     torch.ops.deepinfer_ops.fp8_gemm_nt(outk, torch.empty(3, 0, dtype=FP8, device=device),
                                         torch.empty(3, 0, device=device), torch.empty(256, 0, dtype=FP8, device=device),
-                                        torch.empty(2, 0, device=device), False)
+                                        torch.empty(2, 0, device=device), False, 1)
     assert torch.all(outk.cpu() == 0)
+
+
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_fp8_gemm_nt_split_k(device, split_k):
+    """split_k > 1: integer inputs stay bit-exact (every partial sum exact); random inputs within calc_diff;
+    reruns are bitwise equal (deterministic reduction)."""
+    gen = torch.Generator().manual_seed(split_k)
+    a, sa, b, sb = _to(device, *_dense_inputs(37, 384, 1024, gen, integer=True))
+    out = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, split_k=split_k)
+    assert torch.equal(out.cpu(), refs.fp8_gemm_nt_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), torch.bfloat16))
+    a, sa, b, sb = _to(device, *_dense_inputs(64, 4096 if device == "cuda" else 256, 2048, gen))
+    out = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, split_k=split_k)
+    assert calc_diff(out.cpu().float(), refs.fp8_gemm_nt_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), torch.float32)) \
+        < CALC_DIFF_MAX["fp8"]
+    assert torch.equal(out, deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, split_k=split_k))
+    with pytest.raises(RuntimeError, match="split_k > 1 needs a bfloat16 out"):
+        deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, out_dtype=torch.float32, split_k=split_k)
 
 
 def test_fp8_gemm_nt_errors(device):
@@ -183,8 +208,7 @@ def test_fp8_gemm_cuda_alignment_error():
 @pytest.mark.parametrize("m", [1, 64, 129, 1000, 4096])
 def test_fp8_gemm_nt_model_shapes_cuda(nk, m):
     n, k = nk
-    gen = torch.Generator().manual_seed(m + n + k)
-    a, sa, b, sb = _to("cuda", *_dense_inputs(m, n, k, gen))
+    a, sa, b, sb = _dense_inputs(m, n, k, _cuda_gen(m + n + k))
     for scales in (sa, _col_major(sa)):
         out = poison_(torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
         deepinfer_ops.fp8_gemm_nt(a, scales, b, sb, out=out)
@@ -198,8 +222,7 @@ def test_fp8_gemm_nt_model_shapes_cuda(nk, m):
 @pytest.mark.parametrize("nk", [(4096, 4096), (2112, 576), (448, 576)])
 def test_fp8_gemm_nt_integer_bitwise_cuda_large(nk):
     n, k = nk
-    gen = torch.Generator().manual_seed(n)
-    a, sa, b, sb = _to("cuda", *_dense_inputs(1000, n, k, gen, integer=True))
+    a, sa, b, sb = _dense_inputs(1000, n, k, _cuda_gen(n), integer=True)
     out = deepinfer_ops.fp8_gemm_nt(a, _col_major(sa), b, sb, out_dtype=torch.float32)
     ref = refs.fp8_gemm_nt_ref(a, sa, b, sb, torch.float32)
     assert torch.equal(out, ref)
@@ -208,8 +231,7 @@ def test_fp8_gemm_nt_integer_bitwise_cuda_large(nk):
 @pytest.mark.cuda
 def test_fp8_gemm_nt_batch_invariant_cuda():
     """A row's result does not depend on M or on the other rows (no split-K; fixed tiles), and reruns are equal."""
-    gen = torch.Generator().manual_seed(3)
-    a, sa, b, sb = _to("cuda", *_dense_inputs(4096, 4096, 7168, gen))
+    a, sa, b, sb = _dense_inputs(4096, 4096, 7168, _cuda_gen(3))
     full = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb)
     assert torch.equal(full, deepinfer_ops.fp8_gemm_nt(a, sa, b, sb))
     for m in (1, 7, 83, 4096):
@@ -220,7 +242,7 @@ def test_fp8_gemm_nt_batch_invariant_cuda():
 # ---------------------------------------------------------------------------------------------------------------
 # m_grouped_fp8_gemm_nt_contiguous
 # ---------------------------------------------------------------------------------------------------------------
-def _grouped_b(g, n, k, gen, integer=False):
+def _grouped_b(g, n, k, gen, integer=False):  # [G, N, K] e4m3 and [G, ceil(N/128), ceil(K/128)] scales
     nb, kb = -(-n // 128), -(-k // 128)
     if integer:
         return _int_fp8((g, n, k), gen), _rand_scales((g, nb, kb), gen, pow2=True)
@@ -288,12 +310,12 @@ def test_m_grouped_contiguous_expert_shapes_cuda(num_groups, nk):
     sizes = torch.randint(0, 96, (num_groups,), generator=gen)
     sizes[0] = 0  # an empty group
     sizes[-1] = 300  # a group spanning several M tiles
-    m_idx = _contiguous_layout(sizes.tolist(), pad_between=1, gen=gen)
+    m_idx = _contiguous_layout(sizes.tolist(), pad_between=1, gen=gen).cuda()
     m = m_idx.numel()
+    gen = _cuda_gen(num_groups + n + k)
     a = _rand_fp8((m, k), gen, 30)
     sa = _rand_scales((m, -(-k // 128)), gen)
     b, sb = _grouped_b(num_groups, n, k, gen)
-    a, sa, b, sb, m_idx = _to("cuda", a, sa, b, sb, m_idx)
     out = poison_(torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
     deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a, _col_major(sa), b, sb, m_idx, out=out)
     ref = refs.m_grouped_fp8_gemm_nt_contiguous_ref(a, sa, b, sb, m_idx, out_init=torch.full_like(out, float("nan")))
@@ -349,14 +371,15 @@ def test_m_grouped_masked_errors(device):
 @pytest.mark.parametrize("num_groups,max_m", [(8, 256), (32, 64), (256, 16)])
 def test_m_grouped_masked_expert_shapes_cuda(num_groups, max_m):
     n, k = 4096, 4096
-    gen = torch.Generator().manual_seed(num_groups)
-    masked = torch.randint(0, max_m + 1, (num_groups,), generator=gen, dtype=torch.int32)
+    gen = _cuda_gen(num_groups)
+    masked = torch.randint(0, max_m + 1, (num_groups,), generator=torch.Generator().manual_seed(num_groups),
+                           dtype=torch.int32)
     masked[0] = 0
     masked[-1] = max_m
+    masked_d = masked.cuda()
     a = _rand_fp8((num_groups, max_m, k), gen, 30)
     sa = _rand_scales((num_groups, max_m, k // 128), gen)
     b, sb = _grouped_b(num_groups, n, k, gen)
-    a, sa, b, sb, masked_d = _to("cuda", a, sa, b, sb, masked)
     out = poison_(torch.empty(num_groups, max_m, n, dtype=torch.bfloat16, device="cuda"))
     deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked_d, out=out)
     ref = refs.m_grouped_fp8_gemm_nt_masked_ref(a, sa, b, sb, masked, torch.full_like(out, float("nan")))
@@ -368,13 +391,13 @@ def test_m_grouped_masked_expert_shapes_cuda(num_groups, max_m):
 @pytest.mark.cuda
 def test_m_grouped_masked_o_a_shape_cuda():
     """wo_a of V4-Flash as a masked grouped GEMM: 8 groups x (tokens, 4096) -> (tokens, 1024)."""
-    gen = torch.Generator().manual_seed(11)
+    gen = _cuda_gen(11)
     g, m, n, k = 8, 300, 1024, 4096
     a = _rand_fp8((g, m, k), gen, 30)
     sa = _rand_scales((g, m, k // 128), gen)
     b, sb = _grouped_b(g, n, k, gen)
     masked = torch.full((g,), m, dtype=torch.int32)
-    a, sa, b, sb, masked_d = _to("cuda", a, sa, b, sb, masked)
+    masked_d = masked.cuda()
     out = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked_d)
     ref = refs.m_grouped_fp8_gemm_nt_masked_ref(a, sa, b, sb, masked, torch.full_like(out, float("nan")))
     assert calc_diff(out.float(), ref.float()) < CALC_DIFF_MAX["fp8"]
@@ -503,7 +526,7 @@ def test_ops_opcheck(device):
     gen = torch.Generator().manual_seed(0)
     a, sa, b, sb = _to(device, *_dense_inputs(5, 256, 256, gen))
     out = torch.empty(5, 256, dtype=torch.bfloat16, device=device)
-    torch.library.opcheck(torch.ops.deepinfer_ops.fp8_gemm_nt.default, (out, a, sa, b, sb, False),
+    torch.library.opcheck(torch.ops.deepinfer_ops.fp8_gemm_nt.default, (out, a, sa, b, sb, False, 1),
                           test_utils=OPCHECK_UTILS)
     b3, sb3 = _to(device, *_grouped_b(2, 256, 256, gen))
     m_idx = torch.tensor([0, 0, -1, 1, 1], dtype=torch.int32, device=device)

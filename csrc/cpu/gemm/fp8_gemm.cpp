@@ -66,9 +66,10 @@ inline float silu_clamped(float g, float limit) {
 
 }  // namespace
 
+// split_k only changes the CUDA schedule (the CPU result is the same for every split_k).
 void fp8_gemm_nt_cpu(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
-                     const at::Tensor& b_scale, bool accumulate) {
-  check_fp8_gemm_nt(out, a, a_scale, b, b_scale, accumulate);
+                     const at::Tensor& b_scale, bool accumulate, int64_t split_k) {
+  check_fp8_gemm_nt(out, a, a_scale, b, b_scale, accumulate, split_k);
   if (out.numel() == 0) return;
   const auto acc = blockscaled_mm_f32(a, a_scale, b, b_scale);
   if (accumulate) {

@@ -5,7 +5,8 @@
 // each 128-deep K block is accumulated by wgmma, then promoted into an fp32 accumulator after multiplying by
 // sfa[m, kb] * sfb[nb, kb]. Scale granularity (M, N, K) = (1, 128, 128); SFA M-major, SFB K-major.
 // Tiles 128x128x128, cooperative (two consumer warpgroups), cluster 1x1, persistent tile scheduler
-// (data-parallel tiles only: no split-K / stream-K, so results are deterministic and independent of M).
+// (data-parallel tiles: no split-K, so results are deterministic and independent of M); an opt-in split-K
+// variant (StreamKScheduler forced to SplitK, deterministic turnstile reduction) serves small M.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -20,6 +21,7 @@
 #include <cutlass/numeric_types.h>
 
 #include <climits>
+#include <type_traits>
 #include <stdexcept>
 #include <string>
 
@@ -67,8 +69,9 @@ CUTE_HOST_DEVICE LayoutSFB make_layout_sfb(int N, int K, int ld) {
 // ---------------------------------------------------------------------------------------------------------------
 // Dense
 // ---------------------------------------------------------------------------------------------------------------
-template <class ElementD_, bool kWithSource>
+template <class ElementD_, bool kWithSource, class Scheduler = cutlass::gemm::PersistentScheduler>
 struct DenseConfig {
+  static constexpr bool kSplitK = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   using ElementD = ElementD_;
   using ElementC = std::conditional_t<kWithSource, ElementD, void>;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
@@ -81,8 +84,7 @@ struct DenseConfig {
       cute::tuple<LayoutB, LayoutSFB>, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
-  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue,
-                                                      cutlass::gemm::PersistentScheduler>;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
   static typename Gemm::Arguments make_args(const Fp8GemmParams& p) {
@@ -111,6 +113,13 @@ struct DenseConfig {
         hw};
     args.epilogue.thread.alpha = 1.f;
     args.epilogue.thread.beta = (kWithSource && p.accumulate) ? 1.f : 0.f;
+    if constexpr (kSplitK) {
+      using Decomposition = typename Kernel::TileScheduler::DecompositionMode;
+      using Reduction = typename Kernel::TileScheduler::ReductionMode;
+      args.scheduler.splits = p.split_k;
+      args.scheduler.decomposition_mode = Decomposition::SplitK;
+      args.scheduler.reduction_mode = Reduction::Deterministic;
+    }
     return args;
   }
 

@@ -1,7 +1,7 @@
 // Torch-facing CUDA entry points of the gemm domain: argument checks, operand layout normalisation (scale
 // tensors into the layouts the kernels read), workspace allocation, then the launchers in
 // csrc/cuda/gemm/instantiations/ (CUTLASS) and swiglu_clamp_quant_fp8.cu.
-#include <ATen/cuda/CUDAContext.h>
+#include <array>
 
 #include "common/gemm_checks.h"
 #include "cuda/torch_utils.h"
@@ -12,7 +12,19 @@
 namespace deepinfer {
 namespace {
 
-int num_sms() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+// SM count of the current device (cached per device index; read once with the runtime API).
+int num_sms() {
+  static std::array<int, 64> cache{};
+  int dev = 0;
+  DEEPINFER_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= static_cast<int>(cache.size())) dev = 0;
+  if (cache[dev] == 0) {
+    int n = 0;
+    DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    cache[dev] = n;
+  }
+  return cache[dev];
+}
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -52,9 +64,9 @@ at::Tensor k_major_scales(const at::Tensor& s) {
 }  // namespace
 
 void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
-                      const at::Tensor& b_scale, bool accumulate) {
+                      const at::Tensor& b_scale, bool accumulate, int64_t split_k) {
   const char* op = "fp8_gemm_nt";
-  check_fp8_gemm_nt(out, a, a_scale, b, b_scale, accumulate);
+  check_fp8_gemm_nt(out, a, a_scale, b, b_scale, accumulate, split_k);
   const int64_t M = a.size(0), K = a.size(1), N = b.size(0);
   if (M == 0 || N == 0) return;
   const c10::cuda::CUDAGuard guard(out.device());
@@ -84,8 +96,12 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   p.ld_sfa = static_cast<int>(ld_sfa);
   p.ld_sfb = static_cast<int>(sfb.size(0) <= 1 ? sfb.size(1) : sfb.stride(0));
   p.accumulate = accumulate;
+  p.split_k = static_cast<int>(std::min<int64_t>(split_k, gemm_ceil_div(K, kGemmScaleBlock)));
   p.num_sms = num_sms();
-  const size_t ws = fp32 ? gemm::fp8_gemm_nt_fp32_workspace_size(p) : gemm::fp8_gemm_nt_bf16_workspace_size(p);
+  const bool use_split = p.split_k > 1;
+  const size_t ws = fp32        ? gemm::fp8_gemm_nt_fp32_workspace_size(p)
+                    : use_split ? gemm::fp8_gemm_nt_bf16_splitk_workspace_size(p)
+                                : gemm::fp8_gemm_nt_bf16_workspace_size(p);
   at::Tensor workspace;
   if (ws > 0) {
     workspace = at::empty({static_cast<int64_t>(ws)}, out.options().dtype(at::kByte));
@@ -93,6 +109,8 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   }
   if (fp32) {
     gemm::launch_fp8_gemm_nt_fp32(p, current_stream());
+  } else if (use_split) {
+    gemm::launch_fp8_gemm_nt_bf16_splitk(p, current_stream());
   } else {
     gemm::launch_fp8_gemm_nt_bf16(p, current_stream());
   }

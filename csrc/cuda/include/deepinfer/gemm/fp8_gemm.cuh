@@ -28,6 +28,8 @@ struct Fp8GemmParams {
   int64_t lda, ldb, ldd;
   int ld_sfa, ld_sfb;
   bool accumulate;    // fp32 only: D = acc + D (D read as the source C, in place)
+  int split_k;        // 1: data-parallel tiles (batch-invariant); > 1 (bf16 only): K split in that many parts,
+                      // partial sums reduced in a fixed order (deterministic, but rounding differs from split_k = 1)
   int num_sms;        // SMs of the device (persistent grid size)
   void* workspace;    // >= fp8_gemm_nt_*_workspace_size bytes (may be null when that size is 0)
 };
@@ -36,6 +38,8 @@ size_t fp8_gemm_nt_bf16_workspace_size(const Fp8GemmParams& p);
 size_t fp8_gemm_nt_fp32_workspace_size(const Fp8GemmParams& p);
 void launch_fp8_gemm_nt_bf16(const Fp8GemmParams& p, cudaStream_t stream);
 void launch_fp8_gemm_nt_fp32(const Fp8GemmParams& p, cudaStream_t stream);
+size_t fp8_gemm_nt_bf16_splitk_workspace_size(const Fp8GemmParams& p);
+void launch_fp8_gemm_nt_bf16_splitk(const Fp8GemmParams& p, cudaStream_t stream);
 
 // Grouped GEMM over G groups sharing N and K; group g multiplies its rows of A by B[g] ([N, K]).
 // The per-group problem sizes and pointers are derived on the device (no host sync) by a setup kernel,
