@@ -87,6 +87,9 @@ struct DenseConfig {
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
+  // The A scales are loaded with TMA: CUTLASS requires their layout's M extent to be a multiple of 4, so the layout
+  // covers round_up(M, 4) rows (the caller's buffer holds them: ld_sfa >= that); rows >= M only meet A rows that
+  // TMA zero-fills and D rows the epilogue does not store.
   static typename Gemm::Arguments make_args(const Fp8GemmParams& p) {
     using StrideA = typename Gemm::GemmKernel::StrideA;
     using StrideB = typename Gemm::GemmKernel::StrideB;
@@ -108,7 +111,7 @@ struct DenseConfig {
         cutlass::gemm::GemmUniversalMode::kGemm,
         {p.M, p.N, p.K, 1},
         {static_cast<const ElementAB*>(p.a), sa, static_cast<const ElementAB*>(p.b), sb, p.sfa,
-         make_layout_sfa(p.M, p.K, p.ld_sfa), p.sfb, make_layout_sfb(p.N, p.K, p.ld_sfb)},
+         make_layout_sfa((p.M + 3) / 4 * 4, p.K, p.ld_sfa), p.sfb, make_layout_sfb(p.N, p.K, p.ld_sfb)},
         {{}, c_ptr, sc, static_cast<ElementD*>(p.d), sd},
         hw};
     args.epilogue.thread.alpha = 1.f;

@@ -38,20 +38,22 @@ void check_tma_operand(const char* op, const at::Tensor& t, const char* name, in
 }
 
 // 2-D scales [rows, kb] as an M-major buffer: returns (tensor holding the data, leading dim) with
-// element (r, kb) at ptr[kb * ld + r]. Copies when the layout differs or, with tma_aligned, when ld % 4 != 0 or
-// the pointer is not 16-byte aligned (the dense kernel loads A scales with TMA).
-std::pair<at::Tensor, int64_t> m_major_scales(const at::Tensor& s, bool tma_aligned) {
+// element (r, kb) at ptr[kb * ld + r]. With tma (the dense kernel loads A scales with TMA and CUTLASS requires the
+// scale layout's M extent and strides to be multiples of 4 floats), the buffer must also hold round_up(rows, 4)
+// rows per K block, ld % 4 == 0 and a 16-byte-aligned base; otherwise the scales are copied into such a buffer
+// (zero-padded rows). Without tma, any M-major layout is read in place.
+std::pair<at::Tensor, int64_t> m_major_scales(const at::Tensor& s, bool tma) {
   const int64_t rows = s.size(0), kb = s.size(1);
+  const int64_t need_rows = tma ? round_up(std::max<int64_t>(rows, 1), 4) : rows;
   const bool m_major = rows <= 1 || s.stride(0) == 1;
-  int64_t ld = kb <= 1 ? round_up(std::max<int64_t>(rows, 1), 4) : s.stride(1);
-  if (m_major && (kb <= 1 || ld >= rows) &&
-      (!tma_aligned || (ld % 4 == 0 && aligned16(s.const_data_ptr())))) {
-    return {s, ld};
-  }
-  ld = round_up(std::max<int64_t>(rows, 1), 4);
-  auto buf = at::empty({kb, ld}, s.options());
+  const int64_t ld = kb <= 1 ? need_rows : s.stride(1);
+  const bool direct = m_major && ld >= need_rows &&
+                      (!tma || (rows % 4 == 0 && ld % 4 == 0 && aligned16(s.const_data_ptr())));
+  if (direct) return {s, ld};
+  const int64_t ld_new = round_up(std::max<int64_t>(rows, 1), 4);
+  auto buf = at::zeros({kb, ld_new}, s.options());
   buf.narrow(1, 0, rows).copy_(s.t());
-  return {buf, ld};
+  return {buf, ld_new};
 }
 
 // [..., nb, kb] scales as K-major rows: returns (tensor, row stride); group stride = tensor.stride(0) for 3-D.
@@ -79,7 +81,7 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   check_tma_operand(op, b, "b", b.stride(0), 1);
   check_tma_operand(op, out, "out", out.stride(0), fp32 ? 4 : 2);
   DEEPINFER_CHECK(M < (1ll << 31) && N < (1ll << 31) && K < (1ll << 31), op, "sizes must be < 2^31");
-  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma_aligned=*/true);
+  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/true);
   const auto sfb = k_major_scales(b_scale);
   gemm::Fp8GemmParams p{};
   p.a = a.const_data_ptr();
@@ -153,7 +155,7 @@ void m_grouped_fp8_gemm_nt_contiguous_cuda(at::Tensor& out, const at::Tensor& a,
   const c10::cuda::CUDAGuard guard(out.device());
   check_tma_operand(op, a, "a", a.stride(0), 1);
   check_tma_operand(op, out, "out", out.stride(0), 2);
-  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma_aligned=*/false);
+  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/false);
   const auto sfb = k_major_scales(b_scale);
   gemm::GroupedFp8GemmParams p{};
   p.layout = gemm::GroupedLayout::kContiguous;

@@ -20,7 +20,8 @@ constexpr int kScaleBlock = 128;  // K and N granularity of the block scales
 // Dense D[M, N] = A[M, K] . B[N, K]^T (block-scaled), optionally D += (fp32 out only).
 struct Fp8GemmParams {
   const void* a;      // [M, K] float8_e4m3fn, row stride lda (elements, multiple of 16), 16-byte aligned
-  const float* sfa;   // A scales, M-major: sfa[kb * ld_sfa + m], kb < ceil(K/128); ld_sfa % 4 == 0, 16-byte aligned
+  const float* sfa;   // A scales, M-major: sfa[kb * ld_sfa + m], kb < ceil(K/128), m < round_up(M, 4) (the
+                      // rows >= M are read but do not matter); ld_sfa % 4 == 0, ld_sfa >= round_up(M, 4), 16-byte aligned
   const void* b;      // [N, K] float8_e4m3fn, row stride ldb (multiple of 16), 16-byte aligned
   const float* sfb;   // B scales, K-major: sfb[nb * ld_sfb + kb], nb < ceil(N/128)
   void* d;            // [M, N] bf16 (or fp32), row stride ldd (multiple of 8 (bf16) / 4 (fp32))
