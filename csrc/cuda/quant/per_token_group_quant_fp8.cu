@@ -66,8 +66,89 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) per_token_group_quant_fp8
   }
 }
 
+// Fast path: 16-byte vectors, kThreadsPerGroup = group_size / kVec lanes per group (a power of two <= 32), the
+// group's values kept in registers (one HBM read), grid-stride over groups with two groups per thread in flight.
+template <typename T, int kThreadsPerGroup>
+__global__ void __launch_bounds__(256) per_token_group_quant_fp8_vec_kernel(PerTokenGroupQuantParams p) {
+  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kGroupsPerBlock = 256 / kThreadsPerGroup;
+  constexpr int kUnroll = 2;
+  using V = Vec<T, kVec>;
+  const int sub = threadIdx.x % kThreadsPerGroup;
+  const int64_t items = p.rows * p.num_groups;
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * kGroupsPerBlock * kUnroll; base < items;
+       base += static_cast<int64_t>(gridDim.x) * kGroupsPerBlock * kUnroll) {
+    V v[kUnroll];
+    bool active[kUnroll];
+    int64_t r[kUnroll], g[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t item = base + u * kGroupsPerBlock + threadIdx.x / kThreadsPerGroup;
+      r[u] = item / p.num_groups;
+      g[u] = item % p.num_groups;
+      const int64_t k = g[u] * p.group_size + sub * kVec;
+      active[u] = item < items && k < p.K;  // K % kVec == 0 on this path
+      if (active[u]) v[u] = *reinterpret_cast<const V*>(static_cast<const T*>(p.input) + r[u] * p.input_row_stride + k);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float amax = 0.f;
+      if (active[u]) {
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) amax = nan_max(fabsf(to_float(v[u].v[e])), amax);
+      }
+#pragma unroll
+      for (int m = kThreadsPerGroup / 2; m > 0; m >>= 1) amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, m), amax);
+      float scale = isnan(amax) ? amax : fmaxf(amax, kAmaxEps) / kFp8Max;
+      if (p.scale_ue8m0 && isfinite(scale)) scale = round_up_pow2(scale);
+      const int64_t item = base + u * kGroupsPerBlock + threadIdx.x / kThreadsPerGroup;
+      if (item < items && sub == 0) p.out_scale[r[u] * p.scale_row_stride + g[u] * p.scale_col_stride] = scale;
+      if (active[u]) {
+        Vec<uint8_t, kVec> o;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) o.v[e] = to_e4m3(to_float(v[u].v[e]), scale);
+        *reinterpret_cast<Vec<uint8_t, kVec>*>(p.out_q + r[u] * p.q_row_stride + g[u] * p.group_size + sub * kVec) = o;
+      }
+    }
+  }
+}
+
+int num_sms() {
+  static int count = [] {
+    int dev = 0, n = 0;
+    DEEPINFER_CUDA_CHECK(cudaGetDevice(&dev));
+    DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
+  }();
+  return count;
+}
+
+template <typename T, int kThreadsPerGroup>
+void launch_vec(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
+  constexpr int kGroupsPerIter = 256 / kThreadsPerGroup * 2;
+  const int64_t items = p.rows * p.num_groups;
+  const int64_t needed = (items + kGroupsPerIter - 1) / kGroupsPerIter;
+  const int64_t grid = needed < static_cast<int64_t>(num_sms()) * 8 ? needed : static_cast<int64_t>(num_sms()) * 8;
+  per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
+}
+
 template <typename T>
 void launch_typed(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
+  constexpr int kVec16 = 16 / sizeof(T);
+  const int64_t tpg = p.group_size / kVec16;
+  const bool fast_ok = p.group_size % kVec16 == 0 && p.K % kVec16 == 0 && p.input_row_stride % kVec16 == 0 &&
+                       p.q_row_stride % kVec16 == 0 && is_aligned(p.input, 16) && is_aligned(p.out_q, kVec16) &&
+                       (tpg == 4 || tpg == 8 || tpg == 16 || tpg == 32);
+  if (fast_ok) {
+    switch (tpg) {
+      case 4: launch_vec<T, 4>(p, stream); break;
+      case 8: launch_vec<T, 8>(p, stream); break;
+      case 16: launch_vec<T, 16>(p, stream); break;
+      default: launch_vec<T, 32>(p, stream); break;
+    }
+    DEEPINFER_CHECK_LAUNCH("per_token_group_quant_fp8_vec_kernel");
+    return;
+  }
   constexpr int kVec = 4;
   const bool vec_ok = p.group_size % kVec == 0 && p.input_row_stride % kVec == 0 && p.q_row_stride % kVec == 0 &&
                       is_aligned(p.input, sizeof(T) * kVec) && is_aligned(p.out_q, kVec);
