@@ -432,7 +432,7 @@ TINY_CONFIG: dict[str, Any] = {
     "routed_scaling_factor": 1.5,
     "swiglu_limit": 10.0,
     "sliding_window": 128,
-    "index_n_heads": 8,
+    "index_n_heads": 16,
     "index_head_dim": 48,
     "index_topk": 16,
     "hc_mult": 4,
