@@ -71,6 +71,7 @@ __all__ = [
     "TINY_CONFIG",
     "allocate_cache",
     "expected_parameters",
+    "indexer_select",
     "init_parameters",
     "rope_inv_freq",
 ]
@@ -315,6 +316,32 @@ def _entry_slots(blocks: torch.Tensor, w0: int, w1: int, per_block: int) -> torc
     return blocks[w // per_block] * per_block + w % per_block
 
 
+def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
+    """Lightning-indexer selection for one sequence's queries.
+
+    Args:
+        scores: ``[num_queries, num_entries]`` float32 index scores.
+        visible: ``[num_queries, num_entries]`` bool, entry closed before the query (``w < (t + 1) // m``).
+        topk: ``index_topk``.
+    Returns:
+        (``[num_queries, num_entries]`` bool: the top ``min(topk, #visible)`` visible entries of each row, ranked
+        by the tie rule -- higher score first, then lower entry index; number of rows whose k-th and (k+1)-th best
+        visible scores are equal, i.e. where the tie rule decided the selection).
+    """
+    n = scores.shape[-1]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    k = min(topk, n)
+    kk = min(k + 1, n)
+    vals, inds = deepinfer_ops.topk(masked, kk)
+    ties = 0
+    if kk > k:
+        ties = int(((vals[:, k - 1] == vals[:, k]) & torch.isfinite(vals[:, k])).sum())
+    vals, inds = vals[:, :k], inds[:, :k]
+    sel = torch.zeros_like(visible)
+    sel.scatter_(1, inds, torch.isfinite(vals))
+    return sel & visible, ties
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # the model
 # ----------------------------------------------------------------------------------------------------------------
@@ -343,6 +370,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.mtp_compress_ratios[j], dtype) for j in range(cfg.num_nextn_predict_layers))
         self._inv_freq = {k: rope_inv_freq(cfg, k) for k in ("main", "compress")}
         self._rope_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._block_size = BLOCK_SIZE  # set from the cache at each forward
         # diagnostics of the last forward: number of indexer rows whose k-th and (k+1)-th best valid scores tie
         self.last_indexer_boundary_ties = 0
 
@@ -353,6 +381,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         model = cls(config, dtype)
         model.load_native(tensors)
         return model
+
+    @classmethod
+    def from_checkpoint(cls, path=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "DeepseekV4ForCausalLM":
+        """Load a native checkpoint folder (``None`` = the built-in tiny one) with :mod:`deepinfer.checkpoint`
+        (quantised weights dequantised exactly, then cast to ``dtype``). Raises CheckpointError naming the tensor/file."""
+        from deepinfer.checkpoint import load_checkpoint
+
+        ckpt = load_checkpoint(path, dtype=dtype, device=device)
+        return cls.from_parameters(ckpt.config, ckpt.params, dtype).to(device)
 
     def load_native(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load dequantised native tensors (strict; shape mismatches raise ValueError naming the tensor)."""
@@ -423,7 +460,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         window's (and for CSA the previous window's) projections in the ring of the block of the last token.
         ``kv_new`` / ``gate_new``: ``[q, coff * hd]`` projections of the step's tokens (gate with ``ape`` added)."""
         m, hd, overlap = comp.ratio, comp.head_dim, comp.overlap
-        B = self.config_block_size
+        B = self._block_size
         R = pool_state_kv.shape[1]
         c0, L = s.c0, s.L
         first_w, end_w = c0 // m, L // m
@@ -474,7 +511,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         cfg = self.config
         T = x.shape[0]
         H, hd = cfg.num_attention_heads, cfg.head_dim
-        B = self.config_block_size
+        B = self._block_size
         W = cfg.sliding_window
         max_pos = int(positions.max()) + 1 if T else 1
         table = self._rope(attn.rope_kind, max_pos, x.device)
@@ -527,17 +564,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                         sc = torch.einsum("thd,nd->thn", iq[sl].float(), ikeys)
                         sc = F.relu(sc) * (idx.head_dim ** -0.5)
                         sc = (sc * iw[sl].unsqueeze(-1)).sum(dim=1)  # [q, n_ent]
-                        sc = sc.masked_fill(~visible, float("-inf"))
-                        k = min(idx.topk, n_ent)
-                        kk = min(k + 1, n_ent)
-                        vals, inds = deepinfer_ops.topk(sc, kk)
-                        if kk > k:
-                            tie = (vals[:, k - 1] == vals[:, k]) & torch.isfinite(vals[:, k])
-                            self.last_indexer_boundary_ties += int(tie.sum())
-                        vals, inds = vals[:, :k], inds[:, :k]
-                        sel = torch.zeros_like(visible)
-                        sel.scatter_(1, inds, torch.isfinite(vals))
-                        visible = sel & visible
+                        visible, ties = indexer_select(sc, visible, idx.topk)
+                        self.last_indexer_boundary_ties += ties
                     keys.append(ent)
                     masks.append(visible)
             K = torch.cat(keys) if len(keys) > 1 else keys[0]
@@ -557,7 +585,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         return attn.wo_b(o)
 
     # ---- MoE -------------------------------------------------------------------------------------------------------
-    def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _route(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router: ``x [T, D]`` -> (weights ``[T, top_k]`` float32, expert ids ``[T, top_k]`` int64). Hash layers take
+        ``tid2eid[input_ids]``; score-routed layers the top-k of ``score + bias`` by the tie rule (higher first, then
+        lower expert id). Weights are the chosen unbiased scores, renormalised, times ``routed_scaling_factor``."""
         cfg = self.config
         logits = F.linear(x, moe.gate.weight).float()
         if cfg.scoring_func == "sqrtsoftplus":
@@ -572,6 +603,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             _, indices = deepinfer_ops.topk(scores + moe.gate.bias.float(), cfg.num_experts_per_tok)
         weights = scores.gather(1, indices)
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        return weights, indices
+
+    def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        weights, indices = self._route(moe, x, input_ids)
         y = torch.zeros_like(x)
         limit = cfg.swiglu_limit
         for e in torch.unique(indices).tolist():
@@ -589,12 +625,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale)
         f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids)
         return self._hc_post(streams, f, post, comb)
-
-    @property
-    def config_block_size(self) -> int:
-        return self._block_size
-
-    _block_size = BLOCK_SIZE
 
     # ---- public forward --------------------------------------------------------------------------------------------
     @torch.no_grad()
