@@ -119,6 +119,25 @@ def test_mixed_batch_matches_separate_sequences(model, seq600):
     assert_close(l2, torch.stack([ref_a[1], ref_a[2], ref_a[3], ref_b[1]]), TOL, name="step 2 logits")
 
 
+def test_full_blocks_can_be_shared_as_a_prefix(model, seq600):
+    """A full block is a snapshot: a second sequence reusing the first two blocks of another (same 256 tokens)
+    continues from them alone, even though the owner's step ran past the block end (200 -> 300)."""
+    ids_a, _, _ = seq600
+    cache = model.allocate_cache(5)
+    cache_layers_poison(cache)
+    bt_a = _table([4, 0, 2])
+    model.forward(ForwardBatch(ids_a[:200], torch.arange(200), [200], [200], bt_a, torch.tensor([199])), cache)
+    model.forward(ForwardBatch(ids_a[200:300], torch.arange(200, 300), [100], [300], bt_a, torch.tensor([99])), cache)
+    ids_b = torch.cat([ids_a[:256], _ids(60, 21)])
+    bt_b = _table([4, 0, 3])
+    rows = torch.tensor([0, 31, 59])
+    lg, st = model.forward(ForwardBatch(ids_b[256:], torch.arange(256, 316), [60], [316], bt_b, rows), cache,
+                           return_hidden=True)
+    ref_lg, ref_st = _full(model, ids_b, rows + 256)
+    assert_close(st, ref_st[256:], TOL, name="prefix-shared streams")
+    assert_close(lg, ref_lg, TOL, name="prefix-shared logits")
+
+
 def test_batched_forward_full_equals_single(model):
     a, b = _ids(150, 11), _ids(150, 12)
     bt = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)

@@ -24,9 +24,11 @@ pool                 shape                               content
 ``idx_state_gate``
 ===================  ==================================  =====================================================
 
-The partial-window state lives in the block that holds the sequence's last cached token: a step reads it from the
-block of position ``context_len - query_len - 1`` and writes it into the block of ``context_len - 1``. That block is
-therefore private to its sequence while the sequence grows (blocks full of closed windows can be shared).
+The partial-window state of a step's end lives in the block holding the sequence's last token (a step reads it from
+the block of position ``context_len - query_len - 1``); in addition, whenever a step crosses a block end, the ring of
+the block just completed receives the state as of that block end. A full block is therefore an immutable snapshot of
+everything a continuation needs from it (raw KV, entries, indexer keys, state at its end), so full blocks can be
+shared between sequences with the same prefix; the block holding a sequence's last token is private to it.
 
 ``CacheSpec.bytes_per_block`` is the exact size of one block over all pools and layers; V4-Flash in bf16 needs about
 1 KiB per token per layer for ``kv`` plus the small compressed pools and per-block ring buffers.

@@ -497,13 +497,19 @@ class DeepseekV4ForCausalLM(nn.Module):
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             per_block = pool_comp.shape[1]
             pool_comp.view(-1, hd)[_entry_slots(s.blocks, first_w, end_w, per_block)] = entries.to(pool_comp.dtype)
-        # persist the state the next step needs
-        r0 = max(0, end_w * m - m) if overlap else end_w * m
-        if L > r0:
-            blk = s.blocks[(L - 1) // B]
-            ring = blk * R + torch.arange(r0, L, device=blk.device) % R
-            pool_state_kv.view(-1, pool_state_kv.shape[-1])[ring] = all_kv[r0 - s0:].to(pool_state_kv.dtype)
-            pool_state_gate.view(-1, pool_state_gate.shape[-1])[ring] = all_gate[r0 - s0:].to(pool_state_gate.dtype)
+        # Persist the state a later step needs: the ring of the block holding position E - 1 gets the state "as of
+        # E" for E = every block end crossed by this step (so a full block is an immutable snapshot and can be shared
+        # as a prefix) and E = L (the sequence's current end).
+        ends = list(range((c0 // B + 1) * B, L, B)) + [L]
+        kv_flat = pool_state_kv.view(-1, pool_state_kv.shape[-1])
+        gate_flat = pool_state_gate.view(-1, pool_state_gate.shape[-1])
+        for E in ends:
+            r0 = max(0, (E // m) * m - m) if overlap else (E // m) * m
+            if E > r0:
+                blk = s.blocks[(E - 1) // B]
+                ring = blk * R + torch.arange(r0, E, device=blk.device) % R
+                kv_flat[ring] = all_kv[r0 - s0:E - s0].to(kv_flat.dtype)
+                gate_flat[ring] = all_gate[r0 - s0:E - s0].to(gate_flat.dtype)
 
     # ---- attention ---------------------------------------------------------------------------------------------
     def _attention(self, attn: Attention, x: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq],
