@@ -138,6 +138,17 @@ def test_full_blocks_can_be_shared_as_a_prefix(model, seq600):
     assert_close(lg, ref_lg, TOL, name="prefix-shared logits")
 
 
+def test_attention_query_chunking_is_invisible(model, seq600):
+    ids, full_logits, full_streams = seq600
+    model.QUERY_CHUNK = 45  # instance override of the class default (512)
+    try:
+        lg, st = _full(model, ids, ROWS600)
+    finally:
+        del model.QUERY_CHUNK
+    assert_close(st, full_streams, TOL, name="query-chunked streams")
+    assert_close(lg, full_logits, TOL, name="query-chunked logits")
+
+
 def test_batched_forward_full_equals_single(model):
     a, b = _ids(150, 11), _ids(150, 12)
     bt = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)

@@ -30,8 +30,13 @@ the block just completed receives the state as of that block end. A full block i
 everything a continuation needs from it (raw KV, entries, indexer keys, state at its end), so full blocks can be
 shared between sequences with the same prefix; the block holding a sequence's last token is private to it.
 
-``CacheSpec.bytes_per_block`` is the exact size of one block over all pools and layers; V4-Flash in bf16 needs about
-1 KiB per token per layer for ``kv`` plus the small compressed pools and per-block ring buffers.
+``CacheSpec.bytes_per_block`` is the exact size of one block over all pools and layers. For the tiny preset in fp32 it
+is 1,124,864 B; for V4-Flash (43 layers + 1 MTP layer) in bf16 it is 12,750,848 B per block (~99.6 KB per token):
+``kv`` of every token is ~45 KB/token (1 KiB per layer), the HCA state rings (2 x 128 x 512 per HCA layer and block)
+about as much again, compressed entries and indexer keys ~4 KB/token. Two known reductions, left for the GPU cache
+layout: online-softmax accumulators instead of raw per-token projections in the state rings (removes almost all of
+the ring bytes), and recycling ``kv`` older than the window, which needs a second block-table group in the engine
+contract (the entries of a block live forever, its raw KV only for ``sliding_window`` tokens).
 """
 
 from __future__ import annotations

@@ -355,6 +355,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             run in float32.
     """
 
+    QUERY_CHUNK = 512  # queries per attention chunk (memory bound of the dense-masked CPU/torch attention)
+
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32):
         super().__init__()
         cfg = self.config = config
@@ -550,39 +552,46 @@ class DeepseekV4ForCausalLM(nn.Module):
         for s in seqs:
             sl = slice(s.a, s.b)
             c0, L = s.c0, s.L
+            # 1. the step's cache writes: raw K=V, then every window closing in this step (entries and indexer keys)
             kv_pool[_token_slots(s.blocks, c0, L, B)] = kv[sl].to(kv_pool.dtype)
-            w0 = max(0, c0 - W + 1)
-            keys = [kv_pool[_token_slots(s.blocks, w0, L, B)].to(x.dtype)]
-            tq = torch.arange(c0, L, device=x.device)
-            kpos = torch.arange(w0, L, device=x.device)
-            masks = [(kpos.view(1, -1) <= tq.view(-1, 1)) & (kpos.view(1, -1) > tq.view(-1, 1) - W)]
+            n_ent = 0
             if lt != SLIDING:
                 self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"], table)
                 n_ent = L // m
+                per_block = pools["comp"].shape[1]
+                ent_slots = _entry_slots(s.blocks, 0, n_ent, per_block)
+                ent = pools["comp"].view(-1, hd)[ent_slots].to(x.dtype)
+            if lt == CSA:
+                self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
+                                   pools["idx_state_gate"], pools["idx"], table)
+                ikeys = pools["idx"].view(-1, idx.head_dim)[ent_slots].float()
+            # 2. attention, QUERY_CHUNK queries at a time (bounds the [heads, queries, keys] logits)
+            for t0 in range(c0, L, self.QUERY_CHUNK):
+                t1 = min(L, t0 + self.QUERY_CHUNK)
+                rows = slice(s.a + t0 - c0, s.a + t1 - c0)
+                tq = torch.arange(t0, t1, device=x.device)
+                w0 = max(0, t0 - W + 1)
+                keys = [kv_pool[_token_slots(s.blocks, w0, t1, B)].to(x.dtype)]
+                kpos = torch.arange(w0, t1, device=x.device)
+                masks = [(kpos.view(1, -1) <= tq.view(-1, 1)) & (kpos.view(1, -1) > tq.view(-1, 1) - W)]
                 if n_ent > 0:
-                    per_block = pools["comp"].shape[1]
-                    ent = pools["comp"].view(-1, hd)[_entry_slots(s.blocks, 0, n_ent, per_block)].to(x.dtype)
                     visible = torch.arange(n_ent, device=x.device).view(1, -1) < ((tq + 1) // m).view(-1, 1)
                     if lt == CSA:
-                        self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
-                                           pools["idx_state_gate"], pools["idx"], table)
-                        ikeys = pools["idx"].view(-1, idx.head_dim)[_entry_slots(s.blocks, 0, n_ent, per_block)].float()
-                        sc = torch.einsum("thd,nd->thn", iq[sl].float(), ikeys)
+                        sc = torch.einsum("thd,nd->thn", iq[rows].float(), ikeys)
                         sc = F.relu(sc) * (idx.head_dim ** -0.5)
-                        sc = (sc * iw[sl].unsqueeze(-1)).sum(dim=1)  # [q, n_ent]
+                        sc = (sc * iw[rows].unsqueeze(-1)).sum(dim=1)  # [queries, n_ent]
                         visible, ties = indexer_select(sc, visible, idx.topk)
                         self.last_indexer_boundary_ties += ties
                     keys.append(ent)
                     masks.append(visible)
-            K = torch.cat(keys) if len(keys) > 1 else keys[0]
-            M = torch.cat(masks, dim=1) if len(masks) > 1 else masks[0]
-            logits = torch.einsum("thd,kd->htk", q[sl].float(), K.float()) * scale
-            logits = logits.masked_fill(~M.unsqueeze(0), float("-inf"))
-            qn = s.b - s.a
-            combined = torch.cat([logits, sink.view(H, 1, 1).expand(H, qn, 1)], dim=-1)
-            combined = combined - combined.max(dim=-1, keepdim=True).values
-            probs = torch.softmax(combined, dim=-1)[..., :-1].to(x.dtype)
-            out[sl] = torch.einsum("htk,kd->thd", probs, K)
+                K = torch.cat(keys) if len(keys) > 1 else keys[0]
+                M = torch.cat(masks, dim=1) if len(masks) > 1 else masks[0]
+                logits = torch.einsum("thd,kd->htk", q[rows].float(), K.float()) * scale
+                logits = logits.masked_fill(~M.unsqueeze(0), float("-inf"))
+                combined = torch.cat([logits, sink.view(H, 1, 1).expand(H, t1 - t0, 1)], dim=-1)
+                combined = combined - combined.max(dim=-1, keepdim=True).values
+                probs = torch.softmax(combined, dim=-1)[..., :-1].to(x.dtype)
+                out[rows] = torch.einsum("htk,kd->thd", probs, K)
         deepinfer_ops.rotary_embedding(out, positions, table, inverse=True)
         G = cfg.o_groups
         grouped = out.view(T, G, -1)
@@ -649,6 +658,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             ValueError naming the ForwardBatch field at fault (shapes, positions, block ids).
         """
         seqs = _check_batch(batch, cache)
+        if max(batch.context_lens, default=0) > self.config.max_position_embeddings:
+            raise ValueError(f"context_lens: {max(batch.context_lens)} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
         self._block_size = cache.block_size
         self.last_indexer_boundary_ties = 0
         ids = batch.input_ids.long()
