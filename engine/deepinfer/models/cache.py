@@ -31,7 +31,7 @@ everything a continuation needs from it (raw KV, entries, indexer keys, state at
 shared between sequences with the same prefix; the block holding a sequence's last token is private to it.
 
 ``CacheSpec.bytes_per_block`` is the exact size of one block over all pools and layers. For the tiny preset in fp32 it
-is 1,124,864 B; for V4-Flash (43 layers + 1 MTP layer) in bf16 it is 12,750,848 B per block (~99.6 KB per token):
+is 286,976 B; for V4-Flash (43 layers + 1 MTP layer) in bf16 it is 12,750,848 B per block (~99.6 KB per token):
 ``kv`` of every token is ~45 KB/token (1 KiB per layer), the HCA state rings (2 x 128 x 512 per HCA layer and block)
 about as much again, compressed entries and indexer keys ~4 KB/token. Two known reductions, left for the GPU cache
 layout: online-softmax accumulators instead of raw per-token projections in the state rings (removes almost all of
