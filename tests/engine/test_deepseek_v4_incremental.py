@@ -219,3 +219,33 @@ def cache_layers_poison(cache) -> None:
     for layer in cache.layers:
         for t in layer.values():
             t.fill_(float("nan"))
+
+
+def test_empty_step_and_no_logits(model):
+    cache = model.allocate_cache(2)
+    cache_layers_poison(cache)
+    empty = torch.zeros(0, dtype=torch.long)
+    out = model.forward(ForwardBatch(empty, empty, [], [], torch.zeros(0, 1, dtype=torch.int32), empty), cache)
+    assert out.shape == (0, model.config.vocab_size)
+    assert all(torch.isnan(t).all() for layer in cache.layers for t in layer.values()), "an empty step wrote the cache"
+    out = model.forward(ForwardBatch(_ids(5, 3), torch.arange(5), [5], [5], _table([1]), empty), cache)
+    assert out.shape == (0, model.config.vocab_size)
+    assert not torch.isnan(cache.layers[0]["kv"][1, :5]).any() and torch.isnan(cache.layers[0]["kv"][1, 5:]).all()
+    assert torch.isnan(cache.layers[0]["kv"][0]).all(), "a block outside the table was written"
+
+
+def test_bfloat16_model_and_cache(model, seq600):
+    """bf16 weights, activations and cache run end to end (incrementally) and stay close to fp32."""
+    ids, full_logits, _ = seq600
+    m16 = DeepseekV4ForCausalLM.from_parameters(model.config, {k: v for k, v in model.state_dict().items()}, torch.bfloat16)
+    cache = m16.allocate_cache(3)
+    assert cache.layers[1]["comp"].dtype == torch.bfloat16
+    bt = _table([2, 0, 1])
+    rows = ROWS600[ROWS600 < 300]
+    got = [m16.forward(ForwardBatch(ids[:200], torch.arange(200), [200], [200], bt, rows[rows < 200]), cache)]
+    got.append(m16.forward(ForwardBatch(ids[200:300], torch.arange(200, 300), [100], [300], bt, rows[rows >= 200] - 200), cache))
+    got = torch.cat(got)
+    ref = full_logits[: rows.numel()]
+    assert got.dtype == torch.float32 and torch.isfinite(got).all()
+    cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
+    assert cos > 0.99, f"bf16 vs fp32 cosine {cos}"

@@ -427,7 +427,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         cfg = self.config
         hc = cfg.hc_mult
         T = streams.shape[0]
-        flat = deepinfer_ops.rms_norm(streams.reshape(T, -1).float().contiguous(), None, cfg.rms_norm_eps)
+        flat = deepinfer_ops.rms_norm(streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous(), None, cfg.rms_norm_eps)
         mix = F.linear(flat, fn.float())
         pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
         base = base.float()
@@ -449,7 +449,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _hc_head(self, streams: torch.Tensor, fn, base, scale) -> torch.Tensor:
         T = streams.shape[0]
-        flat = deepinfer_ops.rms_norm(streams.reshape(T, -1).float().contiguous(), None, self.config.rms_norm_eps)
+        flat = deepinfer_ops.rms_norm(streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous(), None, self.config.rms_norm_eps)
         mixes = F.linear(flat, fn.float())
         pre = torch.sigmoid(mixes * scale.float() + base.float()) + self.config.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
@@ -663,6 +663,12 @@ class DeepseekV4ForCausalLM(nn.Module):
                              f"{self.config.max_position_embeddings}")
         self._block_size = cache.block_size
         self.last_indexer_boundary_ties = 0
+        cfg = self.config
+        dev = self.embed.weight.device
+        if batch.num_tokens == 0:  # an empty step: nothing to write, no logits
+            logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=dev)
+            streams = torch.empty(0, cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=dev)
+            return (logits, streams) if return_hidden else logits
         ids = batch.input_ids.long()
         positions = batch.positions.long()
         emb = self.embed(ids)
