@@ -186,6 +186,11 @@ def test_mtp_runs_and_is_consistent_through_the_cache(model):
         batch = ForwardBatch(ids[a + 1:b + 1], torch.arange(a, b), [b - a], [b], bt, r)
         outs.append(model.forward_mtp(batch, cache, streams[a:b]))
     assert_close(torch.cat(outs), full, TOL, name="chunked MTP logits")
+    # a second draft step chains on the MTP block's own output streams
+    lg, mtp_streams = model.forward_mtp(ForwardBatch(ids[1:n + 1], torch.arange(n), [n], [n], bt, rows),
+                                        model.allocate_cache(2), streams, return_hidden=True)
+    assert_close(lg, full, TOL, name="MTP logits with return_hidden")
+    assert mtp_streams.shape == streams.shape and not torch.allclose(mtp_streams, streams)
     # the MTP prediction depends on the token and on the hidden streams
     other_tok = model.forward_mtp(ForwardBatch(ids[2:n + 2], torch.arange(n), [n], [n], bt, rows), model.allocate_cache(2), streams)
     assert not torch.allclose(other_tok, full)

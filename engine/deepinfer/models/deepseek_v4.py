@@ -682,11 +682,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         return (logits, streams) if return_hidden else logits
 
     @torch.no_grad()
-    def forward_mtp(self, batch: ForwardBatch, cache: DeepseekV4Cache, hidden_streams: torch.Tensor, mtp_idx: int = 0) -> torch.Tensor:
+    def forward_mtp(self, batch: ForwardBatch, cache: DeepseekV4Cache, hidden_streams: torch.Tensor, mtp_idx: int = 0,
+                    return_hidden: bool = False):
         """Run MTP layer ``mtp_idx``: token at row r of ``batch`` is the NEXT token ``t+1`` of the main model's
         position ``t = batch.positions[r]``, ``hidden_streams[r]`` the main model's final mHC streams at ``t``
         (``forward(..., return_hidden=True)``). Uses cache layer ``num_hidden_layers + mtp_idx``.
-        Returns logits ``[num_logits, vocab]`` float32 (the prediction of token ``t+2``)."""
+        Returns logits ``[num_logits, vocab]`` float32 (the prediction of token ``t+2``), and with ``return_hidden``
+        the MTP block's output streams ``[num_tokens, hc_mult, hidden]`` (the next draft step's ``hidden_streams``).
+        Source: the public V4 MTP ports (sglang ``deepseek_v4_nextn``, vLLM ``deepseek_v4_mtp``): e_proj on the
+        embedding broadcast over the streams, h_proj per stream; transformers 5.23 does not implement MTP."""
         if not 0 <= mtp_idx < len(self.mtp):
             raise ValueError(f"mtp_idx: {mtp_idx} outside [0, {len(self.mtp)})")
         T = batch.num_tokens
@@ -694,6 +698,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"hidden_streams: expected {(T, self.config.hc_mult, self.config.hidden_size)}, got {tuple(hidden_streams.shape)}")
         seqs = _check_batch(batch, cache)
         self._block_size = cache.block_size
+        cfg = self.config
+        if T == 0:
+            logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=hidden_streams.device)
+            return (logits, hidden_streams[:0].to(self.dtype)) if return_hidden else logits
         blk = self.mtp[mtp_idx]
         ids = batch.input_ids.long()
         positions = batch.positions.long()
@@ -703,7 +711,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         streams = self._block(blk, streams, ids, positions, seqs, cache.layers[self.config.num_hidden_layers + mtp_idx])
         sel = streams[batch.logits_indices.long()]
         x = blk.norm(self._hc_head(sel, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale))
-        return self.head(x).float()
+        logits = self.head(x).float()
+        return (logits, streams) if return_hidden else logits
 
     @torch.no_grad()
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
