@@ -346,7 +346,8 @@ def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tu
 # the model
 # ----------------------------------------------------------------------------------------------------------------
 class DeepseekV4ForCausalLM(nn.Module):
-    """DeepSeek-V4 with native parameter names. Parameters are zero until loaded (``load_state_dict``).
+    """DeepSeek-V4 with native parameter names. Parameters are zero until loaded (:meth:`from_parameters`,
+    :meth:`from_checkpoint`, :meth:`load_native`).
 
     Args:
         config: the model config.
@@ -370,7 +371,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_head_scale = _param(1)
         self.head = Linear(cfg.vocab_size, D, dtype)
         self.mtp = nn.ModuleList(MTPBlock(cfg, cfg.mtp_compress_ratios[j], dtype) for j in range(cfg.num_nextn_predict_layers))
-        self._inv_freq = {k: rope_inv_freq(cfg, k) for k in ("main", "compress")}
+        with torch.device("cpu"):
+            self._inv_freq = {k: rope_inv_freq(cfg, k) for k in ("main", "compress")}
         self._rope_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
         self._block_size = BLOCK_SIZE  # set from the cache at each forward
         # diagnostics of the last forward: number of indexer rows whose k-th and (k+1)-th best valid scores tie
@@ -379,8 +381,11 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ---- construction helpers ---------------------------------------------------------------------------------
     @classmethod
     def from_parameters(cls, config: DeepseekV4Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> "DeepseekV4ForCausalLM":
-        """Build and load ``tensors`` (native names, dequantised) strictly: every expected name, no extra."""
-        model = cls(config, dtype)
+        """Build and load ``tensors`` (native names, dequantised) strictly: every expected name, no extra. The model is
+        built on the meta device and takes the tensors over (cast to its dtype where needed, on their device), so
+        no second copy of the weights is ever allocated."""
+        with torch.device("meta"):
+            model = cls(config, dtype)
         model.load_native(tensors)
         return model
 
@@ -394,7 +399,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return cls.from_parameters(ckpt.config, ckpt.params, dtype).to(device)
 
     def load_native(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load dequantised native tensors (strict; shape mismatches raise ValueError naming the tensor)."""
+        """Take over dequantised native tensors as the parameters (strict: missing / unexpected names and shape
+        mismatches raise ValueError naming the tensor). Integer ``tid2eid`` becomes int64, float32-kind tensors stay
+        float32, the rest is cast to the model dtype."""
         own = self.state_dict()
         missing = [k for k in own if k not in tensors]
         extra = [k for k in tensors if k not in own]
@@ -404,9 +411,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         for k, t in tensors.items():
             if tuple(t.shape) != tuple(own[k].shape):
                 raise ValueError(f"load_native: tensor {k} has shape {tuple(t.shape)}, expected {tuple(own[k].shape)}")
-        with torch.no_grad():
-            for k, v in self.state_dict(keep_vars=True).items():
-                v.copy_(tensors[k])
+        for k, ref in own.items():
+            mod_name, _, leaf = k.rpartition(".")
+            mod = self.get_submodule(mod_name) if mod_name else self
+            t = tensors[k].detach().to(dtype=ref.dtype)
+            if leaf in mod._parameters:
+                mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
+            else:
+                mod._buffers[leaf] = t
 
     def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None) -> DeepseekV4Cache:
         return allocate_cache(self.config, num_blocks, device or self.embed.weight.device, self.dtype)
