@@ -780,22 +780,42 @@ def _u64(c: int) -> int:
 _SPLITMIX = (_u64(0x9E3779B97F4A7C15), _u64(0xBF58476D1CE4E5B9), _u64(0x94D049BB133111EB))
 
 
-def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
-    """``nbytes`` pseudo-random bytes (uint8) from a counter-based splitmix64 hash of ``(seed, index)``.
-
-    Multithreaded elementwise torch ops (no sequential generator), so gigabytes take seconds; deterministic across
-    machines and thread counts. Used by the ``v4-flash-shapes`` generator, not for anything statistical.
-    """
+def _splitmix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 finaliser applied in place to an int64 tensor (wrapping arithmetic, logical shifts)."""
     k1, k2, k3 = _SPLITMIX
-    x = torch.arange(-(-nbytes // 8), dtype=torch.int64)
-    x.add_((int(seed) * 0x632BE59BD9B4E019) & ((1 << 62) - 1))
     x.mul_(k1)
-    x.bitwise_xor_((x >> 30) & ((1 << 34) - 1))
-    x.mul_(k2)
-    x.bitwise_xor_((x >> 27) & ((1 << 37) - 1))
-    x.mul_(k3)
-    x.bitwise_xor_((x >> 31) & ((1 << 33) - 1))
-    return x.view(torch.uint8)[:nbytes]
+    t = torch.empty_like(x)  # in-place rounds: no large temporaries
+    for shift, k in ((30, k2), (27, k3), (31, None)):
+        torch.bitwise_right_shift(x, shift, out=t)
+        t.bitwise_and_((1 << (64 - shift)) - 1)  # logical shift
+        x.bitwise_xor_(t)
+        if k is not None:
+            x.mul_(k)
+    return x
+
+
+_RANDOM_BASE = 1 << 16  # int64 words hashed per tensor; longer outputs are odd-affine images of this base
+
+
+def random_bytes(nbytes: int, seed: int) -> torch.Tensor:
+    """``nbytes`` pseudo-random bytes (uint8), deterministic in ``seed`` on every (little-endian) machine.
+
+    A 512 KiB base is a counter-based splitmix64 hash of ``(seed, index)``; longer outputs repeat it through a
+    per-chunk affine map ``base * K_j + C_j`` (``K_j`` odd, so each chunk is a bijection of the base) with hashed
+    ``K_j, C_j``: two multithreaded passes per byte, so the 20 GB ``v4-flash-shapes`` preset is bound by disk writes.
+    Benchmark filler, not for anything statistical.
+    """
+    n = -(-nbytes // 8)
+    s = (int(seed) * 0x632BE59BD9B4E019) & ((1 << 62) - 1)
+    base = _splitmix64(torch.arange(min(n, _RANDOM_BASE), dtype=torch.int64).add_(s))
+    if n <= _RANDOM_BASE:
+        return base.view(torch.uint8)[:nbytes]
+    chunks = -(-n // _RANDOM_BASE)
+    kc = _splitmix64(torch.arange(2 * chunks, dtype=torch.int64).add_(s ^ 0x2545F4914F6CDD1D)).view(chunks, 2)
+    out = torch.empty(chunks, _RANDOM_BASE, dtype=torch.int64)
+    torch.mul(base.view(1, -1), kc[:, :1].bitwise_or(1), out=out)
+    out.add_(kc[:, 1:])
+    return out.view(-1).view(torch.uint8)[:nbytes]
 
 
 def _random_codes_weight(fmt: str, shape: tuple[int, ...], seed: int) -> QuantizedWeight:
