@@ -287,6 +287,7 @@ def load_state_dict(
     """
     root = Path(path)
     tensors = list_tensors(root)
+    weights_file = root / INDEX_FILE if (root / INDEX_FILE).is_file() else root / SINGLE_FILE
     errors: list[str] = []
     plan: list[tuple[str, str, TensorInfo, TensorInfo | None]] = []  # (name, kind, weight, scale)
     used: set[str] = set()
@@ -296,7 +297,7 @@ def load_state_dict(
             raise ValueError(f"expected parameter {name!r}: unknown kind {kind!r}")
         info = tensors.get(name)
         if info is None:
-            errors.append(f"missing tensor {name!r} (expected {list(shape)}, {kind}) in checkpoint {root}")
+            errors.append(f"missing tensor {name!r} (expected {list(shape)}, {kind}): not in {weights_file}")
             continue
         used.add(name)
         scale = None

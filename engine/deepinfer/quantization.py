@@ -21,12 +21,12 @@ rounded UP to a power of two for UE8M0 (DeepSeek's ``fast_round_scale``; transfo
 fp32 quotient for fp32 scales; an all-zero block gets scale 1. Values are divided by the scale and rounded to nearest, ties
 to even, saturating at qmax.
 
-Round-trip error bounds (documented, tested in tests/engine/test_checkpoint.py), per element, relative to the block amax:
-- FP8 e4m3 with UE8M0 scale: ``|w - dq(q(w))| <= 2**-4 * amax`` for normal-range codes (half an ulp of a 3-bit mantissa is
-  ``2**-4`` of the value's binade, and the binade is ``<= amax`` once the scale is rounded up), plus the subnormal floor
-  ``2**-10 * scale`` (half the smallest e4m3 subnormal ``2**-9``), i.e. ``<= 2**-4 * amax + 2**-10 * 2 * amax / 448``.
-- FP4 e2m1 with UE8M0 scale: ``|w - dq(q(w))| <= 0.25 * scale`` below 2 (grid step 0.5), ``<= 0.5 * scale`` in [2, 4), and
-  ``<= 1 * scale`` in [4, 6]; since ``scale <= 2 * amax / 6``, the worst case is ``amax / 3``.
+Round-trip error bounds (tested in tests/engine/test_checkpoint.py), per element, ``s`` = the block's scale:
+- FP8 e4m3 (UE8M0 or fp32 scale): ``|w - dq(q(w))| <= 2**-4 * |w| + 2**-10 * s``: half an ulp of a 3-bit mantissa is
+  at most ``2**-4`` of the value, and below the smallest normal (``2**-6 * s``) the step is the subnormal ``2**-9 * s``.
+  No saturation error: ``amax / s <= 448``. With UE8M0, ``s < 2 * amax / 448``.
+- FP4 e2m1 (UE8M0 scale): ``|w - dq(q(w))| <= 0.25 * s`` where ``|w| / s < 2`` (grid step 0.5), ``<= 0.5 * s`` in
+  [2, 4) and ``<= 1 * s`` in [4, 6]; since ``s < 2 * amax / 6``, the worst case is ``amax / 3``.
 """
 
 from __future__ import annotations

@@ -70,6 +70,11 @@ def ref_dequant_fp4(packed: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     return torch.tensor(rows, dtype=torch.float32)
 
 
+def raw_tensors_file(f: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(f), "pt") as h:
+        return {k: h.get_tensor(k) for k in h.keys()}
+
+
 def raw_tensors(folder: Path) -> dict[str, torch.Tensor]:
     out = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -354,7 +359,16 @@ def test_missing_tensor_names_tensor_and_checkpoint(tmp_path):
     folder = write_synth(tmp_path / "ck")
     rewrite(folder, lambda t: t.pop("norm.weight"))
     msg = load_err(folder)
-    assert "missing tensor 'norm.weight'" in msg and str(folder) in msg
+    assert "missing tensor 'norm.weight'" in msg and str(folder / C.SINGLE_FILE) in msg
+    sharded = write_synth(tmp_path / "sharded", shard_size=20_000)
+    idx = json.loads((sharded / C.INDEX_FILE).read_text())
+    f = sharded / idx["weight_map"]["layers.0.hc_attn_fn"]
+    rewrite_file = {k: v for k, v in raw_tensors_file(f).items() if k != "layers.0.hc_attn_fn"}
+    save_file(rewrite_file, str(f), metadata={"format": "pt"})
+    del idx["weight_map"]["layers.0.hc_attn_fn"]
+    (sharded / C.INDEX_FILE).write_text(json.dumps(idx))
+    msg = load_err(sharded)
+    assert "missing tensor 'layers.0.hc_attn_fn'" in msg and str(sharded / C.INDEX_FILE) in msg
 
 
 def test_unexpected_tensor_names_tensor_and_file(tmp_path):
