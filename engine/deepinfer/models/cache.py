@@ -13,12 +13,13 @@ pool                 shape                               content
 ``comp``             ``[num_blocks, 128 // m, hd]``      CSA / HCA compressed entries (entry ``w`` covers
                                                          positions ``[w m, (w + 1) m)``; RoPE at ``w m``)
 ``state_kv``,        ``[num_blocks, R, coff * hd]``      partial-window compressor state: projected kv and
-``state_gate``                                           gate (+ ape) of the open window, and for CSA also of
-                                                         the previous window (its Ca half feeds the next
-                                                         entry); ring of ``R`` slots (``R = 2m`` CSA, ``m``
-                                                         HCA; ``coff = 2`` CSA, 1 HCA) keyed by
+``state_gate``                                           gate (ape not added) of the open window, and for CSA
+                                                         also of the previous window (its Ca half feeds
+                                                         the next entry); ring of ``R`` slots (``R = 2m``
+                                                         CSA, ``m`` HCA; ``coff = 2`` CSA, 1 HCA) keyed by
                                                          ``position % R``, held by the block of the
-                                                         sequence's LAST token
+                                                         sequence's LAST token (and by every full block:
+                                                         the state at its end)
 ``idx``              ``[num_blocks, 128 // m, ihd]``     CSA only: lightning-indexer compressed keys
 ``idx_state_kv``,    ``[num_blocks, 2m, 2 ihd]``         CSA only: the indexer compressor's partial-window state
 ``idx_state_gate``

@@ -472,7 +472,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                       rope_table: torch.Tensor) -> None:
         """Emit the entries of every window that closes in this step into ``pool_comp`` and persist the open
         window's (and for CSA the previous window's) projections in the ring of the block of the last token.
-        ``kv_new`` / ``gate_new``: ``[q, coff * hd]`` projections of the step's tokens (gate with ``ape`` added)."""
+        ``kv_new`` / ``gate_new``: ``[q, coff * hd]`` projections of the step's tokens (the rings keep them as
+        projected; ``ape`` is added in float32 when a window is pooled, as the reference does)."""
         m, hd, overlap = comp.ratio, comp.head_dim, comp.overlap
         B = self._block_size
         R = pool_state_kv.shape[1]
@@ -489,8 +490,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         n_win = end_w - first_w
         if n_win > 0:
             lo, hi = first_w * m - s0, end_w * m - s0
+            ape = comp.ape.float()  # [m, coff * hd]: slot j of every window is position w m + j
             cur_kv = all_kv[lo:hi].view(n_win, m, -1)
-            cur_gate = all_gate[lo:hi].view(n_win, m, -1)
+            cur_gate = all_gate[lo:hi].view(n_win, m, -1).float() + ape
             if overlap:
                 slot_kv = cur_kv.new_zeros(n_win, 2 * m, hd)
                 slot_gate = cur_gate.new_full((n_win, 2 * m, hd), float("-inf"))
@@ -502,7 +504,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                     plo, phi = (w_from - 1) * m - s0, (end_w - 1) * m - s0
                     k = end_w - w_from
                     slot_kv[n_win - k:, :m] = all_kv[plo:phi].view(k, m, -1)[..., :hd]
-                    slot_gate[n_win - k:, :m] = all_gate[plo:phi].view(k, m, -1)[..., :hd]
+                    slot_gate[n_win - k:, :m] = (all_gate[plo:phi].view(k, m, -1).float() + ape)[..., :hd]
             else:
                 slot_kv, slot_gate = cur_kv, cur_gate
             weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
@@ -548,11 +550,11 @@ class DeepseekV4ForCausalLM(nn.Module):
             m = attn.ratio
             comp = attn.compressor
             ckv = comp.wkv(x)
-            cgate = comp.wgate(x) + comp.ape[positions % m].to(x.dtype)
+            cgate = comp.wgate(x)
         if lt == CSA:
             idx = attn.indexer
             ikv = idx.compressor.wkv(x)
-            igate = idx.compressor.wgate(x) + idx.compressor.ape[positions % m].to(x.dtype)
+            igate = idx.compressor.wgate(x)
             iq = idx.wq_b(qr).view(T, idx.n_heads, idx.head_dim).contiguous()
             deepinfer_ops.rotary_embedding(iq, positions, table)
             iw = idx.weights_proj(x).float() * (idx.n_heads ** -0.5)
