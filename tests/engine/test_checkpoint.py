@@ -535,11 +535,16 @@ def _hf_name(native: str) -> str:
     return n if n == "lm_head.weight" else "model." + n
 
 
-def test_transformers_loads_our_quantized_tiny_checkpoint_with_the_same_weights(tmp_path):
+@pytest.mark.parametrize(
+    "scale_fmt,expert_quant",
+    [("ue8m0", "fp4"), ("float", "fp8")],  # V4-Flash format; V4-Flash-Base style (FP8 experts, fp32 scales)
+)
+def test_transformers_loads_our_quantized_tiny_checkpoint_with_the_same_weights(tmp_path, scale_fmt, expert_quant):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    folder = C.make_checkpoint("tiny", tmp_path / "t", seed=0)
+    folder = C.make_checkpoint("tiny", tmp_path / "t", seed=0, scale_fmt=scale_fmt, expert_quant=expert_quant)
     ck = C.load_checkpoint(folder)
+    assert ck.formats["layers.3.ffn.experts.1.w2.weight"] == expert_quant
     hf, info = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
     for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         assert not info.get(k), f"{k}: {info.get(k)}"
