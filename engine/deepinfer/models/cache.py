@@ -88,7 +88,8 @@ class CacheSpec:
         return total
 
     @classmethod
-    def from_config(cls, config: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16, block_size: int = BLOCK_SIZE) -> "CacheSpec":
+    def from_config(cls, config: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16,
+                    block_size: int = BLOCK_SIZE) -> "CacheSpec":
         """Raises ValueError if ``block_size`` is not a multiple of the compression ratios."""
         for m in (config.compress_rate_csa, config.compress_rate_hca):
             if block_size % m:

@@ -223,7 +223,9 @@ class MoE(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, mlp_type: str, dtype: torch.dtype):
         super().__init__()
         self.gate = Gate(cfg, mlp_type == HASH_MOE, dtype)
-        self.experts = nn.ModuleList(Expert(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for _ in range(cfg.n_routed_experts))
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for _ in range(cfg.n_routed_experts)
+        )
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_shared, dtype)
 
 
@@ -364,7 +366,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.dtype = dtype
         D, hc = cfg.hidden_size, cfg.hc_mult
         self.embed = Embedding(cfg.vocab_size, D, dtype)
-        self.layers = nn.ModuleList(Block(cfg, cfg.compress_ratios[i], cfg.mlp_layer_types[i], dtype) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Block(cfg, cfg.compress_ratios[i], cfg.mlp_layer_types[i], dtype) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(D, cfg.rms_norm_eps, dtype)
         self.hc_head_fn = _param(hc, hc * D)
         self.hc_head_base = _param(hc)
@@ -380,7 +384,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ---- construction helpers ---------------------------------------------------------------------------------
     @classmethod
-    def from_parameters(cls, config: DeepseekV4Config, tensors: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> "DeepseekV4ForCausalLM":
+    def from_parameters(cls, config: DeepseekV4Config, tensors: dict[str, torch.Tensor],
+                        dtype: torch.dtype = torch.float32) -> "DeepseekV4ForCausalLM":
         """Build and load ``tensors`` (native names, dequantised) strictly: every expected name, no extra. The model is
         built on the meta device and takes the tensors over (cast to its dtype where needed, on their device), so
         no second copy of the weights is ever allocated."""
@@ -390,7 +395,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         return model
 
     @classmethod
-    def from_checkpoint(cls, path=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> "DeepseekV4ForCausalLM":
+    def from_checkpoint(cls, path=None, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu") -> "DeepseekV4ForCausalLM":
         """Load a native checkpoint folder (``None`` = the built-in tiny one) with :mod:`deepinfer.checkpoint`
         (quantised weights dequantised exactly, then cast to ``dtype``). Raises CheckpointError naming the tensor/file."""
         from deepinfer.checkpoint import load_checkpoint
@@ -439,7 +445,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         cfg = self.config
         hc = cfg.hc_mult
         T = streams.shape[0]
-        flat = deepinfer_ops.rms_norm(streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous(), None, cfg.rms_norm_eps)
+        flat = streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous()
+        flat = deepinfer_ops.rms_norm(flat, None, cfg.rms_norm_eps)
         mix = F.linear(flat, fn.float())
         pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
         base = base.float()
@@ -461,7 +468,8 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _hc_head(self, streams: torch.Tensor, fn, base, scale) -> torch.Tensor:
         T = streams.shape[0]
-        flat = deepinfer_ops.rms_norm(streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous(), None, self.config.rms_norm_eps)
+        flat = streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous()
+        flat = deepinfer_ops.rms_norm(flat, None, self.config.rms_norm_eps)
         mixes = F.linear(flat, fn.float())
         pre = torch.sigmoid(mixes * scale.float() + base.float()) + self.config.hc_eps
         return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
@@ -709,7 +717,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"mtp_idx: {mtp_idx} outside [0, {len(self.mtp)})")
         T = batch.num_tokens
         if tuple(hidden_streams.shape) != (T, self.config.hc_mult, self.config.hidden_size):
-            raise ValueError(f"hidden_streams: expected {(T, self.config.hc_mult, self.config.hidden_size)}, got {tuple(hidden_streams.shape)}")
+            raise ValueError(f"hidden_streams: expected {(T, self.config.hc_mult, self.config.hidden_size)}, "
+                             f"got {tuple(hidden_streams.shape)}")
         seqs = _check_batch(batch, cache)
         self._block_size = cache.block_size
         cfg = self.config
