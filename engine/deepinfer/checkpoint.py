@@ -333,6 +333,7 @@ def load_state_dict(
             w = _get(handles, winfo)
             s = _get(handles, sinfo) if sinfo is not None else None
             if s is not None:
+                _check_scale_values(s, sinfo)
                 fmt = "fp8" if winfo.dtype == "F8_E4M3" else "fp4"
                 if w.dtype != torch.int8 and fmt == "fp4":
                     w = w.view(torch.uint8).view(torch.int8)  # float4_e2m1fn_x2 / U8 -> the int8 packing
@@ -369,6 +370,20 @@ def _get(handles: dict, info: TensorInfo) -> torch.Tensor:
         return h.get_tensor(info.name)
     except Exception as e:  # safetensors raises SafetensorError / OSError on corrupt data
         raise CheckpointError(f"tensor {info.name!r} in {info.file}: cannot read ({e})") from e
+
+
+def _check_scale_values(s: torch.Tensor, info: TensorInfo) -> None:
+    """UE8M0 byte 255 is NaN; fp32 scales must be finite and > 0. Raises CheckpointError naming scale and file."""
+    if s.dtype == torch.float32:
+        bad = ~(torch.isfinite(s) & (s > 0))
+    else:
+        bad = s.view(torch.uint8) == 255
+    if bool(bad.any()):
+        idx = tuple(int(i) for i in bad.nonzero()[0])
+        raise CheckpointError(
+            f"scale tensor {info.name!r} in {info.file}: invalid scale at {list(idx)} "
+            f"({'UE8M0 byte 255 is NaN' if s.dtype != torch.float32 else 'not finite and positive'})"
+        )
 
 
 def _check_entry(
@@ -660,7 +675,12 @@ def _make_producer(
                 raise ValueError(f"write_checkpoint: {name!r} is a pre-quantised {v.fmt} weight but the plan stores {fmt}")
             if v.shape != shape:
                 raise ValueError(f"write_checkpoint: {name!r} has shape {list(v.shape)}, expected {list(shape)}")
-            return {name: v.data, scale_name: v.scale}
+            scale = v.scale
+            if fmt == "fp8" and scale_fmt == "float":
+                scale = Q.scale_to_float(scale)  # exact: UE8M0 values are powers of two
+            elif fmt == "fp8" and scale.dtype == torch.float32:
+                raise ValueError(f"write_checkpoint: {name!r} has fp32 scales but scale_fmt='ue8m0'")
+            return {name: v.data, scale_name: scale}
         if not isinstance(v, torch.Tensor):
             raise ValueError(f"write_checkpoint: {name!r} is a {type(v).__name__}, expected a tensor")
         if tuple(v.shape) != shape:

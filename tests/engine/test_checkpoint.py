@@ -408,6 +408,23 @@ def test_scale_problems_name_the_scale(tmp_path):
     assert "scale tensor 'layers.0.attn.wo.scale'" in load_err(folder) and "F16" in load_err(folder)
 
 
+def test_nan_scale_names_scale_and_file(tmp_path):
+    folder = write_synth(tmp_path / "ck")
+
+    def poison(t):
+        sc = t["layers.0.ffn.experts.0.w2.scale"].view(torch.uint8).clone()
+        sc[5, 1] = 255
+        t["layers.0.ffn.experts.0.w2.scale"] = sc.view(torch.float8_e8m0fnu)
+
+    rewrite(folder, poison)
+    msg = load_err(folder)
+    assert "scale tensor 'layers.0.ffn.experts.0.w2.scale' in " + str(folder / C.SINGLE_FILE) in msg
+    assert "[5, 1]" in msg and "NaN" in msg
+    folder = write_synth(tmp_path / "f32", scale_fmt="float")
+    rewrite(folder, lambda t: t["layers.0.attn.wo.scale"].fill_(-1.0))
+    assert "scale tensor 'layers.0.attn.wo.scale'" in load_err(folder)
+
+
 def test_truncated_shard_names_tensor_and_file(tmp_path):
     folder = write_synth(tmp_path / "ck", shard_size=20_000)
     shard = sorted(folder.glob("model-*.safetensors"))[1]
