@@ -334,6 +334,23 @@ def test_writer_rejects_bad_input(tmp_path):
         write_synth(tmp_path / "f")
 
 
+@pytest.mark.parametrize("scale_fmt", ["ue8m0", "float"])
+def test_writer_accepts_prequantized_weights(tmp_path, scale_fmt):
+    p = synth_params()
+    w1 = "layers.0.ffn.experts.0.w1.weight"
+    wo = "layers.0.attn.wo.weight"
+    q4 = C.QuantizedWeight("fp4", *Q.quantize_fp4(p[w1]), (1, 32))
+    q8 = C.QuantizedWeight("fp8", *Q.quantize_fp8_block(p[wo]), (128, 128))
+    folder = write_synth(tmp_path / "ck", params={**p, w1: q4, wo: q8}, scale_fmt=scale_fmt)
+    raw = raw_tensors(folder)
+    assert torch.equal(raw[w1], q4.data) and torch.equal(raw[wo].view(torch.uint8), q8.data.view(torch.uint8))
+    assert raw["layers.0.attn.wo.scale"].dtype == (torch.float32 if scale_fmt == "float" else torch.float8_e8m0fnu)
+    params, _ = C.load_state_dict(folder, SPEC)
+    assert torch.equal(params[w1], q4.dequantize()) and torch.equal(params[wo], q8.dequantize())
+    with pytest.raises(ValueError, match="pre-quantised fp4 weight but the plan stores fp8"):
+        write_synth(tmp_path / "bad", params={**p, w1: q4}, expert_quant="fp8")
+
+
 def test_writer_warns_about_partial_blocks(tmp_path):
     with pytest.warns(UserWarning, match="'layers.0.attn.wq.weight' \\[130, 257\\] has a partial 128-block"):
         write_synth(tmp_path / "w")
