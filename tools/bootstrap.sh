@@ -10,7 +10,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
-"$VPY" -m pip install -q --upgrade pip "setuptools>=77" wheel ninja "cmake>=3.24"
+# build requirements first: --no-build-isolation builds against what is already installed
+"$VPY" -m pip install -q --upgrade pip "setuptools>=77" wheel ninja "cmake>=3.24" numpy "nvidia-cutlass==4.2.0.0"
 if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q "${DEEPINFER_TORCH_SPEC:-torch==2.14.1}"
 fi
