@@ -45,5 +45,9 @@ void topk_rows_cpu(at::Tensor& values, at::Tensor& indices, const at::Tensor& sc
 void topk_rows_cuda(at::Tensor& values, at::Tensor& indices, const at::Tensor& scores);
 void kv_cache_write_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
 void kv_cache_write_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
+void kv_cache_write_fp8_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
+void kv_cache_write_fp8_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
+void kv_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping);
+void kv_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 
 }  // namespace deepinfer

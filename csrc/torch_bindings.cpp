@@ -29,6 +29,8 @@ TORCH_LIBRARY(deepinfer_ops, m) {
       "Tensor? k_end) -> ()");
   m.def("topk_rows(Tensor! values, Tensor! indices, Tensor scores) -> ()");
   m.def("kv_cache_write(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
+  m.def("kv_cache_write_fp8(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
+  m.def("kv_cache_dequant_fp8(Tensor! out, Tensor kv_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
@@ -40,6 +42,8 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("mqa_logits", &deepinfer::mqa_logits_cpu);
   m.impl("topk_rows", &deepinfer::topk_rows_cpu);
   m.impl("kv_cache_write", &deepinfer::kv_cache_write_cpu);
+  m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cpu);
+  m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cpu);
 }
 
 #ifdef DEEPINFER_WITH_CUDA
@@ -52,5 +56,7 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("mqa_logits", &deepinfer::mqa_logits_cuda);
   m.impl("topk_rows", &deepinfer::topk_rows_cuda);
   m.impl("kv_cache_write", &deepinfer::kv_cache_write_cuda);
+  m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cuda);
+  m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cuda);
 }
 #endif

@@ -8,6 +8,16 @@
 
 namespace deepinfer {
 
+// FlashMLA "MODEL1" FP8 KV entry (V4): per token 584 bytes =
+//   [0, 448) e4m3 codes of the 448 no-RoPE dims | [448, 576) the 64 RoPE dims as bf16 |
+//   [576, 583) 7 UE8M0 scale exponents, one per 64 no-RoPE dims (scale = 2^(byte - 127)) | [583] zero pad.
+constexpr int64_t kFp8EntryBytes = 584;
+constexpr int64_t kFp8NopeDims = 448;
+constexpr int64_t kFp8RopeDims = 64;
+constexpr int64_t kFp8TileDims = 64;
+constexpr int64_t kFp8ScaleOffset = 576;
+constexpr int64_t kFp8HeadDim = kFp8NopeDims + kFp8RopeDims;
+
 // Largest top-k the native top-k kernels select (the selected set is sorted in shared memory on CUDA).
 constexpr int64_t kTopkMaxK = 2048;
 // Largest candidate count per row of the native top-k (int32 positions; 262,144 is V4's longest context / 4).
@@ -33,12 +43,19 @@ inline void check_kv_list(const char* op, const at::Tensor& q, const at::Tensor&
                           const at::Tensor& indices, const char* indices_name,
                           const std::optional<at::Tensor>& topk_length, const char* len_name,
                           at::IntArrayRef idx_lead, int64_t num_lengths) {
-  check_dtype(op, cache, cache_name, at::kBFloat16);
+  DEEPINFER_CHECK(cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kByte, op, cache_name,
+                  " must be bfloat16 or uint8 (FP8 MODEL1 entries), got ", cache.scalar_type());
   check_same_device(op, cache, cache_name, q, "q");
   DEEPINFER_CHECK(cache.dim() == 3, op, cache_name, " must be [num_blocks, block_size, head_dim], got ",
                   cache.sizes());
-  DEEPINFER_CHECK(cache.size(2) == q.size(-1), op, cache_name, " head_dim ", cache.size(2),
-                  " != q head_dim ", q.size(-1));
+  if (cache.scalar_type() == at::kByte) {
+    DEEPINFER_CHECK(cache.size(2) == kFp8EntryBytes && q.size(-1) == kFp8HeadDim, op, cache_name,
+                    " (FP8 MODEL1) must be [num_blocks, block_size, ", kFp8EntryBytes, "] with q head_dim ",
+                    kFp8HeadDim, ", got ", cache.sizes(), " and head_dim ", q.size(-1));
+  } else {
+    DEEPINFER_CHECK(cache.size(2) == q.size(-1), op, cache_name, " head_dim ", cache.size(2),
+                    " != q head_dim ", q.size(-1));
+  }
   DEEPINFER_CHECK(cache.numel() == 0 || cache.stride(2) == 1, op, cache_name,
                   " must be contiguous in head_dim (stride(2) == 1), got strides ", cache.strides());
   DEEPINFER_CHECK(cache.size(1) > 0, op, cache_name, " block_size must be > 0");
@@ -189,6 +206,24 @@ inline void check_kv_cache_write(const at::Tensor& kv_cache, const at::Tensor& k
   check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");
   DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == kv.size(0) && slot_mapping.is_contiguous(), op,
                   "slot_mapping must be a contiguous [", kv.size(0), "], got ", slot_mapping.sizes());
+}
+
+// kv_cache_write_fp8(kv_cache [num_blocks, block_size, 584] uint8!, kv [t, 512] bf16, slot_mapping [t] int64) and
+// kv_cache_dequant_fp8(out [t, 512] bf16!, kv_cache, slot_mapping).
+inline void check_fp8_cache(const char* op, const at::Tensor& kv_cache, const at::Tensor& rows, const char* rows_name,
+                            const at::Tensor& slot_mapping) {
+  check_dtype(op, kv_cache, "kv_cache", at::kByte);
+  DEEPINFER_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == kFp8EntryBytes && kv_cache.size(1) > 0, op,
+                  "kv_cache must be uint8 [num_blocks, block_size, ", kFp8EntryBytes, "], got ", kv_cache.sizes());
+  DEEPINFER_CHECK(kv_cache.numel() == 0 || kv_cache.stride(2) == 1, op, "kv_cache must be contiguous in its last dim");
+  check_dtype(op, rows, rows_name, at::kBFloat16);
+  DEEPINFER_CHECK(rows.dim() == 2 && rows.size(1) == kFp8HeadDim && (rows.numel() == 0 || rows.stride(1) == 1), op,
+                  rows_name, " must be [num_tokens, ", kFp8HeadDim, "] with a contiguous last dim, got ", rows.sizes());
+  check_same_device(op, rows, rows_name, kv_cache, "kv_cache");
+  check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
+  check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");
+  DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows.size(0) && slot_mapping.is_contiguous(), op,
+                  "slot_mapping must be a contiguous [", rows.size(0), "], got ", slot_mapping.sizes());
 }
 
 }  // namespace deepinfer

@@ -57,3 +57,13 @@ def _topk_rows_fake(values, indices, scores):
 @torch.library.register_fake("deepinfer_ops::kv_cache_write")
 def _kv_cache_write_fake(kv_cache, kv, slot_mapping):
     return None
+
+
+@torch.library.register_fake("deepinfer_ops::kv_cache_write_fp8")
+def _kv_cache_write_fp8_fake(kv_cache, kv, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::kv_cache_dequant_fp8")
+def _kv_cache_dequant_fp8_fake(out, kv_cache, slot_mapping):
+    return None

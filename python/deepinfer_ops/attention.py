@@ -16,7 +16,15 @@ Edge cases (same on CPU, CUDA and in ``testing.refs``):
   * ``topk_length`` values are clamped to ``[0, topk]``;
   * the sink is ``exp(attn_sink[h])`` added to the softmax denominator; ``lse`` never includes it.
 
-Not yet: the FP8 "MODEL1" cache layout (448 e4m3 + 64 bf16 rope + UE8M0 scales, 584 B entries) and split-KV.
+FP8 cache ("MODEL1", V4, head_dim 512): a uint8 cache ``[num_blocks, block_size, 584]``, one 584-byte entry per token:
+  bytes ``[0, 448)`` e4m3 codes of the 448 no-RoPE dims; ``[448, 576)`` the 64 RoPE dims as bf16;
+  ``[576, 583)`` 7 UE8M0 scale exponents (one per 64 no-RoPE dims, ``scale = 2 ** (byte - 127)``); ``[583]`` zero.
+Quantisation per 64-dim tile: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))``, ``code = e4m3(clamp(x / scale,
+-448, 448))`` round-to-nearest-even. Decoding is exact in bf16, so attention over an FP8 cache equals attention
+over its decoded bf16 cache. Either list of a sparse MQA call may be bf16 or FP8. (Entry order after FlashMLA's
+MODEL1 description as read from public sources; not verified against FlashMLA itself.)
+
+Not yet: split-KV (a row's entries are one CTA's work; batch-invariant by construction).
 
 Source: DeepSeek-V4 attention (architecture.md); FlashMLA ``flash_mla_with_kvcache`` sparse interface (the
 index convention and sink formula ``out *= exp(lse) / (exp(lse) + exp(sink))``).
@@ -58,7 +66,8 @@ def sparse_mqa_decode(
 
     Args:
         q: ``[b, s_q, h, head_dim]`` bf16, contiguous; head_dim 512 for V4 (64/128/256 also accepted).
-        kv_cache: ``[num_blocks, block_size, head_dim]`` bf16 paged cache (e.g. the compressed-entry cache).
+        kv_cache: ``[num_blocks, block_size, head_dim]`` bf16 paged cache (e.g. the compressed-entry cache), or
+            ``[num_blocks, block_size, 584]`` uint8 MODEL1 FP8 entries (head_dim 512).
         indices: ``[b, s_q, topk]`` int32, contiguous: ``block_id * block_size + offset``; -1 / out of range invalid.
         softmax_scale: multiplies ``q . k`` (V4: ``512 ** -0.5``), natural-log units.
         topk_length: optional ``[b]`` int32: only ``indices[b, :, :topk_length[b]]`` are read (clamped to
@@ -166,3 +175,36 @@ def kv_cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch
     Source: vLLM ``reshape_and_cache`` (semantics).
     """
     torch.ops.deepinfer_ops.kv_cache_write(kv_cache, kv, slot_mapping)
+
+
+def kv_cache_write_fp8(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantise bf16 rows into MODEL1 FP8 entries of a paged cache, in place (layout and recipe in the module doc):
+    entry ``s = slot_mapping[i]`` of ``kv_cache`` encodes ``kv[i]``; slots ``< 0`` or past the cache are skipped.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, 584]`` uint8 (mutated), last dim contiguous.
+        kv: ``[num_tokens, 512]`` bf16 (448 no-RoPE dims then 64 RoPE dims), last dim contiguous.
+        slot_mapping: ``[num_tokens]`` int64.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: FlashMLA "MODEL1" FP8 sparse cache (DeepSeek-V4); UE8M0 scales as in DeepSeek-V3's FP8 recipe.
+    """
+    torch.ops.deepinfer_ops.kv_cache_write_fp8(kv_cache, kv, slot_mapping)
+
+
+def kv_cache_dequant_fp8(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Decode the MODEL1 FP8 entries at ``slot_mapping`` to bf16 ``[num_tokens, 512]`` (exact); slots outside the
+    cache give zero rows.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, 584]`` uint8.
+        slot_mapping: ``[num_tokens]`` int64.
+    Returns:
+        ``[num_tokens, 512]`` bf16.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: FlashMLA "MODEL1" FP8 sparse cache.
+    """
+    out = torch.empty((slot_mapping.shape[0], 512), dtype=torch.bfloat16, device=kv_cache.device)
+    torch.ops.deepinfer_ops.kv_cache_dequant_fp8(out, kv_cache, slot_mapping)
+    return out

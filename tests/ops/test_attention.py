@@ -375,3 +375,61 @@ def test_cuda_decode_matches_cpu_bitwise_rerun():
     runs = [_run_decode(q, comp, idx, V4_SCALE, **kw) for _ in range(3)]
     for o, l in runs[1:]:
         assert torch.equal(o, runs[0][0]) and torch.equal(l, runs[0][1])
+
+
+# ---- FP8 (MODEL1) cache -----------------------------------------------------------------------------------------
+
+
+def _fp8_rows(t, g, device):
+    kv = torch.randn(t, V4_DIM, generator=g) * torch.logspace(-3, 3, t).unsqueeze(1)
+    kv[0, :64] = 0.0  # an all-zero tile: finite scale, zero codes
+    kv[1, 64:128] = 1e-20  # tiny values
+    return kv.bfloat16().to(device)
+
+
+def _fp8_cache(num_blocks, block_size, device, pad=8):
+    base = torch.full((num_blocks, block_size * 584 + pad), 0x7F, dtype=torch.uint8, device=device)
+    return base[:, : block_size * 584].view(num_blocks, block_size, 584)
+
+
+def test_fp8_cache_write_and_dequant_bit_exact(device):
+    g = _gen(584)
+    t, num_blocks, block_size = 37, 6, 8
+    kv = _fp8_rows(t, g, device)
+    cache = _fp8_cache(num_blocks, block_size, device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slots[5], slots[9] = -1, num_blocks * block_size + 3
+    slots = slots.to(device)
+    expected = refs.kv_cache_write_fp8_ref(cache, kv, slots)
+    deepinfer_ops.kv_cache_write_fp8(cache, kv, slots)
+    assert torch.equal(cache.cpu(), expected.cpu()), "FP8 entries differ from the reference"
+    deq = deepinfer_ops.kv_cache_dequant_fp8(cache, slots)
+    ref_deq = refs.kv_cache_dequant_fp8_ref(cache, slots)
+    assert torch.equal(deq.cpu(), ref_deq.cpu())
+    ok = torch.ones(t, dtype=torch.bool)
+    ok[5] = ok[9] = False
+    assert torch.all(deq[~ok.to(device)].float() == 0)
+    # The RoPE dims are stored exactly; the no-RoPE dims within e4m3 precision of their tile scale.
+    assert torch.equal(deq[ok.to(device), 448:].cpu(), kv[ok.to(device), 448:].cpu())
+    err = (deq[ok.to(device), :448].float() - kv[ok.to(device), :448].float()).abs()
+    amax = kv[ok.to(device), :448].float().abs().view(-1, 7, 64).amax(-1, keepdim=True).expand(-1, 7, 64)
+    assert torch.all(err.view(-1, 7, 64) <= amax.clamp_min(1e-10) * 2 ** -3)  # half an e4m3 ulp at most
+
+
+def test_decode_fp8_cache_equals_decoded_bf16_cache(device):
+    g = _gen(585)
+    b, s_q, h, topk, block_size = 3, 2, 16, 40, 16
+    kv = _fp8_rows(8 * block_size, g, device) * 0.05
+    cache8 = _fp8_cache(8, block_size, device)
+    deepinfer_ops.kv_cache_write_fp8(cache8, kv, torch.arange(8 * block_size, device=device))
+    cache16 = refs.fp8_entry_decode_ref(cache8).contiguous()
+    q = torch.randn(b, s_q, h, V4_DIM, generator=g).bfloat16().to(device)
+    idx = _indices((b, s_q, topk), 8 * block_size, g, device)
+    win = _cache(4, block_size, V4_DIM, g, device)
+    kw = dict(extra_kv_cache=win, extra_indices=_indices((b, s_q, 9), 64, g, device),
+              attn_sink=torch.randn(h, generator=g).to(device),
+              topk_length=torch.tensor([40, 0, 13], dtype=torch.int32, device=device))
+    out8, lse8 = _run_decode(q, cache8, idx, V4_SCALE, **kw)
+    out16, lse16 = _run_decode(q, cache16, idx, V4_SCALE, **kw)
+    assert torch.equal(out8.cpu(), out16.cpu()) and torch.equal(lse8.cpu(), lse16.cpu())
+    _check(out8, lse8, *refs.sparse_mqa_decode_ref(q, cache8, idx, V4_SCALE, **kw))

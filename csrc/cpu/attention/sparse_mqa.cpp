@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/attention_checks.h"
+#include "cpu/attention/fp8_entry.h"
 #include "ops.h"
 
 namespace deepinfer {
@@ -33,9 +34,13 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
     std::vector<const bf16*> keys;
     std::vector<float> qf(d), acc(d), scores;
+    std::vector<bf16> dequant;  // FP8 entries decoded to bf16 (exact)
     for (int64_t r = r0; r < r1; ++r) {
       // Gather the valid entries of every list, in list order.
       keys.clear();
+      int64_t max_keys = 0;
+      for (const auto& l : a.lists) max_keys += l.indices.size(1);
+      dequant.resize(max_keys * d);  // reserved up front: pointers into it stay valid
       for (const auto& l : a.lists) {
         const int64_t topk = l.indices.size(1);
         int64_t len = topk;
@@ -45,11 +50,20 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
         }
         const int32_t* idx = l.indices.const_data_ptr<int32_t>() + r * topk;
         const int64_t block_size = l.cache.size(1), num_slots = l.cache.size(0) * block_size;
-        const bf16* base = l.cache.const_data_ptr<bf16>();
+        const bool fp8 = l.cache.scalar_type() == at::kByte;
+        const auto* base = static_cast<const uint8_t*>(l.cache.const_data_ptr());
+        const int64_t esize = l.cache.element_size();
         for (int64_t j = 0; j < len; ++j) {
           const int64_t s = idx[j];
           if (s < 0 || s >= num_slots) continue;
-          keys.push_back(base + (s / block_size) * l.cache.stride(0) + (s % block_size) * l.cache.stride(1));
+          const uint8_t* e = base + ((s / block_size) * l.cache.stride(0) + (s % block_size) * l.cache.stride(1)) * esize;
+          if (fp8) {
+            bf16* row = dequant.data() + keys.size() * d;
+            fp8_entry::decode(row, e);
+            keys.push_back(row);
+          } else {
+            keys.push_back(reinterpret_cast<const bf16*>(e));
+          }
         }
       }
       const int64_t n = static_cast<int64_t>(keys.size());

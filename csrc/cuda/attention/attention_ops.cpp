@@ -30,13 +30,22 @@ void run_sparse_mqa_cuda(const char* op, const SparseMqaArgs& a) {
   for (size_t l = 0; l < a.lists.size(); ++l) {
     const auto& kl = a.lists[l];
     const char* name = l == 0 ? "kv_cache" : "extra_kv_cache";
-    DEEPINFER_CHECK(kl.cache.numel() == 0 || (is_aligned(kl.cache.const_data_ptr(), 16) &&
-                                               kl.cache.stride(0) % 8 == 0 && kl.cache.stride(1) % 8 == 0),
-                    op, name, " must be 16-byte aligned with strides that are multiples of 8 elements, got strides ",
-                    kl.cache.strides());
+    const bool fp8 = kl.cache.scalar_type() == at::kByte;
+    if (fp8) {
+      DEEPINFER_CHECK(kl.cache.numel() == 0 || (is_aligned(kl.cache.const_data_ptr(), 8) &&
+                                                 kl.cache.stride(0) % 8 == 0 && kl.cache.stride(1) % 8 == 0),
+                      op, name, " (FP8) must be 8-byte aligned with byte strides that are multiples of 8, got strides ",
+                      kl.cache.strides());
+    } else {
+      DEEPINFER_CHECK(kl.cache.numel() == 0 || (is_aligned(kl.cache.const_data_ptr(), 16) &&
+                                                 kl.cache.stride(0) % 8 == 0 && kl.cache.stride(1) % 8 == 0),
+                      op, name, " must be 16-byte aligned with strides that are multiples of 8 elements, got strides ",
+                      kl.cache.strides());
+    }
     DEEPINFER_CHECK(kl.indices.size(1) < (int64_t(1) << 31), op, "topk too large");
     auto& lp = p.lists[l];
-    lp.cache = static_cast<const __nv_bfloat16*>(kl.cache.const_data_ptr());
+    lp.cache = kl.cache.const_data_ptr();
+    lp.is_fp8 = fp8;
     lp.block_stride = kl.cache.stride(0);
     lp.token_stride = kl.cache.stride(1);
     lp.num_blocks = kl.cache.numel() == 0 ? 0 : kl.cache.size(0);
@@ -140,6 +149,39 @@ void kv_cache_write_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::T
   p.t = kv.size(0);
   p.slot_mapping = slot_mapping.const_data_ptr<int64_t>();
   attention::launch_kv_cache_write(p, current_stream());
+}
+
+namespace {
+
+attention::Fp8CacheParams fp8_params(const at::Tensor& kv_cache, const at::Tensor& rows,
+                                     const at::Tensor& slot_mapping) {
+  attention::Fp8CacheParams p{};
+  p.cache = static_cast<uint8_t*>(const_cast<void*>(kv_cache.const_data_ptr()));
+  p.block_stride = kv_cache.stride(0);
+  p.token_stride = kv_cache.stride(1);
+  p.block_size = static_cast<int>(kv_cache.size(1));
+  p.num_slots = kv_cache.size(0) * kv_cache.size(1);
+  p.rows = static_cast<__nv_bfloat16*>(const_cast<void*>(rows.const_data_ptr()));
+  p.row_stride = rows.stride(0);
+  p.t = rows.size(0);
+  p.slot_mapping = slot_mapping.const_data_ptr<int64_t>();
+  return p;
+}
+
+}  // namespace
+
+void kv_cache_write_fp8_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping) {
+  check_fp8_cache("kv_cache_write_fp8", kv_cache, kv, "kv", slot_mapping);
+  if (kv.size(0) == 0 || kv_cache.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  attention::launch_kv_cache_write_fp8(fp8_params(kv_cache, kv, slot_mapping), current_stream());
+}
+
+void kv_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  check_fp8_cache("kv_cache_dequant_fp8", kv_cache, out, "out", slot_mapping);
+  if (out.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(kv_cache.device());
+  attention::launch_kv_cache_dequant_fp8(fp8_params(kv_cache, out, slot_mapping), current_stream());
 }
 
 }  // namespace deepinfer

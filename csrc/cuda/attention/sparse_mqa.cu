@@ -4,6 +4,7 @@
 //   (mma.sync m16n8k16 bf16 -> fp32) with an online softmax in fp32; the sink logit joins the denominator at the end.
 // Warp w: QK^T for heads [16 (w%4), +16) x keys [32 (w/4), +32); PV for heads [16 (w%4), +16) x dims [D/2 (w/4), +D/2).
 // No split-KV yet: the work of a row never depends on the batch, so results are batch-invariant by construction.
+#include <cuda_fp8.h>
 #include <math_constants.h>
 
 #include "deepinfer/attention/sparse_mqa.cuh"
@@ -28,7 +29,8 @@ struct SmemLayout {
   static constexpr size_t l_off = m_off + kBlockH * 4;
   static constexpr size_t a_off = l_off + kBlockH * 4;
   static constexpr size_t ptr_off = a_off + kBlockH * 4;
-  static constexpr size_t bytes = ptr_off + kBlockN * sizeof(void*);
+  static constexpr size_t fp8_off = ptr_off + kBlockN * sizeof(void*);
+  static constexpr size_t bytes = fp8_off + kBlockN;
 };
 
 __device__ __forceinline__ uint32_t ld_u32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -47,6 +49,34 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Dims [c, c + 8) of a MODEL1 FP8 entry as 8 bf16 (exact: e4m3 x power of two fits bf16). 8-byte aligned entries.
+__device__ __forceinline__ uint4 load_fp8_entry8(const uint8_t* e, int c) {
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+  if (c < kFp8NopeDims) {
+    const uint2 codes = __ldg(reinterpret_cast<const uint2*>(e + c));
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(&codes);
+    const uint32_t ex = e[kFp8ScaleOffset + c / 64];
+    const float sc = ex == 0xffu ? CUDART_NAN_F : __uint_as_float(ex << 23);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      __nv_fp8_e4m3 lo, hi;
+      lo.__x = b[2 * j];
+      hi.__x = b[2 * j + 1];
+      const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(lo) * sc, static_cast<float>(hi) * sc);
+      o[j] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  } else {
+    const uint2* rope = reinterpret_cast<const uint2*>(e + kFp8NopeDims + (c - kFp8NopeDims) * 2);
+    const uint2 a = __ldg(rope), b = __ldg(rope + 1);
+    o[0] = a.x;
+    o[1] = a.y;
+    o[2] = b.x;
+    o[3] = b.y;
+  }
+  return out;
+}
+
 template <int kDim>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_constant__ SparseMqaParams p) {
   using L = SmemLayout<kDim>;
@@ -61,7 +91,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
   float* sM = reinterpret_cast<float*>(smem + L::m_off);
   float* sL = reinterpret_cast<float*>(smem + L::l_off);
   float* sA = reinterpret_cast<float*>(smem + L::a_off);
-  const __nv_bfloat16** sPtr = reinterpret_cast<const __nv_bfloat16**>(smem + L::ptr_off);
+  const uint8_t** sPtr = reinterpret_cast<const uint8_t**>(smem + L::ptr_off);
+  bool* sFp8 = reinterpret_cast<bool*>(smem + L::fp8_off);
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int64_t row = blockIdx.x;
@@ -104,24 +135,28 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
     // 1. Resolve the tile's entries to row pointers (nullptr = invalid), then gather them.
     if (tid < kBlockN) {
       const int kp = tile * kBlockN + tid;
-      const __nv_bfloat16* ptr = nullptr;
+      const uint8_t* ptr = nullptr;
+      bool fp8 = false;
       if (kp < total) {
         const bool first = kp < len0;
         const SparseKvListParams& kl = first ? p.lists[0] : p.lists[1];
         const int j = first ? kp : kp - len0;
         const int64_t s = kl.indices[row * kl.topk + j];
+        fp8 = kl.is_fp8;
         if (s >= 0 && s < kl.num_blocks * kl.block_size) {
-          ptr = kl.cache + (s / kl.block_size) * kl.block_stride + (s % kl.block_size) * kl.token_stride;
+          const int64_t elem = (s / kl.block_size) * kl.block_stride + (s % kl.block_size) * kl.token_stride;
+          ptr = static_cast<const uint8_t*>(kl.cache) + elem * (fp8 ? 1 : 2);
         }
       }
       sPtr[tid] = ptr;
+      sFp8[tid] = fp8;
     }
     __syncthreads();
     for (int v = tid; v < kBlockN * kVecPerRow; v += kThreads) {
       const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
-      const __nv_bfloat16* ptr = sPtr[r];
+      const uint8_t* ptr = sPtr[r];
       uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (ptr != nullptr) val = __ldg(reinterpret_cast<const uint4*>(ptr + c));
+      if (ptr != nullptr) val = sFp8[r] ? load_fp8_entry8(ptr, c) : __ldg(reinterpret_cast<const uint4*>(ptr + 2 * c));
       *reinterpret_cast<uint4*>(sK + r * kStride + c) = val;
     }
     __syncthreads();

@@ -102,6 +102,8 @@ def _gather_kv_list_ref(
     Entry j of row (b, s) is valid iff ``j < topk_length[b]`` (when given) and ``0 <= idx < num_blocks * block_size``;
     ``idx`` addresses ``cache[idx // block_size, idx % block_size]``.
     """
+    if cache.dtype == torch.uint8:  # MODEL1 FP8 entries: decode (exactly) to bf16 first
+        cache = fp8_entry_decode_ref(cache)
     num_blocks, block_size, _ = cache.shape
     idx = indices.long()
     valid = (idx >= 0) & (idx < num_blocks * block_size)
@@ -220,3 +222,51 @@ def kv_cache_write_ref(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: t
         if 0 <= s < num_blocks * block_size:
             out[s // block_size, s % block_size] = kv[i]
     return out
+
+
+FP8_ENTRY_BYTES, FP8_NOPE_DIMS, FP8_ROPE_DIMS, FP8_TILE_DIMS, FP8_SCALE_OFFSET = 584, 448, 64, 64, 576
+
+
+def fp8_entry_encode_ref(kv: torch.Tensor) -> torch.Tensor:
+    """Encode bf16 rows ``[t, 512]`` as FlashMLA "MODEL1" FP8 entries ``[t, 584]`` uint8:
+    ``[0, 448)`` e4m3 codes of the no-RoPE dims (``per_token_group_quant_fp8_ref`` with group 64 and UE8M0 scales),
+    ``[448, 576)`` the 64 RoPE dims as raw bf16 bytes, ``[576, 583)`` the 7 scale exponent bytes
+    (``scale = 2 ** (byte - 127)``; 0xFF = NaN scale), ``[583]`` zero."""
+    t = kv.shape[0]
+    q, scale = per_token_group_quant_fp8_ref(kv[:, :FP8_NOPE_DIMS], FP8_TILE_DIMS, scale_ue8m0=True)
+    bits = scale.contiguous().view(torch.int32)
+    exp = torch.where(torch.isnan(scale), torch.full_like(bits, 0xFF), (bits >> 23) & 0xFF).to(torch.uint8)
+    out = torch.zeros(t, FP8_ENTRY_BYTES, dtype=torch.uint8, device=kv.device)
+    out[:, :FP8_NOPE_DIMS] = q.view(torch.uint8)
+    out[:, FP8_NOPE_DIMS:FP8_SCALE_OFFSET] = kv[:, FP8_NOPE_DIMS:].contiguous().view(torch.uint8)
+    out[:, FP8_SCALE_OFFSET:FP8_SCALE_OFFSET + FP8_NOPE_DIMS // FP8_TILE_DIMS] = exp
+    return out
+
+
+def fp8_entry_decode_ref(entries: torch.Tensor) -> torch.Tensor:
+    """Decode MODEL1 FP8 entries ``[..., 584]`` uint8 to bf16 ``[..., 512]`` (exact: e4m3 x 2^k fits bf16)."""
+    lead = entries.shape[:-1]
+    e = entries.reshape(-1, FP8_ENTRY_BYTES)
+    codes = e[:, :FP8_NOPE_DIMS].contiguous().view(torch.float8_e4m3fn).float()
+    exp = e[:, FP8_SCALE_OFFSET:FP8_SCALE_OFFSET + FP8_NOPE_DIMS // FP8_TILE_DIMS].int()
+    scale = torch.where(exp == 0xFF, torch.full_like(exp, 0x7FC00000), exp << 23).view(torch.float32)
+    nope = codes * scale.repeat_interleave(FP8_TILE_DIMS, dim=-1)
+    rope = e[:, FP8_NOPE_DIMS:FP8_SCALE_OFFSET].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=-1).to(torch.bfloat16).view(*lead, FP8_NOPE_DIMS + FP8_ROPE_DIMS)
+
+
+def kv_cache_write_fp8_ref(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kv_cache_write_fp8`` (returns a new uint8 cache ``[num_blocks, block_size, 584]``)."""
+    return kv_cache_write_ref(kv_cache, fp8_entry_encode_ref(kv), slot_mapping)
+
+
+def kv_cache_dequant_fp8_ref(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kv_cache_dequant_fp8``: bf16 ``[t, 512]``, zero rows for slots outside the cache."""
+    num_blocks, block_size, _ = kv_cache.shape
+    s = slot_mapping.long()
+    valid = (s >= 0) & (s < num_blocks * block_size)
+    s = torch.where(valid, s, torch.zeros_like(s))
+    if num_blocks * block_size == 0:
+        return torch.zeros(s.shape[0], FP8_NOPE_DIMS + FP8_ROPE_DIMS, dtype=torch.bfloat16, device=kv_cache.device)
+    rows = fp8_entry_decode_ref(kv_cache[s // block_size, s % block_size])
+    return torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))

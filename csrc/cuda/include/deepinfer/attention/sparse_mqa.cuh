@@ -8,9 +8,16 @@ namespace deepinfer::attention {
 
 constexpr int kMaxKvLists = 2;
 
+// FlashMLA "MODEL1" FP8 entry: [0, 448) e4m3 | [448, 576) 64 bf16 RoPE dims | [576, 583) UE8M0 exponents | pad.
+constexpr int kFp8EntryBytes = 584;
+constexpr int kFp8NopeDims = 448;
+constexpr int kFp8ScaleOffset = 576;
+
 struct SparseKvListParams {
-  const __nv_bfloat16* cache;  // [num_blocks, block_size, head_dim]; entry (b, o) at b * block_stride + o * token_stride
-  int64_t block_stride, token_stride;  // elements (64-bit: byte offsets of large page ids exceed 2^31)
+  const void* cache;  // bf16 [num_blocks, block_size, head_dim] or (is_fp8) uint8 [num_blocks, block_size, 584];
+                      // entry (b, o) at b * block_stride + o * token_stride
+  int64_t block_stride, token_stride;  // elements of the cache dtype (64-bit: large page ids overflow 2^31 bytes)
+  bool is_fp8;
   int64_t num_blocks;
   int block_size;
   const int32_t* indices;       // [rows, topk] contiguous; block_id * block_size + offset; invalid if < 0 or >= slots
@@ -71,5 +78,17 @@ struct KvCacheWriteParams {
 };
 
 void launch_kv_cache_write(const KvCacheWriteParams& p, cudaStream_t stream);
+
+struct Fp8CacheParams {
+  uint8_t* cache;  // [num_blocks, block_size, 584] (const for dequant); byte strides
+  int64_t block_stride, token_stride, num_slots;
+  int block_size;
+  __nv_bfloat16* rows;  // [t, 512] (read by the write, written by the dequant), row stride row_stride elements
+  int64_t row_stride, t;
+  const int64_t* slot_mapping;  // [t]; invalid slots: skipped (write) or zero rows (dequant)
+};
+
+void launch_kv_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream);
+void launch_kv_cache_dequant_fp8(const Fp8CacheParams& p, cudaStream_t stream);
 
 }  // namespace deepinfer::attention
