@@ -1,6 +1,7 @@
 // Sparse MQA kernel (decode and prefill). One CTA of 8 warps per (query row, tile of 64 heads):
 //   Q tile [64 heads x D] stays in shared memory; the row's KV entries are gathered by index, 64 at a time, into
-//   shared memory (invalid entries are zero rows with score -inf); S = Q K^T and O += P V run on tensor cores
+//   shared memory (cp.async for bf16 rows, decoded in registers for FP8 entries; invalid entries are zero rows with
+//   score -inf); S = Q K^T and O += P V run on tensor cores
 //   (mma.sync m16n8k16 bf16 -> fp32) with an online softmax in fp32; the sink logit joins the denominator at the end.
 // Warp w: QK^T for heads [16 (w%4), +16) x keys [32 (w/4), +32); PV for heads [16 (w%4), +16) x dims [D/2 (w/4), +D/2).
 // No split-KV yet: the work of a row never depends on the batch, so results are batch-invariant by construction.
@@ -48,6 +49,13 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
 // Dims [c, c + 8) of a MODEL1 FP8 entry as 8 bf16 (exact: e4m3 x power of two fits bf16). 8-byte aligned entries.
 __device__ __forceinline__ uint4 load_fp8_entry8(const uint8_t* e, int c) {
@@ -155,10 +163,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
     for (int v = tid; v < kBlockN * kVecPerRow; v += kThreads) {
       const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
       const uint8_t* ptr = sPtr[r];
-      uint4 val = make_uint4(0u, 0u, 0u, 0u);
-      if (ptr != nullptr) val = sFp8[r] ? load_fp8_entry8(ptr, c) : __ldg(reinterpret_cast<const uint4*>(ptr + 2 * c));
-      *reinterpret_cast<uint4*>(sK + r * kStride + c) = val;
+      __nv_bfloat16* dst = sK + r * kStride + c;
+      if (ptr != nullptr && !sFp8[r]) {
+        cp_async_16(dst, ptr + 2 * c);  // bf16 rows: asynchronous copies, all of a thread's in flight at once
+      } else {
+        *reinterpret_cast<uint4*>(dst) = ptr != nullptr ? load_fp8_entry8(ptr, c) : make_uint4(0u, 0u, 0u, 0u);
+      }
     }
+    cp_async_wait_all();
     __syncthreads();
 
     // 2. S = scale * Q K^T for this warp's 16 heads x 32 entries; invalid entries -> -inf.
