@@ -4,7 +4,7 @@
 //   score -inf); S = Q K^T and O += P V run on tensor cores
 //   (mma.sync m16n8k16 bf16 -> fp32) with an online softmax in fp32; the sink logit joins the denominator at the end.
 // Warp w: QK^T for heads [16 (w%4), +16) x keys [32 (w/4), +32); PV for heads [16 (w%4), +16) x dims [D/2 (w/4), +D/2).
-// No split-KV yet: the work of a row never depends on the batch, so results are batch-invariant by construction.
+// The gather of tile i + 1 (two K buffers) overlaps the math of tile i. No split-KV yet: the work of a row never depends on the batch, so results are batch-invariant by construction.
 #include <cuda_fp8.h>
 #include <math_constants.h>
 
@@ -24,14 +24,15 @@ struct SmemLayout {
   static constexpr int kPStride = kBlockN + 8;    // bf16 probabilities
   static constexpr size_t q_off = 0;
   static constexpr size_t k_off = q_off + size_t(kBlockH) * kStride * 2;
-  static constexpr size_t s_off = k_off + size_t(kBlockN) * kStride * 2;
+  static constexpr size_t k_buf = size_t(kBlockN) * kStride * 2;  // bytes of one K buffer (two: double-buffered)
+  static constexpr size_t s_off = k_off + 2 * k_buf;
   static constexpr size_t p_off = s_off + size_t(kBlockH) * kSStride * 4;
   static constexpr size_t m_off = p_off + size_t(kBlockH) * kPStride * 2;
   static constexpr size_t l_off = m_off + kBlockH * 4;
   static constexpr size_t a_off = l_off + kBlockH * 4;
   static constexpr size_t ptr_off = a_off + kBlockH * 4;
-  static constexpr size_t fp8_off = ptr_off + kBlockN * sizeof(void*);
-  static constexpr size_t bytes = fp8_off + kBlockN;
+  static constexpr size_t fp8_off = ptr_off + 2 * kBlockN * sizeof(void*);
+  static constexpr size_t bytes = fp8_off + 2 * kBlockN;
 };
 
 __device__ __forceinline__ uint32_t ld_u32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
@@ -138,9 +139,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
   for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
   __syncthreads();
 
-  const int num_tiles = (total + kBlockN - 1) / kBlockN;
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    // 1. Resolve the tile's entries to row pointers (nullptr = invalid), then gather them.
+  // Entries of tile `tile` -> row pointers (nullptr = invalid) in slot `buf` of sPtr / sFp8 (threads < kBlockN).
+  auto resolve = [&](int tile, int buf) {
     if (tid < kBlockN) {
       const int kp = tile * kBlockN + tid;
       const uint8_t* ptr = nullptr;
@@ -156,22 +156,45 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
           ptr = static_cast<const uint8_t*>(kl.cache) + elem * (fp8 ? 1 : 2);
         }
       }
-      sPtr[tid] = ptr;
-      sFp8[tid] = fp8;
+      sPtr[buf * kBlockN + tid] = ptr;
+      sFp8[buf * kBlockN + tid] = fp8;
     }
-    __syncthreads();
+  };
+  // Gather the resolved rows into K buffer `buf`: cp.async for bf16 rows (all in flight at once), FP8 entries
+  // decoded in registers, zero rows for invalid entries.
+  auto issue = [&](int buf) {
+    __nv_bfloat16* kbuf = sK + buf * kBlockN * kStride;
     for (int v = tid; v < kBlockN * kVecPerRow; v += kThreads) {
       const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
-      const uint8_t* ptr = sPtr[r];
-      __nv_bfloat16* dst = sK + r * kStride + c;
-      if (ptr != nullptr && !sFp8[r]) {
-        cp_async_16(dst, ptr + 2 * c);  // bf16 rows: asynchronous copies, all of a thread's in flight at once
+      const uint8_t* ptr = sPtr[buf * kBlockN + r];
+      __nv_bfloat16* dst = kbuf + r * kStride + c;
+      if (ptr != nullptr && !sFp8[buf * kBlockN + r]) {
+        cp_async_16(dst, ptr + 2 * c);
       } else {
         *reinterpret_cast<uint4*>(dst) = ptr != nullptr ? load_fp8_entry8(ptr, c) : make_uint4(0u, 0u, 0u, 0u);
       }
     }
+  };
+
+  const int num_tiles = (total + kBlockN - 1) / kBlockN;
+  if (num_tiles > 0) {
+    resolve(0, 0);
+    __syncthreads();
+    issue(0);
+  }
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int buf = tile & 1;
+    // 1. Wait for this tile's rows, then start gathering the next tile into the other buffer (its last readers,
+    //    tile - 1's QK^T and PV, finished before the previous iteration's final barrier).
     cp_async_wait_all();
     __syncthreads();
+    if (tile + 1 < num_tiles) {
+      resolve(tile + 1, buf ^ 1);
+      __syncthreads();
+      issue(buf ^ 1);
+    }
+    const __nv_bfloat16* sKt = sK + buf * kBlockN * kStride;
+    const uint8_t* const* sPtrT = sPtr + buf * kBlockN;
 
     // 2. S = scale * Q K^T for this warp's 16 heads x 32 entries; invalid entries -> -inf.
     {
@@ -180,7 +203,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
       for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
       const __nv_bfloat16* qa = sQ + r0 * kStride + 2 * t4;
       const __nv_bfloat16* qb = sQ + r1 * kStride + 2 * t4;
-      const __nv_bfloat16* kb = sK + (half * 32 + g) * kStride + 2 * t4;
+      const __nv_bfloat16* kb = sKt + (half * 32 + g) * kStride + 2 * t4;
 #pragma unroll 4
       for (int kk = 0; kk < kDim; kk += 16) {
         const uint32_t a0 = ld_u32(qa + kk), a1 = ld_u32(qb + kk), a2 = ld_u32(qa + kk + 8), a3 = ld_u32(qb + kk + 8);
@@ -193,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int col = half * 32 + nt * 8 + 2 * t4;
-        const bool v0 = sPtr[col] != nullptr, v1 = sPtr[col + 1] != nullptr;
+        const bool v0 = sPtrT[col] != nullptr, v1 = sPtrT[col + 1] != nullptr;
         sS[r0 * kSStride + col] = v0 ? s[nt][0] * scale : -CUDART_INF_F;
         sS[r0 * kSStride + col + 1] = v1 ? s[nt][1] * scale : -CUDART_INF_F;
         sS[r1 * kSStride + col] = v0 ? s[nt][2] * scale : -CUDART_INF_F;
@@ -249,7 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
       }
       const __nv_bfloat16* pa = sP + r0 * kPStride + 2 * t4;
       const __nv_bfloat16* pb = sP + r1 * kPStride + 2 * t4;
-      const uint16_t* vk = reinterpret_cast<const uint16_t*>(sK);
+      const uint16_t* vk = reinterpret_cast<const uint16_t*>(sKt);
 #pragma unroll
       for (int kk = 0; kk < kBlockN; kk += 16) {
         const uint32_t a0 = ld_u32(pa + kk), a1 = ld_u32(pb + kk), a2 = ld_u32(pa + kk + 8), a3 = ld_u32(pb + kk + 8);
