@@ -433,3 +433,15 @@ def test_decode_fp8_cache_equals_decoded_bf16_cache(device):
     out16, lse16 = _run_decode(q, cache16, idx, V4_SCALE, **kw)
     assert torch.equal(out8.cpu(), out16.cpu()) and torch.equal(lse8.cpu(), lse16.cpu())
     _check(out8, lse8, *refs.sparse_mqa_decode_ref(q, cache8, idx, V4_SCALE, **kw))
+
+
+@pytest.mark.cuda
+def test_cuda_decode_batch_invariant_across_cta_shapes():
+    # 160 rows fill the GPU with 64 heads per CTA; one row alone runs with 16 heads per CTA. Same bits.
+    q, comp, idx, kw = _decode_case("cuda", 160, 1, V4_HEADS, V4_DIM, V4_TOPK, V4_WINDOW, 64, 160)
+    out, lse = _run_decode(q, comp, idx, V4_SCALE, **kw)
+    for r in (0, 77, 159):
+        sub = {k: (v[r:r + 1] if k in ("topk_length", "extra_topk_length", "extra_indices") else v)
+               for k, v in kw.items()}
+        o1, l1 = _run_decode(q[r:r + 1].contiguous(), comp, idx[r:r + 1].contiguous(), V4_SCALE, **sub)
+        assert torch.equal(o1, out[r:r + 1]) and torch.equal(l1, lse[r:r + 1])

@@ -4,7 +4,9 @@
 //   score -inf); S = Q K^T and O += P V run on tensor cores
 //   (mma.sync m16n8k16 bf16 -> fp32) with an online softmax in fp32; the sink logit joins the denominator at the end.
 // Warp w: QK^T for heads [16 (w%4), +16) x keys [32 (w/4), +32); PV for heads [16 (w%4), +16) x dims [D/2 (w/4), +D/2).
-// The gather of tile i + 1 (two K buffers) overlaps the math of tile i. No split-KV yet: the work of a row never depends on the batch, so results are batch-invariant by construction.
+// The gather of tile i + 1 (two K buffers) overlaps the math of tile i. Few query rows: fewer heads per CTA (more
+// CTAs, each gathering the same rows) -- a head's result does not depend on which heads share its CTA (mma rows are
+// independent), so this choice keeps results batch-invariant. No split-KV yet: the work of a row never depends on the batch, so results are batch-invariant by construction.
 #include <cuda_fp8.h>
 #include <math_constants.h>
 
@@ -105,13 +107,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int64_t row = blockIdx.x;
-  const int h0 = blockIdx.y * kBlockH;
+  const int heads_per_cta = p.heads_per_cta;  // 16, 32 or 64: rows past it stay zero and are not written
+  const int h0 = blockIdx.y * heads_per_cta;
   const int num_heads = p.num_heads;
 
   for (int v = tid; v < kBlockH * kVecPerRow; v += kThreads) {
     const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (h0 + r < num_heads) val = *reinterpret_cast<const uint4*>(p.q + (row * num_heads + h0 + r) * kDim + c);
+    if (r < heads_per_cta && h0 + r < num_heads) val = *reinterpret_cast<const uint4*>(p.q + (row * num_heads + h0 + r) * kDim + c);
     *reinterpret_cast<uint4*>(sQ + r * kStride + c) = val;
   }
   if (tid < kBlockH) {
@@ -294,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
   for (int rr = 0; rr < 2; ++rr) {
     const int r = rr == 0 ? r0 : r1;
     const int head = h0 + r;
-    if (head >= num_heads) continue;
+    if (r >= heads_per_cta || head >= num_heads) continue;
     const float m = sM[r], l = sL[r];
     float inv = 0.f;
     if (m != -CUDART_INF_F) {
@@ -318,7 +321,8 @@ void launch_dim(const SparseMqaParams& p, cudaStream_t stream) {
   // Set on every launch: the attribute is per device, and the call is a cheap host-side one.
   DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(sparse_mqa_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.num_heads + kBlockH - 1) / kBlockH));
+  const dim3 grid(static_cast<unsigned>(p.rows),
+                  static_cast<unsigned>((p.num_heads + p.heads_per_cta - 1) / p.heads_per_cta));
   sparse_mqa_kernel<kDim><<<grid, kThreads, smem, stream>>>(p);
   DEEPINFER_CHECK_LAUNCH("sparse_mqa_kernel");
 }
@@ -327,6 +331,9 @@ void launch_dim(const SparseMqaParams& p, cudaStream_t stream) {
 
 void launch_sparse_mqa(const SparseMqaParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.num_heads == 0) return;
+  if (p.heads_per_cta != 16 && p.heads_per_cta != 32 && p.heads_per_cta != 64) {
+    throw std::runtime_error("deepinfer sparse_mqa: heads_per_cta must be 16, 32 or 64");
+  }
   switch (p.head_dim) {
     case 64: launch_dim<64>(p, stream); break;
     case 128: launch_dim<128>(p, stream); break;
