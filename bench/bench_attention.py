@@ -5,6 +5,7 @@ Byte / flop arithmetic (R = query rows = b * s_q or prefill tokens, n = entries 
   sparse MQA  bytes = R * n * 512 * 2 (gathered KV rows; each row read once per query row, no reuse assumed)
                       + 2 * R * h * 512 * 2 (q read, out written) + R * n * 4 (indices);
               flops = 4 * R * h * n * 512 (QK^T and PV).
+  FP8 decode: the compressed list's rows are 584 B instead of 1024 B (the window stays bf16).
   mqa_logits  bytes = n * 128 * 2 (keys) + t * n * 4 (logits); flops = 2 * t * H * n * 128.
   top-k       bytes = rows * n * 4 (one read of the scores; the copy ceiling is 4.24 TB/s on H200).
 Targets (issue 6): decode >= 3.4 TB/s effective, prefill >= 500 TFLOPS, top-k >= 70% of the copy ceiling.
@@ -75,6 +76,18 @@ def bench_decode(quick):
                         "shape": {"b": b, "s_q": s_q, "h": HEADS, "topk": TOPK, "window": WINDOW, "dtype": "bf16"},
                         **metrics(time_cuda(fn), flops, nbytes),
                         "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes)}})
+            # FP8 MODEL1 compressed cache (584 B entries), bf16 window: same math, fewer bytes.
+            comp8 = torch.empty(comp.shape[0], BLOCK, 584, device="cuda", dtype=torch.uint8)
+            deepinfer_ops.kv_cache_write_fp8(comp8, comp.view(-1, DIM),
+                                             torch.arange(comp.shape[0] * BLOCK, device="cuda"))
+            fn8 = lambda: deepinfer_ops.sparse_mqa_decode(q, comp8, i4, SCALE, extra_kv_cache=win, extra_indices=w4,
+                                                          attn_sink=sink)
+            nbytes8 = nbytes - rows * TOPK * (DIM * 2 - 584)
+            out.append({"op": "sparse_mqa_decode_fp8",
+                        "shape": {"b": b, "s_q": s_q, "h": HEADS, "topk": TOPK, "window": WINDOW,
+                                  "dtype": "fp8_model1+bf16_window"},
+                        **metrics(time_cuda(fn8), flops, nbytes8),
+                        "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes8)}})
     return out
 
 
