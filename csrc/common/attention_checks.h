@@ -44,7 +44,7 @@ inline void check_kv_list(const char* op, const at::Tensor& q, const at::Tensor&
                           const std::optional<at::Tensor>& topk_length, const char* len_name,
                           at::IntArrayRef idx_lead, int64_t num_lengths) {
   DEEPINFER_CHECK(cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kByte, op, cache_name,
-                  " must be bfloat16 or uint8 (FP8 MODEL1 entries), got ", cache.scalar_type());
+                  " must be torch.bfloat16 or torch.uint8 (FP8 MODEL1 entries), got ", dtype_name(cache.scalar_type()));
   check_same_device(op, cache, cache_name, q, "q");
   DEEPINFER_CHECK(cache.dim() == 3, op, cache_name, " must be [num_blocks, block_size, head_dim], got ",
                   cache.sizes());
@@ -136,8 +136,8 @@ inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, cons
                              const std::optional<at::Tensor>& k_start, const std::optional<at::Tensor>& k_end) {
   const char* op = "mqa_logits";
   check_dtype(op, q, "q", at::kBFloat16);
-  DEEPINFER_CHECK(q.dim() == 3 && q.is_contiguous(), op, "q must be a contiguous [num_tokens, num_heads, head_dim], got ",
-                  q.sizes(), " strides ", q.strides());
+  DEEPINFER_CHECK(q.dim() == 3 && q.is_contiguous(), op,
+                  "q must be a contiguous [num_tokens, num_heads, head_dim], got ", q.sizes(), " strides ", q.strides());
   const int64_t t = q.size(0), H = q.size(1), d = q.size(2);
   DEEPINFER_CHECK(d == 64 || d == 128, op, "head_dim must be 64 or 128, got ", d);
   DEEPINFER_CHECK(H >= 1, op, "num_heads must be >= 1");
@@ -199,8 +199,8 @@ inline void check_kv_cache_write(const at::Tensor& kv_cache, const at::Tensor& k
   DEEPINFER_CHECK(kv.dim() == 2 && kv.size(1) == kv_cache.size(2), op, "kv must be [num_tokens, ",
                   kv_cache.size(2), "], got ", kv.sizes());
   DEEPINFER_CHECK(kv.numel() == 0 || kv.stride(1) == 1, op, "kv must be contiguous in its last dim");
-  DEEPINFER_CHECK(kv.scalar_type() == kv_cache.scalar_type(), op, "kv dtype ", kv.scalar_type(),
-                  " != kv_cache dtype ", kv_cache.scalar_type());
+  DEEPINFER_CHECK(kv.scalar_type() == kv_cache.scalar_type(), op, "kv dtype ", dtype_name(kv.scalar_type()),
+                  " != kv_cache dtype ", dtype_name(kv_cache.scalar_type()));
   check_same_device(op, kv, "kv", kv_cache, "kv_cache");
   check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
   check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");

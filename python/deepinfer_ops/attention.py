@@ -139,7 +139,8 @@ def mqa_logits(
     future entries).
 
     Args:
-        q: ``[num_tokens, H, head_dim]`` bf16, contiguous; head_dim 64 or 128 (V4: H 64, head_dim 128); H <= 128 on CUDA.
+        q: ``[num_tokens, H, head_dim]`` bf16, contiguous; head_dim 64 or 128 (V4: H 64, head_dim 128);
+            H <= 128 on CUDA.
         weights: ``[num_tokens, H]`` fp32.
         k_cache: ``[num_blocks, block_size, head_dim]`` bf16 indexer-key cache.
         num_candidates: columns of the output; default ``num_blocks * block_size`` (flat) or

@@ -142,7 +142,7 @@ def test_decode_errors_name_the_tensor(device):
     q = torch.randn(1, 1, 8, 64, generator=g).bfloat16().to(device)
     cache = _cache(2, 4, 64, g, device)
     idx = torch.zeros(1, 1, 3, dtype=torch.int32, device=device)
-    with pytest.raises(RuntimeError, match="indices must be Int"):
+    with pytest.raises(RuntimeError, match="indices must be torch.int32"):
         deepinfer_ops.sparse_mqa_decode(q, cache, idx.long(), 0.1)
     with pytest.raises(RuntimeError, match="kv_cache head_dim"):
         deepinfer_ops.sparse_mqa_decode(q, _cache(2, 4, 128, g, device), idx, 0.1)

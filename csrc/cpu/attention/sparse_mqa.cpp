@@ -56,7 +56,8 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
         for (int64_t j = 0; j < len; ++j) {
           const int64_t s = idx[j];
           if (s < 0 || s >= num_slots) continue;
-          const uint8_t* e = base + ((s / block_size) * l.cache.stride(0) + (s % block_size) * l.cache.stride(1)) * esize;
+          const uint8_t* e =
+              base + ((s / block_size) * l.cache.stride(0) + (s % block_size) * l.cache.stride(1)) * esize;
           if (fp8) {
             bf16* row = dequant.data() + keys.size() * d;
             fp8_entry::decode(row, e);

@@ -184,7 +184,8 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_co
 constexpr int kWriteWarps = 4;
 
 template <bool kVec16>
-__global__ void __launch_bounds__(kWriteWarps * 32) kv_cache_write_kernel(const __grid_constant__ KvCacheWriteParams p) {
+__global__ void __launch_bounds__(kWriteWarps * 32)
+    kv_cache_write_kernel(const __grid_constant__ KvCacheWriteParams p) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kWriteWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (i >= p.t) return;

@@ -6,7 +6,8 @@
 // Warp w: QK^T for heads [16 (w%4), +16) x keys [32 (w/4), +32); PV for heads [16 (w%4), +16) x dims [D/2 (w/4), +D/2).
 // The gather of tile i + 1 (two K buffers) overlaps the math of tile i. Few query rows: fewer heads per CTA (more
 // CTAs, each gathering the same rows) -- a head's result does not depend on which heads share its CTA (mma rows are
-// independent), so this choice keeps results batch-invariant. No split-KV yet: the work of a row never depends on the batch, so results are batch-invariant by construction.
+// independent), so this choice keeps results batch-invariant. No split-KV yet: the work of a row never depends on
+// the batch, so results are batch-invariant by construction.
 #include <cuda_fp8.h>
 #include <math_constants.h>
 
@@ -114,7 +115,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
   for (int v = tid; v < kBlockH * kVecPerRow; v += kThreads) {
     const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (r < heads_per_cta && h0 + r < num_heads) val = *reinterpret_cast<const uint4*>(p.q + (row * num_heads + h0 + r) * kDim + c);
+    if (r < heads_per_cta && h0 + r < num_heads) {
+      val = *reinterpret_cast<const uint4*>(p.q + (row * num_heads + h0 + r) * kDim + c);
+    }
     *reinterpret_cast<uint4*>(sQ + r * kStride + c) = val;
   }
   if (tid < kBlockH) {
