@@ -71,11 +71,13 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) per_token_group_quant_fp8
   }
 }
 
-// Fast path: 16-byte vectors, kThreadsPerGroup = group_size / kVec lanes per group (a power of two <= 32), the
-// group's values kept in registers (one HBM read), grid-stride over groups with two groups per thread in flight.
-template <typename T, int kThreadsPerGroup, typename IdxT>
+// Fast path: each thread holds kVecsPerThread consecutive 16-byte vectors of one group in registers (one HBM
+// read); kThreadsPerGroup = group_size / (kVec * kVecsPerThread) lanes share a group (a power of two <= 32);
+// grid-stride over groups with kUnroll groups per thread in flight.
+template <typename T, int kThreadsPerGroup, int kVecsPerThread, typename IdxT>
 __global__ void __launch_bounds__(256) per_token_group_quant_fp8_vec_kernel(PerTokenGroupQuantParams p) {
   constexpr int kVec = 16 / sizeof(T);
+  constexpr int kElems = kVec * kVecsPerThread;
   constexpr int kGroupsPerBlock = 256 / kThreadsPerGroup;
   constexpr int kUnroll = 2;
   using V = Vec<T, kVec>;
@@ -84,26 +86,31 @@ __global__ void __launch_bounds__(256) per_token_group_quant_fp8_vec_kernel(PerT
   const IdxT items = static_cast<IdxT>(p.rows) * num_groups;
   for (IdxT base = static_cast<IdxT>(blockIdx.x) * kGroupsPerBlock * kUnroll; base < items;
        base += static_cast<IdxT>(gridDim.x) * kGroupsPerBlock * kUnroll) {
-    V v[kUnroll];
-    bool active[kUnroll];
+    V v[kUnroll][kVecsPerThread];
+    bool active[kUnroll][kVecsPerThread];
     IdxT r[kUnroll], g[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const IdxT item = base + u * kGroupsPerBlock + threadIdx.x / kThreadsPerGroup;
       r[u] = item / num_groups;
       g[u] = item - r[u] * num_groups;
-      const int64_t k = static_cast<int64_t>(g[u]) * p.group_size + sub * kVec;
-      active[u] = item < items && k < p.K;  // K % kVec == 0 on this path
-      if (active[u]) {
-        v[u] = *reinterpret_cast<const V*>(static_cast<const T*>(p.input) + static_cast<int64_t>(r[u]) * p.input_row_stride + k);
+      const T* row = static_cast<const T*>(p.input) + static_cast<int64_t>(r[u]) * p.input_row_stride;
+#pragma unroll
+      for (int j = 0; j < kVecsPerThread; ++j) {
+        const int64_t k = static_cast<int64_t>(g[u]) * p.group_size + sub * kElems + j * kVec;
+        active[u][j] = item < items && k < p.K;  // K % kVec == 0 on this path
+        if (active[u][j]) v[u][j] = *reinterpret_cast<const V*>(row + k);
       }
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       float amax = 0.f;
-      if (active[u]) {
 #pragma unroll
-        for (int e = 0; e < kVec; ++e) amax = nan_max(fabsf(to_float(v[u].v[e])), amax);
+      for (int j = 0; j < kVecsPerThread; ++j) {
+        if (active[u][j]) {
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) amax = nan_max(fabsf(to_float(v[u][j].v[e])), amax);
+        }
       }
 #pragma unroll
       for (int m = kThreadsPerGroup / 2; m > 0; m >>= 1) amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, m), amax);
@@ -113,15 +120,18 @@ __global__ void __launch_bounds__(256) per_token_group_quant_fp8_vec_kernel(PerT
       if (item < items && sub == 0) {
         p.out_scale[static_cast<int64_t>(r[u]) * p.scale_row_stride + static_cast<int64_t>(g[u]) * p.scale_col_stride] = scale;
       }
-      if (active[u]) {
-        const float inv_scale = 1.0f / scale;
-        Vec<uint16_t, kVec / 2> o;
+      const float inv_scale = __frcp_rn(scale);  // correctly rounded 1 / scale, as the reference
+      uint8_t* qrow = p.out_q + static_cast<int64_t>(r[u]) * p.q_row_stride + static_cast<int64_t>(g[u]) * p.group_size;
 #pragma unroll
-        for (int e = 0; e < kVec / 2; ++e) {
-          o.v[e] = to_e4m3x2(to_float(v[u].v[2 * e]), to_float(v[u].v[2 * e + 1]), inv_scale);
+      for (int j = 0; j < kVecsPerThread; ++j) {
+        if (active[u][j]) {
+          Vec<uint16_t, kVec / 2> o;
+#pragma unroll
+          for (int e = 0; e < kVec / 2; ++e) {
+            o.v[e] = to_e4m3x2(to_float(v[u][j].v[2 * e]), to_float(v[u][j].v[2 * e + 1]), inv_scale);
+          }
+          *reinterpret_cast<Vec<uint16_t, kVec / 2>*>(qrow + sub * kElems + j * kVec) = o;
         }
-        *reinterpret_cast<Vec<uint16_t, kVec / 2>*>(p.out_q + static_cast<int64_t>(r[u]) * p.q_row_stride +
-                                                    static_cast<int64_t>(g[u]) * p.group_size + sub * kVec) = o;
       }
     }
   }
@@ -137,7 +147,7 @@ int num_sms() {
   return count;
 }
 
-template <typename T, int kThreadsPerGroup>
+template <typename T, int kThreadsPerGroup, int kVecsPerThread>
 void launch_vec(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
   constexpr int kGroupsPerIter = 256 / kThreadsPerGroup * 2;
   const int64_t items = p.rows * p.num_groups;
@@ -145,25 +155,31 @@ void launch_vec(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
   const int64_t grid = needed < static_cast<int64_t>(num_sms()) * 8 ? needed : static_cast<int64_t>(num_sms()) * 8;
   // 32-bit index arithmetic (row/group division) whenever the item count allows it: it is most of the work.
   if (items + static_cast<int64_t>(num_sms()) * 8 * kGroupsPerIter < (int64_t{1} << 32)) {
-    per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, uint32_t><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
+    per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, kVecsPerThread, uint32_t><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
   } else {
-    per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, int64_t><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
+    per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, kVecsPerThread, int64_t><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
   }
 }
 
 template <typename T>
 void launch_typed(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
   constexpr int kVec16 = 16 / sizeof(T);
-  const int64_t tpg = p.group_size / kVec16;
+  // two 16-byte vectors per thread when the group allows (bf16 group 128: 8 lanes x 16 elements)
+  const int vecs = p.group_size % (2 * kVec16) == 0 && p.group_size / (2 * kVec16) >= 4 ? 2 : 1;
+  const int64_t tpg = p.group_size / (kVec16 * vecs);
   const bool fast_ok = p.group_size % kVec16 == 0 && p.K % kVec16 == 0 && p.input_row_stride % kVec16 == 0 &&
                        p.q_row_stride % kVec16 == 0 && is_aligned(p.input, 16) && is_aligned(p.out_q, kVec16) &&
                        (tpg == 4 || tpg == 8 || tpg == 16 || tpg == 32);
   if (fast_ok) {
-    switch (tpg) {
-      case 4: launch_vec<T, 4>(p, stream); break;
-      case 8: launch_vec<T, 8>(p, stream); break;
-      case 16: launch_vec<T, 16>(p, stream); break;
-      default: launch_vec<T, 32>(p, stream); break;
+    switch (tpg * 10 + vecs) {
+      case 41: launch_vec<T, 4, 1>(p, stream); break;
+      case 81: launch_vec<T, 8, 1>(p, stream); break;
+      case 161: launch_vec<T, 16, 1>(p, stream); break;
+      case 321: launch_vec<T, 32, 1>(p, stream); break;
+      case 42: launch_vec<T, 4, 2>(p, stream); break;
+      case 82: launch_vec<T, 8, 2>(p, stream); break;
+      case 162: launch_vec<T, 16, 2>(p, stream); break;
+      default: launch_vec<T, 32, 2>(p, stream); break;
     }
     DEEPINFER_CHECK_LAUNCH("per_token_group_quant_fp8_vec_kernel");
     return;
