@@ -15,12 +15,35 @@ TORCH_LIBRARY(deepinfer_ops, m) {
       "bool scale_ue8m0) -> ()");
   // rope
   m.def("rotary_embedding(Tensor! x, Tensor positions, Tensor cos_sin_cache, bool inverse) -> ()");
+  // attention
+  m.def(
+      "sparse_mqa_decode(Tensor! out, Tensor! lse, Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
+      "Tensor? extra_kv_cache, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? attn_sink, "
+      "float softmax_scale) -> ()");
+  m.def(
+      "sparse_mqa_prefill(Tensor! out, Tensor! lse, Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
+      "Tensor? extra_kv_cache, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? attn_sink, "
+      "float softmax_scale) -> ()");
+  m.def(
+      "mqa_logits(Tensor! logits, Tensor q, Tensor weights, Tensor k_cache, Tensor? block_table, Tensor? k_start, "
+      "Tensor? k_end) -> ()");
+  m.def("topk_rows(Tensor! values, Tensor! indices, Tensor scores) -> ()");
+  m.def("kv_cache_write(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
+  m.def("kv_cache_write_fp8(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
+  m.def("kv_cache_dequant_fp8(Tensor! out, Tensor kv_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("rms_norm", &deepinfer::rms_norm_cpu);
   m.impl("per_token_group_quant_fp8", &deepinfer::per_token_group_quant_fp8_cpu);
   m.impl("rotary_embedding", &deepinfer::rotary_embedding_cpu);
+  m.impl("sparse_mqa_decode", &deepinfer::sparse_mqa_decode_cpu);
+  m.impl("sparse_mqa_prefill", &deepinfer::sparse_mqa_prefill_cpu);
+  m.impl("mqa_logits", &deepinfer::mqa_logits_cpu);
+  m.impl("topk_rows", &deepinfer::topk_rows_cpu);
+  m.impl("kv_cache_write", &deepinfer::kv_cache_write_cpu);
+  m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cpu);
+  m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cpu);
 }
 
 #ifdef DEEPINFER_WITH_CUDA
@@ -28,5 +51,12 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("rms_norm", &deepinfer::rms_norm_cuda);
   m.impl("per_token_group_quant_fp8", &deepinfer::per_token_group_quant_fp8_cuda);
   m.impl("rotary_embedding", &deepinfer::rotary_embedding_cuda);
+  m.impl("sparse_mqa_decode", &deepinfer::sparse_mqa_decode_cuda);
+  m.impl("sparse_mqa_prefill", &deepinfer::sparse_mqa_prefill_cuda);
+  m.impl("mqa_logits", &deepinfer::mqa_logits_cuda);
+  m.impl("topk_rows", &deepinfer::topk_rows_cuda);
+  m.impl("kv_cache_write", &deepinfer::kv_cache_write_cuda);
+  m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cuda);
+  m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cuda);
 }
 #endif
