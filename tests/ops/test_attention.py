@@ -137,6 +137,7 @@ def test_decode_empty_inputs(device):
     assert torch.all(out.float() == 0) and torch.all(lse == float("-inf"))
 
 
+@pytest.mark.native_errors
 def test_decode_errors_name_the_tensor(device):
     g = _gen(4)
     q = torch.randn(1, 1, 8, 64, generator=g).bfloat16().to(device)
