@@ -152,9 +152,12 @@ void launch_vec(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
   constexpr int kGroupsPerIter = 256 / kThreadsPerGroup * 2;
   const int64_t items = p.rows * p.num_groups;
   const int64_t needed = (items + kGroupsPerIter - 1) / kGroupsPerIter;
-  const int64_t grid = needed < static_cast<int64_t>(num_sms()) * 8 ? needed : static_cast<int64_t>(num_sms()) * 8;
+  // Up to 64 CTAs per SM: typical sizes get one pass per CTA and the hardware balances the tail; only huge
+  // inputs loop (grid-stride).
+  const int64_t cap = static_cast<int64_t>(num_sms()) * 64;
+  const int64_t grid = needed < cap ? needed : cap;
   // 32-bit index arithmetic (row/group division) whenever the item count allows it: it is most of the work.
-  if (items + static_cast<int64_t>(num_sms()) * 8 * kGroupsPerIter < (int64_t{1} << 32)) {
+  if (items + cap * kGroupsPerIter < (int64_t{1} << 32)) {
     per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, kVecsPerThread, uint32_t><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
   } else {
     per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, kVecsPerThread, int64_t><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
