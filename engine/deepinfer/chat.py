@@ -38,6 +38,12 @@ class RequestError(Exception):
                        "status_code": status_code}
 
 
+def is_error_record(result: dict) -> bool:
+    """True for ``{"error": {...}}`` (an engine error record), False for a response object (a Responses object
+    carries its own ``"error": null`` field)."""
+    return isinstance(result, dict) and set(result) == {"error"}
+
+
 def public_address_only(host: str, address: str) -> bool:
     """Destination filter for the image fetcher: True only for globally routable unicast addresses."""
     try:
@@ -151,6 +157,7 @@ class ChatFrontend:
         tokenizer_json: path of the checkpoint's ``tokenizer.json``.
         served_model_name: accepted in the request's ``model`` field (besides the recipe's own names) and filled in
             when a body has none.
+        aliases: more accepted names for the same model.
         model_version: ``"v4"`` (``DeepseekV4Encoding``) or ``"v4.1"``: the encoding the served name maps to.
         max_model_len: the model's context limit (``resolve_max_tokens`` lowers the default to what is left).
         eos_token_id: ids never pushed to the parser.
@@ -160,7 +167,8 @@ class ChatFrontend:
 
     def __init__(self, tokenizer_json: str, served_model_name: str, max_model_len: int, eos_token_id: int | None,
                  model_version: str = "v4", enable_image_fetch: bool = False,
-                 image_max_bytes: int = 20 * 1024 * 1024, created: int | None = None) -> None:
+                 image_max_bytes: int = 20 * 1024 * 1024, created: int | None = None,
+                 aliases: tuple[str, ...] = ()) -> None:
         self.tokenizer = R.Tokenizer.from_file(str(tokenizer_json))
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -169,7 +177,9 @@ class ChatFrontend:
         version = {"v4": R.ModelVersion.DeepseekV4Pro, "v4.1": R.ModelVersion.DeepseekV41Flash}.get(model_version)
         if version is None:
             raise ValueError(f"model_version must be 'v4' or 'v4.1', got {model_version!r}")
-        self.options = R.ConversionOptions().with_model_alias(served_model_name, version)
+        self.options = R.ConversionOptions()
+        for name in (served_model_name, *aliases):
+            self.options = self.options.with_model_alias(name, version)
         self.encodings = {
             R.ModelVersion.DeepseekV4Pro: R.DeepseekV4Encoding().with_tokenizer(self.tokenizer),
             R.ModelVersion.DeepseekV41Flash: R.DeepseekV41Encoding().with_tokenizer(self.tokenizer),

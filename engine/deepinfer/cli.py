@@ -9,20 +9,22 @@ tiny checkpoint is used. Progress (tqdm, live tok/s) and the summary go to stder
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 
 
 def _open_in(path: str):
-    return sys.stdin if path == "-" else open(path, encoding="utf-8")
+    return contextlib.nullcontext(sys.stdin) if path == "-" else open(path, encoding="utf-8")
 
 
 def _open_out(path: str):
-    return sys.stdout if path == "-" else open(path, "w", encoding="utf-8")
+    return contextlib.nullcontext(sys.stdout) if path == "-" else open(path, "w", encoding="utf-8")
 
 
 def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     """Run ``generate``; ``model_obj`` replaces ``--model`` with a built model (tests)."""
+    from deepinfer.chat import is_error_record
     from deepinfer.config import EngineConfig
     from deepinfer.llm import LLM
 
@@ -52,13 +54,13 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
         where.append(i)
     results = llm.chat(bodies, api=args.api, use_tqdm=not args.no_progress)
     for i, res in zip(where, results):
-        records[i] = {"line": i + 1, "error": res["error"]} if "error" in res else res
+        records[i] = {"line": i + 1, "error": res["error"]} if is_error_record(res) else res
     with _open_out(args.output) as out:
         for rec in records:
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
     stats = llm.last_stats
     stats.num_requests = len(lines)
-    stats.num_errors = sum(1 for r in records if r is not None and "error" in r and "line" in r)
+    stats.num_errors = sum(1 for r in records if set(r) == {"line", "error"})
     print(stats.format(), file=sys.stderr)
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:

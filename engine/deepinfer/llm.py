@@ -12,7 +12,7 @@ from typing import Any, Sequence as Seq
 import torch
 
 from deepinfer.block_manager import BlockManager
-from deepinfer.chat import ChatFrontend, PreparedChat, RequestError
+from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record
 from deepinfer.config import EngineConfig
 from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.scheduler import Scheduler
@@ -91,10 +91,22 @@ def _packaged_tokenizer_json() -> str:
 
 
 def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool):
-    """Integration point with the model helper's loader: ``deepinfer.checkpoint.load_model``."""
+    """Build the model from a checkpoint folder (integration point with ``deepinfer.checkpoint`` / ``deepinfer.models``).
+
+    Uses ``deepinfer.checkpoint.load_model`` when the checkpoint module offers one; otherwise
+    ``load_checkpoint(path, dequantize=True, dtype, device)`` then ``DeepseekV4ForCausalLM.from_parameters``.
+    The model runs in float32 on the CPU and bfloat16 on CUDA.
+    """
     from deepinfer import checkpoint
 
-    return checkpoint.load_model(path, device=device, batch_invariant=batch_invariant)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if hasattr(checkpoint, "load_model"):
+        return checkpoint.load_model(path, device=device, dtype=dtype, batch_invariant=batch_invariant)
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    ck = checkpoint.load_checkpoint(path, dequantize=True, dtype=dtype, device=device)
+    model = DeepseekV4ForCausalLM.from_parameters(ck.config, ck.params, dtype)
+    return model.to(device).eval()
 
 
 def _model_limits(model) -> tuple[int, int | None, int]:
@@ -170,6 +182,10 @@ class LLM:
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_id)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant)
         self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
+        names = [model_dir.name] if model_dir else []
+        if isinstance(model, str) and model in PRESETS:
+            names += list(PRESETS)
+        self.model_aliases = tuple(n for n in dict.fromkeys(names) if n != self.served_model_name)
         self.model_version = model_version
         self.created = created
         self._frontend: ChatFrontend | None = None
@@ -179,14 +195,29 @@ class LLM:
         self.last_stats = EngineStats()
 
     # ------------------------------------------------------------------ helpers
+    def _cache_bytes_per_block(self) -> int | None:
+        n = getattr(self.model, "cache_bytes_per_block", None)
+        if n:
+            return int(n)
+        try:
+            from deepinfer.models.cache import CacheSpec
+
+            return CacheSpec.from_config(self.model.config, getattr(self.model, "dtype", torch.bfloat16),
+                                         self.config.block_size).bytes_per_block
+        except Exception:  # noqa: BLE001 - a model without the V4 cache spec (e.g. a test double)
+            return None
+
     def _derive_num_blocks(self) -> int:
+        """Enough blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and, on CUDA, by
+        ``gpu_memory_utilization`` of the free device memory."""
         cfg = self.config
         per_seq = -(-self.max_model_len // cfg.block_size)
         n = min(cfg.max_cache_blocks, cfg.max_num_seqs * per_seq)
-        bytes_per_block = getattr(self.model, "cache_bytes_per_block", None)
-        if bytes_per_block and self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            n = min(n, int(free * cfg.gpu_memory_utilization) // int(bytes_per_block))
+        if self.device.type == "cuda":
+            bytes_per_block = self._cache_bytes_per_block()
+            if bytes_per_block:
+                free, _ = torch.cuda.mem_get_info(self.device)
+                n = min(n, int(free * cfg.gpu_memory_utilization) // bytes_per_block)
         return max(1, n)
 
     @property
@@ -195,7 +226,7 @@ class LLM:
             self._frontend = ChatFrontend(
                 self.tokenizer_json, self.served_model_name, self.max_model_len, self.eos_token_id,
                 model_version=self.model_version, enable_image_fetch=self.config.enable_image_fetch,
-                image_max_bytes=self.config.image_max_bytes, created=self.created)
+                image_max_bytes=self.config.image_max_bytes, created=self.created, aliases=self.model_aliases)
         return self._frontend
 
     def _draw_seed(self) -> int:
@@ -370,5 +401,5 @@ class LLM:
                 results[i] = {"error": {"message": f"output parsing failed: {e}", "type": "server_error",
                                         "code": "output_parsing_failed", "param": None, "status_code": 500}}
         self.last_stats.num_requests = len(results)
-        self.last_stats.num_errors = sum(1 for r in results if "error" in r)
+        self.last_stats.num_errors = sum(1 for r in results if is_error_record(r))
         return results  # type: ignore[return-value]

@@ -25,14 +25,14 @@ def allocate_cache(model, num_blocks: int, block_size: int):
     """Ask the model for its paged cache of ``num_blocks`` blocks of ``block_size`` tokens.
 
     The model exposes ``allocate_cache(num_blocks)`` (its block size is fixed by its cache spec, which must equal
-    ``block_size``; checked when the model reports ``cache_spec.block_size`` or ``block_size``).
+    ``block_size``; checked when the model reports ``cache_spec.block_size`` or ``config_block_size``).
 
     Raises:
         ValueError: the model's block size differs from the engine's.
         TypeError: the model has no ``allocate_cache``.
     """
     spec = getattr(model, "cache_spec", None)
-    model_bs = getattr(spec, "block_size", None) or getattr(model, "block_size", None)
+    model_bs = getattr(spec, "block_size", None) or getattr(model, "config_block_size", None)
     if model_bs is not None and int(model_bs) != block_size:
         raise ValueError(f"EngineConfig.block_size ({block_size}) differs from the model's cache block size ({model_bs})")
     if not hasattr(model, "allocate_cache"):

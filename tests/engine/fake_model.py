@@ -107,3 +107,22 @@ def reference_greedy(model: FakeModel, prompt: list[int], max_tokens: int) -> li
         out.append(t)
         ctx.append(t)
     return out
+
+
+class ScriptedModel(FakeModel):
+    """Emits ``script`` after any prompt: the next token is ``script[k]`` for the longest ``k`` such that the context
+    (read back through the block table) ends with ``script[:k]``; EOS after the whole script."""
+
+    def __init__(self, script: list[int], vocab_size: int = 129280, eos_token_id: int = 1, block_size: int = 128):
+        super().__init__(FakeConfig(vocab_size=vocab_size, eos_token_id=eos_token_id), block_size)
+        self.script = list(script)
+
+    def reference_logits(self, context: list[int]) -> torch.Tensor:
+        k = 0
+        for j in range(min(len(self.script), len(context)), 0, -1):
+            if context[-j:] == self.script[:j]:
+                k = j
+                break
+        logits = torch.zeros(self.config.vocab_size)
+        logits[self.script[k] if k < len(self.script) else self.config.eos_token_id] = 50.0
+        return logits
