@@ -4,6 +4,9 @@
 (Chat Completions by default; ``--api messages|responses`` for the others); output line N answers input line N with
 the response object or ``{"line": N, "error": {...}}``. ``-`` means stdin / stdout. Without ``--model`` the built-in
 tiny checkpoint is used. Progress (tqdm, live tok/s) and the summary go to stderr.
+
+``deepinfer determinism-check``: one request alone and inside batches of 1..64 at random positions; prints the number
+of distinct outputs and the first diverging token (exit status 1 when ``--batch-invariant`` outputs differ).
 """
 
 from __future__ import annotations
@@ -68,6 +71,58 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     return 0
 
 
+def determinism_check(llm, batch_sizes: list[int], max_tokens: int = 16, temperature: float = 1.0, seed: int = 0,
+                      prompt_len: int = 64, max_filler_len: int = 300) -> dict:
+    """Run one request alone and inside batches of each size (at a random position, among random-length fillers).
+
+    Returns ``{"distinct_outputs", "first_divergence", "logprobs_bitwise_equal", "max_abs_logprob_diff", "runs"}``;
+    ``first_divergence`` is ``{"batch_size", "token_index"}`` of the first run whose tokens differ from the lone run.
+    """
+    import random
+
+    from deepinfer.sequence import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = llm.vocab_size or 1000
+    target = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    ref = llm.generate([target], params)[0]
+    outputs = {tuple(ref.token_ids)}
+    first_div, bitwise, max_diff, runs = None, True, 0.0, []
+    for b in batch_sizes:
+        fillers = [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_filler_len))] for _ in range(b - 1)]
+        pos = rng.randrange(b)
+        prompts = fillers[:pos] + [target] + fillers[pos:]
+        fparams = [SamplingParams(temperature=temperature, max_tokens=rng.randrange(1, 2 * max_tokens), seed=rng.randrange(1 << 62))
+                   for _ in range(b)]
+        fparams[pos] = params
+        out = llm.generate(prompts, fparams)[pos]
+        outputs.add(tuple(out.token_ids))
+        same = out.token_ids == ref.token_ids
+        if not same and first_div is None:
+            idx = next((i for i, (x, y) in enumerate(zip(out.token_ids, ref.token_ids)) if x != y),
+                       min(len(out.token_ids), len(ref.token_ids)))
+            first_div = {"batch_size": b, "token_index": idx}
+        n = min(len(out.logprobs), len(ref.logprobs))
+        diff = max((abs(x - y) for x, y in zip(out.logprobs[:n], ref.logprobs[:n])), default=0.0)
+        bitwise &= same and out.logprobs == ref.logprobs
+        max_diff = max(max_diff, diff)
+        runs.append({"batch_size": b, "position": pos, "tokens_equal": same, "max_abs_logprob_diff": diff})
+    return {"distinct_outputs": len(outputs), "first_divergence": first_div, "logprobs_bitwise_equal": bitwise,
+            "max_abs_logprob_diff": max_diff, "batch_invariant": llm.config.batch_invariant, "runs": runs}
+
+
+def run_determinism_check(args: argparse.Namespace, model_obj=None) -> int:
+    from deepinfer.llm import LLM
+
+    llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), batch_invariant=args.batch_invariant,
+              device=args.device, max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    report = determinism_check(llm, sizes, args.max_tokens, args.temperature, args.seed, args.prompt_len)
+    print(json.dumps(report, indent=2))
+    return 0 if report["distinct_outputs"] == 1 or not args.batch_invariant else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4-family inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +148,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
     g.set_defaults(func=run_generate)
+
+    d = sub.add_parser("determinism-check",
+                       help="one request alone and inside batches of several sizes: count distinct outputs")
+    d.add_argument("--model", default=None, help="checkpoint directory or preset (default: tiny)")
+    d.add_argument("--batch-sizes", default="1,7,33,64", help="comma-separated batch sizes")
+    d.add_argument("--max-tokens", type=int, default=16)
+    d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--prompt-len", type=int, default=64)
+    d.add_argument("--batch-invariant", action="store_true")
+    d.add_argument("--device", default=None)
+    d.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    d.add_argument("--num-blocks", type=int, default=None)
+    d.set_defaults(func=run_determinism_check)
     return parser
 
 

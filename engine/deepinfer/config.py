@@ -16,6 +16,7 @@ class EngineConfig:
             capped at ``max_cache_blocks``.
         max_cache_blocks: upper bound for a derived ``num_blocks``.
         gpu_memory_utilization: fraction of the free device memory the cache may take when ``num_blocks`` is derived.
+        cpu_cache_gib: on the CPU, the most memory (GiB) a derived cache may take.
         max_num_batched_tokens: per-step token budget (prefill chunks + decodes) of the scheduler.
         max_num_seqs: most sequences running at once.
         max_model_len: context limit in tokens (prompt + output); ``None`` takes the model's.
@@ -35,6 +36,7 @@ class EngineConfig:
     num_blocks: int | None = None
     max_cache_blocks: int = 4096
     gpu_memory_utilization: float = 0.85
+    cpu_cache_gib: float = 1.0
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int | None = None

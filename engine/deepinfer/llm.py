@@ -208,16 +208,17 @@ class LLM:
             return None
 
     def _derive_num_blocks(self) -> int:
-        """Enough blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and, on CUDA, by
-        ``gpu_memory_utilization`` of the free device memory."""
+        """Enough blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and, when the model
+        reports its bytes per block, by ``gpu_memory_utilization`` of the free CUDA memory or ``cpu_cache_gib``."""
         cfg = self.config
         per_seq = -(-self.max_model_len // cfg.block_size)
         n = min(cfg.max_cache_blocks, cfg.max_num_seqs * per_seq)
-        if self.device.type == "cuda":
-            bytes_per_block = self._cache_bytes_per_block()
-            if bytes_per_block:
-                free, _ = torch.cuda.mem_get_info(self.device)
-                n = min(n, int(free * cfg.gpu_memory_utilization) // bytes_per_block)
+        bytes_per_block = self._cache_bytes_per_block()
+        if bytes_per_block and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            n = min(n, int(free * cfg.gpu_memory_utilization) // bytes_per_block)
+        elif bytes_per_block and self.device.type == "cpu":
+            n = min(n, int(cfg.cpu_cache_gib * (1 << 30)) // bytes_per_block)
         return max(1, n)
 
     @property
@@ -287,6 +288,10 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+            for seq in live:  # after a model error: leave no request (or block) behind for the next call
+                if not seq.is_finished:
+                    self.scheduler.abort(seq, {"type": "server_error", "code": "engine_error",
+                                               "message": "the engine stopped before this request finished"})
         stats.wall_time = time.perf_counter() - t_start
         stats.num_preemptions = sum(s.num_preemptions for s in seqs)
         for seq in seqs:

@@ -86,3 +86,16 @@ def test_cli_parser_has_generate():
     assert args.func is run_generate and args.batch_invariant and args.model is None
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_determinism_check_on_fake_model(capsys):
+    from deepinfer.cli import run_determinism_check
+
+    model = FakeModel(FakeConfig(vocab_size=700, max_position_embeddings=2048))
+    args = build_parser().parse_args(["determinism-check", "--batch-sizes", "1,5,9", "--max-tokens", "6",
+                                      "--batch-invariant", "--max-num-batched-tokens", "256", "--num-blocks", "64",
+                                      "--prompt-len", "40"])
+    assert run_determinism_check(args, model_obj=model) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["distinct_outputs"] == 1 and report["first_divergence"] is None and report["logprobs_bitwise_equal"]
+    assert [r["batch_size"] for r in report["runs"]] == [1, 5, 9]

@@ -84,3 +84,24 @@ def test_context_limit_error():
     model, llm = _llm(max_model_len=64)
     outs = llm.generate([[3] * 60, [3] * 10], SamplingParams(temperature=0, max_tokens=8))
     assert outs[0].error["code"] == "context_length_exceeded" and outs[1].error is None
+
+
+def test_model_error_leaves_engine_clean():
+    model, llm = _llm()
+    calls = {"n": 0}
+    real = model.forward
+
+    def flaky(batch, cache):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(batch, cache)
+
+    model.forward = flaky
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(_prompts(4), SamplingParams(temperature=0, max_tokens=4))
+    assert not llm.scheduler.has_unfinished() and llm.block_manager.num_free_blocks == 128
+    model.forward = real
+    p = _prompts(2, seed=9)
+    assert [o.token_ids for o in llm.generate(p, SamplingParams(temperature=0, max_tokens=4))] == \
+        [reference_greedy(model, q, 4) for q in p]
