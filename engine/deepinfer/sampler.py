@@ -49,14 +49,24 @@ def uniform_from_hash(seeds: torch.Tensor, counters: torch.Tensor, token_ids: to
 
     Returns:
         ``[n, m]`` (or ``[n, V]``) float32 in (0, 1):
-        ``(top 24 bits of mix64(mix64(seed + (counter + 1) * golden) + token_id * c) + 0.5) / 2**24``.
+        ``(top 23 bits of mix64(mix64(seed + (counter + 1) * golden) + token_id * c) + 0.5) / 2**23``.
         A value depends only on its (seed, counter, token id).
     """
     key = mix64(seeds.to(torch.int64) + (counters.to(torch.int64) + 1) * _GOLDEN)
     if isinstance(token_ids, int):
         token_ids = torch.arange(token_ids, dtype=torch.int64, device=seeds.device)[None, :]
-    bits = _shr(mix64(key[:, None] + token_ids.to(torch.int64) * _TOKEN_MUL), 40)
-    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    bits = _shr(mix64(key[:, None] + token_ids.to(torch.int64) * _TOKEN_MUL), 64 - UNIFORM_BITS)
+    return bits_to_uniform(bits)
+
+
+# 23 bits: (bits + 0.5) / 2**23 is exact in float32 and at most 1 - 2**-24 < 1, so log(u) < 0 and the Gumbel noise is
+# finite (with 24 bits the top value would round to 1.0 and give +inf).
+UNIFORM_BITS = 23
+
+
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """int64 values in ``[0, 2**23)`` -> float32 ``(bits + 0.5) / 2**23``, strictly inside (0, 1)."""
+    return (bits.to(torch.float32) + 0.5) * (1.0 / (1 << UNIFORM_BITS))
 
 
 def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, token_ids: torch.Tensor | int) -> torch.Tensor:

@@ -28,6 +28,26 @@ def test_hash_uniforms_are_uniform_and_keyed():
     assert torch.equal(uniform_from_hash(torch.tensor([7]), torch.tensor([0]), ids)[0], base[0, [5, 60, 3]])
 
 
+def test_uniform_mapping_edges_stay_inside_the_open_interval():
+    u = S.bits_to_uniform(torch.tensor([0, 1, (1 << S.UNIFORM_BITS) - 1]))
+    assert float(u[0]) > 0 and float(u[-1]) < 1.0
+    g = -torch.log(-torch.log(u))
+    assert torch.isfinite(g).all()
+
+
+def test_peaked_logits_always_pick_the_peak():
+    # a non-finite Gumbel value (u rounding to 1.0) would pick a wrong token in ~0.8% of such rows
+    n, vocab = 128, 129280
+    torch.manual_seed(5)
+    target = torch.randint(0, vocab, (n,))
+    logits = torch.zeros(n, vocab)
+    logits[torch.arange(n), target] = 40.0
+    seeds = torch.randint(0, 1 << 62, (n,))
+    tok, _ = sample(logits, torch.ones(n), torch.zeros(n, dtype=torch.int64), torch.ones(n), seeds,
+                    torch.randint(0, 1000, (n,)))
+    assert torch.equal(tok, target)
+
+
 def test_seed_extremes():
     u = uniform_from_hash(torch.tensor([0, (1 << 63) - 1]), torch.tensor([0, 1 << 40]), 1000)
     assert torch.isfinite(gumbel_noise(torch.tensor([0]), torch.tensor([0]), 10)).all()
