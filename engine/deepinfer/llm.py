@@ -105,8 +105,9 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool):
     from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
     ck = checkpoint.load_checkpoint(path, dequantize=True, dtype=dtype, device=device)
-    model = DeepseekV4ForCausalLM.from_parameters(ck.config, ck.params, dtype)
-    return model.to(device).eval()
+    with torch.device(device):  # build the parameters where they will live (no CPU copy of a large model)
+        model = DeepseekV4ForCausalLM.from_parameters(ck.config, ck.params, dtype)
+    return model.eval()
 
 
 def _model_limits(model) -> tuple[int, int | None, int]:
