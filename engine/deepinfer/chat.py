@@ -160,7 +160,7 @@ class ChatFrontend:
         aliases: more accepted names for the same model.
         model_version: ``"v4"`` (``DeepseekV4Encoding``) or ``"v4.1"``: the encoding the served name maps to.
         max_model_len: the model's context limit (``resolve_max_tokens`` lowers the default to what is left).
-        eos_token_id: ids never pushed to the parser.
+        eos_token_id: the EOS id (informational: the scheduler never appends EOS, so it is never pushed).
         enable_image_fetch / image_max_bytes: see ``EngineConfig``.
         created: fixed ``created`` timestamp (``None``: now), for reproducible output.
     """

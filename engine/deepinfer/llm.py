@@ -110,14 +110,14 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool):
     return model.eval()
 
 
-def _model_limits(model) -> tuple[int, int | None, int]:
-    """``(max_position_embeddings, eos_token_id, vocab_size)`` from ``model.config``."""
+def _model_limits(model) -> tuple[int, tuple[int, ...], int]:
+    """``(max_position_embeddings, eos_token_ids, vocab_size)`` from ``model.config`` (``eos_token_id`` may be an int
+    or a list)."""
     cfg = getattr(model, "config", model)
     max_len = int(getattr(cfg, "max_position_embeddings", getattr(cfg, "max_model_len", 0)) or 0)
     eos = getattr(cfg, "eos_token_id", None)
-    if isinstance(eos, (list, tuple)):
-        eos = eos[0] if eos else None
-    return max_len, eos, int(getattr(cfg, "vocab_size", 0))
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    return max_len, eos_ids, int(getattr(cfg, "vocab_size", 0))
 
 
 class LLM:
@@ -172,7 +172,8 @@ class LLM:
             cand = model_dir / "tokenizer.json" if model_dir else None
             tokenizer = str(cand) if cand and cand.is_file() else _packaged_tokenizer_json()
         self.tokenizer_json = tokenizer
-        max_pos, self.eos_token_id, self.vocab_size = _model_limits(self.model)
+        max_pos, self.eos_token_ids, self.vocab_size = _model_limits(self.model)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.max_model_len = min(x for x in (cfg.max_model_len, max_pos or None) if x) if (cfg.max_model_len or max_pos) else 0
         if self.max_model_len <= 0:
             raise ValueError("LLM: the context limit is unknown (set EngineConfig.max_model_len)")
@@ -180,7 +181,7 @@ class LLM:
             cfg.num_blocks = self._derive_num_blocks()
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
         self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
-        self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_id)
+        self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant)
         self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []

@@ -41,15 +41,17 @@ class Scheduler:
         config: engine settings (token budget, max_num_seqs, chunk alignment in batch-invariant mode).
         block_manager: the cache allocator.
         max_model_len: context limit in tokens (prompt + output).
-        eos_token_id: id that ends a request unless its params say ``ignore_eos`` (``None``: no EOS).
+        eos_token_ids: ids that end a request unless its params say ``ignore_eos`` (an int, a tuple, or ``None``).
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
-                 eos_token_id: int | None) -> None:
+                 eos_token_ids: int | tuple[int, ...] | None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
-        self.eos_token_id = eos_token_id
+        if eos_token_ids is None:
+            eos_token_ids = ()
+        self.eos_token_ids = frozenset((eos_token_ids,) if isinstance(eos_token_ids, int) else eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -176,7 +178,7 @@ class Scheduler:
             if seq.first_token_time is None:
                 seq.first_token_time = now
             params = seq.params
-            if (not params.ignore_eos and token == self.eos_token_id) or token in params.stop_token_ids:
+            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
                 seq.stop_token_id = token
                 self._finish(seq, "stop", now)
             else:

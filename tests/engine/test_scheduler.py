@@ -19,7 +19,7 @@ def _sched(num_blocks=16, block_size=16, budget=64, max_num_seqs=8, max_model_le
     cfg = EngineConfig(block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
                        max_num_seqs=max_num_seqs, **kw)
     cfg.validate()
-    return Scheduler(cfg, BlockManager(num_blocks, block_size), max_model_len, eos_token_id=1)
+    return Scheduler(cfg, BlockManager(num_blocks, block_size), max_model_len, eos_token_ids=1)
 
 
 def _seq(i, n, max_tokens=8):
@@ -135,3 +135,13 @@ def test_engine_step_token_budget_respected():
     outs = llm.generate(_prompts(6, 5, 100, seed=2), SamplingParams(temperature=0, max_tokens=5))
     assert all(o.error is None for o in outs)
     assert model.max_tokens_per_call <= 40
+
+
+def test_any_of_several_eos_ids_stops():
+    s = _sched()
+    s.eos_token_ids = frozenset({1, 9})
+    a = _seq(0, 5)
+    s.add(a)
+    _fake_step(s, s.schedule(), token=4)
+    _fake_step(s, s.schedule(), token=9)
+    assert a.output_token_ids == [4] and a.finish_reason == "stop" and a.stop_token_id == 9

@@ -91,3 +91,25 @@ def test_cli_examples_on_tiny_model(tmp_path):
     n_ok = sum(1 for r in recs if r.get("object") == "chat.completion")
     n_err = sum(1 for r in recs if set(r) == {"line", "error"})
     assert n_ok + n_err == len(lines) and n_ok >= 10 and n_err >= 8
+
+
+@pytest.mark.slow
+def test_engine_greedy_equals_transformers(llm):
+    """The engine (paged cache, chunked prefill, batching) against transformers 5.23 loading the same tiny folder."""
+    transformers = pytest.importorskip("transformers")
+    from deepinfer.checkpoint import default_model_path
+
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        default_model_path(), dtype=torch.float32, experts_implementation="eager").float().eval()
+    prompts = [p for p in _prompts(seed=2) if len(p) in (5, 130, 257)]
+    new = 5
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor([p])
+        ref = []
+        with torch.no_grad():
+            for _ in range(new):
+                t = int(hf(ids).logits[0, -1].argmax())
+                ref.append(t)
+                ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
+        assert o.token_ids == ref, f"prompt of {len(p)} tokens"
