@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import time
@@ -142,7 +143,7 @@ class LLM:
     def __init__(self, model: Any = "tiny", *, tokenizer: str | None = None, served_model_name: str | None = None,
                  model_version: str = "v4", batch_invariant: bool = False, config: EngineConfig | None = None,
                  created: int | None = None, **overrides: Any) -> None:
-        cfg = config or EngineConfig()
+        cfg = dataclasses.replace(config) if config is not None else EngineConfig()  # never mutate the caller's
         for k, v in overrides.items():
             if not hasattr(cfg, k):
                 raise TypeError(f"LLM got an unknown setting {k!r}")
@@ -150,7 +151,14 @@ class LLM:
         cfg.batch_invariant = bool(batch_invariant or cfg.batch_invariant)
         cfg.validate()
         self.config = cfg
-        self.device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if cfg.device is not None:
+            self.device = torch.device(cfg.device)
+        elif not isinstance(model, (str, os.PathLike)):  # a built model: run where its parameters are
+            params = getattr(model, "parameters", None)
+            first = next(iter(params()), None) if callable(params) else None
+            self.device = first.device if first is not None else torch.device("cpu")
+        else:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
         model_dir: Path | None = None
         if isinstance(model, (str, os.PathLike)):
@@ -174,9 +182,10 @@ class LLM:
         self.tokenizer_json = tokenizer
         max_pos, self.eos_token_ids, self.vocab_size = _model_limits(self.model)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
-        self.max_model_len = min(x for x in (cfg.max_model_len, max_pos or None) if x) if (cfg.max_model_len or max_pos) else 0
-        if self.max_model_len <= 0:
+        limits = [x for x in (cfg.max_model_len, max_pos) if x]
+        if not limits:
             raise ValueError("LLM: the context limit is unknown (set EngineConfig.max_model_len)")
+        self.max_model_len = min(limits)
         if cfg.num_blocks is None:
             cfg.num_blocks = self._derive_num_blocks()
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
