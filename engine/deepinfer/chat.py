@@ -101,9 +101,10 @@ class PreparedChat:
             self.response.accumulate(c)
             self.events += 1
 
-    def push_token(self, token_id: int, logprob: float | None) -> bool:
-        """Feed one sampled token (never EOS). Returns True when the parser has finished (stop sequence)."""
-        lp = [(float(logprob), [])] if self.want_logprobs and logprob is not None else None
+    def push_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None = None) -> bool:
+        """Feed one sampled token (never EOS) with its log-probability and ``[(token_id, logprob)]`` alternatives.
+        Returns True when the parser has finished (stop sequence)."""
+        lp = [(float(logprob), list(top or []))] if self.want_logprobs and logprob is not None else None
         self._accumulate(self.processor.push(R.InferenceChunk.tokens([token_id], lp)))
         return self.processor.finished
 
@@ -243,7 +244,8 @@ class ChatFrontend:
         params = SamplingParams(
             temperature=float(io.temperature if io.temperature is not None else 1.0),
             top_p=float(io.top_p if io.top_p is not None else 1.0),
-            max_tokens=int(max_tokens), seed=int(seed))
+            max_tokens=int(max_tokens), seed=int(seed),
+            top_logprobs=int(io.top_logprobs or 0) if io.logprobs else 0)
         try:
             params.validate()
         except ValueError as e:

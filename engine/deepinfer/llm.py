@@ -38,6 +38,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     text: str = ""
     finish_reason: str | None = None
     stop_token_id: int | None = None
@@ -284,8 +285,8 @@ class LLM:
                 n_decode = sum(1 for s in scheduled if s.seq.num_computed_tokens == s.seq.num_tokens - 1
                                and s.seq.num_output_tokens > 0 and s.num_new_tokens == 1)
                 n_total = sum(s.num_new_tokens for s in scheduled)
-                tokens, logprobs, dt = self.runner.step(scheduled)
-                finished = self.scheduler.postprocess(scheduled, tokens, logprobs)
+                tokens, logprobs, tops, dt = self.runner.step(scheduled)
+                finished = self.scheduler.postprocess(scheduled, tokens, logprobs, tops)
                 stats.num_steps += 1
                 stats.decode_tokens += n_decode
                 stats.prefill_tokens += n_total - n_decode
@@ -360,6 +361,7 @@ class LLM:
             if seq.error is None:
                 out.token_ids = list(seq.output_token_ids)
                 out.logprobs = list(seq.output_logprobs)
+                out.top_logprobs = list(seq.output_top_logprobs)
                 out.text = self.decode(out.token_ids)
                 out.finish_reason = seq.finish_reason
                 out.stop_token_id = seq.stop_token_id
@@ -392,7 +394,7 @@ class LLM:
             seq = self._new_seq(pc.prompt_token_ids, pc.params)
 
             def on_token(s: Sequence, t: int, pc=pc) -> bool:
-                return pc.push_token(t, s.output_logprobs[-1] if s.output_logprobs else None)
+                return pc.push_token(t, s.output_logprobs[-1], s.output_top_logprobs[-1])
 
             seq.on_token = on_token
             prepared.append(pc)

@@ -86,8 +86,8 @@ class ModelRunner:
         self.sampler = Sampler(batch_invariant=batch_invariant)
 
     @torch.inference_mode()
-    def step(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float], float]:
-        """Returns ``(token_ids, logprobs, seconds)`` for the sequences with ``needs_logits``, in order."""
+    def step(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float], list, float]:
+        """Returns ``(token_ids, logprobs, top_logprobs, seconds)`` for the sequences with ``needs_logits``, in order."""
         t0 = time.perf_counter()
         batch = build_forward_batch(scheduled, self.device)
         logits = self.model.forward(batch, self.cache)
@@ -95,7 +95,7 @@ class ModelRunner:
         if logits.dim() != 2 or logits.shape[0] != n_logits:
             raise RuntimeError(f"model.forward returned logits of shape {tuple(logits.shape)}, expected [{n_logits}, vocab]")
         seqs = [item.seq for item in scheduled if item.needs_logits]
-        tokens, logprobs = self.sampler(logits, seqs) if seqs else ([], [])
+        tokens, logprobs, tops = self.sampler(logits, seqs) if seqs else ([], [], [])
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return tokens, logprobs, time.perf_counter() - t0
+        return tokens, logprobs, tops, time.perf_counter() - t0

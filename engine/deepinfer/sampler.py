@@ -211,16 +211,28 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     return torch.cat(toks), torch.cat(lps)
 
 
+def top_logprobs(logits_row: torch.Tensor, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely tokens of one ``[V]`` logits row under ``log_softmax`` (unmodified distribution), ranked
+    by log-probability then lower token id: ``[(token_id, logprob), ...]``."""
+    lp = torch.log_softmax(logits_row.float()[None, :], dim=-1)
+    n = min(n, lp.shape[-1])
+    vals, idx = torch.topk(lp, n, dim=-1)
+    vals, idx = _rank_sorted(vals, idx)
+    return list(zip(idx[0].tolist(), vals[0].tolist()))
+
+
 class Sampler:
     """Holds the batch-invariant switch and turns per-sequence parameters into the tensors ``sample`` takes."""
 
     def __init__(self, batch_invariant: bool = False) -> None:
         self.batch_invariant = batch_invariant
 
-    def __call__(self, logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float]]:
+    def __call__(self, logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
         """Sample one token for each sequence in ``seqs`` (row i of ``logits`` belongs to ``seqs[i]``).
 
-        The draw counter of a sequence is its number of output tokens so far.
+        The draw counter of a sequence is its number of output tokens so far. Returns token ids, their
+        log-probabilities, and per row the ``params.top_logprobs`` most likely ``(token_id, logprob)`` (see
+        ``top_logprobs``; empty when not asked).
         """
         dev = logits.device
         temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
@@ -229,4 +241,8 @@ class Sampler:
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
         counters = torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=dev)
         tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant)
-        return tokens.tolist(), logprobs.tolist()
+        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        for i, s in enumerate(seqs):
+            if s.params.top_logprobs > 0:
+                tops[i] = top_logprobs(logits[i], s.params.top_logprobs)
+        return tokens.tolist(), logprobs.tolist(), tops

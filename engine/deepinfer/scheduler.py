@@ -158,10 +158,12 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # ---------------------------------------------------------------- after the model ran
-    def postprocess(self, scheduled: list[ScheduledSeq], token_ids: list[int], logprobs: list[float]) -> list[Sequence]:
+    def postprocess(self, scheduled: list[ScheduledSeq], token_ids: list[int], logprobs: list[float],
+                    top_logprobs: list | None = None) -> list[Sequence]:
         """Advance the computed counts, append the sampled tokens and finish sequences.
 
-        ``token_ids``/``logprobs`` hold one entry per scheduled sequence with ``needs_logits``, in order.
+        ``token_ids``/``logprobs`` (and ``top_logprobs``) hold one entry per scheduled sequence with ``needs_logits``,
+        in order.
         Returns the sequences that finished this step (their blocks are freed).
         """
         finished: list[Sequence] = []
@@ -174,6 +176,7 @@ class Scheduler:
             if not needs:
                 continue
             token, logprob = token_ids[k], logprobs[k]
+            top = top_logprobs[k] if top_logprobs is not None else []
             k += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -184,6 +187,7 @@ class Scheduler:
             else:
                 seq.output_token_ids.append(token)
                 seq.output_logprobs.append(logprob)
+                seq.output_top_logprobs.append(top)
                 if seq.on_token is not None and self._call_on_token(seq, token):
                     self._finish(seq, "stop", now)
                 elif seq.num_output_tokens >= params.max_tokens:

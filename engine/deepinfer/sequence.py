@@ -23,6 +23,7 @@ class SamplingParams:
         stop_token_ids: token ids that end the output (the id is not appended); the model's EOS is always one
             unless ``ignore_eos``.
         ignore_eos: keep generating past EOS (benchmarks).
+        top_logprobs: also report this many most likely tokens and their log-probabilities per step (0..20).
     """
 
     temperature: float = 1.0
@@ -32,6 +33,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    top_logprobs: int = 0
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a parameter is out of range."""
@@ -43,6 +45,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
         if self.seed is not None and not (0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
@@ -77,6 +81,7 @@ class Sequence:
     seed: int
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -155,3 +155,12 @@ def test_llm_chat_one_bad_request_does_not_take_others_down():
     assert "choices" in res[0] and "choices" in res[3] and res[0]["choices"] == res[3]["choices"]
     assert [is_error_record(r) for r in res] == [False, True, True, False, True]
     assert res[4]["error"]["code"] == "context_length_exceeded"
+
+
+def test_llm_chat_logprobs():
+    llm = LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), num_blocks=32, created=0)
+    res = llm.chat([{"messages": [USER], "thinking": {"type": "disabled"}, "max_tokens": 3, "seed": 1,
+                     "logprobs": True, "top_logprobs": 2}])[0]
+    content = res["choices"][0]["logprobs"]["content"]
+    assert content and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
+    assert all(c["top_logprobs"][0]["logprob"] >= c["logprob"] for c in content)

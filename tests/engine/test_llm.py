@@ -2,6 +2,8 @@
 
 import random
 
+import torch
+
 import pytest
 
 from deepinfer import LLM, SamplingParams
@@ -105,3 +107,17 @@ def test_model_error_leaves_engine_clean():
     p = _prompts(2, seed=9)
     assert [o.token_ids for o in llm.generate(p, SamplingParams(temperature=0, max_tokens=4))] == \
         [reference_greedy(model, q, 4) for q in p]
+
+
+def test_logprobs_and_top_logprobs_match_the_model():
+    model, llm = _llm()
+    p = _prompts(1, seed=4)[0]
+    o = llm.generate([p], SamplingParams(temperature=0.7, max_tokens=5, seed=3, top_logprobs=4, ignore_eos=True))[0]
+    ctx = list(p)
+    for t, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs):
+        ref = torch.log_softmax(model.reference_logits(ctx), -1)
+        assert lp == pytest.approx(float(ref[t]), abs=1e-6)
+        vals, idx = torch.sort(ref, descending=True, stable=True)
+        assert [i for i, _ in top] == idx[:4].tolist()
+        assert [v for _, v in top] == pytest.approx(vals[:4].tolist(), abs=1e-6)
+        ctx.append(t)
