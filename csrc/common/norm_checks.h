@@ -10,10 +10,10 @@ inline std::pair<at::Tensor, at::Tensor> check_rms_norm(const at::Tensor& out, c
                                                         const std::optional<at::Tensor>& weight, double eps) {
   const char* op = "rms_norm";
   DEEPINFER_CHECK(is_float_activation(input.scalar_type()), op, "input must be float32, bfloat16 or float16, got ",
-                  input.scalar_type());
+                  dtype_name(input.scalar_type()));
   DEEPINFER_CHECK(out.sizes() == input.sizes(), op, "out shape ", out.sizes(), " != input shape ", input.sizes());
-  DEEPINFER_CHECK(out.scalar_type() == input.scalar_type(), op, "out dtype ", out.scalar_type(), " != input dtype ",
-                  input.scalar_type());
+  DEEPINFER_CHECK(out.scalar_type() == input.scalar_type(), op, "out dtype ", dtype_name(out.scalar_type()), " != input dtype ",
+                  dtype_name(input.scalar_type()));
   check_same_device(op, out, "out", input, "input");
   DEEPINFER_CHECK(eps >= 0.0, op, "eps must be >= 0, got ", eps);
   if (weight.has_value()) {
@@ -21,8 +21,8 @@ inline std::pair<at::Tensor, at::Tensor> check_rms_norm(const at::Tensor& out, c
     DEEPINFER_CHECK(w.dim() == 1 && w.size(0) == input.size(-1), op, "weight must be [", input.size(-1), "], got ",
                     w.sizes());
     DEEPINFER_CHECK(w.scalar_type() == input.scalar_type() || w.scalar_type() == at::kFloat, op,
-                    "weight dtype must be float32 or the input dtype (", input.scalar_type(), "), got ",
-                    w.scalar_type());
+                    "weight dtype must be float32 or the input dtype (", dtype_name(input.scalar_type()), "), got ",
+                    dtype_name(w.scalar_type()));
     DEEPINFER_CHECK(w.stride(0) == 1 || w.size(0) <= 1, op, "weight must be contiguous");
     check_same_device(op, w, "weight", input, "input");
   }

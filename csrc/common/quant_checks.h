@@ -19,7 +19,7 @@ inline std::pair<at::Tensor, at::Tensor> check_per_token_group_quant_fp8(const a
                                                                          const at::Tensor& input, int64_t group_size) {
   const char* op = "per_token_group_quant_fp8";
   DEEPINFER_CHECK(is_float_activation(input.scalar_type()), op,
-                  "input must be float32, bfloat16 or float16, got ", input.scalar_type());
+                  "input must be float32, bfloat16 or float16, got ", dtype_name(input.scalar_type()));
   DEEPINFER_CHECK(group_size > 0, op, "group_size must be > 0, got ", group_size);
   check_dtype(op, out_q, "out_q", at::kFloat8_e4m3fn);
   check_dtype(op, out_scale, "out_scale", at::kFloat);

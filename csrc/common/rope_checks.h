@@ -10,14 +10,14 @@ namespace deepinfer {
 inline void check_rotary_embedding(const at::Tensor& x, const at::Tensor& positions, const at::Tensor& cache) {
   const char* op = "rotary_embedding";
   DEEPINFER_CHECK(is_float_activation(x.scalar_type()), op, "x must be float32, bfloat16 or float16, got ",
-                  x.scalar_type());
+                  dtype_name(x.scalar_type()));
   DEEPINFER_CHECK(x.dim() == 2 || x.dim() == 3, op, "x must be [num_tokens, head_dim] or [num_tokens, num_heads, head_dim], got ",
                   x.sizes());
   DEEPINFER_CHECK(x.numel() == 0 || x.stride(-1) == 1, op, "x must be contiguous in its last dim, got strides ", x.strides());
   DEEPINFER_CHECK(positions.dim() == 1 && positions.size(0) == x.size(0), op, "positions must be [", x.size(0),
                   "], got ", positions.sizes());
   DEEPINFER_CHECK(positions.scalar_type() == at::kLong || positions.scalar_type() == at::kInt, op,
-                  "positions must be int64 or int32, got ", positions.scalar_type());
+                  "positions must be int64 or int32, got ", dtype_name(positions.scalar_type()));
   check_dtype(op, cache, "cos_sin_cache", at::kFloat);
   DEEPINFER_CHECK(cache.dim() == 2 && cache.is_contiguous(), op, "cos_sin_cache must be a contiguous [max_position, rope_dim], got ",
                   cache.sizes());

@@ -6,6 +6,8 @@ Build time (read by setup.py / CMakeLists.txt, listed here for reference):
     DEEPINFER_BUILD_DIR    CMake build folder
 Run time:
     DEEPINFER_ACCELERATOR  ``auto`` (default), ``nvidia``, ``ascend`` or ``cpu``: the backend the engine runs on.
+    DEEPINFER_REQUIRE_CUDA ``1`` makes the test suite fail, instead of skip, when no CUDA device is usable
+                           (tools/gpu_check.sh sets it: a skipped GPU test is not a passed one).
     DEEPINFER_CACHE_DIR    where generated artefacts (the built-in tiny checkpoint) are kept;
                            default ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``.
 """
@@ -33,3 +35,8 @@ def cache_dir() -> Path:
         return Path(env).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "deepinfer"
+
+
+def require_cuda() -> bool:
+    """``DEEPINFER_REQUIRE_CUDA=1``: CUDA tests must run (fail rather than skip)."""
+    return os.environ.get("DEEPINFER_REQUIRE_CUDA", "0").strip() in ("1", "true", "yes")

@@ -51,9 +51,10 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance | 
         raise AssertionError(
             f"{name}: {int(bad.sum())}/{a.numel()} elements out of tolerance; worst at flat index {i}: "
             f"actual {a[i].item()!r} expected {e[i].item()!r} (atol {tol.atol}, rtol {tol.rtol})")
-    denom = (a.norm() * e.norm()).item()
+    a64, e64 = a.double(), e.double()
+    denom = (a64.norm() * e64.norm()).item()
     if denom > 0:
-        cos = float((a * e).sum().item() / denom)
+        cos = float((a64 * e64).sum().item() / denom)
         assert cos >= tol.min_cosine, f"{name}: cosine similarity {cos} < {tol.min_cosine}"
 
 

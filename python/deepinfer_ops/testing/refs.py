@@ -35,7 +35,7 @@ def per_token_group_quant_fp8_ref(
     """Reference of ``per_token_group_quant_fp8``: returns ``(q [..., K] e4m3, scale [rows, groups] fp32 row-major)``.
 
     scale = max(amax, 1e-10) / 448 per group (NaN if the group holds NaN), optionally rounded up to a power of
-    two; q = e4m3(clamp(x / scale, -448, 448)), round-to-nearest-even. The last group may be partial.
+    two; q = e4m3(clamp(x * (1 / scale), -448, 448)), round-to-nearest-even. The last group may be partial.
     """
     k = x.shape[-1]
     x2 = x.reshape(-1, k).float()
@@ -49,7 +49,7 @@ def per_token_group_quant_fp8_ref(
     if scale_ue8m0:
         finite = torch.isfinite(scale)
         scale = torch.where(finite, round_up_pow2_ref(torch.where(finite, scale, torch.ones_like(scale))), scale)
-    q = (xp / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = (xp * (1.0 / scale).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q = q.view(rows, groups * group_size)[:, :k].to(torch.float8_e4m3fn)
     return q.view(x.shape), scale
 
