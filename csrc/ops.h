@@ -43,5 +43,30 @@ void swiglu_clamp_quant_fp8_cpu(at::Tensor& out_q, at::Tensor& out_scale, const 
                                 bool scale_ue8m0);
 void swiglu_clamp_quant_fp8_cuda(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& gate_up, double limit,
                                  bool scale_ue8m0);
+// ---- attention ----
+#define DEEPINFER_SPARSE_MQA_ARGS                                                                              \
+  at::Tensor &out, at::Tensor &lse, const at::Tensor &q, const at::Tensor &kv_cache, const at::Tensor &indices, \
+      const std::optional<at::Tensor> &topk_length, const std::optional<at::Tensor> &extra_kv_cache,           \
+      const std::optional<at::Tensor> &extra_indices, const std::optional<at::Tensor> &extra_topk_length,      \
+      const std::optional<at::Tensor> &attn_sink, double softmax_scale
+void sparse_mqa_decode_cpu(DEEPINFER_SPARSE_MQA_ARGS);
+void sparse_mqa_decode_cuda(DEEPINFER_SPARSE_MQA_ARGS);
+void sparse_mqa_prefill_cpu(DEEPINFER_SPARSE_MQA_ARGS);
+void sparse_mqa_prefill_cuda(DEEPINFER_SPARSE_MQA_ARGS);
+#undef DEEPINFER_SPARSE_MQA_ARGS
+void mqa_logits_cpu(at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
+                    const std::optional<at::Tensor>& k_end);
+void mqa_logits_cuda(at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                     const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
+                     const std::optional<at::Tensor>& k_end);
+void topk_rows_cpu(at::Tensor& values, at::Tensor& indices, const at::Tensor& scores);
+void topk_rows_cuda(at::Tensor& values, at::Tensor& indices, const at::Tensor& scores);
+void kv_cache_write_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
+void kv_cache_write_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
+void kv_cache_write_fp8_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
+void kv_cache_write_fp8_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
+void kv_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping);
+void kv_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 
 }  // namespace deepinfer

@@ -28,6 +28,22 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("fp4_to_fp8_blockscaled(Tensor! out_q, Tensor! out_scale, Tensor w, Tensor w_scale) -> ()");
   m.def(
       "swiglu_clamp_quant_fp8(Tensor! out_q, Tensor! out_scale, Tensor gate_up, float limit, bool scale_ue8m0) -> ()");
+  // attention
+  m.def(
+      "sparse_mqa_decode(Tensor! out, Tensor! lse, Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
+      "Tensor? extra_kv_cache, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? attn_sink, "
+      "float softmax_scale) -> ()");
+  m.def(
+      "sparse_mqa_prefill(Tensor! out, Tensor! lse, Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
+      "Tensor? extra_kv_cache, Tensor? extra_indices, Tensor? extra_topk_length, Tensor? attn_sink, "
+      "float softmax_scale) -> ()");
+  m.def(
+      "mqa_logits(Tensor! logits, Tensor q, Tensor weights, Tensor k_cache, Tensor? block_table, Tensor? k_start, "
+      "Tensor? k_end) -> ()");
+  m.def("topk_rows(Tensor! values, Tensor! indices, Tensor scores) -> ()");
+  m.def("kv_cache_write(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
+  m.def("kv_cache_write_fp8(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
+  m.def("kv_cache_dequant_fp8(Tensor! out, Tensor kv_cache, Tensor slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
@@ -39,6 +55,13 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("m_grouped_fp8_gemm_nt_masked", &deepinfer::m_grouped_fp8_gemm_nt_masked_cpu);
   m.impl("fp4_to_fp8_blockscaled", &deepinfer::fp4_to_fp8_blockscaled_cpu);
   m.impl("swiglu_clamp_quant_fp8", &deepinfer::swiglu_clamp_quant_fp8_cpu);
+  m.impl("sparse_mqa_decode", &deepinfer::sparse_mqa_decode_cpu);
+  m.impl("sparse_mqa_prefill", &deepinfer::sparse_mqa_prefill_cpu);
+  m.impl("mqa_logits", &deepinfer::mqa_logits_cpu);
+  m.impl("topk_rows", &deepinfer::topk_rows_cpu);
+  m.impl("kv_cache_write", &deepinfer::kv_cache_write_cpu);
+  m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cpu);
+  m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cpu);
 }
 
 #ifdef DEEPINFER_WITH_CUDA
@@ -50,5 +73,12 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("m_grouped_fp8_gemm_nt_contiguous", &deepinfer::m_grouped_fp8_gemm_nt_contiguous_cuda);
   m.impl("m_grouped_fp8_gemm_nt_masked", &deepinfer::m_grouped_fp8_gemm_nt_masked_cuda);
   m.impl("swiglu_clamp_quant_fp8", &deepinfer::swiglu_clamp_quant_fp8_cuda);
+  m.impl("sparse_mqa_decode", &deepinfer::sparse_mqa_decode_cuda);
+  m.impl("sparse_mqa_prefill", &deepinfer::sparse_mqa_prefill_cuda);
+  m.impl("mqa_logits", &deepinfer::mqa_logits_cuda);
+  m.impl("topk_rows", &deepinfer::topk_rows_cuda);
+  m.impl("kv_cache_write", &deepinfer::kv_cache_write_cuda);
+  m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cuda);
+  m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cuda);
 }
 #endif

@@ -13,7 +13,25 @@
 namespace deepinfer {
 
 // torch's Python name of a dtype ("torch.float32"), for error messages.
-inline std::string dtype_name(at::ScalarType t) { return "torch." + std::string(c10::getDtypeNames(t).first); }
+// (A local table: c10::getDtypeNames changed its return type across torch releases.)
+inline std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kFloat8_e4m3fn: return "torch.float8_e4m3fn";
+    case at::kFloat8_e5m2: return "torch.float8_e5m2";
+    case at::kFloat8_e8m0fnu: return "torch.float8_e8m0fnu";
+    case at::kByte: return "torch.uint8";
+    case at::kChar: return "torch.int8";
+    case at::kShort: return "torch.int16";
+    case at::kInt: return "torch.int32";
+    case at::kLong: return "torch.int64";
+    case at::kBool: return "torch.bool";
+    default: return std::string("torch.") + c10::toString(t);
+  }
+}
 
 inline void check_same_device(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
                               const char* b_name) {

@@ -1,15 +1,215 @@
-"""The ``deepinfer`` command line. Subcommands are added as the engine grows."""
+"""The ``deepinfer`` command line. Subcommands are added as the engine grows.
+
+``deepinfer generate --model DIR --input requests.jsonl --output results.jsonl``: each input line is a request body
+(Chat Completions by default; ``--api messages|responses`` for the others); output line N answers input line N with
+the response object or ``{"line": N, "error": {...}}``. ``-`` means stdin / stdout. Without ``--model`` the built-in
+tiny checkpoint is used. Progress (tqdm, live tok/s) and the summary go to stderr.
+
+``deepinfer determinism-check``: one request alone and inside batches of 1..64 at random positions; prints the number
+of distinct outputs and the first diverging token (exit status 1 when ``--batch-invariant`` outputs differ).
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import sys
+
+
+def _open_in(path: str):
+    return contextlib.nullcontext(sys.stdin) if path == "-" else open(path, encoding="utf-8")
+
+
+def _open_out(path: str):
+    return contextlib.nullcontext(sys.stdout) if path == "-" else open(path, "w", encoding="utf-8")
+
+
+def run_generate(args: argparse.Namespace, model_obj=None) -> int:
+    """Run ``generate``; ``model_obj`` replaces ``--model`` with a built model (tests)."""
+    from deepinfer.chat import is_error_record
+    from deepinfer.config import EngineConfig
+    from deepinfer.llm import LLM
+
+    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
+                       seed=args.seed, enable_image_fetch=args.enable_image_fetch)
+    with _open_in(args.input) as f:
+        lines = f.read().splitlines()
+    llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg,
+              batch_invariant=args.batch_invariant, served_model_name=args.served_model_name,
+              tokenizer=args.tokenizer, created=args.created)
+    records: list[dict | None] = [None] * len(lines)
+    bodies, where = [], []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            records[i] = {"line": i + 1, "error": {"message": "empty line: expected a JSON request body",
+                                                   "type": "invalid_request_error", "code": "invalid_json",
+                                                   "param": None, "status_code": 400}}
+            continue
+        try:
+            body = json.loads(line)
+        except ValueError as e:
+            records[i] = {"line": i + 1, "error": {"message": f"malformed JSON: {e}", "type": "invalid_request_error",
+                                                   "code": "invalid_json", "param": None, "status_code": 400}}
+            continue
+        bodies.append(body)
+        where.append(i)
+    results = llm.chat(bodies, api=args.api, use_tqdm=not args.no_progress)
+    for i, res in zip(where, results):
+        records[i] = {"line": i + 1, "error": res["error"]} if is_error_record(res) else res
+    with _open_out(args.output) as out:
+        for rec in records:
+            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+    stats = llm.last_stats
+    stats.num_requests = len(lines)
+    stats.num_errors = sum(1 for r in records if set(r) == {"line", "error"})
+    print(stats.format(), file=sys.stderr)
+    if args.summary_json:
+        with open(args.summary_json, "w", encoding="utf-8") as f:
+            json.dump(stats.summary(), f, indent=2)
+    return 0
+
+
+def determinism_check(llm, batch_sizes: list[int], max_tokens: int = 16, temperature: float = 1.0, seed: int = 0,
+                      prompt_len: int = 64, max_filler_len: int = 300) -> dict:
+    """Run one request alone and inside batches of each size (at a random position, among random-length fillers).
+
+    Returns ``{"distinct_outputs", "first_divergence", "logprobs_bitwise_equal", "max_abs_logprob_diff", "runs"}``;
+    ``first_divergence`` is ``{"batch_size", "token_index"}`` of the first run whose tokens differ from the lone run.
+    """
+    import random
+
+    from deepinfer.sequence import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = llm.vocab_size or 1000
+    target = [rng.randrange(3, vocab) for _ in range(prompt_len)]
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    ref = llm.generate([target], params)[0]
+    outputs = {tuple(ref.token_ids)}
+    first_div, bitwise, max_diff, runs = None, True, 0.0, []
+    for b in batch_sizes:
+        fillers = [[rng.randrange(3, vocab) for _ in range(rng.randrange(1, max_filler_len))] for _ in range(b - 1)]
+        pos = rng.randrange(b)
+        prompts = fillers[:pos] + [target] + fillers[pos:]
+        fparams = [SamplingParams(temperature=temperature, max_tokens=rng.randrange(1, 2 * max_tokens), seed=rng.randrange(1 << 62))
+                   for _ in range(b)]
+        fparams[pos] = params
+        out = llm.generate(prompts, fparams)[pos]
+        outputs.add(tuple(out.token_ids))
+        same = out.token_ids == ref.token_ids
+        if not same and first_div is None:
+            idx = next((i for i, (x, y) in enumerate(zip(out.token_ids, ref.token_ids)) if x != y),
+                       min(len(out.token_ids), len(ref.token_ids)))
+            first_div = {"batch_size": b, "token_index": idx}
+        n = min(len(out.logprobs), len(ref.logprobs))
+        diff = max((abs(x - y) for x, y in zip(out.logprobs[:n], ref.logprobs[:n])), default=0.0)
+        bitwise &= same and out.logprobs == ref.logprobs
+        max_diff = max(max_diff, diff)
+        runs.append({"batch_size": b, "position": pos, "tokens_equal": same, "max_abs_logprob_diff": diff})
+    return {"distinct_outputs": len(outputs), "first_divergence": first_div, "logprobs_bitwise_equal": bitwise,
+            "max_abs_logprob_diff": max_diff, "batch_invariant": llm.config.batch_invariant, "runs": runs}
+
+
+def run_determinism_check(args: argparse.Namespace, model_obj=None) -> int:
+    from deepinfer.llm import LLM
+
+    llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), batch_invariant=args.batch_invariant,
+              device=args.device, max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks)
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    report = determinism_check(llm, sizes, args.max_tokens, args.temperature, args.seed, args.prompt_len)
+    print(json.dumps(report, indent=2))
+    return 0 if report["distinct_outputs"] == 1 or not args.batch_invariant else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4-family inference")
-    parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="offline generation for a JSONL file of request bodies")
+    g.add_argument("--model", default=None, help="checkpoint directory or preset (default: the built-in tiny checkpoint)")
+    g.add_argument("--input", required=True, help="JSONL of request bodies, '-' for stdin")
+    g.add_argument("--output", required=True, help="JSONL of responses / error records, '-' for stdout")
+    g.add_argument("--api", choices=("chat", "messages", "responses"), default="chat",
+                   help="protocol of the request bodies (default: Chat Completions)")
+    g.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 tokens (default: derived)")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
+    g.add_argument("--served-model-name", default=None, help="model name accepted in requests (default: checkpoint dir name)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)")
+    g.add_argument("--created", type=int, default=None, help="fixed 'created' timestamp for reproducible output")
+    g.add_argument("--enable-image-fetch", action="store_true",
+                   help="allow fetching image URLs (public addresses only, size-limited); off by default")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    g.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
+    g.set_defaults(func=run_generate)
+
+    d = sub.add_parser("determinism-check",
+                       help="one request alone and inside batches of several sizes: count distinct outputs")
+    d.add_argument("--model", default=None, help="checkpoint directory or preset (default: tiny)")
+    d.add_argument("--batch-sizes", default="1,7,33,64", help="comma-separated batch sizes")
+    d.add_argument("--max-tokens", type=int, default=16)
+    d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--prompt-len", type=int, default=64)
+    d.add_argument("--batch-invariant", action="store_true")
+    d.add_argument("--device", default=None)
+    d.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    d.add_argument("--num-blocks", type=int, default=None)
+    d.set_defaults(func=run_determinism_check)
+
+    _add_make_checkpoint(sub)
     return parser
+
+
+def _add_make_checkpoint(sub) -> None:
+    p = sub.add_parser(
+        "make-checkpoint",
+        help="write a deterministic random checkpoint in the native DeepSeek-V4 format",
+        description="Write a deterministic random DeepSeek-V4 checkpoint (native format: FP8 dense weights with 128x128 "
+        "UE8M0 block scales, FP4 experts; the real V4 tokenizer). Presets: tiny (the built-in test model) and "
+        "v4-flash-shapes (real V4-Flash dimensions at reduced depth, for GPU benchmarks).",
+    )
+    p.add_argument("--preset", required=True, choices=("tiny", "v4-flash-shapes"))
+    p.add_argument("--out", required=True, help="output folder (must hold no weight files yet)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quant", choices=("fp8", "none"), default="fp8", help="dense linear format (default fp8)")
+    p.add_argument("--expert-quant", choices=("fp4", "fp8", "none"), default=None,
+                   help="routed expert format (default fp4, or none when --quant none)")
+    p.add_argument("--scale-fmt", choices=("ue8m0", "float"), default="ue8m0", help="FP8 block scale storage")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
+                   help="storage of unquantised floats (default bfloat16 when quantised, float32 otherwise)")
+    p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
+    p.add_argument("--num-experts", type=int, default=None, help="override the preset's routed expert count")
+    p.add_argument("--shard-size-mb", type=int, default=None, help="shard size in MiB")
+    p.set_defaults(func=_run_make_checkpoint)
+
+
+def _run_make_checkpoint(args: argparse.Namespace) -> int:
+    import torch
+
+    from .checkpoint import make_checkpoint
+
+    expert_quant = args.expert_quant or ("none" if args.quant == "none" else "fp4")
+    out = make_checkpoint(
+        args.preset,
+        args.out,
+        args.seed,
+        quant=args.quant,
+        expert_quant=expert_quant,
+        scale_fmt=args.scale_fmt,
+        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype),
+        num_layers=args.num_layers,
+        num_experts=args.num_experts,
+        shard_size=args.shard_size_mb * 1024**2 if args.shard_size_mb else None,
+    )
+    print(out)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,14 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.deepinfer_ops.*)
 from . import _fake  # noqa: F401
+from .attention import (
+    kv_cache_dequant_fp8,
+    kv_cache_write,
+    kv_cache_write_fp8,
+    mqa_logits,
+    sparse_mqa_decode,
+    sparse_mqa_prefill,
+)
 from .backend import BUILT_WITH_CUDA, BackendUnavailableError, device_for, select_accelerator
 from .gemm import (
     fp4_to_fp8_blockscaled,
@@ -35,13 +43,19 @@ __all__ = [
     "fp4_to_fp8_blockscaled",
     "fp8_gemm_nt",
     "fused_moe_fp8",
+    "kv_cache_dequant_fp8",
+    "kv_cache_write",
+    "kv_cache_write_fp8",
     "m_grouped_fp8_gemm_nt_contiguous",
     "m_grouped_fp8_gemm_nt_masked",
+    "mqa_logits",
     "per_token_group_quant_fp8",
     "rms_norm",
     "rope_cos_sin_cache",
     "rotary_embedding",
     "select_accelerator",
+    "sparse_mqa_decode",
+    "sparse_mqa_prefill",
     "swiglu_clamp_quant_fp8",
     "topk",
 ]

@@ -55,4 +55,44 @@ def _fp4_to_fp8_blockscaled_fake(out_q, out_scale, w, w_scale):
 def _swiglu_clamp_quant_fp8_fake(out_q, out_scale, gate_up, limit, scale_ue8m0):
     torch._check(out_q.shape == (gate_up.shape[0], gate_up.shape[1] // 2),
                  lambda: "swiglu_clamp_quant_fp8: out_q must be [rows, I]")
+@torch.library.register_fake("deepinfer_ops::sparse_mqa_decode")
+def _sparse_mqa_decode_fake(out, lse, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
+                            extra_topk_length, attn_sink, softmax_scale):
+    torch._check(out.shape == q.shape, lambda: "sparse_mqa_decode: out shape != q shape")
+    torch._check(lse.shape == q.shape[:-1], lambda: "sparse_mqa_decode: lse shape != q.shape[:-1]")
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::sparse_mqa_prefill")
+def _sparse_mqa_prefill_fake(out, lse, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
+                             extra_topk_length, attn_sink, softmax_scale):
+    torch._check(out.shape == q.shape, lambda: "sparse_mqa_prefill: out shape != q shape")
+    torch._check(lse.shape == q.shape[:-1], lambda: "sparse_mqa_prefill: lse shape != q.shape[:-1]")
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::mqa_logits")
+def _mqa_logits_fake(logits, q, weights, k_cache, block_table, k_start, k_end):
+    torch._check(logits.shape[0] == q.shape[0], lambda: "mqa_logits: logits rows != num_tokens")
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::topk_rows")
+def _topk_rows_fake(values, indices, scores):
+    torch._check(values.shape == indices.shape, lambda: "topk_rows: values shape != indices shape")
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::kv_cache_write")
+def _kv_cache_write_fake(kv_cache, kv, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::kv_cache_write_fp8")
+def _kv_cache_write_fp8_fake(kv_cache, kv, slot_mapping):
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::kv_cache_dequant_fp8")
+def _kv_cache_dequant_fp8_fake(out, kv_cache, slot_mapping):
     return None

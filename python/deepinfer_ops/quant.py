@@ -19,7 +19,7 @@ def per_token_group_quant_fp8(
 
     For each row r and group g (elements ``[g*group_size, min(K, (g+1)*group_size))``; the last group may be
     partial): ``amax = max|x|``, ``scale = max(amax, 1e-10) / 448`` (with ``scale_ue8m0``, rounded up to the next
-    power of two: UE8M0-representable), ``q = e4m3(clamp(x / scale, -448, 448))`` with round-to-nearest-even.
+    power of two: UE8M0-representable), ``q = e4m3(clamp(x * (1 / scale), -448, 448))`` (the reciprocal rounded once per group) with round-to-nearest-even.
     NaN inputs propagate (NaN scale and NaN codes). CPU, CUDA and ``testing.refs`` agree bit for bit.
 
     Args:

@@ -1,25 +1,48 @@
-"""Top-k selection with the project's one tie rule."""
+"""Top-k selection with the project's one tie rule, dispatched to the native ``topk_rows`` op."""
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+# The native op's largest k on CUDA (it sorts the selected set in shared memory); larger k fall back to a sort.
+NATIVE_TOPK_MAX_K_CUDA = 2048
+_NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` of each row of ``scores`` with the tie rule used everywhere in deepinfer (indexer and router):
     higher score first, then lower index. Deterministic for any batch size.
 
+    fp32/bf16/fp16 scores on CPU (any k) or CUDA (k <= 2048) run the native ``topk_rows`` op (radix select on an
+    order-preserving 32-bit key, bf16/fp16 upcast exactly to fp32); other cases use a stable descending sort.
+    Both give the same result.
+
     Args:
-        scores: ``[rows, n]`` float (any float dtype; compared as given). ``-inf`` entries sort last; NaN sorts
-            as larger than every number (torch.sort's convention).
+        scores: ``[..., n]`` float (any float dtype; compared as given). ``-inf`` entries sort last; NaN sorts
+            as larger than every number (torch.sort's convention); -0.0 ties with +0.0.
         k: ``0 <= k <= n``.
     Returns:
-        ``(values [rows, k], indices [rows, k] int64)``, sorted by the rule.
+        ``(values [..., k] scores.dtype, indices [..., k] int64)``, sorted by the rule.
     Raises:
         ValueError if k is out of range.
+    Source: the project's tie rule (architecture.md: indexer top-k ties need the lowest position first).
     """
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise ValueError(f"topk: k={k} is outside [0, {n}]")
-    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
+    native = scores.dtype in _NATIVE_DTYPES and scores.device.type in ("cpu", "cuda") and (
+        scores.device.type == "cpu" or k <= NATIVE_TOPK_MAX_K_CUDA)
+    if not native:
+        values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+        return values[..., :k], indices[..., :k]
+    lead = scores.shape[:-1]
+    rows = math.prod(lead)
+    s2 = scores.reshape(rows, n).float()
+    if n > 0 and s2.stride(-1) != 1:
+        s2 = s2.contiguous()
+    values = torch.empty((rows, k), dtype=torch.float32, device=scores.device)
+    indices = torch.empty((rows, k), dtype=torch.int64, device=scores.device)
+    torch.ops.deepinfer_ops.topk_rows(values, indices, s2)
+    return values.to(scores.dtype).view(*lead, k), indices.view(*lead, k)

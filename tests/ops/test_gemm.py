@@ -123,8 +123,6 @@ def test_fp8_gemm_nt_accumulate_fp32(device):
     deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, out=out, accumulate=True)
     ref = refs.fp8_gemm_nt_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), torch.float32, c=c.cpu())
     assert torch.equal(out.cpu(), ref)
-    with pytest.raises(RuntimeError, match="accumulate=True needs a float32 out"):
-        torch.ops.deepinfer_ops.fp8_gemm_nt(torch.empty(33, 256, dtype=torch.bfloat16, device=device), a, sa, b, sb, True, 1)
 
 
 def test_fp8_gemm_nt_per_block_scales(device):
@@ -174,10 +172,9 @@ def test_fp8_gemm_nt_split_k(device, split_k):
     assert calc_diff(out.cpu().float(), refs.fp8_gemm_nt_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), torch.float32)) \
         < CALC_DIFF_MAX["fp8"]
     assert torch.equal(out, deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, split_k=split_k))
-    with pytest.raises(RuntimeError, match="split_k > 1 needs a bfloat16 out"):
-        deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, out_dtype=torch.float32, split_k=split_k)
 
 
+@pytest.mark.native_errors
 def test_fp8_gemm_nt_errors(device):
     a = torch.zeros(4, 256, dtype=FP8, device=device)
     b = torch.zeros(128, 256, dtype=FP8, device=device)
@@ -193,9 +190,15 @@ def test_fp8_gemm_nt_errors(device):
         deepinfer_ops.fp8_gemm_nt(a, sa, torch.zeros(128, 128, dtype=FP8, device=device), sb)
     with pytest.raises(RuntimeError, match="out must be"):
         deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, out=torch.empty(4, 127, dtype=torch.bfloat16, device=device))
+    with pytest.raises(RuntimeError, match="accumulate=True needs a float32 out"):
+        torch.ops.deepinfer_ops.fp8_gemm_nt(torch.empty(4, 128, dtype=torch.bfloat16, device=device), a, sa, b, sb,
+                                            True, 1)
+    with pytest.raises(RuntimeError, match="split_k > 1 needs a bfloat16 out"):
+        deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, out_dtype=torch.float32, split_k=2)
 
 
 @pytest.mark.cuda
+@pytest.mark.native_errors
 def test_fp8_gemm_cuda_alignment_error():
     a = torch.zeros(4, 200, dtype=FP8, device="cuda")
     b = torch.zeros(128, 200, dtype=FP8, device="cuda")
@@ -284,6 +287,7 @@ def test_m_grouped_contiguous(device, sizes_nk, integer):
         assert calc_diff(got[~pad].float(), ref[~pad].float()) < CALC_DIFF_MAX["fp8"]
 
 
+@pytest.mark.native_errors
 def test_m_grouped_contiguous_errors(device):
     a = torch.zeros(4, 128, dtype=FP8, device=device)
     sa = torch.ones(4, 1, device=device)
@@ -355,6 +359,7 @@ def test_m_grouped_masked(device, masked_nk, integer, scale_layout):
             assert calc_diff(got[gi, :mv].float(), ref[gi, :mv].float()) < CALC_DIFF_MAX["fp8"]
 
 
+@pytest.mark.native_errors
 def test_m_grouped_masked_errors(device):
     a = torch.zeros(2, 4, 128, dtype=FP8, device=device)
     sa = torch.ones(2, 4, 1, device=device)
@@ -444,12 +449,18 @@ def test_fp4_to_fp8_wide_spread_error_and_e8m0_dtype(device):
     assert 0 < diff < 1e-9, f"calc_diff {diff}"
 
 
-def test_fp4_to_fp8_nan_scale_and_errors():
+def test_fp4_to_fp8_nan_scale():
     w = torch.zeros(128, 64, dtype=torch.int8)
     e = torch.full((128, 4), 127, dtype=torch.uint8)
     e[5, 1] = 255
     q, _ = deepinfer_ops.fp4_to_fp8_blockscaled(w, e)
     assert torch.isnan(q[5, 32:64].float()).all() and not torch.isnan(q[5, :32].float()).any()
+
+
+@pytest.mark.native_errors
+def test_fp4_to_fp8_errors():
+    w = torch.zeros(128, 64, dtype=torch.int8)
+    e = torch.full((128, 4), 127, dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="w_scale must be"):
         deepinfer_ops.fp4_to_fp8_blockscaled(w, torch.zeros(128, 3, dtype=torch.uint8))
     with pytest.raises(RuntimeError, match="w must be int8 or uint8"):

@@ -88,6 +88,7 @@ def test_quant_empty(device):
         assert s.shape == (0, 56) and s.dtype == torch.float32
 
 
+@pytest.mark.native_errors
 def test_quant_bad_inputs(device):
     x = torch.randn(4, 256, device=device)
     with pytest.raises(RuntimeError, match="out_scale must be"):

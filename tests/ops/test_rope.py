@@ -62,6 +62,7 @@ def test_rope_empty(device):
     deepinfer_ops.rotary_embedding(x, torch.empty(0, dtype=torch.long, device=device), _cache(device=device))
 
 
+@pytest.mark.native_errors
 def test_rope_bad_inputs(device):
     x = torch.randn(4, 512, device=device)
     with pytest.raises(RuntimeError, match="positions must be"):

@@ -49,8 +49,9 @@ void quant_rows(at::Tensor& q2, at::Tensor& scale, const at::Tensor& in2, int64_
       if (std::isnan(amax)) sc = amax;
       if (ue8m0 && std::isfinite(sc)) sc = round_up_pow2(sc);
       s[r * s_row + g * s_col] = sc;
+      const float inv = 1.0f / sc;
       for (int64_t k = k0; k < k1; ++k) {
-        float v = static_cast<float>(x[k]) / sc;
+        float v = static_cast<float>(x[k]) * inv;
         v = std::min(std::max(v, -kFp8E4m3Max), kFp8E4m3Max);
         q[r * q_stride + k] = c10::Float8_e4m3fn(v);
       }

@@ -35,7 +35,7 @@ def per_token_group_quant_fp8_ref(
     """Reference of ``per_token_group_quant_fp8``: returns ``(q [..., K] e4m3, scale [rows, groups] fp32 row-major)``.
 
     scale = max(amax, 1e-10) / 448 per group (NaN if the group holds NaN), optionally rounded up to a power of
-    two; q = e4m3(clamp(x / scale, -448, 448)), round-to-nearest-even. The last group may be partial.
+    two; q = e4m3(clamp(x * (1 / scale), -448, 448)), round-to-nearest-even. The last group may be partial.
     """
     k = x.shape[-1]
     x2 = x.reshape(-1, k).float()
@@ -49,7 +49,7 @@ def per_token_group_quant_fp8_ref(
     if scale_ue8m0:
         finite = torch.isfinite(scale)
         scale = torch.where(finite, round_up_pow2_ref(torch.where(finite, scale, torch.ones_like(scale))), scale)
-    q = (xp / scale.unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
+    q = (xp * (1.0 / scale).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q = q.view(rows, groups * group_size)[:, :k].to(torch.float8_e4m3fn)
     return q.view(x.shape), scale
 
@@ -228,3 +228,182 @@ def fused_moe_fp8_ref(
             y = (dequant_per_token_group_fp8_ref(hq, hs) @ dequant_block_fp8_ref(w2[e], w2_scale[e]).t())
             out[t] += topk_weights[t, j].float() * y[0].to(torch.bfloat16).float()
     return out
+# ---- attention -------------------------------------------------------------------------------------------------
+
+
+def _gather_kv_list_ref(
+    cache: torch.Tensor, indices: torch.Tensor, topk_length: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather one index list: returns ``(kv [b, s_q, topk, d] fp32 (zeros where invalid), valid [b, s_q, topk])``.
+
+    Entry j of row (b, s) is valid iff ``j < topk_length[b]`` (when given) and ``0 <= idx < num_blocks * block_size``;
+    ``idx`` addresses ``cache[idx // block_size, idx % block_size]``.
+    """
+    if cache.dtype == torch.uint8:  # MODEL1 FP8 entries: decode (exactly) to bf16 first
+        cache = fp8_entry_decode_ref(cache)
+    num_blocks, block_size, _ = cache.shape
+    idx = indices.long()
+    valid = (idx >= 0) & (idx < num_blocks * block_size)
+    if topk_length is not None:
+        pos = torch.arange(idx.shape[-1], device=idx.device)
+        valid &= pos.view(1, 1, -1) < topk_length.long().view(-1, 1, 1)
+    slot = torch.where(valid, idx, torch.zeros_like(idx))
+    if num_blocks * block_size == 0:
+        kv = torch.zeros(*idx.shape, cache.shape[-1], dtype=torch.float32, device=cache.device)
+    else:
+        kv = cache[slot // block_size, slot % block_size].float()
+    kv = torch.where(valid.unsqueeze(-1), kv, torch.zeros_like(kv))
+    return kv, valid
+
+
+def sparse_mqa_decode_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``sparse_mqa_decode`` in fp32: returns ``(out [b, s_q, h, d] q.dtype, lse [b, s_q, h] fp32)``.
+
+    ``s_j = softmax_scale * q . k_j`` over the valid entries of both lists (K = V = the gathered cache row);
+    ``lse = logsumexp_j s_j`` (-inf when no entry is valid; the sink is not included);
+    ``out = sum_j exp(s_j) k_j / (sum_j exp(s_j) + exp(attn_sink[h]))`` (no sink term without attn_sink);
+    ``out = 0`` when no entry is valid, with or without a sink.
+    """
+    kv, valid = _gather_kv_list_ref(kv_cache, indices, topk_length)
+    if extra_kv_cache is not None:
+        kv2, valid2 = _gather_kv_list_ref(extra_kv_cache, extra_indices, extra_topk_length)
+        kv, valid = torch.cat([kv, kv2], dim=2), torch.cat([valid, valid2], dim=2)
+    scores = torch.einsum("bshd,bskd->bshk", q.float(), kv) * softmax_scale
+    scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    total = lse if attn_sink is None else torch.logaddexp(lse, attn_sink.float().view(1, 1, -1))
+    p = torch.exp(scores - total.unsqueeze(-1))
+    p = torch.where(torch.isinf(total).unsqueeze(-1) & (total < 0).unsqueeze(-1), torch.zeros_like(p), p)
+    out = torch.einsum("bshk,bskd->bshd", p, kv)
+    return out.to(q.dtype), lse
+
+
+def sparse_mqa_prefill_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    topk_length: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of ``sparse_mqa_prefill``: q ``[t, h, d]``, indices ``[t, topk]``, topk_length ``[t]``; returns
+    ``(out [t, h, d], lse [t, h])``. Each query token is one decode row with s_q = 1."""
+    out, lse = sparse_mqa_decode_ref(
+        q.unsqueeze(1), kv_cache, indices.unsqueeze(1), softmax_scale, topk_length, extra_kv_cache,
+        None if extra_indices is None else extra_indices.unsqueeze(1), extra_topk_length, attn_sink)
+    return out.squeeze(1), lse.squeeze(1)
+
+
+def mqa_logits_ref(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    num_candidates: int,
+    block_table: torch.Tensor | None = None,
+    k_start: torch.Tensor | None = None,
+    k_end: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference of ``mqa_logits``: ``logits[t, c] = sum_h weights[t, h] * relu(q[t, h] . k_c)`` in fp32, ``-inf`` for
+    candidates outside ``[k_start[t], k_end[t])`` or whose block is invalid. Candidate c is
+    ``k_cache[blk, c % block_size]`` with ``blk = c // block_size`` (or ``block_table[t, c // block_size]``; entries
+    past the table or outside ``[0, num_blocks)`` are invalid)."""
+    t = q.shape[0]
+    num_blocks, block_size, _ = k_cache.shape
+    c = torch.arange(num_candidates, device=q.device)
+    blk = (c // block_size).view(1, -1).expand(t, -1)
+    if block_table is not None:
+        max_blocks = block_table.shape[1]
+        missing = torch.full_like(blk, -1)
+        looked_up = block_table.long().gather(1, blk.clamp(max=max_blocks - 1)) if max_blocks > 0 else missing
+        blk = torch.where(blk < max_blocks, looked_up, missing)
+    valid = (blk >= 0) & (blk < num_blocks)
+    if k_start is not None:
+        valid &= c.view(1, -1) >= k_start.long().view(-1, 1)
+    if k_end is not None:
+        valid &= c.view(1, -1) < k_end.long().view(-1, 1)
+    if num_blocks == 0:
+        return torch.full((t, num_candidates), float("-inf"), device=q.device)
+    k = k_cache[blk.clamp(0, num_blocks - 1), (c % block_size).view(1, -1).expand(t, -1)].float()  # [t, n, d]
+    s = torch.einsum("thd,tnd->thn", q.float(), k).clamp_min(0)
+    logits = (s * weights.float().unsqueeze(-1)).sum(dim=1)
+    return logits.masked_fill(~valid, float("-inf"))
+
+
+def topk_ref(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference top-k with the project's tie rule (higher score first, then lower index; NaN above every number,
+    -0.0 == +0.0): a stable descending sort of each row. Returns ``(values [..., k], indices [..., k] int64)``."""
+    values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def kv_cache_write_ref(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kv_cache_write`` (returns a new cache): row i of kv goes to
+    ``cache[s // block_size, s % block_size]`` with ``s = slot_mapping[i]``; slots outside ``[0, num_slots)`` are
+    skipped. Two rows naming one slot is not supported (the kernels do not order such writes)."""
+    out = kv_cache.clone()
+    num_blocks, block_size, _ = kv_cache.shape
+    for i, s in enumerate(slot_mapping.tolist()):
+        if 0 <= s < num_blocks * block_size:
+            out[s // block_size, s % block_size] = kv[i]
+    return out
+
+
+FP8_ENTRY_BYTES, FP8_NOPE_DIMS, FP8_ROPE_DIMS, FP8_TILE_DIMS, FP8_SCALE_OFFSET = 584, 448, 64, 64, 576
+
+
+def fp8_entry_encode_ref(kv: torch.Tensor) -> torch.Tensor:
+    """Encode bf16 rows ``[t, 512]`` as FlashMLA "MODEL1" FP8 entries ``[t, 584]`` uint8:
+    ``[0, 448)`` e4m3 codes of the no-RoPE dims (``per_token_group_quant_fp8_ref`` with group 64 and UE8M0 scales),
+    ``[448, 576)`` the 64 RoPE dims as raw bf16 bytes, ``[576, 583)`` the 7 scale exponent bytes
+    (``scale = 2 ** (byte - 127)``; 0xFF = NaN scale), ``[583]`` zero."""
+    t = kv.shape[0]
+    q, scale = per_token_group_quant_fp8_ref(kv[:, :FP8_NOPE_DIMS], FP8_TILE_DIMS, scale_ue8m0=True)
+    bits = scale.contiguous().view(torch.int32)
+    exp = torch.where(torch.isnan(scale), torch.full_like(bits, 0xFF), (bits >> 23) & 0xFF).to(torch.uint8)
+    out = torch.zeros(t, FP8_ENTRY_BYTES, dtype=torch.uint8, device=kv.device)
+    out[:, :FP8_NOPE_DIMS] = q.view(torch.uint8)
+    out[:, FP8_NOPE_DIMS:FP8_SCALE_OFFSET] = kv[:, FP8_NOPE_DIMS:].contiguous().view(torch.uint8)
+    out[:, FP8_SCALE_OFFSET:FP8_SCALE_OFFSET + FP8_NOPE_DIMS // FP8_TILE_DIMS] = exp
+    return out
+
+
+def fp8_entry_decode_ref(entries: torch.Tensor) -> torch.Tensor:
+    """Decode MODEL1 FP8 entries ``[..., 584]`` uint8 to bf16 ``[..., 512]`` (exact: e4m3 x 2^k fits bf16)."""
+    lead = entries.shape[:-1]
+    e = entries.reshape(-1, FP8_ENTRY_BYTES)
+    codes = e[:, :FP8_NOPE_DIMS].contiguous().view(torch.float8_e4m3fn).float()
+    exp = e[:, FP8_SCALE_OFFSET:FP8_SCALE_OFFSET + FP8_NOPE_DIMS // FP8_TILE_DIMS].int()
+    scale = torch.where(exp == 0xFF, torch.full_like(exp, 0x7FC00000), exp << 23).view(torch.float32)
+    nope = codes * scale.repeat_interleave(FP8_TILE_DIMS, dim=-1)
+    rope = e[:, FP8_NOPE_DIMS:FP8_SCALE_OFFSET].contiguous().view(torch.bfloat16).float()
+    return torch.cat([nope, rope], dim=-1).to(torch.bfloat16).view(*lead, FP8_NOPE_DIMS + FP8_ROPE_DIMS)
+
+
+def kv_cache_write_fp8_ref(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kv_cache_write_fp8`` (returns a new uint8 cache ``[num_blocks, block_size, 584]``)."""
+    return kv_cache_write_ref(kv_cache, fp8_entry_encode_ref(kv), slot_mapping)
+
+
+def kv_cache_dequant_fp8_ref(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Reference of ``kv_cache_dequant_fp8``: bf16 ``[t, 512]``, zero rows for slots outside the cache."""
+    num_blocks, block_size, _ = kv_cache.shape
+    s = slot_mapping.long()
+    valid = (s >= 0) & (s < num_blocks * block_size)
+    s = torch.where(valid, s, torch.zeros_like(s))
+    if num_blocks * block_size == 0:
+        return torch.zeros(s.shape[0], FP8_NOPE_DIMS + FP8_ROPE_DIMS, dtype=torch.bfloat16, device=kv_cache.device)
+    rows = fp8_entry_decode_ref(kv_cache[s // block_size, s % block_size])
+    return torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))

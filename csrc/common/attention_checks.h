@@ -1,0 +1,229 @@
+// Argument checks of the attention domain (sparse MQA decode/prefill, indexer logits, top-k, paged-cache writes),
+// shared by the CPU and CUDA implementations. Each check names the op and the tensor at fault.
+#pragma once
+
+#include <vector>
+
+#include "common/checks.h"
+
+namespace deepinfer {
+
+// FlashMLA "MODEL1" FP8 KV entry (V4): per token 584 bytes =
+//   [0, 448) e4m3 codes of the 448 no-RoPE dims | [448, 576) the 64 RoPE dims as bf16 |
+//   [576, 583) 7 UE8M0 scale exponents, one per 64 no-RoPE dims (scale = 2^(byte - 127)) | [583] zero pad.
+constexpr int64_t kFp8EntryBytes = 584;
+constexpr int64_t kFp8NopeDims = 448;
+constexpr int64_t kFp8RopeDims = 64;
+constexpr int64_t kFp8TileDims = 64;
+constexpr int64_t kFp8ScaleOffset = 576;
+constexpr int64_t kFp8HeadDim = kFp8NopeDims + kFp8RopeDims;
+
+// Largest top-k the native top-k kernels select (the selected set is sorted in shared memory on CUDA).
+constexpr int64_t kTopkMaxK = 2048;
+// Largest candidate count per row of the native top-k (int32 positions; 262,144 is V4's longest context / 4).
+constexpr int64_t kTopkMaxN = int64_t(1) << 30;
+
+// One list of KV entries read by a sparse MQA call: a paged cache and, per query row, indices into it.
+struct SparseKvList {
+  at::Tensor cache;        // [num_blocks, block_size, head_dim] bf16, last dim contiguous
+  at::Tensor indices;      // [rows, topk] int32, contiguous; entry = block_id * block_size + offset, -1 invalid
+  at::Tensor topk_length;  // [rows / rows_per_length] int32 or undefined
+};
+
+// Normalised arguments of a sparse MQA call: q and out as [rows, h, d], lse as [rows, h].
+struct SparseMqaArgs {
+  at::Tensor q, out, lse;
+  std::vector<SparseKvList> lists;
+  at::Tensor attn_sink;         // [h] fp32 or undefined
+  int64_t rows_per_length = 1;  // query rows sharing one topk_length entry (s_q for decode, 1 for prefill)
+  double softmax_scale = 1.0;
+};
+
+inline void check_kv_list(const char* op, const at::Tensor& q, const at::Tensor& cache, const char* cache_name,
+                          const at::Tensor& indices, const char* indices_name,
+                          const std::optional<at::Tensor>& topk_length, const char* len_name,
+                          at::IntArrayRef idx_lead, int64_t num_lengths) {
+  DEEPINFER_CHECK(cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kByte, op, cache_name,
+                  " must be torch.bfloat16 or torch.uint8 (FP8 MODEL1 entries), got ", dtype_name(cache.scalar_type()));
+  check_same_device(op, cache, cache_name, q, "q");
+  DEEPINFER_CHECK(cache.dim() == 3, op, cache_name, " must be [num_blocks, block_size, head_dim], got ",
+                  cache.sizes());
+  if (cache.scalar_type() == at::kByte) {
+    DEEPINFER_CHECK(cache.size(2) == kFp8EntryBytes && q.size(-1) == kFp8HeadDim, op, cache_name,
+                    " (FP8 MODEL1) must be [num_blocks, block_size, ", kFp8EntryBytes, "] with q head_dim ",
+                    kFp8HeadDim, ", got ", cache.sizes(), " and head_dim ", q.size(-1));
+  } else {
+    DEEPINFER_CHECK(cache.size(2) == q.size(-1), op, cache_name, " head_dim ", cache.size(2),
+                    " != q head_dim ", q.size(-1));
+  }
+  DEEPINFER_CHECK(cache.numel() == 0 || cache.stride(2) == 1, op, cache_name,
+                  " must be contiguous in head_dim (stride(2) == 1), got strides ", cache.strides());
+  DEEPINFER_CHECK(cache.size(1) > 0, op, cache_name, " block_size must be > 0");
+  check_dtype(op, indices, indices_name, at::kInt);
+  check_same_device(op, indices, indices_name, q, "q");
+  DEEPINFER_CHECK(indices.is_contiguous(), op, indices_name, " must be contiguous");
+  DEEPINFER_CHECK(indices.dim() == static_cast<int64_t>(idx_lead.size()) + 1 &&
+                      indices.sizes().slice(0, idx_lead.size()) == idx_lead,
+                  op, indices_name, " must be [", idx_lead, ", topk], got ", indices.sizes());
+  if (topk_length.has_value()) {
+    check_dtype(op, *topk_length, len_name, at::kInt);
+    check_same_device(op, *topk_length, len_name, q, "q");
+    DEEPINFER_CHECK(topk_length->dim() == 1 && topk_length->size(0) == num_lengths && topk_length->is_contiguous(),
+                    op, len_name, " must be a contiguous [", num_lengths, "], got ", topk_length->sizes());
+  }
+}
+
+// decode: q [b, s_q, h, d]; prefill: q [t, h, d] (is_prefill). Returns the normalised arguments.
+inline SparseMqaArgs check_sparse_mqa(const char* op, bool is_prefill, const at::Tensor& out, const at::Tensor& lse,
+                                      const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
+                                      const std::optional<at::Tensor>& topk_length,
+                                      const std::optional<at::Tensor>& extra_kv_cache,
+                                      const std::optional<at::Tensor>& extra_indices,
+                                      const std::optional<at::Tensor>& extra_topk_length,
+                                      const std::optional<at::Tensor>& attn_sink, double softmax_scale) {
+  const int64_t lead_dims = is_prefill ? 1 : 2;
+  check_dtype(op, q, "q", at::kBFloat16);
+  DEEPINFER_CHECK(q.dim() == lead_dims + 2, op, "q must be ", is_prefill ? "[num_tokens, h, head_dim]" :
+                  "[b, s_q, h, head_dim]", ", got ", q.sizes());
+  DEEPINFER_CHECK(q.is_contiguous(), op, "q must be contiguous, got strides ", q.strides());
+  const int64_t h = q.size(-2), d = q.size(-1);
+  DEEPINFER_CHECK(d == 64 || d == 128 || d == 256 || d == 512, op, "head_dim must be 64, 128, 256 or 512, got ", d);
+  check_dtype(op, out, "out", at::kBFloat16);
+  DEEPINFER_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), op, "out must be contiguous ", q.sizes(),
+                  ", got ", out.sizes(), " strides ", out.strides());
+  check_same_device(op, out, "out", q, "q");
+  check_dtype(op, lse, "lse", at::kFloat);
+  DEEPINFER_CHECK(lse.sizes() == q.sizes().slice(0, lead_dims + 1) && lse.is_contiguous(), op,
+                  "lse must be contiguous ", q.sizes().slice(0, lead_dims + 1), ", got ", lse.sizes());
+  check_same_device(op, lse, "lse", q, "q");
+  const auto idx_lead = q.sizes().slice(0, lead_dims);
+  const int64_t rows = is_prefill ? q.size(0) : q.size(0) * q.size(1);
+  const int64_t num_lengths = q.size(0);
+  SparseMqaArgs a;
+  a.q = q.view({rows, h, d});
+  a.out = out.view({rows, h, d});
+  a.lse = lse.view({rows, h});
+  a.rows_per_length = is_prefill ? 1 : q.size(1);
+  a.softmax_scale = softmax_scale;
+  check_kv_list(op, q, kv_cache, "kv_cache", indices, "indices", topk_length, "topk_length", idx_lead, num_lengths);
+  a.lists.push_back({kv_cache, indices.view({rows, indices.size(-1)}),
+                     topk_length.has_value() ? *topk_length : at::Tensor()});
+  DEEPINFER_CHECK(extra_kv_cache.has_value() == extra_indices.has_value(), op,
+                  "extra_kv_cache and extra_indices must be given together");
+  DEEPINFER_CHECK(extra_indices.has_value() || !extra_topk_length.has_value(), op,
+                  "extra_topk_length given without extra_indices");
+  if (extra_kv_cache.has_value()) {
+    check_kv_list(op, q, *extra_kv_cache, "extra_kv_cache", *extra_indices, "extra_indices", extra_topk_length,
+                  "extra_topk_length", idx_lead, num_lengths);
+    a.lists.push_back({*extra_kv_cache, extra_indices->view({rows, extra_indices->size(-1)}),
+                       extra_topk_length.has_value() ? *extra_topk_length : at::Tensor()});
+  }
+  if (attn_sink.has_value()) {
+    check_dtype(op, *attn_sink, "attn_sink", at::kFloat);
+    check_same_device(op, *attn_sink, "attn_sink", q, "q");
+    DEEPINFER_CHECK(attn_sink->dim() == 1 && attn_sink->size(0) == h && attn_sink->is_contiguous(), op,
+                    "attn_sink must be a contiguous [", h, "] (one sink logit per query head), got ",
+                    attn_sink->sizes());
+    a.attn_sink = *attn_sink;
+  }
+  return a;
+}
+
+// mqa_logits(logits [t, n] fp32, q [t, H, d] bf16, weights [t, H] fp32, k_cache [num_blocks, block_size, d] bf16,
+//            block_table [t, max_blocks] int32?, k_start [t] int32?, k_end [t] int32?)
+inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights,
+                             const at::Tensor& k_cache, const std::optional<at::Tensor>& block_table,
+                             const std::optional<at::Tensor>& k_start, const std::optional<at::Tensor>& k_end) {
+  const char* op = "mqa_logits";
+  check_dtype(op, q, "q", at::kBFloat16);
+  DEEPINFER_CHECK(q.dim() == 3 && q.is_contiguous(), op,
+                  "q must be a contiguous [num_tokens, num_heads, head_dim], got ", q.sizes(), " strides ", q.strides());
+  const int64_t t = q.size(0), H = q.size(1), d = q.size(2);
+  DEEPINFER_CHECK(d == 64 || d == 128, op, "head_dim must be 64 or 128, got ", d);
+  DEEPINFER_CHECK(H >= 1, op, "num_heads must be >= 1");
+  check_dtype(op, weights, "weights", at::kFloat);
+  DEEPINFER_CHECK(weights.dim() == 2 && weights.size(0) == t && weights.size(1) == H && weights.is_contiguous(), op,
+                  "weights must be a contiguous [", t, ", ", H, "], got ", weights.sizes());
+  check_same_device(op, weights, "weights", q, "q");
+  check_dtype(op, k_cache, "k_cache", at::kBFloat16);
+  check_same_device(op, k_cache, "k_cache", q, "q");
+  DEEPINFER_CHECK(k_cache.dim() == 3 && k_cache.size(2) == d && k_cache.size(1) > 0, op,
+                  "k_cache must be [num_blocks, block_size > 0, ", d, "], got ", k_cache.sizes());
+  DEEPINFER_CHECK(k_cache.numel() == 0 || k_cache.stride(2) == 1, op, "k_cache must be contiguous in head_dim");
+  check_dtype(op, logits, "logits", at::kFloat);
+  check_same_device(op, logits, "logits", q, "q");
+  DEEPINFER_CHECK(logits.dim() == 2 && logits.size(0) == t && logits.is_contiguous(), op,
+                  "logits must be a contiguous [", t, ", num_candidates], got ", logits.sizes());
+  if (block_table.has_value()) {
+    check_dtype(op, *block_table, "block_table", at::kInt);
+    check_same_device(op, *block_table, "block_table", q, "q");
+    DEEPINFER_CHECK(block_table->dim() == 2 && block_table->size(0) == t && block_table->is_contiguous(), op,
+                    "block_table must be a contiguous [", t, ", max_blocks], got ", block_table->sizes());
+  }
+  for (const auto* p : {&k_start, &k_end}) {
+    const char* name = p == &k_start ? "k_start" : "k_end";
+    if (p->has_value()) {
+      check_dtype(op, **p, name, at::kInt);
+      check_same_device(op, **p, name, q, "q");
+      DEEPINFER_CHECK((*p)->dim() == 1 && (*p)->size(0) == t && (*p)->is_contiguous(), op, name,
+                      " must be a contiguous [", t, "], got ", (*p)->sizes());
+    }
+  }
+}
+
+// topk_rows(values [rows, k] fp32, indices [rows, k] int64, scores [rows, n] fp32)
+inline void check_topk_rows(const at::Tensor& values, const at::Tensor& indices, const at::Tensor& scores) {
+  const char* op = "topk_rows";
+  check_dtype(op, scores, "scores", at::kFloat);
+  DEEPINFER_CHECK(scores.dim() == 2 && (scores.numel() == 0 || scores.stride(1) == 1), op,
+                  "scores must be [rows, n] with a contiguous last dim, got ", scores.sizes(), " strides ",
+                  scores.strides());
+  DEEPINFER_CHECK(scores.size(1) <= kTopkMaxN, op, "n = ", scores.size(1), " exceeds ", kTopkMaxN);
+  check_dtype(op, values, "values", at::kFloat);
+  check_dtype(op, indices, "indices", at::kLong);
+  check_same_device(op, values, "values", scores, "scores");
+  check_same_device(op, indices, "indices", scores, "scores");
+  DEEPINFER_CHECK(values.dim() == 2 && values.size(0) == scores.size(0) && values.is_contiguous(), op,
+                  "values must be a contiguous [", scores.size(0), ", k], got ", values.sizes());
+  DEEPINFER_CHECK(indices.sizes() == values.sizes() && indices.is_contiguous(), op,
+                  "indices must be a contiguous ", values.sizes(), ", got ", indices.sizes());
+  DEEPINFER_CHECK(values.size(1) <= scores.size(1), op, "k = ", values.size(1), " exceeds n = ", scores.size(1));
+}
+
+// kv_cache_write(kv_cache [num_blocks, block_size, d]!, kv [t, d], slot_mapping [t] int64)
+inline void check_kv_cache_write(const at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping) {
+  const char* op = "kv_cache_write";
+  DEEPINFER_CHECK(kv_cache.dim() == 3, op, "kv_cache must be [num_blocks, block_size, entry_dim], got ",
+                  kv_cache.sizes());
+  DEEPINFER_CHECK(kv_cache.numel() == 0 || kv_cache.stride(2) == 1, op, "kv_cache must be contiguous in entry_dim");
+  DEEPINFER_CHECK(kv.dim() == 2 && kv.size(1) == kv_cache.size(2), op, "kv must be [num_tokens, ",
+                  kv_cache.size(2), "], got ", kv.sizes());
+  DEEPINFER_CHECK(kv.numel() == 0 || kv.stride(1) == 1, op, "kv must be contiguous in its last dim");
+  DEEPINFER_CHECK(kv.scalar_type() == kv_cache.scalar_type(), op, "kv dtype ", dtype_name(kv.scalar_type()),
+                  " != kv_cache dtype ", dtype_name(kv_cache.scalar_type()));
+  check_same_device(op, kv, "kv", kv_cache, "kv_cache");
+  check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
+  check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");
+  DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == kv.size(0) && slot_mapping.is_contiguous(), op,
+                  "slot_mapping must be a contiguous [", kv.size(0), "], got ", slot_mapping.sizes());
+}
+
+// kv_cache_write_fp8(kv_cache [num_blocks, block_size, 584] uint8!, kv [t, 512] bf16, slot_mapping [t] int64) and
+// kv_cache_dequant_fp8(out [t, 512] bf16!, kv_cache, slot_mapping).
+inline void check_fp8_cache(const char* op, const at::Tensor& kv_cache, const at::Tensor& rows, const char* rows_name,
+                            const at::Tensor& slot_mapping) {
+  check_dtype(op, kv_cache, "kv_cache", at::kByte);
+  DEEPINFER_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == kFp8EntryBytes && kv_cache.size(1) > 0, op,
+                  "kv_cache must be uint8 [num_blocks, block_size, ", kFp8EntryBytes, "], got ", kv_cache.sizes());
+  DEEPINFER_CHECK(kv_cache.numel() == 0 || kv_cache.stride(2) == 1, op, "kv_cache must be contiguous in its last dim");
+  check_dtype(op, rows, rows_name, at::kBFloat16);
+  DEEPINFER_CHECK(rows.dim() == 2 && rows.size(1) == kFp8HeadDim && (rows.numel() == 0 || rows.stride(1) == 1), op,
+                  rows_name, " must be [num_tokens, ", kFp8HeadDim, "] with a contiguous last dim, got ", rows.sizes());
+  check_same_device(op, rows, rows_name, kv_cache, "kv_cache");
+  check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
+  check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");
+  DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows.size(0) && slot_mapping.is_contiguous(), op,
+                  "slot_mapping must be a contiguous [", rows.size(0), "], got ", slot_mapping.sizes());
+}
+
+}  // namespace deepinfer

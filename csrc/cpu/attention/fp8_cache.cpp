@@ -1,0 +1,42 @@
+// CPU kv_cache_write_fp8 (quantise bf16 rows into MODEL1 FP8 entries of a paged cache) and kv_cache_dequant_fp8.
+#include <ATen/Parallel.h>
+
+#include "cpu/attention/fp8_entry.h"
+#include "ops.h"
+
+namespace deepinfer {
+
+void kv_cache_write_fp8_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping) {
+  check_fp8_cache("kv_cache_write_fp8", kv_cache, kv, "kv", slot_mapping);
+  const int64_t t = kv.size(0), block_size = kv_cache.size(1), num_slots = kv_cache.size(0) * block_size;
+  if (t == 0 || num_slots == 0) return;
+  auto* cache = kv_cache.mutable_data_ptr<uint8_t>();
+  const auto* x = kv.const_data_ptr<c10::BFloat16>();
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t s = slots[i];
+    if (s < 0 || s >= num_slots) continue;
+    fp8_entry::encode(cache + (s / block_size) * kv_cache.stride(0) + (s % block_size) * kv_cache.stride(1),
+                      x + i * kv.stride(0));
+  }
+}
+
+void kv_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
+  check_fp8_cache("kv_cache_dequant_fp8", kv_cache, out, "out", slot_mapping);
+  const int64_t t = out.size(0), block_size = kv_cache.size(1), num_slots = kv_cache.size(0) * block_size;
+  if (t == 0) return;
+  const auto* cache = kv_cache.const_data_ptr<uint8_t>();
+  auto* o = out.mutable_data_ptr<c10::BFloat16>();
+  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < t; ++i) {
+    const int64_t s = slots[i];
+    c10::BFloat16* row = o + i * out.stride(0);
+    if (s < 0 || s >= num_slots) {
+      std::fill(row, row + kFp8HeadDim, c10::BFloat16(0.f));
+      continue;
+    }
+    fp8_entry::decode(row, cache + (s / block_size) * kv_cache.stride(0) + (s % block_size) * kv_cache.stride(1));
+  }
+}
+
+}  // namespace deepinfer

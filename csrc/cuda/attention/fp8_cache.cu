@@ -1,0 +1,101 @@
+// MODEL1 FP8 KV entries: kv_cache_write_fp8 quantises bf16 rows (7 tiles of 64 no-RoPE dims -> e4m3 with a UE8M0
+// scale each, RoPE dims kept bf16) into a paged cache; kv_cache_dequant_fp8 decodes entries back. One warp per token.
+// Same recipe, bit for bit, as the CPU implementation and deepinfer_ops.testing.refs.
+#include <cuda_fp8.h>
+#include <math_constants.h>
+
+#include "deepinfer/attention/sparse_mqa.cuh"
+
+namespace deepinfer::attention {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr float kE4m3Max = 448.0f;
+constexpr float kAmaxEps = 1e-10f;
+
+__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || isnan(a)) ? a : b; }
+
+// Biased exponent of the smallest power of two >= s (s positive normal); 0xFF (E8M0 NaN) for NaN.
+__device__ __forceinline__ uint32_t ue8m0_exponent_up(float s) {
+  if (isnan(s)) return 0xffu;
+  const uint32_t bits = __float_as_uint(s);
+  uint32_t exp = (bits >> 23) & 0xffu;
+  if ((bits & 0x7fffffu) != 0u) exp += 1u;
+  return min(exp, 0xffu);
+}
+
+__device__ __forceinline__ float ue8m0_to_float(uint32_t e) {
+  return e == 0xffu ? CUDART_NAN_F : __uint_as_float(e << 23);
+}
+
+__device__ __forceinline__ uint8_t to_e4m3(float v, float scale) {
+  v = v / scale;  // IEEE division, as on the CPU
+  v = v < -kE4m3Max ? -kE4m3Max : v;
+  v = v > kE4m3Max ? kE4m3Max : v;
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, __NV_E4M3));
+}
+
+__global__ void __launch_bounds__(kWarps * 32) kv_cache_write_fp8_kernel(const __grid_constant__ Fp8CacheParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (i >= p.t) return;
+  const int64_t s = p.slot_mapping[i];
+  if (s < 0 || s >= p.num_slots) return;
+  uint8_t* e = p.cache + (s / p.block_size) * p.block_stride + (s % p.block_size) * p.token_stride;
+  const __nv_bfloat16* x = p.rows + i * p.row_stride;
+#pragma unroll 1
+  for (int g = 0; g < kFp8NopeDims / 64; ++g) {
+    const float x0 = __bfloat162float(x[g * 64 + 2 * lane]), x1 = __bfloat162float(x[g * 64 + 2 * lane + 1]);
+    float amax = nan_max(fabsf(x0), fabsf(x1));
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, m), amax);
+    const uint32_t ex = ue8m0_exponent_up(isnan(amax) ? amax : fmaxf(amax, kAmaxEps) / kE4m3Max);
+    const float sc = ue8m0_to_float(ex);
+    e[g * 64 + 2 * lane] = to_e4m3(x0, sc);
+    e[g * 64 + 2 * lane + 1] = to_e4m3(x1, sc);
+    if (lane == 0) e[kFp8ScaleOffset + g] = static_cast<uint8_t>(ex);
+  }
+  // RoPE dims [448, 512) as raw bf16: 128 bytes, 4 per lane (byte copies: entries are only 8-byte aligned).
+  const uint8_t* rope = reinterpret_cast<const uint8_t*>(x + kFp8NopeDims);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) e[kFp8NopeDims + 4 * lane + j] = rope[4 * lane + j];
+  if (lane == 0) e[kFp8EntryBytes - 1] = 0;
+}
+
+__global__ void __launch_bounds__(kWarps * 32) kv_cache_dequant_fp8_kernel(const __grid_constant__ Fp8CacheParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (i >= p.t) return;
+  const int64_t s = p.slot_mapping[i];
+  __nv_bfloat16* out = p.rows + i * p.row_stride;
+  if (s < 0 || s >= p.num_slots) {
+    for (int c = lane; c < kFp8NopeDims + 64; c += 32) out[c] = __float2bfloat16_rn(0.f);
+    return;
+  }
+  const uint8_t* e = p.cache + (s / p.block_size) * p.block_stride + (s % p.block_size) * p.token_stride;
+  for (int c = lane; c < kFp8NopeDims; c += 32) {
+    __nv_fp8_e4m3 q;
+    q.__x = e[c];
+    out[c] = __float2bfloat16_rn(static_cast<float>(q) * ue8m0_to_float(e[kFp8ScaleOffset + c / 64]));
+  }
+  const uint16_t* rope = reinterpret_cast<const uint16_t*>(e + kFp8NopeDims);  // 2-byte aligned
+  for (int c = lane; c < 64; c += 32) {
+    out[kFp8NopeDims + c] = __ushort_as_bfloat16(rope[c]);
+  }
+}
+
+}  // namespace
+
+void launch_kv_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
+  if (p.t == 0 || p.num_slots == 0) return;
+  kv_cache_write_fp8_kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
+  DEEPINFER_CHECK_LAUNCH("kv_cache_write_fp8_kernel");
+}
+
+void launch_kv_cache_dequant_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
+  if (p.t == 0) return;
+  kv_cache_dequant_fp8_kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
+  DEEPINFER_CHECK_LAUNCH("kv_cache_dequant_fp8_kernel");
+}
+
+}  // namespace deepinfer::attention

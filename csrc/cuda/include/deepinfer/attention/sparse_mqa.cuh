@@ -1,0 +1,95 @@
+// Sparse MQA attention (decode and prefill share one kernel): per query row, softmax over KV entries gathered by index
+// from up to two paged caches (K = V, one shared KV head), per-head sink logit, fp32 accumulation, bf16 out.
+#pragma once
+
+#include "deepinfer/common.cuh"
+
+namespace deepinfer::attention {
+
+constexpr int kMaxKvLists = 2;
+
+// FlashMLA "MODEL1" FP8 entry: [0, 448) e4m3 | [448, 576) 64 bf16 RoPE dims | [576, 583) UE8M0 exponents | pad.
+constexpr int kFp8EntryBytes = 584;
+constexpr int kFp8NopeDims = 448;
+constexpr int kFp8ScaleOffset = 576;
+
+struct SparseKvListParams {
+  const void* cache;  // bf16 [num_blocks, block_size, head_dim] or (is_fp8) uint8 [num_blocks, block_size, 584];
+                      // entry (b, o) at b * block_stride + o * token_stride
+  int64_t block_stride, token_stride;  // elements of the cache dtype (64-bit: large page ids overflow 2^31 bytes)
+  bool is_fp8;
+  int64_t num_blocks;
+  int block_size;
+  const int32_t* indices;       // [rows, topk] contiguous; block_id * block_size + offset; invalid if < 0 or >= slots
+  int topk;
+  const int32_t* topk_length;   // [rows / rows_per_length] or nullptr (= topk); clamped to [0, topk]
+};
+
+struct SparseMqaParams {
+  const __nv_bfloat16* q;  // [rows, num_heads, head_dim] contiguous
+  __nv_bfloat16* out;      // [rows, num_heads, head_dim] contiguous
+  float* lse;              // [rows, num_heads] contiguous, natural log, excludes the sink; -inf when no valid entry
+  const float* attn_sink;  // [num_heads] or nullptr
+  int64_t rows;
+  int num_heads, head_dim;  // head_dim in {64, 128, 256, 512} (V4: 512)
+  int rows_per_length;      // query rows per topk_length entry (s_q for decode, 1 for prefill)
+  int heads_per_cta;        // 16, 32 or 64 (the host picks fewer when rows are few; results do not depend on it)
+  float softmax_scale;
+  int num_lists;
+  SparseKvListParams lists[kMaxKvLists];
+};
+
+void launch_sparse_mqa(const SparseMqaParams& p, cudaStream_t stream);
+
+struct MqaLogitsParams {
+  const __nv_bfloat16* q;  // [t, num_heads, head_dim] contiguous
+  const float* weights;    // [t, num_heads]
+  const __nv_bfloat16* k_cache;  // [num_blocks, block_size, head_dim]
+  int64_t block_stride, token_stride, num_blocks;
+  int block_size;
+  const int32_t* block_table;  // [t, max_blocks] or nullptr (candidate c -> flat slot c)
+  int max_blocks;
+  const int32_t* k_start;  // [t] or nullptr
+  const int32_t* k_end;    // [t] or nullptr
+  float* logits;           // [t, num_candidates] contiguous
+  int64_t t, num_candidates;
+  int num_heads, head_dim;  // head_dim 64 or 128
+};
+
+void launch_mqa_logits(const MqaLogitsParams& p, cudaStream_t stream);
+
+struct TopkParams {
+  const float* scores;  // [rows, n], row stride score_row_stride
+  int64_t score_row_stride;
+  float* values;        // [rows, k]
+  int64_t* indices;     // [rows, k]
+  int64_t rows;
+  int n, k;             // k <= 2048
+};
+
+void launch_topk_rows(const TopkParams& p, cudaStream_t stream);
+
+struct KvCacheWriteParams {
+  char* cache;  // [num_blocks, block_size, row_bytes]; byte strides
+  int64_t block_stride_bytes, token_stride_bytes, num_slots;
+  int block_size;
+  const char* src;  // [t, row_bytes], row stride src_row_stride_bytes
+  int64_t src_row_stride_bytes, row_bytes, t;
+  const int64_t* slot_mapping;  // [t]; < 0 or >= num_slots: skipped
+};
+
+void launch_kv_cache_write(const KvCacheWriteParams& p, cudaStream_t stream);
+
+struct Fp8CacheParams {
+  uint8_t* cache;  // [num_blocks, block_size, 584] (const for dequant); byte strides
+  int64_t block_stride, token_stride, num_slots;
+  int block_size;
+  __nv_bfloat16* rows;  // [t, 512] (read by the write, written by the dequant), row stride row_stride elements
+  int64_t row_stride, t;
+  const int64_t* slot_mapping;  // [t]; invalid slots: skipped (write) or zero rows (dequant)
+};
+
+void launch_kv_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream);
+void launch_kv_cache_dequant_fp8(const Fp8CacheParams& p, cudaStream_t stream);
+
+}  // namespace deepinfer::attention

@@ -1,0 +1,270 @@
+"""Chat requests through deepseek-recipe: request bodies -> prompt ids and sampling params, sampled ids -> responses.
+
+Everything protocol-specific is the recipe's (deepseek-recipe 0.2.0): request validation and conversion, the chat
+template (``DeepseekV4Encoding`` / ``DeepseekV41Encoding`` with the checkpoint's own ``tokenizer.json``), default
+``max_tokens`` (``resolve_max_tokens``), and output parsing (``StreamProcessor``: reasoning content, DSML tool calls,
+json_object output, stop sequences, usage). This module only wires it to the engine:
+
+* EOS: the EOS id is never pushed; the engine ends the sequence and ``finish(Stop)`` is pushed.
+* ``StreamProcessor.finished`` is checked after every push (a stop sequence finishes it; pushing again would raise).
+* Tool-call ids (random in the recipe) are rewritten to ids derived from the request, so outputs are reproducible.
+* Unset seeds are drawn, used and reported in the response (``"seed"``).
+* Image URL fetching is off; when enabled, only public addresses are contacted and each image is byte-limited.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import deepseek_recipe as R
+
+from deepinfer.sequence import SamplingParams, draw_seed
+
+API_KINDS = ("chat", "messages", "responses")
+
+
+class RequestError(Exception):
+    """A request that cannot run; ``record`` is the OpenAI-style error object."""
+
+    def __init__(self, message: str, code: str = "invalid_request_error", status_code: int = 400,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.record = {"message": message, "type": "invalid_request_error", "param": param, "code": code,
+                       "status_code": status_code}
+
+
+def is_error_record(result: dict) -> bool:
+    """True for ``{"error": {...}}`` (an engine error record), False for a response object (a Responses object
+    carries its own ``"error": null`` field)."""
+    return isinstance(result, dict) and set(result) == {"error"}
+
+
+def public_address_only(host: str, address: str) -> bool:
+    """Destination filter for the image fetcher: True only for globally routable unicast addresses."""
+    try:
+        ip = ipaddress.ip_address(address)
+    except ValueError:
+        return False
+    return ip.is_global and not ip.is_multicast
+
+
+def make_image_fetcher(max_bytes: int) -> "R.ReqwestImageFetcher":
+    """The recipe's fetcher restricted to public addresses (re-checked on redirects) and ``max_bytes`` per image."""
+    return R.ReqwestImageFetcher.with_max_bytes(max_bytes).with_destination_filter(public_address_only)
+
+
+def _conversion_error(e: Exception) -> RequestError:
+    body = getattr(e, "body", None)
+    if body:
+        try:
+            err = json.loads(body)["error"]
+            return RequestError(err.get("message", str(e)), err.get("code") or "invalid_request_error",
+                                int(getattr(e, "status_code", 400) or 400), err.get("param"))
+        except (ValueError, KeyError, TypeError):
+            pass
+    return RequestError(str(e))
+
+
+def _digest(*parts: Any) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(json.dumps(p, sort_keys=True, ensure_ascii=False, default=str).encode())
+        h.update(b"\0")
+    return h.hexdigest()
+
+
+@dataclass
+class PreparedChat:
+    """One converted request, ready for the engine, and the parser that turns its tokens into a response."""
+
+    api: str
+    request_id: str
+    model_name: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed_drawn: bool
+    want_logprobs: bool
+    processor: Any
+    response: Any
+    thinking: bool
+    stop_sequences: list[str] = field(default_factory=list)
+    events: int = 0
+
+    # ------------------------------------------------------------ streaming side
+    def _accumulate(self, chunks) -> None:
+        for c in chunks:
+            self.response.accumulate(c)
+            self.events += 1
+
+    def push_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None = None) -> bool:
+        """Feed one sampled token (never EOS) with its log-probability and ``[(token_id, logprob)]`` alternatives.
+        Returns True when the parser has finished (stop sequence)."""
+        lp = [(float(logprob), list(top or []))] if self.want_logprobs and logprob is not None else None
+        self._accumulate(self.processor.push(R.InferenceChunk.tokens([token_id], lp)))
+        return self.processor.finished
+
+    def finish(self, finish_reason: str) -> dict:
+        """End the stream (``"stop"``: EOS or stop sequence, ``"length"``: max_tokens) and return the response JSON."""
+        if not self.processor.finished:
+            reason = R.InferenceFinishReason.Length if finish_reason == "length" else R.InferenceFinishReason.Stop
+            self._accumulate(self.processor.push(R.InferenceChunk.finish(reason)))
+        if not self.processor.finished:
+            self._accumulate(self.processor.finish())
+        out = json.loads(self.response.to_json())
+        _rewrite_tool_call_ids(out, self.request_id)
+        out["seed"] = self.params.seed
+        return out
+
+    def close(self) -> None:
+        try:
+            self.processor.close()
+        except Exception:  # noqa: BLE001 - already closed
+            pass
+
+
+def _rewrite_tool_call_ids(out: dict, request_id: str) -> None:
+    """Replace the recipe's random tool-call ids by ``call_<index>_<sha256(request_id, index)[:24]>``."""
+    n = 0
+
+    def new_id(prefix: str = "call") -> str:
+        nonlocal n
+        s = f"{prefix}_{n:02d}_{_digest(request_id, n)[:24]}"
+        n += 1
+        return s
+
+    for choice in out.get("choices", []) or []:
+        for tc in (choice.get("message") or {}).get("tool_calls") or []:
+            tc["id"] = new_id()
+    for block in out.get("content", []) if isinstance(out.get("content"), list) else []:
+        if isinstance(block, dict) and block.get("type") == "tool_use":
+            block["id"] = new_id("toolu")
+    for item in out.get("output", []) if isinstance(out.get("output"), list) else []:
+        if isinstance(item, dict) and item.get("type") == "function_call":
+            cid = new_id()
+            item["call_id"] = cid
+            if "id" in item:
+                item["id"] = "fc_" + cid
+
+
+class ChatFrontend:
+    """Converts request bodies with the recipe and the checkpoint's tokenizer.
+
+    Args:
+        tokenizer_json: path of the checkpoint's ``tokenizer.json``.
+        served_model_name: accepted in the request's ``model`` field (besides the recipe's own names) and filled in
+            when a body has none.
+        aliases: more accepted names for the same model.
+        model_version: ``"v4"`` (``DeepseekV4Encoding``) or ``"v4.1"``: the encoding the served name maps to.
+        max_model_len: the model's context limit (``resolve_max_tokens`` lowers the default to what is left).
+        eos_token_id: the EOS id (informational: the scheduler never appends EOS, so it is never pushed).
+        enable_image_fetch / image_max_bytes: see ``EngineConfig``.
+        created: fixed ``created`` timestamp (``None``: now), for reproducible output.
+    """
+
+    def __init__(self, tokenizer_json: str, served_model_name: str, max_model_len: int, eos_token_id: int | None,
+                 model_version: str = "v4", enable_image_fetch: bool = False,
+                 image_max_bytes: int = 20 * 1024 * 1024, created: int | None = None,
+                 aliases: tuple[str, ...] = ()) -> None:
+        self.tokenizer = R.Tokenizer.from_file(str(tokenizer_json))
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+        self.created = created
+        version = {"v4": R.ModelVersion.DeepseekV4Pro, "v4.1": R.ModelVersion.DeepseekV41Flash}.get(model_version)
+        if version is None:
+            raise ValueError(f"model_version must be 'v4' or 'v4.1', got {model_version!r}")
+        self.options = R.ConversionOptions()
+        for name in (served_model_name, *aliases):
+            self.options = self.options.with_model_alias(name, version)
+        self.encodings = {
+            R.ModelVersion.DeepseekV4Pro: R.DeepseekV4Encoding().with_tokenizer(self.tokenizer),
+            R.ModelVersion.DeepseekV41Flash: R.DeepseekV41Encoding().with_tokenizer(self.tokenizer),
+        }
+        self.image_fetcher = make_image_fetcher(image_max_bytes) if enable_image_fetch else None
+
+    def prepare(self, body: Any, api: str = "chat", seed_source=None) -> PreparedChat:
+        """Convert one request body.
+
+        Args:
+            body: the request as a dict, or JSON text.
+            api: ``"chat"`` (Chat Completions), ``"messages"`` or ``"responses"``.
+            seed_source: callable returning a fresh seed for requests without one.
+
+        Raises:
+            RequestError: malformed JSON, a body the recipe rejects (unknown role, empty messages, n > 1, bad
+                max_tokens, unknown model, ...), a prompt beyond the context, or images while fetching is off.
+        """
+        if api not in API_KINDS:
+            raise ValueError(f"api must be one of {API_KINDS}, got {api!r}")
+        if isinstance(body, (str, bytes)):
+            try:
+                body = json.loads(body)
+            except ValueError as e:
+                raise RequestError(f"malformed JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise RequestError(f"a request body must be a JSON object, got {type(body).__name__}")
+        body = dict(body)
+        body.setdefault("model", self.served_model_name)
+        canonical = _digest(body)
+        req_cls = {"chat": R.ChatCompletionRequest, "messages": R.MessagesRequest, "responses": R.ResponsesRequest}[api]
+        try:
+            req = req_cls(body)
+            model_name = req.model
+            echo = req.echo() if api == "responses" else None
+            conv = req.convert(self.options)
+        except (R.ConversionError, ValueError, TypeError) as e:
+            raise _conversion_error(e) from None
+        encoding = self.encodings[conv.model_version]
+        try:
+            rendered = encoding.render_conversation(conv.conversation)
+            if rendered.image_sources:
+                if self.image_fetcher is None:
+                    raise RequestError("the request holds images, but image fetching is disabled "
+                                       "(EngineConfig.enable_image_fetch)", code="images_disabled")
+                raise RequestError("this engine's models take no image input", code="images_unsupported")
+            ids = list(encoding.encode(conv.conversation))
+        except RuntimeError as e:
+            raise RequestError(f"prompt encoding failed: {e}", code="encoding_failed") from None
+        try:
+            max_tokens = conv.resolve_max_tokens(len(ids), self.max_model_len)
+        except R.ConversionError as e:
+            err = _conversion_error(e)
+            err.record["code"] = "context_length_exceeded"
+            raise err from None
+        io = conv.inference_options
+        seed = io.seed
+        drawn = seed is None
+        if drawn:
+            seed = seed_source() if seed_source else draw_seed()
+        params = SamplingParams(
+            temperature=float(io.temperature if io.temperature is not None else 1.0),
+            top_p=float(io.top_p if io.top_p is not None else 1.0),
+            max_tokens=int(max_tokens), seed=int(seed),
+            top_logprobs=int(io.top_logprobs or 0) if io.logprobs else 0)
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        request_id = {"chat": "chatcmpl-", "messages": "msg_", "responses": "resp_"}[api] + _digest(canonical, seed)[:24]
+        created = self.created if self.created is not None else int(time.time())
+        if api == "chat":
+            gen = R.ChatCompletionRequest.chunk_generator(conv, request_id, model_name)
+            resp = R.ChatCompletionResponse(request_id, model_name, created, len(ids), 0)
+        elif api == "messages":
+            gen = R.MessagesRequest.chunk_generator(conv, request_id, model_name)
+            resp = R.MessagesResponse(request_id, model_name, created, len(ids), 0)
+        else:
+            gen = R.ResponsesRequest.chunk_generator(conv, request_id, model_name).with_echo(echo)
+            resp = R.ResponsesResponse(request_id, model_name, created, len(ids), 0)
+        processor = R.StreamProcessor(gen, conv.parsing_options, self.tokenizer)
+        prepared = PreparedChat(
+            api=api, request_id=request_id, model_name=model_name, prompt_token_ids=ids, params=params,
+            seed_drawn=drawn, want_logprobs=bool(io.logprobs), processor=processor, response=resp,
+            thinking=conv.conversation.thinking_mode, stop_sequences=list(conv.parsing_options.stop_sequences))
+        prepared._accumulate(processor.push(R.InferenceChunk.ready(prompt_usage=R.PromptUsage(prompt_tokens=len(ids)))))
+        return prepared

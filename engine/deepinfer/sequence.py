@@ -1,0 +1,124 @@
+"""Requests as the engine tracks them: sampling parameters, tokens, cache blocks, status and timings."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass, field
+from typing import Callable
+
+SEED_LIMIT = 1 << 63
+
+
+@dataclass
+class SamplingParams:
+    """How one request samples and when it stops.
+
+    Attributes:
+        temperature: 0 means greedy (argmax); > 0 divides the logits before the Gumbel-max draw.
+        top_k: keep the k most likely tokens (ties: lower token id first); 0 or -1 keeps all.
+        top_p: keep the smallest set of most likely tokens whose probability reaches ``top_p`` (1.0 keeps all).
+        max_tokens: most output tokens; must be >= 1.
+        seed: seed of the counter-based draws, in ``[0, 2**63)``; ``None`` draws one, which the output reports.
+        stop_token_ids: token ids that end the output (the id is not appended); the model's EOS is always one
+            unless ``ignore_eos``.
+        ignore_eos: keep generating past EOS (benchmarks).
+        top_logprobs: also report this many most likely tokens and their log-probabilities per step (0..20).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_tokens: int = 16
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    top_logprobs: int = 0
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the field when a parameter is out of range."""
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 or positive, got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not isinstance(self.top_logprobs, int) or not 0 <= self.top_logprobs <= 20:
+            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+        if self.seed is not None and not (0 <= self.seed < SEED_LIMIT):
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+
+
+def draw_seed() -> int:
+    """A fresh seed in ``[0, 2**63)`` from the OS entropy source."""
+    return secrets.randbits(63)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """One request inside the engine.
+
+    ``num_computed_tokens`` counts the context positions whose cache entries exist; ``block_table`` holds the
+    block ids covering them (block j covers positions ``[j * block_size, (j + 1) * block_size)``). Preemption by
+    recompute frees the blocks and resets ``num_computed_tokens`` to 0; the output tokens are kept and are
+    recomputed as part of the context.
+
+    ``on_token(seq, token_id) -> bool`` (optional) sees each new token after it is appended and returns True when
+    the request is done (e.g. the recipe's stream processor saw a stop sequence).
+    """
+
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_token_id: int | None = None  # the EOS / stop id that ended it (not appended)
+    error: dict | None = None
+    num_preemptions: int = 0
+    on_token: Callable[["Sequence", int], bool] | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_at(self, start: int, end: int) -> list[int]:
+        """Context tokens at positions ``[start, end)`` (prompt then output)."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

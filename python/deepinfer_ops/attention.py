@@ -1,0 +1,211 @@
+"""Sparse MQA attention for DeepSeek-V4 (decode and prefill over paged caches with sinks), the lightning indexer's
+logits, and paged-cache writes.
+
+V4 attention reads, for every query, a set of KV entries (the sliding window plus compressed entries) through one
+shared K = V head of 512 dims (448 without RoPE then 64 with RoPE), with a learned sink logit per query head. One
+call reads two index lists (window cache + compressed cache), each with its own paged cache.
+
+Paged cache layout (bf16): ``[num_blocks, block_size, head_dim]``, last dim contiguous, any block/token strides
+(multiples of 8 elements and a 16-byte-aligned base on CUDA). An index ``idx`` addresses slot
+``(idx // block_size, idx % block_size)``; ``-1``, any negative index and any index ``>= num_blocks * block_size``
+are invalid and skipped. Byte offsets are computed in 64 bits, so page ids whose byte offset exceeds 2^31 are fine.
+
+Edge cases (same on CPU, CUDA and in ``testing.refs``):
+  * no valid entry for a (row, head) (all indices invalid, ``topk_length`` 0, or empty lists): ``out = 0`` and
+    ``lse = -inf``; the sink does not change this (its term only enlarges the denominator of a zero numerator);
+  * ``topk_length`` values are clamped to ``[0, topk]``;
+  * the sink is ``exp(attn_sink[h])`` added to the softmax denominator; ``lse`` never includes it.
+
+FP8 cache ("MODEL1", V4, head_dim 512): a uint8 cache ``[num_blocks, block_size, 584]``, one 584-byte entry per token:
+  bytes ``[0, 448)`` e4m3 codes of the 448 no-RoPE dims; ``[448, 576)`` the 64 RoPE dims as bf16;
+  ``[576, 583)`` 7 UE8M0 scale exponents (one per 64 no-RoPE dims, ``scale = 2 ** (byte - 127)``); ``[583]`` zero.
+Quantisation per 64-dim tile: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))``, ``code = e4m3(clamp(x / scale,
+-448, 448))`` round-to-nearest-even. Decoding is exact in bf16, so attention over an FP8 cache equals attention
+over its decoded bf16 cache. Either list of a sparse MQA call may be bf16 or FP8. (Entry order after FlashMLA's
+MODEL1 description as read from public sources; not verified against FlashMLA itself.)
+
+Not yet: split-KV (a row's entries are one CTA's work; batch-invariant by construction).
+
+Source: DeepSeek-V4 attention (architecture.md); FlashMLA ``flash_mla_with_kvcache`` sparse interface (the
+index convention and sink formula ``out *= exp(lse) / (exp(lse) + exp(sink))``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _sparse_mqa(op, q, kv_cache, indices, softmax_scale, topk_length, extra_kv_cache, extra_indices,
+                extra_topk_length, attn_sink):
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    op(out, lse, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices, extra_topk_length, attn_sink,
+       float(softmax_scale))
+    return out, lse
+
+
+def sparse_mqa_decode(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    topk_length: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse multi-query attention for decode (``s_q >= 1`` query positions per sequence, e.g. speculative
+    verification), reading KV entries by index from one or two paged caches.
+
+    For query row (b, s) and head h, with the valid entries j of ``indices`` then of ``extra_indices``:
+    ``s_j = softmax_scale * q[b, s, h] . k_j`` (all ``head_dim`` dims), ``lse = log(sum_j exp(s_j))`` and
+    ``out[b, s, h] = sum_j exp(s_j) k_j / (sum_j exp(s_j) + exp(attn_sink[h]))`` (K = V: the value is the same cache
+    row). fp32 accumulation; output rounded once to bf16.
+
+    Args:
+        q: ``[b, s_q, h, head_dim]`` bf16, contiguous; head_dim 512 for V4 (64/128/256 also accepted).
+        kv_cache: ``[num_blocks, block_size, head_dim]`` bf16 paged cache (e.g. the compressed-entry cache), or
+            ``[num_blocks, block_size, 584]`` uint8 MODEL1 FP8 entries (head_dim 512).
+        indices: ``[b, s_q, topk]`` int32, contiguous: ``block_id * block_size + offset``; -1 / out of range invalid.
+        softmax_scale: multiplies ``q . k`` (V4: ``512 ** -0.5``), natural-log units.
+        topk_length: optional ``[b]`` int32: only ``indices[b, :, :topk_length[b]]`` are read (clamped to
+            ``[0, topk]``).
+        extra_kv_cache, extra_indices, extra_topk_length: an optional second list, same layouts (e.g. the sliding
+            window cache and its ``[b, s_q, window]`` indices); given together.
+        attn_sink: optional ``[h]`` fp32 sink logits.
+    Returns:
+        ``(out [b, s_q, h, head_dim] bf16, lse [b, s_q, h] fp32)``; see the module doc for the empty-set rule.
+    Raises:
+        RuntimeError naming the tensor at fault (dtype, shape, device, contiguity, alignment on CUDA).
+    Source: DeepSeek-V4 attention; FlashMLA sparse decode interface.
+    """
+    return _sparse_mqa(torch.ops.deepinfer_ops.sparse_mqa_decode, q, kv_cache, indices, softmax_scale, topk_length,
+                       extra_kv_cache, extra_indices, extra_topk_length, attn_sink)
+
+
+def sparse_mqa_prefill(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    softmax_scale: float,
+    *,
+    topk_length: torch.Tensor | None = None,
+    extra_kv_cache: torch.Tensor | None = None,
+    extra_indices: torch.Tensor | None = None,
+    extra_topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse multi-query attention over packed variable-length query sequences (prefill, chunked prefill).
+
+    Same math as :func:`sparse_mqa_decode`, one row per query token. Because every index is an absolute cache
+    slot, the packing needs no ``cu_seqlens``: the sequence boundaries (and causality) are carried by each token's
+    indices and ``topk_length``.
+
+    Args:
+        q: ``[num_tokens, h, head_dim]`` bf16, contiguous (tokens of all sequences packed).
+        kv_cache: ``[num_blocks, block_size, head_dim]`` bf16.
+        indices: ``[num_tokens, topk]`` int32; ``topk_length``: optional ``[num_tokens]`` int32.
+        extra_kv_cache, extra_indices ``[num_tokens, topk2]``, extra_topk_length ``[num_tokens]``: optional second list.
+        softmax_scale, attn_sink: as in :func:`sparse_mqa_decode`.
+    Returns:
+        ``(out [num_tokens, h, head_dim] bf16, lse [num_tokens, h] fp32)``.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: DeepSeek-V4 attention; FlashMLA sparse prefill interface.
+    """
+    return _sparse_mqa(torch.ops.deepinfer_ops.sparse_mqa_prefill, q, kv_cache, indices, softmax_scale, topk_length,
+                       extra_kv_cache, extra_indices, extra_topk_length, attn_sink)
+
+
+def mqa_logits(
+    q: torch.Tensor,
+    weights: torch.Tensor,
+    k_cache: torch.Tensor,
+    num_candidates: int | None = None,
+    *,
+    block_table: torch.Tensor | None = None,
+    k_start: torch.Tensor | None = None,
+    k_end: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Lightning-indexer logits: ``logits[t, c] = sum_h weights[t, h] * relu(q[t, h] . k_c)`` (fp32; heads summed in
+    index order), ``-inf`` for candidates that are masked or invalid. Fold any softmax scale or ``H ** -0.5`` into
+    ``weights``.
+
+    Candidate c of token t is the cache row ``k_cache[blk, c % block_size]`` with ``blk = c // block_size`` (flat
+    cache) or ``blk = block_table[t, c // block_size]`` (paged; a block past the table's end or outside
+    ``[0, num_blocks)`` is invalid). ``k_start``/``k_end`` mask candidates outside ``[k_start[t], k_end[t])`` (e.g.
+    future entries).
+
+    Args:
+        q: ``[num_tokens, H, head_dim]`` bf16, contiguous; head_dim 64 or 128 (V4: H 64, head_dim 128);
+            H <= 128 on CUDA.
+        weights: ``[num_tokens, H]`` fp32.
+        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 indexer-key cache.
+        num_candidates: columns of the output; default ``num_blocks * block_size`` (flat) or
+            ``max_blocks * block_size`` (with block_table).
+        block_table: optional ``[num_tokens, max_blocks]`` int32.
+        k_start, k_end: optional ``[num_tokens]`` int32.
+    Returns:
+        ``logits [num_tokens, num_candidates]`` fp32.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: DeepSeek-V3.2/V4 lightning indexer (DeepGEMM ``fp8_mqa_logits`` semantics, bf16 keys here).
+    """
+    if num_candidates is None:
+        blocks = block_table.shape[1] if block_table is not None else k_cache.shape[0]
+        num_candidates = blocks * k_cache.shape[1]
+    logits = torch.empty((q.shape[0], num_candidates), dtype=torch.float32, device=q.device)
+    torch.ops.deepinfer_ops.mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end)
+    return logits
+
+
+def kv_cache_write(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Append rows into a paged cache in place: ``kv_cache[s // block_size, s % block_size] = kv[i]`` with
+    ``s = slot_mapping[i]``. One op serves the window KV (512 dims), the compressed entries (512) and the indexer
+    keys (128). Slots ``< 0`` (padding) or ``>= num_blocks * block_size`` are skipped; two rows naming one slot in a
+    call is not supported.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, entry_dim]`` any dtype, last dim contiguous (mutated).
+        kv: ``[num_tokens, entry_dim]`` same dtype, last dim contiguous.
+        slot_mapping: ``[num_tokens]`` int64.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: vLLM ``reshape_and_cache`` (semantics).
+    """
+    torch.ops.deepinfer_ops.kv_cache_write(kv_cache, kv, slot_mapping)
+
+
+def kv_cache_write_fp8(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantise bf16 rows into MODEL1 FP8 entries of a paged cache, in place (layout and recipe in the module doc):
+    entry ``s = slot_mapping[i]`` of ``kv_cache`` encodes ``kv[i]``; slots ``< 0`` or past the cache are skipped.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, 584]`` uint8 (mutated), last dim contiguous.
+        kv: ``[num_tokens, 512]`` bf16 (448 no-RoPE dims then 64 RoPE dims), last dim contiguous.
+        slot_mapping: ``[num_tokens]`` int64.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: FlashMLA "MODEL1" FP8 sparse cache (DeepSeek-V4); UE8M0 scales as in DeepSeek-V3's FP8 recipe.
+    """
+    torch.ops.deepinfer_ops.kv_cache_write_fp8(kv_cache, kv, slot_mapping)
+
+
+def kv_cache_dequant_fp8(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Decode the MODEL1 FP8 entries at ``slot_mapping`` to bf16 ``[num_tokens, 512]`` (exact); slots outside the
+    cache give zero rows.
+
+    Args:
+        kv_cache: ``[num_blocks, block_size, 584]`` uint8.
+        slot_mapping: ``[num_tokens]`` int64.
+    Returns:
+        ``[num_tokens, 512]`` bf16.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: FlashMLA "MODEL1" FP8 sparse cache.
+    """
+    out = torch.empty((slot_mapping.shape[0], 512), dtype=torch.bfloat16, device=kv_cache.device)
+    torch.ops.deepinfer_ops.kv_cache_dequant_fp8(out, kv_cache, slot_mapping)
+    return out

@@ -1,0 +1,101 @@
+"""``deepinfer generate`` on examples/requests.jsonl: every line answered, errors where the input is bad."""
+
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from deepinfer.cli import build_parser, main, run_generate
+from fake_model import FakeConfig, FakeModel
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "requests.jsonl"
+
+
+def _expected_error(line: str) -> str | None:
+    """Why a line of the examples must fail, judged from the line itself."""
+    try:
+        body = json.loads(line)
+    except ValueError:
+        return "malformed"
+    msgs = body.get("messages")
+    if not msgs:
+        return "empty messages"
+    if any(m.get("role") not in ("system", "user", "assistant", "tool") for m in msgs):
+        return "unknown role"
+    if "max_tokens" in body and body["max_tokens"] <= 0:
+        return "max_tokens"
+    if body.get("n", 1) > 1:
+        return "n"
+    if body.get("model", "DeepSeek-V4-Pro") not in ("DeepSeek-V4-Pro",):
+        return "model"
+    if sum(len(m["content"]) for m in msgs) > 4 * 4096:
+        return "too long"
+    return None
+
+
+def _run(tmp_path, argv_extra=(), model=None):
+    out = tmp_path / "out.jsonl"
+    args = build_parser().parse_args(["generate", "--input", str(EXAMPLES), "--output", str(out), "--created", "0",
+                                      "--max-model-len", "4096", "--no-progress", *argv_extra])
+    run_generate(args, model_obj=model)
+    return [json.loads(l) for l in out.read_text(encoding="utf-8").splitlines()]
+
+
+def test_examples_every_line_answered_with_fake_model(tmp_path, capsys):
+    lines = EXAMPLES.read_text(encoding="utf-8").splitlines()
+    kinds = [_expected_error(l) for l in lines]
+    assert {"malformed", "empty messages", "unknown role", "max_tokens", "n", "model", "too long"} <= set(kinds)
+    model = FakeModel(FakeConfig(max_position_embeddings=4096))
+    recs = _run(tmp_path, ["--num-blocks", "128", "--summary-json", str(tmp_path / "s.json")], model)
+    assert len(recs) == len(lines)
+    for n, (kind, rec) in enumerate(zip(kinds, recs), start=1):
+        if kind is None:
+            assert rec.get("object") == "chat.completion", (n, rec)
+            choice = rec["choices"][0]
+            assert choice["finish_reason"] in ("stop", "length", "tool_calls")
+            assert set(choice["message"]) >= {"role", "content"}
+            assert rec["usage"]["completion_tokens"] >= 0 and isinstance(rec["seed"], int)
+        else:
+            assert set(rec) == {"line", "error"} and rec["line"] == n, (n, kind, rec)
+            assert rec["error"]["message"]
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["requests"] == len(lines) and summary["errors"] == sum(k is not None for k in kinds)
+    assert summary["completion_tokens"] > 0 and summary["prefill_tok_s"] > 0
+    err = capsys.readouterr().err
+    assert "prefill" in err and "decode" in err and "TTFT" in err and "TPOT" in err
+
+
+def test_stdin_stdout_and_seeded_lines_reproduce(tmp_path, monkeypatch, capsys):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "seed": 5, "temperature": 0.9,
+            "thinking": {"type": "disabled"}}
+    text = json.dumps(body) + "\n\n" + json.dumps(body) + "\n"
+    model = FakeModel(FakeConfig(max_position_embeddings=1024))
+    monkeypatch.setattr(sys, "stdin", io.StringIO(text))
+    args = build_parser().parse_args(["generate", "--input", "-", "--output", "-", "--created", "0", "--no-progress",
+                                      "--batch-invariant"])
+    run_generate(args, model_obj=model)
+    out = [json.loads(l) for l in capsys.readouterr().out.splitlines()]
+    assert len(out) == 3 and out[1]["line"] == 2 and out[1]["error"]["code"] == "invalid_json"
+    assert out[0] == out[2]
+
+
+def test_cli_parser_has_generate():
+    args = build_parser().parse_args(["generate", "--input", "a", "--output", "b", "--batch-invariant"])
+    assert args.func is run_generate and args.batch_invariant and args.model is None
+    with pytest.raises(SystemExit):
+        main([])
+
+
+def test_determinism_check_on_fake_model(capsys):
+    from deepinfer.cli import run_determinism_check
+
+    model = FakeModel(FakeConfig(vocab_size=700, max_position_embeddings=2048))
+    args = build_parser().parse_args(["determinism-check", "--batch-sizes", "1,5,9", "--max-tokens", "6",
+                                      "--batch-invariant", "--max-num-batched-tokens", "256", "--num-blocks", "64",
+                                      "--prompt-len", "40"])
+    assert run_determinism_check(args, model_obj=model) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["distinct_outputs"] == 1 and report["first_divergence"] is None and report["logprobs_bitwise_equal"]
+    assert [r["batch_size"] for r in report["runs"]] == [1, 5, 9]

@@ -1,0 +1,123 @@
+"""LLM.generate through the fake model: batching never changes a request's output."""
+
+import random
+
+import torch
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from fake_model import FakeConfig, FakeModel, reference_greedy
+
+VOCAB = 1000
+
+
+def _llm(block_size=16, num_blocks=128, budget=96, max_num_seqs=16, **kw):
+    model = FakeModel(FakeConfig(vocab_size=VOCAB, max_position_embeddings=4096, eos_every=29), block_size=block_size)
+    return model, LLM(model, block_size=block_size, num_blocks=num_blocks, max_num_batched_tokens=budget,
+                      max_num_seqs=max_num_seqs, **kw)
+
+
+def _prompts(n=16, seed=0):
+    r = random.Random(seed)
+    lens = [1, 2, 15, 16, 17, 31, 33, 64, 100, 5, 47, 128, 129, 9, 200, 70][:n]
+    return [[r.randrange(2, VOCAB) for _ in range(L)] for L in lens]
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_16_mixed_length_batched_equals_alone_greedy(batch_invariant):
+    model, llm = _llm(batch_invariant=batch_invariant)
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=12)
+    batched = llm.generate(prompts, params)
+    assert model.max_tokens_per_call <= 96
+    for p, o in zip(prompts, batched):
+        alone = llm.generate([p], params)[0]
+        assert o.token_ids == alone.token_ids == reference_greedy(model, p, 12)
+        assert o.logprobs == alone.logprobs
+    assert any(o.finish_reason == "stop" for o in batched) and any(o.finish_reason == "length" for o in batched)
+
+
+def test_seeded_sampling_batched_equals_alone_and_unset_seed_is_returned():
+    model, llm = _llm(budget=64)
+    prompts = _prompts(8, seed=3)
+    params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=[0, 40][i % 2], max_tokens=10, seed=1000 + i)
+              for i in range(8)]
+    batched = llm.generate(prompts, params)
+    for p, sp, o in zip(prompts, params, batched):
+        alone = llm.generate([p], sp)[0]
+        assert o.token_ids == alone.token_ids and o.seed == sp.seed
+    # an unset seed is drawn, used and reported: rerunning with it reproduces the output
+    free = llm.generate([prompts[0]], SamplingParams(temperature=1.0, max_tokens=10))[0]
+    assert isinstance(free.seed, int) and 0 <= free.seed < 2**63
+    again = llm.generate([prompts[0]], SamplingParams(temperature=1.0, max_tokens=10, seed=free.seed))[0]
+    assert again.token_ids == free.token_ids
+
+
+def test_preemption_does_not_change_outputs():
+    model, roomy = _llm(num_blocks=256, budget=64)
+    _, tight = _llm(num_blocks=10, budget=64)
+    prompts = _prompts(10, seed=5)
+    params = SamplingParams(temperature=0.8, max_tokens=20, seed=9, ignore_eos=True)
+    a = roomy.generate(prompts, params)
+    b = tight.generate(prompts, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 20 for o in a)
+
+
+def test_text_prompts_stop_ids_and_bad_requests():
+    model, llm = _llm()
+    outs = llm.generate(
+        [[5, 6, 7], [], [5, VOCAB + 3], [8, 9]],
+        [SamplingParams(temperature=0, max_tokens=4), SamplingParams(max_tokens=4),
+         SamplingParams(max_tokens=4), SamplingParams(max_tokens=0)])
+    assert outs[0].error is None and len(outs[0].token_ids) <= 4
+    assert outs[1].error["code"] == "invalid_request"
+    assert "out of range" in outs[2].error["message"]
+    assert "max_tokens" in outs[3].error["message"]
+    first = reference_greedy(model, [5, 6, 7], 4)
+    if first:
+        stopped = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, stop_token_ids=(first[0],)))[0]
+        assert stopped.token_ids == [] and stopped.finish_reason == "stop" and stopped.stop_token_id == first[0]
+
+
+def test_context_limit_error():
+    model, llm = _llm(max_model_len=64)
+    outs = llm.generate([[3] * 60, [3] * 10], SamplingParams(temperature=0, max_tokens=8))
+    assert outs[0].error["code"] == "context_length_exceeded" and outs[1].error is None
+
+
+def test_model_error_leaves_engine_clean():
+    model, llm = _llm()
+    calls = {"n": 0}
+    real = model.forward
+
+    def flaky(batch, cache):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(batch, cache)
+
+    model.forward = flaky
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate(_prompts(4), SamplingParams(temperature=0, max_tokens=4))
+    assert not llm.scheduler.has_unfinished() and llm.block_manager.num_free_blocks == 128
+    model.forward = real
+    p = _prompts(2, seed=9)
+    assert [o.token_ids for o in llm.generate(p, SamplingParams(temperature=0, max_tokens=4))] == \
+        [reference_greedy(model, q, 4) for q in p]
+
+
+def test_logprobs_and_top_logprobs_match_the_model():
+    model, llm = _llm()
+    p = _prompts(1, seed=4)[0]
+    o = llm.generate([p], SamplingParams(temperature=0.7, max_tokens=5, seed=3, top_logprobs=4, ignore_eos=True))[0]
+    ctx = list(p)
+    for t, lp, top in zip(o.token_ids, o.logprobs, o.top_logprobs):
+        ref = torch.log_softmax(model.reference_logits(ctx), -1)
+        assert lp == pytest.approx(float(ref[t]), abs=1e-6)
+        vals, idx = torch.sort(ref, descending=True, stable=True)
+        assert [i for i, _ in top] == idx[:4].tolist()
+        assert [v for _, v in top] == pytest.approx(vals[:4].tolist(), abs=1e-6)
+        ctx.append(t)

@@ -1,0 +1,448 @@
+"""Sparse MQA attention (decode, prefill), indexer logits, top-k and paged-cache writes against the fp32 references.
+
+CPU cases use small shapes (seconds); `cuda` cases add V4-Flash shapes (h=64, head_dim 512, topk 512 + window 128),
+the h / s_q sweep, 64-bit cache offsets and batch invariance. Outputs are NaN-poisoned before every call.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer_ops
+from deepinfer_ops.testing import refs
+from deepinfer_ops.testing.compare import TOLERANCES, assert_close, poison_
+
+BF16 = TOLERANCES[torch.bfloat16]
+FP32 = TOLERANCES[torch.float32]
+V4_DIM, V4_HEADS, V4_TOPK, V4_WINDOW, V4_SCALE = 512, 64, 512, 128, 512 ** -0.5
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _cache(num_blocks, block_size, dim, g, device, block_pad=0):
+    """Random bf16 paged cache; block_pad > 0 gives a block stride larger than block_size * dim."""
+    base = torch.randn(num_blocks, block_size * dim + block_pad, generator=g).bfloat16()
+    return base.to(device)[:, : block_size * dim].view(num_blocks, block_size, dim)
+
+
+def _indices(shape, num_slots, g, device, invalid_frac=0.1):
+    idx = torch.randint(0, max(num_slots, 1), shape, generator=g, dtype=torch.int32)
+    bad = torch.rand(shape, generator=g) < invalid_frac
+    junk = torch.where(torch.rand(shape, generator=g) < 0.5, torch.full(shape, -1, dtype=torch.int32),
+                       torch.full(shape, num_slots + 7, dtype=torch.int32))
+    return torch.where(bad, junk, idx).to(device)
+
+
+def _run_decode(q, cache, idx, scale, **kw):
+    out = poison_(torch.empty_like(q))
+    lse = poison_(torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device))
+    torch.ops.deepinfer_ops.sparse_mqa_decode(out, lse, q, cache, idx, kw.get("topk_length"), kw.get("extra_kv_cache"),
+                                              kw.get("extra_indices"), kw.get("extra_topk_length"),
+                                              kw.get("attn_sink"), scale)
+    return out, lse
+
+
+def _check(out, lse, ref_out, ref_lse):
+    assert_close(out, ref_out, BF16, "out")
+    assert_close(lse, ref_lse, BF16, "lse")
+
+
+def _decode_case(device, b, s_q, h, dim, topk, window, block_size, seed, sink=True, lengths=True, q_scale=1.0):
+    g = _gen(seed)
+    q = (torch.randn(b, s_q, h, dim, generator=g) * q_scale).bfloat16().to(device)
+    comp = _cache(max(1, (b * topk) // block_size + 3), block_size, dim, g, device, block_pad=8)
+    win = _cache(max(1, (b * window) // block_size + 2), block_size, dim, g, device)
+    idx = _indices((b, s_q, topk), comp.shape[0] * block_size, g, device)
+    widx = _indices((b, s_q, window), win.shape[0] * block_size, g, device)
+    kw = dict(extra_kv_cache=win, extra_indices=widx)
+    if lengths:
+        kw["topk_length"] = torch.randint(0, topk + 3, (b,), generator=g, dtype=torch.int32).to(device)
+        kw["extra_topk_length"] = torch.randint(0, window + 1, (b,), generator=g, dtype=torch.int32).to(device)
+    if sink:
+        kw["attn_sink"] = torch.randn(h, generator=g).to(device)
+    return q, comp, idx, kw
+
+
+# ---- sparse_mqa_decode ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("b,s_q,h,dim,topk,window,block_size", [
+    (2, 1, 1, 64, 20, 8, 4), (3, 2, 8, 128, 37, 16, 16), (2, 3, 16, 512, 64, 0, 64), (1, 4, 5, 256, 70, 9, 7),
+])
+@pytest.mark.parametrize("sink,lengths", [(True, True), (False, False)])
+def test_decode_matches_ref(device, b, s_q, h, dim, topk, window, block_size, sink, lengths):
+    q, comp, idx, kw = _decode_case(device, b, s_q, h, dim, topk, window, block_size, b * 100 + h, sink, lengths)
+    if window == 0:
+        kw.pop("extra_kv_cache"), kw.pop("extra_indices"), kw.pop("extra_topk_length", None)
+    out, lse = _run_decode(q, comp, idx, dim ** -0.5, **kw)
+    _check(out, lse, *refs.sparse_mqa_decode_ref(q, comp, idx, dim ** -0.5, **kw))
+
+
+def test_decode_wrapper_and_peaked_softmax(device):
+    # Large logits (scale 1, |q.k| ~ 20) stress the online-softmax rescaling.
+    q, comp, idx, kw = _decode_case(device, 2, 2, 8, 128, 150, 24, 16, 7, q_scale=2.0)
+    out, lse = deepinfer_ops.sparse_mqa_decode(q, comp, idx, 1.0 / 8, **kw)
+    _check(out, lse, *refs.sparse_mqa_decode_ref(q, comp, idx, 1.0 / 8, **kw))
+
+
+def test_decode_all_invalid_gives_zero_out_and_neg_inf_lse(device):
+    g = _gen(1)
+    q = torch.randn(2, 2, 8, 64, generator=g).bfloat16().to(device)
+    cache = _cache(4, 8, 64, g, device)
+    idx = torch.tensor([-1, 32, 1000, -5], dtype=torch.int32, device=device).repeat(2, 2, 3)  # none in [0, 32)
+    for sink in (None, torch.randn(8, generator=g).to(device)):
+        out, lse = _run_decode(q, cache, idx, 0.125, attn_sink=sink)
+        assert torch.equal(out.float().cpu(), torch.zeros(2, 2, 8, 64))
+        assert torch.all(lse.cpu() == float("-inf"))
+        ref_out, ref_lse = refs.sparse_mqa_decode_ref(q, cache, idx, 0.125, attn_sink=sink)
+        _check(out, lse, ref_out, ref_lse)
+
+
+def test_decode_topk_length_zero_and_partial(device):
+    q, comp, idx, kw = _decode_case(device, 3, 2, 4, 64, 40, 10, 8, 3)
+    kw["topk_length"] = torch.tensor([0, 40, 17], dtype=torch.int32, device=device)
+    kw["extra_topk_length"] = torch.tensor([0, 3, 10], dtype=torch.int32, device=device)
+    out, lse = _run_decode(q, comp, idx, 0.125, **kw)
+    _check(out, lse, *refs.sparse_mqa_decode_ref(q, comp, idx, 0.125, **kw))
+    assert torch.all(out[0].float() == 0) and torch.all(lse[0] == float("-inf"))
+    # Entries past topk_length are never read: changing them changes nothing.
+    idx2 = idx.clone()
+    idx2[2, :, 17:] = 0
+    out2, lse2 = _run_decode(q, comp, idx2, 0.125, **kw)
+    assert torch.equal(out2.cpu(), out.cpu()) and torch.equal(lse2.cpu(), lse.cpu())
+
+
+def test_decode_out_of_range_indices_are_invalid(device):
+    g = _gen(5)
+    q = torch.randn(1, 1, 8, 64, generator=g).bfloat16().to(device)
+    cache = _cache(3, 4, 64, g, device)
+    good = torch.tensor([[[0, 5, 11]]], dtype=torch.int32, device=device)
+    mixed = torch.tensor([[[0, 12, 5, -1, 11, 2**31 - 1, -2**31]]], dtype=torch.int32, device=device)
+    out_a, lse_a = _run_decode(q, cache, good, 0.125)
+    out_b, lse_b = _run_decode(q, cache, mixed, 0.125)
+    assert torch.equal(out_a.cpu(), out_b.cpu()) and torch.equal(lse_a.cpu(), lse_b.cpu())
+
+
+def test_decode_empty_inputs(device):
+    g = _gen(2)
+    cache = _cache(2, 4, 64, g, device)
+    q = torch.randn(0, 2, 8, 64, generator=g).bfloat16().to(device)
+    out, lse = _run_decode(q, cache, torch.zeros(0, 2, 5, dtype=torch.int32, device=device), 0.125)
+    assert out.shape == (0, 2, 8, 64) and lse.shape == (0, 2, 8)
+    q = torch.randn(1, 2, 8, 64, generator=g).bfloat16().to(device)
+    out, lse = _run_decode(q, cache, torch.zeros(1, 2, 0, dtype=torch.int32, device=device), 0.125)  # topk = 0
+    assert torch.all(out.float() == 0) and torch.all(lse == float("-inf"))
+
+
+@pytest.mark.native_errors
+def test_decode_errors_name_the_tensor(device):
+    g = _gen(4)
+    q = torch.randn(1, 1, 8, 64, generator=g).bfloat16().to(device)
+    cache = _cache(2, 4, 64, g, device)
+    idx = torch.zeros(1, 1, 3, dtype=torch.int32, device=device)
+    with pytest.raises(RuntimeError, match="indices must be torch.int32"):
+        deepinfer_ops.sparse_mqa_decode(q, cache, idx.long(), 0.1)
+    with pytest.raises(RuntimeError, match="kv_cache head_dim"):
+        deepinfer_ops.sparse_mqa_decode(q, _cache(2, 4, 128, g, device), idx, 0.1)
+    with pytest.raises(RuntimeError, match="attn_sink must be"):
+        deepinfer_ops.sparse_mqa_decode(q, cache, idx, 0.1, attn_sink=torch.zeros(3, device=device))
+    with pytest.raises(RuntimeError, match="topk_length must be"):
+        deepinfer_ops.sparse_mqa_decode(q, cache, idx, 0.1, topk_length=torch.zeros(2, dtype=torch.int32,
+                                                                                     device=device))
+    with pytest.raises(RuntimeError, match="given together"):
+        deepinfer_ops.sparse_mqa_decode(q, cache, idx, 0.1, extra_kv_cache=cache)
+
+
+# ---- sparse_mqa_prefill -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,h,dim,topk,window", [(1, 8, 64, 10, 4), (37, 16, 128, 50, 12), (9, 64, 512, 64, 16)])
+def test_prefill_matches_ref(device, t, h, dim, topk, window):
+    g = _gen(t + h)
+    q = torch.randn(t, h, dim, generator=g).bfloat16().to(device)
+    comp = _cache(8, 16, dim, g, device)
+    win = _cache(4, 16, dim, g, device, block_pad=16)
+    kw = dict(topk_length=torch.randint(0, topk + 1, (t,), generator=g, dtype=torch.int32).to(device),
+              extra_kv_cache=win, extra_indices=_indices((t, window), 64, g, device),
+              attn_sink=torch.randn(h, generator=g).to(device))
+    idx = _indices((t, topk), 128, g, device)
+    out, lse = deepinfer_ops.sparse_mqa_prefill(q, comp, idx, dim ** -0.5, **kw)
+    _check(out, lse, *refs.sparse_mqa_prefill_ref(q, comp, idx, dim ** -0.5, **kw))
+    # A prefill token equals the same query as a decode row.
+    out_d, lse_d = deepinfer_ops.sparse_mqa_decode(q.unsqueeze(1), comp, idx.unsqueeze(1), dim ** -0.5,
+                                                   **{**kw, "extra_indices": kw["extra_indices"].unsqueeze(1)})
+    assert torch.equal(out_d.squeeze(1).cpu(), out.cpu()) and torch.equal(lse_d.squeeze(1).cpu(), lse.cpu())
+
+
+# ---- mqa_logits -------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("t,H,dim,block_size,num_blocks", [(1, 1, 64, 16, 3), (5, 8, 128, 64, 7), (3, 64, 128, 7, 9)])
+@pytest.mark.parametrize("paged", [False, True])
+def test_mqa_logits_matches_ref(device, t, H, dim, block_size, num_blocks, paged):
+    g = _gen(t * H + dim)
+    q = (torch.randn(t, H, dim, generator=g) * 0.3).bfloat16().to(device)
+    w = torch.randn(t, H, generator=g).to(device)
+    k = (_cache(num_blocks, block_size, dim, g, device).float() * 0.3).bfloat16()
+    kw = {}
+    n = num_blocks * block_size
+    if paged:
+        table = torch.randint(-1, num_blocks + 1, (t, num_blocks + 1), generator=g, dtype=torch.int32).to(device)
+        kw["block_table"] = table
+        n = (num_blocks + 2) * block_size - 3  # partly past the table's end
+    kw["k_start"] = torch.randint(0, 3, (t,), generator=g, dtype=torch.int32).to(device)
+    kw["k_end"] = torch.randint(n // 2, n + 2, (t,), generator=g, dtype=torch.int32).to(device)
+    logits = poison_(torch.empty(t, n, device=device))
+    torch.ops.deepinfer_ops.mqa_logits(logits, q, w, k, kw.get("block_table"), kw["k_start"], kw["k_end"])
+    assert_close(logits, refs.mqa_logits_ref(q, w, k, n, **kw), FP32, "logits")
+    assert_close(deepinfer_ops.mqa_logits(q, w, k, n, **kw), logits, FP32, "logits (wrapper)")
+
+
+# ---- topk -------------------------------------------------------------------------------------------------------
+
+
+def _topk_inputs(rows, n, g):
+    s = torch.randn(rows, n, generator=g)
+    s[0, ::3] = 0.0  # heavy ties (ReLU zeros) at the boundary
+    if rows > 1:
+        s[1, : n // 2] = -0.0
+        s[1, 5::7] = float("nan")
+        s[1, 3::11] = float("-inf")
+    if rows > 2:
+        s[2] = 1.5  # all equal: the lowest indices win
+    return s
+
+
+@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (3, 100, 0), (4, 100, 100), (5, 1000, 37), (3, 5125, 512)])
+def test_topk_matches_ref_exactly(device, rows, n, k):
+    s = _topk_inputs(rows, n, _gen(n + k)).to(device)
+    v, i = deepinfer_ops.topk(s, k)
+    rv, ri = refs.topk_ref(s, k)
+    assert torch.equal(i.cpu(), ri.cpu())
+    assert torch.equal(torch.isnan(v).cpu(), torch.isnan(rv).cpu())
+    assert torch.equal(v.cpu().nan_to_num(), rv.cpu().nan_to_num())
+
+
+def test_topk_native_op_poisoned_and_bf16(device):
+    s = _topk_inputs(4, 777, _gen(9)).to(device)
+    v = poison_(torch.empty(4, 50, device=device))
+    i = poison_(torch.empty(4, 50, dtype=torch.int64, device=device))
+    torch.ops.deepinfer_ops.topk_rows(v, i, s)
+    rv, ri = refs.topk_ref(s, 50)
+    assert torch.equal(i.cpu(), ri.cpu()) and torch.equal(v.cpu().nan_to_num(), rv.cpu().nan_to_num())
+    sb = s.bfloat16()
+    vb, ib = deepinfer_ops.topk(sb, 50)
+    rvb, rib = refs.topk_ref(sb, 50)
+    assert vb.dtype == torch.bfloat16 and torch.equal(ib.cpu(), rib.cpu())
+
+
+def test_topk_rejects_bad_k():
+    with pytest.raises(ValueError, match="outside"):
+        deepinfer_ops.topk(torch.zeros(2, 3), 4)
+
+
+# ---- kv_cache_write ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dim,dtype", [(512, torch.bfloat16), (128, torch.bfloat16), (584, torch.uint8)])
+def test_kv_cache_write_matches_ref(device, dim, dtype):
+    g = _gen(dim)
+    num_blocks, block_size, t = 5, 16, 23
+    base = torch.randint(0, 100, (num_blocks, block_size * dim + 32), generator=g).to(dtype).to(device)
+    cache = base[:, : block_size * dim].view(num_blocks, block_size, dim)  # padded block stride
+    kv = torch.randint(0, 100, (t, dim), generator=g).to(dtype).to(device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slots[3], slots[7], slots[11] = -1, num_blocks * block_size, 10**12  # skipped
+    slots = slots.to(device)
+    expected = refs.kv_cache_write_ref(cache, kv, slots)
+    padding = base[:, block_size * dim:].clone()
+    deepinfer_ops.kv_cache_write(cache, kv, slots)
+    assert torch.equal(cache.cpu(), expected.cpu())
+    assert torch.equal(base[:, block_size * dim:].cpu(), padding.cpu()), "wrote into the block padding"
+
+
+def test_opcheck_cpu():
+    g = _gen(11)
+    q = torch.randn(1, 2, 4, 64, generator=g).bfloat16()
+    cache = _cache(2, 4, 64, g, "cpu")
+    idx = torch.randint(-1, 8, (1, 2, 5), generator=g, dtype=torch.int32)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 4)
+    torch.library.opcheck(torch.ops.deepinfer_ops.sparse_mqa_decode,
+                          (out, lse, q, cache, idx, None, None, None, None, None, 0.125),
+                          test_utils=("test_schema", "test_faketensor"))
+    s = torch.randn(3, 40, generator=g)
+    torch.library.opcheck(torch.ops.deepinfer_ops.topk_rows,
+                          (torch.empty(3, 7), torch.empty(3, 7, dtype=torch.int64), s),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+# ---- batch invariance -------------------------------------------------------------------------------------------
+
+
+def test_decode_batch_invariant(device):
+    q, comp, idx, kw = _decode_case(device, 7, 2, 16, 128, 90, 20, 16, 21)
+    out, lse = _run_decode(q, comp, idx, 0.1, **kw)
+    for r in (0, 3, 6):
+        sub = {k: (v[r:r + 1] if k in ("topk_length", "extra_topk_length", "extra_indices") else v)
+               for k, v in kw.items()}
+        o1, l1 = _run_decode(q[r:r + 1].contiguous(), comp, idx[r:r + 1].contiguous(), 0.1, **sub)
+        assert torch.equal(o1.cpu(), out[r:r + 1].cpu()) and torch.equal(l1.cpu(), lse[r:r + 1].cpu())
+    out2, lse2 = _run_decode(q, comp, idx, 0.1, **kw)
+    assert torch.equal(out2.cpu(), out.cpu()) and torch.equal(lse2.cpu(), lse.cpu())
+
+
+# ---- CUDA only: V4-Flash shapes, sweeps, large caches -----------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
+def test_cuda_decode_v4_flash_shapes(s_q):
+    q, comp, idx, kw = _decode_case("cuda", 4, s_q, V4_HEADS, V4_DIM, V4_TOPK, V4_WINDOW, 64, 40 + s_q)
+    out, lse = _run_decode(q, comp, idx, V4_SCALE, **kw)
+    ref = refs.sparse_mqa_decode_ref(q, comp, idx, V4_SCALE, **kw)
+    _check(out, lse, *ref)
+    # The CPU implementation agrees too.
+    cpu_kw = {k: v.cpu() for k, v in kw.items()}
+    out_c, lse_c = _run_decode(q.cpu(), comp.cpu(), idx.cpu(), V4_SCALE, **cpu_kw)
+    _check(out, lse, out_c, lse_c)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("h", [1, 8, 16, 64, 128])
+@pytest.mark.parametrize("s_q", [1, 4])
+def test_cuda_decode_head_sweep(h, s_q):
+    q, comp, idx, kw = _decode_case("cuda", 3, s_q, h, V4_DIM, 200, 64, 64, h * 10 + s_q)
+    out, lse = _run_decode(q, comp, idx, V4_SCALE, **kw)
+    _check(out, lse, *refs.sparse_mqa_decode_ref(q, comp, idx, V4_SCALE, **kw))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("topk", [512, 1024])
+def test_cuda_prefill_v4_flash_shapes(topk):
+    g = _gen(topk)
+    t = 300
+    q = torch.randn(t, V4_HEADS, V4_DIM, generator=g).bfloat16().cuda()
+    comp = _cache(64, 64, V4_DIM, g, "cuda")
+    win = _cache(16, 64, V4_DIM, g, "cuda")
+    kw = dict(topk_length=torch.randint(0, topk + 1, (t,), generator=g, dtype=torch.int32).cuda(),
+              extra_kv_cache=win, extra_indices=_indices((t, V4_WINDOW), 1024, g, "cuda"),
+              attn_sink=torch.randn(V4_HEADS, generator=g).cuda())
+    idx = _indices((t, topk), 4096, g, "cuda")
+    out, lse = deepinfer_ops.sparse_mqa_prefill(q, comp, idx, V4_SCALE, **kw)
+    _check(out, lse, *refs.sparse_mqa_prefill_ref(q, comp, idx, V4_SCALE, **kw))
+
+
+@pytest.mark.cuda
+def test_cuda_decode_64bit_offsets():
+    # 2.1M slots x 1 KiB = 2.15 GB: byte offsets of the last pages exceed 2^31.
+    block_size, num_blocks = 64, (2**31 // 1024) // 64 + 64
+    cache = torch.empty(num_blocks, block_size, V4_DIM, dtype=torch.bfloat16, device="cuda")
+    g = _gen(64)
+    num_slots = num_blocks * block_size
+    idx = torch.cat([torch.randint(num_slots - 4096, num_slots, (2, 1, 96), generator=g),
+                     torch.randint(0, 4096, (2, 1, 32), generator=g)], dim=-1).to(torch.int32).cuda()
+    used = idx.long().flatten().unique()
+    cache.view(-1, V4_DIM)[used] = torch.randn(used.numel(), V4_DIM, generator=g).bfloat16().cuda()
+    q = torch.randn(2, 1, V4_HEADS, V4_DIM, generator=g).bfloat16().cuda()
+    out, lse = _run_decode(q, cache, idx, V4_SCALE)
+    _check(out, lse, *refs.sparse_mqa_decode_ref(q, cache, idx, V4_SCALE))
+    del cache
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("n", [32768 + 5, 131072, 262144])
+def test_cuda_indexer_logits_and_topk(n):
+    g = _gen(n)
+    t, H, dim, block_size = 3, 64, 128, 64
+    q = (torch.randn(t, H, dim, generator=g) * 0.3).bfloat16().cuda()
+    w = (torch.randn(t, H, generator=g) * H ** -0.5).cuda()
+    k = (torch.randn(-(-n // block_size), block_size, dim, generator=g) * 0.3).bfloat16().cuda()
+    k_end = torch.tensor([n, n // 2, 17], dtype=torch.int32).cuda()
+    logits = deepinfer_ops.mqa_logits(q, w, k, n, k_end=k_end)
+    assert_close(logits, refs.mqa_logits_ref(q, w, k, n, k_end=k_end), FP32, "logits")
+    relu_ties = logits.clamp_min(0)  # many exact zeros: the tie rule decides
+    for kk in (512, 2048):
+        v, i = deepinfer_ops.topk(relu_ties, kk)
+        rv, ri = refs.topk_ref(relu_ties, kk)
+        assert torch.equal(i, ri) and torch.equal(v, rv)
+
+
+@pytest.mark.cuda
+def test_cuda_decode_matches_cpu_bitwise_rerun():
+    q, comp, idx, kw = _decode_case("cuda", 16, 2, V4_HEADS, V4_DIM, V4_TOPK, V4_WINDOW, 64, 99)
+    runs = [_run_decode(q, comp, idx, V4_SCALE, **kw) for _ in range(3)]
+    for o, l in runs[1:]:
+        assert torch.equal(o, runs[0][0]) and torch.equal(l, runs[0][1])
+
+
+# ---- FP8 (MODEL1) cache -----------------------------------------------------------------------------------------
+
+
+def _fp8_rows(t, g, device):
+    kv = torch.randn(t, V4_DIM, generator=g) * torch.logspace(-3, 3, t).unsqueeze(1)
+    kv[0, :64] = 0.0  # an all-zero tile: finite scale, zero codes
+    kv[1, 64:128] = 1e-20  # tiny values
+    return kv.bfloat16().to(device)
+
+
+def _fp8_cache(num_blocks, block_size, device, pad=8):
+    base = torch.full((num_blocks, block_size * 584 + pad), 0x7F, dtype=torch.uint8, device=device)
+    return base[:, : block_size * 584].view(num_blocks, block_size, 584)
+
+
+def test_fp8_cache_write_and_dequant_bit_exact(device):
+    g = _gen(584)
+    t, num_blocks, block_size = 37, 6, 8
+    kv = _fp8_rows(t, g, device)
+    cache = _fp8_cache(num_blocks, block_size, device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slots[5], slots[9] = -1, num_blocks * block_size + 3
+    slots = slots.to(device)
+    expected = refs.kv_cache_write_fp8_ref(cache, kv, slots)
+    deepinfer_ops.kv_cache_write_fp8(cache, kv, slots)
+    assert torch.equal(cache.cpu(), expected.cpu()), "FP8 entries differ from the reference"
+    deq = deepinfer_ops.kv_cache_dequant_fp8(cache, slots)
+    ref_deq = refs.kv_cache_dequant_fp8_ref(cache, slots)
+    assert torch.equal(deq.cpu(), ref_deq.cpu())
+    ok = torch.ones(t, dtype=torch.bool)
+    ok[5] = ok[9] = False
+    assert torch.all(deq[~ok.to(device)].float() == 0)
+    # The RoPE dims are stored exactly; the no-RoPE dims within e4m3 precision of their tile scale.
+    assert torch.equal(deq[ok.to(device), 448:].cpu(), kv[ok.to(device), 448:].cpu())
+    err = (deq[ok.to(device), :448].float() - kv[ok.to(device), :448].float()).abs()
+    amax = kv[ok.to(device), :448].float().abs().view(-1, 7, 64).amax(-1, keepdim=True).expand(-1, 7, 64)
+    assert torch.all(err.view(-1, 7, 64) <= amax.clamp_min(1e-10) * 2 ** -3)  # half an e4m3 ulp at most
+
+
+def test_decode_fp8_cache_equals_decoded_bf16_cache(device):
+    g = _gen(585)
+    b, s_q, h, topk, block_size = 3, 2, 16, 40, 16
+    kv = _fp8_rows(8 * block_size, g, device) * 0.05
+    cache8 = _fp8_cache(8, block_size, device)
+    deepinfer_ops.kv_cache_write_fp8(cache8, kv, torch.arange(8 * block_size, device=device))
+    cache16 = refs.fp8_entry_decode_ref(cache8).contiguous()
+    q = torch.randn(b, s_q, h, V4_DIM, generator=g).bfloat16().to(device)
+    idx = _indices((b, s_q, topk), 8 * block_size, g, device)
+    win = _cache(4, block_size, V4_DIM, g, device)
+    kw = dict(extra_kv_cache=win, extra_indices=_indices((b, s_q, 9), 64, g, device),
+              attn_sink=torch.randn(h, generator=g).to(device),
+              topk_length=torch.tensor([40, 0, 13], dtype=torch.int32, device=device))
+    out8, lse8 = _run_decode(q, cache8, idx, V4_SCALE, **kw)
+    out16, lse16 = _run_decode(q, cache16, idx, V4_SCALE, **kw)
+    assert torch.equal(out8.cpu(), out16.cpu()) and torch.equal(lse8.cpu(), lse16.cpu())
+    _check(out8, lse8, *refs.sparse_mqa_decode_ref(q, cache8, idx, V4_SCALE, **kw))
+
+
+@pytest.mark.cuda
+def test_cuda_decode_batch_invariant_across_cta_shapes():
+    # 160 rows fill the GPU with 64 heads per CTA; one row alone runs with 16 heads per CTA. Same bits.
+    q, comp, idx, kw = _decode_case("cuda", 160, 1, V4_HEADS, V4_DIM, V4_TOPK, V4_WINDOW, 64, 160)
+    out, lse = _run_decode(q, comp, idx, V4_SCALE, **kw)
+    for r in (0, 77, 159):
+        sub = {k: (v[r:r + 1] if k in ("topk_length", "extra_topk_length", "extra_indices") else v)
+               for k, v in kw.items()}
+        o1, l1 = _run_decode(q[r:r + 1].contiguous(), comp, idx[r:r + 1].contiguous(), V4_SCALE, **sub)
+        assert torch.equal(o1, out[r:r + 1]) and torch.equal(l1, lse[r:r + 1])
