@@ -135,8 +135,8 @@ def bench_moe(tokens, experts=256, top_k=6, hidden=4096, inter=2048):
     flops = 2.0 * rows * (2 * inter * hidden + hidden * inter)
     nbytes = used * 3 * inter * hidden + 2 * tokens * hidden * 2
     us = time_cuda(lambda: deepinfer_ops.fused_moe_fp8(x, idx, w, w13, s13, w2, s2))
-    return {"op": "fused_moe_fp8", "shape": {"tokens": tokens, "experts": experts, "top_k": top_k,
-                                             "hidden": hidden, "inter": inter}, **metrics(us, flops, nbytes), "peers": {}}
+    shape = {"tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "inter": inter}
+    return {"op": "fused_moe_fp8", "shape": shape, **metrics(us, flops, nbytes), "peers": {}}
 
 
 def main() -> None:

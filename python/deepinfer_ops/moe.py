@@ -68,7 +68,8 @@ def fused_moe_fp8(
     num_tokens, top_k = topk_idx.shape
     num_experts, two_i, hidden = w13.shape
     if x.shape[1] != hidden or w2.shape[0] != num_experts or w2.shape[1] != hidden or 2 * w2.shape[2] != two_i:
-        raise ValueError(f"weight shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+        raise ValueError(f"weight shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
+                         f"w2 {tuple(w2.shape)}")
     out_dtype = out_dtype or x.dtype
     if num_tokens == 0:
         return torch.zeros((0, hidden), dtype=out_dtype, device=x.device)

@@ -86,7 +86,7 @@ def _to(device, *ts):
 def test_fp8_gemm_nt_random(device, mnk, scale_layout):
     m, n, k = mnk
     if device == "cuda" and (k % 16 or n % 8):
-        pytest.skip("CUDA needs K % 16 == 0 and N % 8 == 0 (TMA alignment); covered by test_fp8_gemm_cuda_alignment_error")
+        pytest.skip("CUDA needs K % 16 == 0 and N % 8 == 0 (TMA alignment): see test_fp8_gemm_cuda_alignment_error")
     gen = torch.Generator().manual_seed(m * 7 + n * 3 + k)
     a, sa, b, sb = _dense_inputs(m, n, k, gen)
     if scale_layout == "col":
@@ -276,7 +276,8 @@ def test_m_grouped_contiguous(device, sizes_nk, integer):
     a, sa, b, sb, m_idx_d = _to(device, a, sa, b, sb, m_idx)
     out = poison_(torch.empty(m, n, dtype=torch.bfloat16, device=device))
     deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, m_idx_d, out=out)
-    ref = refs.m_grouped_fp8_gemm_nt_contiguous_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), m_idx, out_init=out.cpu() * 0 + float("nan"))
+    ref = refs.m_grouped_fp8_gemm_nt_contiguous_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), m_idx,
+                                                    out_init=torch.full_like(out.cpu(), float("nan")))
     got = out.cpu()
     pad = m_idx == -1
     assert torch.isnan(got[pad]).all(), "padding rows were written"
@@ -349,7 +350,8 @@ def test_m_grouped_masked(device, masked_nk, integer, scale_layout):
     out = poison_(torch.empty(g, max_m, n, dtype=torch.bfloat16, device=device))
     deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, mm_d, out=out)
     got = out.cpu()
-    ref = refs.m_grouped_fp8_gemm_nt_masked_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), mm, torch.full_like(got, float("nan")))
+    ref = refs.m_grouped_fp8_gemm_nt_masked_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), mm,
+                                                torch.full_like(got, float("nan")))
     for gi, mv in enumerate(masked):
         assert torch.isnan(got[gi, mv:]).all(), f"group {gi}: rows >= masked_m written"
         assert not torch.isnan(got[gi, :mv]).any(), f"group {gi}: valid rows unwritten"

@@ -2,10 +2,11 @@
 // No torch and no CUTLASS here: the torch-facing entry points (csrc/cuda/gemm/gemm_ops.cpp) fill these structs and
 // the CUTLASS instantiations (csrc/cuda/gemm/instantiations/*.cu) consume them.
 //
-// Recipe (DeepSeek-V3/V4, DeepGEMM): D[m, n] = sum_kb sfa[m, kb] * sfb[n / 128, kb] * sum_{k in block kb} A[m, k] * B[n, k]
-// with the inner sums accumulated in fp32 and promoted (scaled) once per 128-wide K block. K and N need not be multiples
-// of 128: the last blocks are partial (TMA zero-fills out-of-bounds A/B elements); scale tensors hold ceil(K/128) and
-// ceil(N/128) blocks.
+// Recipe (DeepSeek-V3/V4, DeepGEMM):
+//   D[m, n] = sum_kb sfa[m, kb] * sfb[n / 128, kb] * sum_{k in block kb} A[m, k] * B[n, k]
+// with the inner sums accumulated in fp32 and promoted (scaled) once per 128-wide K block. K and N need not be
+// multiples of 128: the last blocks are partial (TMA zero-fills out-of-bounds A/B elements); scale tensors hold
+// ceil(K/128) and ceil(N/128) blocks.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,7 +22,8 @@ constexpr int kScaleBlock = 128;  // K and N granularity of the block scales
 struct Fp8GemmParams {
   const void* a;      // [M, K] float8_e4m3fn, row stride lda (elements, multiple of 16), 16-byte aligned
   const float* sfa;   // A scales, M-major: sfa[kb * ld_sfa + m], kb < ceil(K/128), m < round_up(M, 4) (the
-                      // rows >= M are read but do not matter); ld_sfa % 4 == 0, ld_sfa >= round_up(M, 4), 16-byte aligned
+                      // rows >= M are read but do not matter); ld_sfa % 4 == 0, ld_sfa >= round_up(M, 4),
+                      // 16-byte aligned
   const void* b;      // [N, K] float8_e4m3fn, row stride ldb (multiple of 16), 16-byte aligned
   const float* sfb;   // B scales, K-major: sfb[nb * ld_sfb + kb], nb < ceil(N/128)
   void* d;            // [M, N] bf16 (or fp32), row stride ldd (multiple of 8 (bf16) / 4 (fp32))
@@ -56,10 +58,12 @@ struct GroupedFp8GemmParams {
   //             (rows outside every run, e.g. m_indices == -1, are not read and their D rows are not written).
   // masked:     A [G, max_m, K]; group g = rows [0, min(masked_m[g], max_m)) of A[g].
   const void* a;        // float8_e4m3fn, row stride lda, group stride a_group_stride (masked), elements
-  const float* sfa;     // M-major scales: contiguous sfa[kb * ld_sfa + r]; masked sfa[g * sfa_group_stride + kb * ld_sfa + m]
+  const float* sfa;     // M-major scales: contiguous sfa[kb * ld_sfa + r];
+                        //                 masked sfa[g * sfa_group_stride + kb * ld_sfa + m]
   const void* b;        // [G, N, K] float8_e4m3fn, row stride ldb, group stride b_group_stride
   const float* sfb;     // [G, ceil(N/128), ceil(K/128)] fp32, sfb[g * sfb_group_stride + nb * ld_sfb + kb]
-  void* d;              // bf16; contiguous [M_total, N], masked [G, max_m, N]; row stride ldd, group stride d_group_stride
+  void* d;              // bf16; contiguous [M_total, N], masked [G, max_m, N]; row stride ldd,
+                        // group stride d_group_stride
   const int32_t* m_indices;  // contiguous: [M_total] group of each row (-1 = padding); else null
   const int32_t* masked_m;   // masked: [G] valid rows per group; else null
   int M_total;          // contiguous: rows of A; masked: max_m
