@@ -473,3 +473,26 @@ def test_cuda_decode_batch_invariant_across_cta_shapes():
                for k, v in kw.items()}
         o1, l1 = _run_decode(q[r:r + 1].contiguous(), comp, idx[r:r + 1].contiguous(), V4_SCALE, **sub)
         assert torch.equal(o1, out[r:r + 1]) and torch.equal(l1, lse[r:r + 1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,h,dim,fp8", [
+    (1, 64, 512, False), (100, 64, 512, False), (200, 64, 512, False),  # 16 / 32 / 64 heads per CTA
+    (100, 64, 512, True), (3, 16, 128, False), (2, 5, 64, False), (1, 20, 256, False),
+])
+def test_cuda_decode_v2_kernel_equals_round_one_kernel(monkeypatch, rows, h, dim, fp8):
+    # DEEPINFER_SPARSE_MQA_IMPL=1 selects the round-one kernel; the default (v2) must give the same bits.
+    q, comp, idx, kw = _decode_case("cuda", rows, 1, h, dim, 150, 40, 16, 900 + rows)
+    if fp8:
+        g = _gen(901)
+        comp = _fp8_cache(comp.shape[0], 16, "cuda")
+        deepinfer_ops.kv_cache_write_fp8(comp, _fp8_rows(comp.shape[0] * 16, g, "cuda") * 0.05,
+                                         torch.arange(comp.shape[0] * 16, device="cuda"))
+    monkeypatch.delenv("DEEPINFER_SPARSE_MQA_IMPL", raising=False)
+    out2, lse2 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
+    monkeypatch.setenv("DEEPINFER_SPARSE_MQA_IMPL", "1")
+    out1, lse1 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
+    assert torch.equal(out1.cpu(), out2.cpu()) and torch.equal(lse1.cpu(), lse2.cpu())
+    monkeypatch.delenv("DEEPINFER_SPARSE_MQA_IMPL")
+    if not fp8:  # (FP8 against the reference: test_decode_fp8_cache_equals_decoded_bf16_cache)
+        _check(out2, lse2, *refs.sparse_mqa_decode_ref(q, comp, idx, dim ** -0.5, **kw))

@@ -34,6 +34,7 @@ struct SparseMqaParams {
   int num_heads, head_dim;  // head_dim in {64, 128, 256, 512} (V4: 512)
   int rows_per_length;      // query rows per topk_length entry (s_q for decode, 1 for prefill)
   int heads_per_cta;        // 16, 32 or 64 (the host picks fewer when rows are few; results do not depend on it)
+  int impl;                 // 2 (default): ldmatrix kernel sized to heads_per_cta; 1: the round-one kernel (same bits)
   float softmax_scale;
   int num_lists;
   SparseKvListParams lists[kMaxKvLists];
