@@ -216,7 +216,8 @@ def _topk_inputs(rows, n, g):
     return s
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (3, 100, 0), (4, 100, 100), (5, 1000, 37), (3, 5125, 512)])
+@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (3, 100, 0), (4, 100, 100), (5, 1000, 37), (3, 5125, 512),
+                                     (3, 3000, 1025), (3, 40000, 2048)])  # sort sizes just past / at a power of two
 def test_topk_matches_ref_exactly(device, rows, n, k):
     s = _topk_inputs(rows, n, _gen(n + k)).to(device)
     v, i = deepinfer_ops.topk(s, k)

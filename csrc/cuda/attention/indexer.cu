@@ -1,4 +1,4 @@
-// Lightning-indexer kernels: mqa_logits (CUDA cores, fp32), topk_rows (radix select + ordered tie compaction + rank
+// Lightning-indexer kernels: mqa_logits (CUDA cores, fp32), topk_rows (radix select + ordered tie compaction + bitonic
 // sort, one CTA per row) and kv_cache_write (one warp per token, 16-byte copies when aligned).
 #include <math_constants.h>
 
@@ -83,18 +83,26 @@ __device__ __forceinline__ uint32_t topk_key(float x) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
+__device__ __forceinline__ uint64_t sel_entry(uint32_t key, int index) {
+  return (static_cast<uint64_t>(key) << 32) | static_cast<uint64_t>(~static_cast<uint32_t>(index));
+}
+
 __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_constant__ TopkParams p) {
   __shared__ int hist[256];
   __shared__ int warp_count[kTopkThreads / 32];
   __shared__ uint32_t s_prefix;
   __shared__ int s_remaining, s_count_gt, s_base;
   extern __shared__ __align__(16) char dyn[];
-  uint32_t* sel_key = reinterpret_cast<uint32_t*>(dyn);   // [k]
-  int* sel_idx = reinterpret_cast<int*>(dyn) + p.k;       // [k]
+  // The k selected as (key << 32 | ~index): descending order of this 64-bit value is (key desc, index asc). Padded
+  // with zeros (below every real entry: keys of real elements are >= topk_key(-inf) > 0) to a power of two.
+  uint64_t* sel = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int64_t row = blockIdx.x;
   const float* s = p.scores + row * p.score_row_stride;
   const int n = p.n, k = p.k;
+  int npow2 = 1;
+  while (npow2 < k) npow2 <<= 1;
+  for (int i = k + tid; i < npow2; i += kTopkThreads) sel[i] = 0ull;
 
   // 1. Radix select (8 bits per pass, most significant first): the key of the k-th largest element, and how many
   //    elements equal to it belong to the top k.
@@ -141,8 +149,7 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_co
     const bool gt = i < n && u > thr, eq = i < n && u == thr;
     if (gt) {
       const int pos = atomicAdd(&s_count_gt, 1);
-      sel_key[pos] = u;
-      sel_idx[pos] = i;
+      sel[pos] = sel_entry(u, i);
     }
     const unsigned ballot = __ballot_sync(0xffffffffu, eq);
     if (lane == 0) warp_count[warp] = __popc(ballot);
@@ -156,27 +163,34 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_co
     const int base = s_base;
     if (eq) {
       const int r = base + before + __popc(ballot & ((1u << lane) - 1u));
-      if (r < need_eq) {
-        sel_key[k - need_eq + r] = u;
-        sel_idx[k - need_eq + r] = i;
-      }
+      if (r < need_eq) sel[k - need_eq + r] = sel_entry(u, i);
     }
     __syncthreads();
     if (tid == 0) s_base = base + total;
     __syncthreads();
   }
 
-  // 3. Sort the k selected by (key desc, index asc): each element's rank is the number of elements before it.
-  for (int a = tid; a < k; a += kTopkThreads) {
-    const uint32_t ua = sel_key[a];
-    const int ia = sel_idx[a];
-    int rank = 0;
-    for (int b = 0; b < k; ++b) {
-      const uint32_t ub = sel_key[b];
-      rank += (ub > ua) || (ub == ua && sel_idx[b] < ia);
+  // 3. Sort the k selected by (key desc, index asc): bitonic sort of the npow2 64-bit entries in shared memory
+  //    (O(k log^2 k); the round-one rank sort was O(k^2) per row, slow at k = 2048).
+  for (int size = 2; size <= npow2; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      for (int t = tid; t < npow2 / 2; t += kTopkThreads) {
+        const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;  // lo: the t-th index with bit `stride` clear
+        const bool desc = (lo & size) == 0;  // direction of this run (the last merge, size = npow2, is descending)
+        const uint64_t a = sel[lo], b = sel[hi];
+        if ((a < b) == desc) {
+          sel[lo] = b;
+          sel[hi] = a;
+        }
+      }
     }
-    p.values[row * k + rank] = s[ia];
-    p.indices[row * k + rank] = ia;
+  }
+  __syncthreads();
+  for (int r = tid; r < k; r += kTopkThreads) {
+    const int ia = static_cast<int>(~static_cast<uint32_t>(sel[r]));
+    p.values[row * k + r] = s[ia];
+    p.indices[row * k + r] = ia;
   }
 }
 
@@ -217,7 +231,9 @@ void launch_mqa_logits(const MqaLogitsParams& p, cudaStream_t stream) {
 
 void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.k == 0) return;
-  const size_t smem = static_cast<size_t>(p.k) * 8;
+  size_t npow2 = 1;
+  while (npow2 < static_cast<size_t>(p.k)) npow2 <<= 1;
+  const size_t smem = npow2 * sizeof(uint64_t);  // <= 16 KiB for k <= 2048
   topk_rows_kernel<<<static_cast<unsigned>(p.rows), kTopkThreads, smem, stream>>>(p);
   DEEPINFER_CHECK_LAUNCH("topk_rows_kernel");
 }
