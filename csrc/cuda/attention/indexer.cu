@@ -115,20 +115,49 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_co
     if (tid < 256) hist[tid] = 0;
     __syncthreads();
     const uint32_t prefix = s_prefix;
-    for (int i = tid; i < n; i += kTopkThreads) {
-      const uint32_t u = topk_key(s[i]);
-      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xffu], 1);
+    // Warp-aggregated counts: scores crowd into few bins (the first pass sees little more than the exponent), so
+    // lanes with the same bin add once through their leader instead of contending on one shared address.
+    for (int start = 0; start < n; start += kTopkThreads) {  // uniform trip count per warp (the shuffles below)
+      const int i = start + tid;
+      const uint32_t u = i < n ? topk_key(s[i]) : 0u;
+      const bool take = i < n && (u & mask) == prefix;
+      const unsigned active = __ballot_sync(0xffffffffu, take);
+      if (take) {
+        const uint32_t bin = (u >> shift) & 0xffu;
+        const unsigned peers = __match_any_sync(active, bin);
+        if (__ffs(peers) - 1 == lane) atomicAdd(&hist[bin], __popc(peers));
+      }
     }
     __syncthreads();
-    if (tid == 0) {
+    // The bin holding the rem-th largest: the first bin, from 255 down, where the running count reaches rem (bin 0
+    // if none does -- not reached: rem never exceeds the count under the prefix). Warp 0: lane l owns bins
+    // 255 - 8l .. 248 - 8l; a shuffle scan over lanes, then the owning lane walks its 8 bins.
+    if (warp == 0) {
       const int rem = s_remaining;
-      int cum = 0, d = 255;
-      for (; d > 0; --d) {
-        if (cum + hist[d] >= rem) break;
-        cum += hist[d];
+      int c[8], lane_sum = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        c[j] = hist[255 - 8 * lane - j];
+        lane_sum += c[j];
       }
-      s_remaining = rem - cum;
-      s_prefix = prefix | (static_cast<uint32_t>(d) << shift);
+      int incl = lane_sum;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, off);
+        if (lane >= off) incl += y;
+      }
+      const unsigned hit = __ballot_sync(0xffffffffu, incl >= rem);
+      if (lane == (hit != 0u ? __ffs(hit) - 1 : 31)) {
+        int cum = incl - lane_sum, d = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          d = 255 - 8 * lane - j;
+          if (cum + c[j] >= rem || d == 0) break;
+          cum += c[j];
+        }
+        s_remaining = rem - cum;
+        s_prefix = prefix | (static_cast<uint32_t>(d) << shift);
+      }
     }
     __syncthreads();
     mask |= 0xffu << shift;
