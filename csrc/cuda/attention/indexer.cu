@@ -74,6 +74,7 @@ void launch_logits_dim(const MqaLogitsParams& p, cudaStream_t stream) {
 
 // ---- topk_rows: the project's tie rule (higher score first, then lower index).
 constexpr int kTopkThreads = 1024;
+constexpr int kTopkUnroll = 4;  // row elements loaded per thread before use
 
 // Order-preserving map of a float to uint32 (larger float -> larger key); NaN is the largest, -0.0 == +0.0.
 __device__ __forceinline__ uint32_t topk_key(float x) {
@@ -117,15 +118,24 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_co
     const uint32_t prefix = s_prefix;
     // Warp-aggregated counts: scores crowd into few bins (the first pass sees little more than the exponent), so
     // lanes with the same bin add once through their leader instead of contending on one shared address.
-    for (int start = 0; start < n; start += kTopkThreads) {  // uniform trip count per warp (the shuffles below)
-      const int i = start + tid;
-      const uint32_t u = i < n ? topk_key(s[i]) : 0u;
-      const bool take = i < n && (u & mask) == prefix;
-      const unsigned active = __ballot_sync(0xffffffffu, take);
-      if (take) {
-        const uint32_t bin = (u >> shift) & 0xffu;
-        const unsigned peers = __match_any_sync(active, bin);
-        if (__ffs(peers) - 1 == lane) atomicAdd(&hist[bin], __popc(peers));
+    // kTopkUnroll independent loads per thread are issued before any is counted (latency paid once per group).
+    for (int start = 0; start < n; start += kTopkThreads * kTopkUnroll) {  // uniform trip count per warp
+      uint32_t us[kTopkUnroll];
+#pragma unroll
+      for (int j = 0; j < kTopkUnroll; ++j) {
+        const int i = start + j * kTopkThreads + tid;
+        us[j] = i < n ? topk_key(s[i]) : 0u;
+      }
+#pragma unroll
+      for (int j = 0; j < kTopkUnroll; ++j) {
+        const int i = start + j * kTopkThreads + tid;
+        const bool take = i < n && (us[j] & mask) == prefix;
+        const unsigned active = __ballot_sync(0xffffffffu, take);
+        if (take) {
+          const uint32_t bin = (us[j] >> shift) & 0xffu;
+          const unsigned peers = __match_any_sync(active, bin);
+          if (__ffs(peers) - 1 == lane) atomicAdd(&hist[bin], __popc(peers));
+        }
       }
     }
     __syncthreads();
@@ -172,31 +182,43 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_co
 
   // 2. Collect: every element above the threshold (slots [0, k - need_eq), any order), and the need_eq lowest-index
   //    elements equal to it (slots [k - need_eq, k), by a block-wide ordered scan).
-  for (int start = 0; start < n; start += kTopkThreads) {
-    const int i = start + tid;
-    const uint32_t u = i < n ? topk_key(s[i]) : 0u;
-    const bool gt = i < n && u > thr, eq = i < n && u == thr;
-    if (gt) {
-      const int pos = atomicAdd(&s_count_gt, 1);
-      sel[pos] = sel_entry(u, i);
+  //    Values are loaded kTopkUnroll per thread ahead; chunks without an element equal to the threshold (most of
+  //    them) skip the ordered scan after one barrier.
+  for (int start = 0; start < n; start += kTopkThreads * kTopkUnroll) {
+    uint32_t us[kTopkUnroll];
+#pragma unroll
+    for (int j = 0; j < kTopkUnroll; ++j) {
+      const int i = start + j * kTopkThreads + tid;
+      us[j] = i < n ? topk_key(s[i]) : 0u;
     }
-    const unsigned ballot = __ballot_sync(0xffffffffu, eq);
-    if (lane == 0) warp_count[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0, total = 0;
-    for (int w = 0; w < kTopkThreads / 32; ++w) {
-      const int cnt = warp_count[w];
-      before += w < warp ? cnt : 0;
-      total += cnt;
+#pragma unroll 1
+    for (int j = 0; j < kTopkUnroll; ++j) {  // sub-chunks in index order: ties keep ascending indices
+      const int i = start + j * kTopkThreads + tid;
+      const uint32_t u = us[j];
+      const bool gt = i < n && u > thr, eq = i < n && u == thr;
+      if (gt) {
+        const int pos = atomicAdd(&s_count_gt, 1);
+        sel[pos] = sel_entry(u, i);
+      }
+      if (!__syncthreads_or(eq)) continue;  // the same answer in every thread: uniform
+      const unsigned ballot = __ballot_sync(0xffffffffu, eq);
+      if (lane == 0) warp_count[warp] = __popc(ballot);
+      __syncthreads();
+      int before = 0, total = 0;
+      for (int w = 0; w < kTopkThreads / 32; ++w) {
+        const int cnt = warp_count[w];
+        before += w < warp ? cnt : 0;
+        total += cnt;
+      }
+      const int base = s_base;
+      if (eq) {
+        const int r = base + before + __popc(ballot & ((1u << lane) - 1u));
+        if (r < need_eq) sel[k - need_eq + r] = sel_entry(u, i);
+      }
+      __syncthreads();
+      if (tid == 0) s_base = base + total;
+      __syncthreads();
     }
-    const int base = s_base;
-    if (eq) {
-      const int r = base + before + __popc(ballot & ((1u << lane) - 1u));
-      if (r < need_eq) sel[k - need_eq + r] = sel_entry(u, i);
-    }
-    __syncthreads();
-    if (tid == 0) s_base = base + total;
-    __syncthreads();
   }
 
   // 3. Sort the k selected by (key desc, index asc): bitonic sort of the npow2 64-bit entries in shared memory
