@@ -201,6 +201,31 @@ def test_mqa_logits_matches_ref(device, t, H, dim, block_size, num_blocks, paged
     assert_close(deepinfer_ops.mqa_logits(q, w, k, n, **kw), logits, FP32, "logits (wrapper)")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("t,H,dim,n", [(1, 64, 128, 5000), (4, 64, 128, 4097), (3, 13, 64, 777), (2, 128, 128, 300)])
+def test_cuda_mqa_logits_tensor_core_kernel_equals_round_one(monkeypatch, t, H, dim, n):
+    # The default (tensor-core) kernel against DEEPINFER_MQA_LOGITS_IMPL=1 (CUDA cores) and the reference, paged, with
+    # invalid blocks and per-token ranges; V4 indexer shapes (H = 64, d = 128) included.
+    g = _gen(t * 1000 + H)
+    block_size = 64
+    num_blocks = (n + block_size - 1) // block_size
+    q = (torch.randn(t, H, dim, generator=g) * 0.3).bfloat16().to("cuda")
+    w = torch.randn(t, H, generator=g).to("cuda")
+    k = (_cache(num_blocks + 2, block_size, dim, g, "cuda").float() * 0.3).bfloat16()
+    table = torch.randint(-1, num_blocks + 3, (t, num_blocks), generator=g, dtype=torch.int32).to("cuda")
+    kw = dict(block_table=table, k_start=torch.randint(0, 70, (t,), generator=g, dtype=torch.int32).to("cuda"),
+              k_end=torch.randint(n // 2, n + 2, (t,), generator=g, dtype=torch.int32).to("cuda"))
+    monkeypatch.delenv("DEEPINFER_MQA_LOGITS_IMPL", raising=False)
+    new = deepinfer_ops.mqa_logits(q, w, k, n, **kw)
+    monkeypatch.setenv("DEEPINFER_MQA_LOGITS_IMPL", "1")
+    old = deepinfer_ops.mqa_logits(q, w, k, n, **kw)
+    monkeypatch.delenv("DEEPINFER_MQA_LOGITS_IMPL")
+    ref = refs.mqa_logits_ref(q, w, k, n, **kw)
+    assert_close(new, ref, FP32, "logits (tensor cores)")
+    assert_close(old, ref, FP32, "logits (round one)")
+    assert torch.equal(torch.isinf(new).cpu(), torch.isinf(old).cpu())
+
+
 # ---- topk -------------------------------------------------------------------------------------------------------
 
 

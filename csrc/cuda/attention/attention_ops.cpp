@@ -122,6 +122,9 @@ void mqa_logits_cuda(at::Tensor& logits, const at::Tensor& q, const at::Tensor& 
   p.num_candidates = n;
   p.num_heads = static_cast<int>(q.size(1));
   p.head_dim = static_cast<int>(q.size(2));
+  // DEEPINFER_MQA_LOGITS_IMPL=1: the round-one CUDA-core kernel (a fallback while the tensor-core one is new).
+  const char* impl = std::getenv("DEEPINFER_MQA_LOGITS_IMPL");
+  p.impl = impl != nullptr && impl[0] == '1' && impl[1] == '\0' ? 1 : 2;
   attention::launch_mqa_logits(p, current_stream());
 }
 

@@ -55,6 +55,7 @@ struct MqaLogitsParams {
   float* logits;           // [t, num_candidates] contiguous
   int64_t t, num_candidates;
   int num_heads, head_dim;  // head_dim 64 or 128
+  int impl;                 // 2 (default): tensor-core kernel; 1: the round-one CUDA-core kernel
 };
 
 void launch_mqa_logits(const MqaLogitsParams& p, cudaStream_t stream);
