@@ -45,13 +45,13 @@ def _sdpa_peer(q, caches, idx_lists, sink):
     return F.scaled_dot_product_attention(q.unsqueeze(1), kv, kv, attn_mask=bias, scale=SCALE)
 
 
-def _time_round_one(fn, **kw):
-    """time_cuda of fn with DEEPINFER_SPARSE_MQA_IMPL=1 (the round-one sparse MQA kernel; same bits as v2)."""
-    os.environ["DEEPINFER_SPARSE_MQA_IMPL"] = "1"
+def _time_round_one(fn, var="DEEPINFER_SPARSE_MQA_IMPL", **kw):
+    """time_cuda of fn with ``var=1``: the round-one kernel (sparse MQA: same bits as v2; mqa_logits: CUDA cores)."""
+    os.environ[var] = "1"
     try:
         return time_cuda(fn, **kw)
     finally:
-        del os.environ["DEEPINFER_SPARSE_MQA_IMPL"]
+        del os.environ[var]
 
 
 def _sparse_case(rows, topk, gen_blocks):
@@ -134,7 +134,10 @@ def bench_indexer(quick):
             peer = lambda: (torch.einsum("thd,nd->thn", q, kf).float().clamp_min(0) * w.unsqueeze(-1)).sum(1)
             out.append({"op": "mqa_logits", "shape": {"t": t, "H": H, "d": d, "n": n, "dtype": "bf16"},
                         **metrics(time_cuda(lambda: deepinfer_ops.mqa_logits(q, w, k, n)), flops, nbytes),
-                        "peers": {"torch_einsum": metrics(time_cuda(peer), flops, nbytes)}})
+                        "peers": {"torch_einsum": metrics(time_cuda(peer), flops, nbytes),
+                                  "round_one_kernel": metrics(_time_round_one(
+                                      lambda: deepinfer_ops.mqa_logits(q, w, k, n), var="DEEPINFER_MQA_LOGITS_IMPL"),
+                                      flops, nbytes)}})
         for rows in [4, 64]:
             s = torch.randn(rows, n, device="cuda").clamp_min(0)  # ReLU-like: many ties at 0
             for kk in [512, 2048]:
