@@ -233,7 +233,7 @@ void launch_logits_mma_dim(const MqaLogitsParams& p, cudaStream_t stream) {
 
 // ---- topk_rows: the project's tie rule (higher score first, then lower index).
 constexpr int kTopkThreads = 1024;
-constexpr int kTopkUnroll = 4;  // row elements loaded per thread before use
+constexpr int kTopkUnroll = 8;  // row elements loaded per thread before use (loads in flight)
 
 // Order-preserving map of a float to uint32 (larger float -> larger key); NaN is the largest, -0.0 == +0.0.
 __device__ __forceinline__ uint32_t topk_key(float x) {
