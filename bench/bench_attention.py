@@ -145,7 +145,10 @@ def bench_indexer(quick):
                 out.append({"op": "topk", "shape": {"rows": rows, "n": n, "k": kk},
                             **metrics(time_cuda(lambda: deepinfer_ops.topk(s, kk)), bytes_moved=nbytes),
                             "peers": {"torch.topk": metrics(time_cuda(lambda: torch.topk(s, kk)),
-                                                            bytes_moved=nbytes)}})
+                                                            bytes_moved=nbytes),
+                                      "round_one_kernel": metrics(_time_round_one(
+                                          lambda: deepinfer_ops.topk(s, kk), var="DEEPINFER_TOPK_IMPL"),
+                                          bytes_moved=nbytes)}})
     return out
 
 

@@ -13,6 +13,7 @@ Run time:
                            launcher on every call.
     DEEPINFER_MQA_LOGITS_IMPL  ``2`` (default) or ``1``: ``1`` runs the round-one CUDA-core mqa_logits kernel
                            instead of the tensor-core one (fp32 results equal up to summation order).
+    DEEPINFER_TOPK_IMPL    ``2`` (default) or ``1``: ``1`` runs the round-one CUDA top-k kernel (same output).
     DEEPINFER_CACHE_DIR    where generated artefacts (the built-in tiny checkpoint) are kept;
                            default ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``.
 """

@@ -265,6 +265,23 @@ def test_topk_native_op_poisoned_and_bf16(device):
     assert vb.dtype == torch.bfloat16 and torch.equal(ib.cpu(), rib.cpu())
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,n,k,relu", [(4, 32768, 512, True), (3, 65536, 2048, False), (5, 5000, 1000, False),
+                                          (2, 1, 1, False), (3, 2048, 2048, True)])
+def test_cuda_topk_kernel_equals_round_one(monkeypatch, rows, n, k, relu):
+    # Default kernel (bitonic sort, aggregated histogram) against DEEPINFER_TOPK_IMPL=1 (round one) and the reference.
+    s = _topk_inputs(rows, n, _gen(n + k + 1))
+    s = (s.clamp_min(0) if relu else s).to("cuda")  # relu: half the row ties at 0 (the bench's case)
+    monkeypatch.delenv("DEEPINFER_TOPK_IMPL", raising=False)
+    v2, i2 = deepinfer_ops.topk(s, k)
+    monkeypatch.setenv("DEEPINFER_TOPK_IMPL", "1")
+    v1, i1 = deepinfer_ops.topk(s, k)
+    monkeypatch.delenv("DEEPINFER_TOPK_IMPL")
+    rv, ri = refs.topk_ref(s, k)
+    assert torch.equal(i2.cpu(), ri.cpu()) and torch.equal(v2.cpu().nan_to_num(), rv.cpu().nan_to_num())
+    assert torch.equal(i1.cpu(), i2.cpu()) and torch.equal(v1.cpu().nan_to_num(), v2.cpu().nan_to_num())
+
+
 def test_topk_rejects_bad_k():
     with pytest.raises(ValueError, match="outside"):
         deepinfer_ops.topk(torch.zeros(2, 3), 4)

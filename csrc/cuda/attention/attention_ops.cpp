@@ -143,6 +143,9 @@ void topk_rows_cuda(at::Tensor& values, at::Tensor& indices, const at::Tensor& s
   p.rows = rows;
   p.n = static_cast<int>(scores.size(1));
   p.k = static_cast<int>(k);
+  // DEEPINFER_TOPK_IMPL=1: the round-one kernel (a fallback while the new one is new; same output).
+  const char* impl = std::getenv("DEEPINFER_TOPK_IMPL");
+  p.impl = impl != nullptr && impl[0] == '1' && impl[1] == '\0' ? 1 : 2;
   attention::launch_topk_rows(p, current_stream());
 }
 

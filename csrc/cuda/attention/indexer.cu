@@ -404,6 +404,105 @@ __global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_co
   }
 }
 
+// Round one's topk_rows (DEEPINFER_TOPK_IMPL=1): serial bin walk, contended atomics, O(k^2) rank sort. Same output.
+__global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel_v1(const __grid_constant__ TopkParams p) {
+  __shared__ int hist[256];
+  __shared__ int warp_count[kTopkThreads / 32];
+  __shared__ uint32_t s_prefix;
+  __shared__ int s_remaining, s_count_gt, s_base;
+  extern __shared__ __align__(16) char dyn[];
+  uint32_t* sel_key = reinterpret_cast<uint32_t*>(dyn);   // [k]
+  int* sel_idx = reinterpret_cast<int*>(dyn) + p.k;       // [k]
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int64_t row = blockIdx.x;
+  const float* s = p.scores + row * p.score_row_stride;
+  const int n = p.n, k = p.k;
+
+  // 1. Radix select (8 bits per pass, most significant first): the key of the k-th largest element, and how many
+  //    elements equal to it belong to the top k.
+  if (tid == 0) {
+    s_prefix = 0u;
+    s_remaining = k;
+  }
+  uint32_t mask = 0u;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    if (tid < 256) hist[tid] = 0;
+    __syncthreads();
+    const uint32_t prefix = s_prefix;
+    for (int i = tid; i < n; i += kTopkThreads) {
+      const uint32_t u = topk_key(s[i]);
+      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xffu], 1);
+    }
+    __syncthreads();
+    if (tid == 0) {
+      const int rem = s_remaining;
+      int cum = 0, d = 255;
+      for (; d > 0; --d) {
+        if (cum + hist[d] >= rem) break;
+        cum += hist[d];
+      }
+      s_remaining = rem - cum;
+      s_prefix = prefix | (static_cast<uint32_t>(d) << shift);
+    }
+    __syncthreads();
+    mask |= 0xffu << shift;
+  }
+  const uint32_t thr = s_prefix;
+  const int need_eq = s_remaining;  // >= 1
+  if (tid == 0) {
+    s_count_gt = 0;
+    s_base = 0;
+  }
+  __syncthreads();
+
+  // 2. Collect: every element above the threshold (slots [0, k - need_eq), any order), and the need_eq lowest-index
+  //    elements equal to it (slots [k - need_eq, k), by a block-wide ordered scan).
+  for (int start = 0; start < n; start += kTopkThreads) {
+    const int i = start + tid;
+    const uint32_t u = i < n ? topk_key(s[i]) : 0u;
+    const bool gt = i < n && u > thr, eq = i < n && u == thr;
+    if (gt) {
+      const int pos = atomicAdd(&s_count_gt, 1);
+      sel_key[pos] = u;
+      sel_idx[pos] = i;
+    }
+    const unsigned ballot = __ballot_sync(0xffffffffu, eq);
+    if (lane == 0) warp_count[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, total = 0;
+    for (int w = 0; w < kTopkThreads / 32; ++w) {
+      const int cnt = warp_count[w];
+      before += w < warp ? cnt : 0;
+      total += cnt;
+    }
+    const int base = s_base;
+    if (eq) {
+      const int r = base + before + __popc(ballot & ((1u << lane) - 1u));
+      if (r < need_eq) {
+        sel_key[k - need_eq + r] = u;
+        sel_idx[k - need_eq + r] = i;
+      }
+    }
+    __syncthreads();
+    if (tid == 0) s_base = base + total;
+    __syncthreads();
+  }
+
+  // 3. Sort the k selected by (key desc, index asc): each element's rank is the number of elements before it.
+  for (int a = tid; a < k; a += kTopkThreads) {
+    const uint32_t ua = sel_key[a];
+    const int ia = sel_idx[a];
+    int rank = 0;
+    for (int b = 0; b < k; ++b) {
+      const uint32_t ub = sel_key[b];
+      rank += (ub > ua) || (ub == ua && sel_idx[b] < ia);
+    }
+    p.values[row * k + rank] = s[ia];
+    p.indices[row * k + rank] = ia;
+  }
+}
+
+
 // ---- kv_cache_write
 constexpr int kWriteWarps = 4;
 
@@ -444,6 +543,11 @@ void launch_mqa_logits(const MqaLogitsParams& p, cudaStream_t stream) {
 
 void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.k == 0) return;
+  if (p.impl == 1) {
+    topk_rows_kernel_v1<<<static_cast<unsigned>(p.rows), kTopkThreads, static_cast<size_t>(p.k) * 8, stream>>>(p);
+    DEEPINFER_CHECK_LAUNCH("topk_rows_kernel_v1");
+    return;
+  }
   size_t npow2 = 1;
   while (npow2 < static_cast<size_t>(p.k)) npow2 <<= 1;
   const size_t smem = npow2 * sizeof(uint64_t);  // <= 16 KiB for k <= 2048

@@ -67,6 +67,7 @@ struct TopkParams {
   int64_t* indices;     // [rows, k]
   int64_t rows;
   int n, k;             // k <= 2048
+  int impl;             // 2 (default): bitonic sort, aggregated histogram; 1: the round-one kernel (same output)
 };
 
 void launch_topk_rows(const TopkParams& p, cudaStream_t stream);
