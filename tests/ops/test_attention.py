@@ -521,7 +521,8 @@ def test_cuda_decode_batch_invariant_across_cta_shapes():
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows,h,dim,fp8", [
     (1, 64, 512, False), (100, 64, 512, False), (200, 64, 512, False),  # 16 / 32 / 64 heads per CTA
-    (100, 64, 512, True), (3, 16, 128, False), (2, 5, 64, False), (1, 20, 256, False),
+    (100, 64, 512, True), (8, 64, 512, True),  # FP8: register path (32 heads per CTA), staged path (16)
+    (3, 16, 128, False), (2, 5, 64, False), (1, 20, 256, False),
 ])
 def test_cuda_decode_v2_kernel_equals_round_one_kernel(monkeypatch, rows, h, dim, fp8):
     # DEEPINFER_SPARSE_MQA_IMPL=1 selects the round-one kernel; the default (v2) must give the same bits.

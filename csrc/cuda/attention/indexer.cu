@@ -215,7 +215,9 @@ __global__ void __launch_bounds__(kMmaLogitsThreads) mqa_logits_mma_kernel(const
     for (int rr = 0; rr < 2; ++rr) {
       const int r = warp * 16 + g + rr * 8;
       const int64_t c = c0 + r;
-      if (c < p.num_candidates) p.logits[i * p.num_candidates + c] = sRow[r] != nullptr ? (rr ? sum1 : sum0) : -CUDART_INF_F;
+      if (c < p.num_candidates) {
+        p.logits[i * p.num_candidates + c] = sRow[r] != nullptr ? (rr ? sum1 : sum0) : -CUDART_INF_F;
+      }
     }
   }
 }

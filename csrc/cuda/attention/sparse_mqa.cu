@@ -327,7 +327,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v1(const __grid
 //   * fragments come from ldmatrix (x4 for Q and P, x2 for K, x2.trans for V) instead of 32- and 16-bit loads;
 //   * the next tile's indices are loaded one tile ahead into a register (v1 waited for them every tile);
 //   * FP8 entries are fetched in batches of independent loads before any is decoded (v1 decoded load by load).
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -341,6 +343,10 @@ __device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, uint32_t add
 
 __device__ __forceinline__ void ldsm_x2_trans(uint32_t& r0, uint32_t& r1, uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
+}
+
+__device__ __forceinline__ void cp_async_8(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_u32(smem_dst)), "l"(gmem_src) : "memory");
 }
 
 // Raw bytes of dims [c, c + 8) of a MODEL1 FP8 entry: no-RoPE dims -> (8 codes, scale byte), RoPE dims -> 8 bf16.
@@ -389,6 +395,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v2(const __grid
   constexpr int kFp8Batch = kIssueIters < 8 ? kIssueIters : 8;
   static_assert(kBlockN * kVecPerRow % kThreads == 0 && kIssueIters % kFp8Batch == 0, "gather split");
   static_assert(kDimsPerWarp % 8 == 0 && kKeysPerWarp % 8 == 0, "warp tiles");
+  // 16 heads per CTA: Q rows [16, 64) are unused, so FP8 entries are staged there raw by cp.async (asynchronous like
+  // the bf16 rows) and decoded in shared memory once they land, instead of register round trips before the math.
+  constexpr bool kStageFp8 = kWarpsH == 1 && kDim == 512;
+  constexpr int kFp8Chunks = kFp8EntryBytes / 8;  // 73 8-byte pieces per entry
+  static_assert(!kStageFp8 || (kFp8EntryBytes % 8 == 0 && (kBlockH - 16) * kStride * 2 >= kBlockN * kFp8EntryBytes),
+                "FP8 staging");
   extern __shared__ __align__(16) char smem[];
   __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem + L::q_off);
   __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem + L::k_off);
@@ -399,6 +411,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v2(const __grid
   float* sA = reinterpret_cast<float*>(smem + L::a_off);
   const uint8_t** sPtr = reinterpret_cast<const uint8_t**>(smem + L::ptr_off);
   bool* sFp8 = reinterpret_cast<bool*>(smem + L::fp8_off);
+  uint8_t* sStage = reinterpret_cast<uint8_t*>(sQ + 16 * kStride);  // kStageFp8 only: [kBlockN][584] raw entries
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int64_t row = blockIdx.x;
@@ -472,25 +485,47 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v2(const __grid
     const uint8_t* const* ptrs = sPtr + buf * kBlockN;
     const bool* fp8s = sFp8 + buf * kBlockN;
     const int c = (tid % kVecPerRow) * 8;  // the same dims for every row this thread gathers
-#pragma unroll 1
-    for (int i0 = 0; i0 < kIssueIters; i0 += kFp8Batch) {
-      uint4 raw[kFp8Batch];
-#pragma unroll
-      for (int j = 0; j < kFp8Batch; ++j) {
-        const int r = (tid + (i0 + j) * kThreads) / kVecPerRow;
-        const uint8_t* ptr = ptrs[r];
-        raw[j] = make_uint4(0u, 0u, 0u, 0u);
-        if (ptr != nullptr && fp8s[r]) raw[j] = fetch_fp8_entry8(ptr, c);
-      }
-#pragma unroll
-      for (int j = 0; j < kFp8Batch; ++j) {
-        const int r = (tid + (i0 + j) * kThreads) / kVecPerRow;
+    if constexpr (kStageFp8) {
+      // bf16 rows -> K buffer, invalid rows -> zeros, FP8 entries -> staging (decoded at the
+      // top of the tile loop once they land).
+#pragma unroll 4
+      for (int i = 0; i < kIssueIters; ++i) {
+        const int r = (tid + i * kThreads) / kVecPerRow;
         const uint8_t* ptr = ptrs[r];
         __nv_bfloat16* dst = kbuf + r * kStride + c;
-        if (ptr != nullptr && !fp8s[r]) {
+        if (ptr == nullptr) {
+          *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+        } else if (!fp8s[r]) {
           cp_async_16(dst, ptr + 2 * c);
-        } else {
-          *reinterpret_cast<uint4*>(dst) = ptr != nullptr ? decode_fp8_entry8(raw[j], c) : make_uint4(0u, 0u, 0u, 0u);
+        }
+      }
+      for (int v = tid; v < kBlockN * kFp8Chunks; v += kThreads) {
+        const int r = v / kFp8Chunks, j = v % kFp8Chunks;
+        const uint8_t* ptr = ptrs[r];
+        if (ptr != nullptr && fp8s[r]) cp_async_8(sStage + r * kFp8EntryBytes + j * 8, ptr + j * 8);
+      }
+    } else {
+#pragma unroll 1
+      for (int i0 = 0; i0 < kIssueIters; i0 += kFp8Batch) {
+        uint4 raw[kFp8Batch];
+#pragma unroll
+        for (int j = 0; j < kFp8Batch; ++j) {
+          const int r = (tid + (i0 + j) * kThreads) / kVecPerRow;
+          const uint8_t* ptr = ptrs[r];
+          raw[j] = make_uint4(0u, 0u, 0u, 0u);
+          if (ptr != nullptr && fp8s[r]) raw[j] = fetch_fp8_entry8(ptr, c);
+        }
+#pragma unroll
+        for (int j = 0; j < kFp8Batch; ++j) {
+          const int r = (tid + (i0 + j) * kThreads) / kVecPerRow;
+          const uint8_t* ptr = ptrs[r];
+          __nv_bfloat16* dst = kbuf + r * kStride + c;
+          if (ptr != nullptr && !fp8s[r]) {
+            cp_async_16(dst, ptr + 2 * c);
+          } else {
+            *reinterpret_cast<uint4*>(dst) =
+                ptr != nullptr ? decode_fp8_entry8(raw[j], c) : make_uint4(0u, 0u, 0u, 0u);
+          }
         }
       }
     }
@@ -510,6 +545,29 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v2(const __grid
     //    tile - 1's QK^T and PV, finished before the previous iteration's final barrier).
     cp_async_wait_all();
     __syncthreads();
+    if constexpr (kStageFp8) {
+      // Staged FP8 entries of this tile -> bf16 rows of K buffer `buf` (the bits load_fp8_entry8 gives); the
+      // staging is free again before the next issue() below.
+      const uint8_t* const* ptrs = sPtr + buf * kBlockN;
+      const bool* fp8s = sFp8 + buf * kBlockN;
+      __nv_bfloat16* kbuf = sK + buf * kBlockN * kStride;
+      for (int v = tid; v < kBlockN * kVecPerRow; v += kThreads) {
+        const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
+        if (ptrs[r] == nullptr || !fp8s[r]) continue;
+        const uint8_t* e = sStage + r * kFp8EntryBytes;
+        uint4 raw;
+        if (c < kFp8NopeDims) {
+          const uint2 codes = *reinterpret_cast<const uint2*>(e + c);
+          raw = make_uint4(codes.x, codes.y, static_cast<uint32_t>(e[kFp8ScaleOffset + c / 64]), 0u);
+        } else {
+          const uint2* rope = reinterpret_cast<const uint2*>(e + kFp8NopeDims + (c - kFp8NopeDims) * 2);
+          const uint2 a = rope[0], b = rope[1];
+          raw = make_uint4(a.x, a.y, b.x, b.y);
+        }
+        *reinterpret_cast<uint4*>(kbuf + r * kStride + c) = decode_fp8_entry8(raw, c);
+      }
+      __syncthreads();  // decoded rows before QK^T; staging reads before the next issue()
+    }
     if (tile + 1 < num_tiles) {
       resolve(tile + 1, buf ^ 1, next_index);
       next_index = fetch_index(tile + 2);
