@@ -507,9 +507,15 @@ def test_decode_fp8_cache_equals_decoded_bf16_cache(device, seed):
 
 
 @pytest.mark.cuda
-def test_cuda_decode_batch_invariant_across_cta_shapes():
-    # 160 rows fill the GPU with 64 heads per CTA; one row alone runs with 16 heads per CTA. Same bits.
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_decode_batch_invariant_across_cta_shapes(fp8):
+    # 160 rows fill the GPU with 64 heads per CTA; one row alone runs with 16 heads per CTA (FP8: register-decoded
+    # entries vs entries staged in shared memory). Same bits.
     q, comp, idx, kw = _decode_case("cuda", 160, 1, V4_HEADS, V4_DIM, V4_TOPK, V4_WINDOW, 64, 160)
+    if fp8:
+        rows = comp.reshape(-1, V4_DIM)
+        comp = _fp8_cache(comp.shape[0], 64, "cuda")
+        deepinfer_ops.kv_cache_write_fp8(comp, rows, torch.arange(rows.shape[0], device="cuda"))
     out, lse = _run_decode(q, comp, idx, V4_SCALE, **kw)
     for r in (0, 77, 159):
         sub = {k: (v[r:r + 1] if k in ("topk_length", "extra_topk_length", "extra_indices") else v)
