@@ -128,9 +128,11 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int = 0) -> torch.T
         weight: ``[out, in]``, same dtype as ``x``.
         rows: 0 = one ``F.linear`` call (the library picks tiles / split-K by M, so a row's bits may depend on M);
             ``rows > 0`` = the rows are cut into chunks of exactly ``rows`` (the last one zero-padded) and each chunk
-            is one ``torch.mm`` of the fixed shape ``[rows, in] x [in, out]``: every call has the same shape,
-            strides and (>= 256-byte) operand alignment, so cuBLAS / MKL choose the same kernel for every chunk and
-            a row's reduction order is the same wherever it sits and whoever shares its chunk.
+            is one ``torch.mm`` of the fixed shape ``[rows, in'] x [in', out']`` (``in``, ``out`` zero-padded to
+            multiples of 16 -- MKL treats narrow / odd shapes position-dependently; the model's large weights need
+            no padding). Every call has the same shape, strides and (>= 256-byte) operand alignment, so cuBLAS /
+            MKL choose the same kernel for every chunk and a row's reduction order is the same wherever it sits and
+            whoever shares its chunk.
     Returns:
         ``[..., out]`` in ``x.dtype``.
     Cost: ``ceil(M / rows)`` GEMM launches instead of one and up to ``rows - 1`` padded rows; with ``rows`` = 128 on
@@ -142,25 +144,26 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int = 0) -> torch.T
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    chunks = -(-m // rows)
-    out = x2.new_empty(chunks * rows, n)
     if m == 0:
-        return out.view(*lead, n)
-    esz = x2.element_size()
-    aligned = (rows * k * esz) % 256 == 0 and (rows * n * esz) % 256 == 0
-    if m % rows or not x2.is_contiguous() or x2.data_ptr() % 256 or not aligned:
-        # a fresh zero-padded copy: fresh allocations are >= 512-byte aligned
-        xp = x2.new_zeros(chunks * rows, k)
-        xp[:m] = x2
+        return x2.new_empty(*lead, n)
+    kp, np_ = -(-k // 16) * 16, -(-n // 16) * 16
+    if (kp, np_) != (k, n):
+        w = weight.new_zeros(np_, kp)
+        w[:n, :k] = weight
+        weight = w
+    chunks = -(-m // rows)
+    align = 256 if x2.is_cuda else 64  # what fresh allocations guarantee (CUDA caching allocator / c10 CPU)
+    if m % rows or kp != k or not x2.is_contiguous() or x2.data_ptr() % align:
+        # a fresh zero-padded copy; every chunk start then keeps the base alignment, as rows * kp * itemsize is a
+        # multiple of 256 for rows >= 8 (and of 64 for any rows)
+        xp = x2.new_zeros(chunks * rows, kp)
+        xp[:m, :k] = x2
         x2 = xp
+    out = x2.new_empty(chunks * rows, np_)
     wt = weight.t()
-    if aligned:
-        for c in range(chunks):
-            torch.mm(x2[c * rows:(c + 1) * rows], wt, out=out[c * rows:(c + 1) * rows])
-    else:  # odd widths: chunk starts would not share an alignment, so each chunk goes through fresh buffers
-        for c in range(chunks):
-            out[c * rows:(c + 1) * rows] = torch.mm(x2[c * rows:(c + 1) * rows].clone(), wt)
-    return out[:m].view(*lead, n)
+    for c in range(chunks):
+        torch.mm(x2[c * rows:(c + 1) * rows], wt, out=out[c * rows:(c + 1) * rows])
+    return out[:m, :n].reshape(*lead, n)
 
 
 def pointwise(fn, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
@@ -421,9 +424,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     QUERY_CHUNK = 512  # queries per attention chunk (memory bound of the dense-masked CPU/torch attention)
     # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape GEMM call (see ``linear_rows``),
     # per device type, and queries per attention chunk (chunks start at absolute positions that are multiples of it).
+    # The costs: up to rows - 1 padded GEMM rows per call (free while a call is bandwidth-bound on its weight, as a
+    # decode step of <= 128 tokens is on the GPU) and one launch per ``rows`` tokens; a decode query pays for a whole
+    # query chunk of attention (64 padded queries on CUDA, 16 on the CPU).
     BI_GEMM_ROWS = {"cuda": 128, "cpu": 16}
     BI_GEMM_ROWS_DEFAULT = 128
-    BI_QUERY_CHUNK = 64
+    BI_QUERY_CHUNK = {"cuda": 64, "cpu": 16}
+    BI_QUERY_CHUNK_DEFAULT = 64
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -508,6 +515,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     def batch_invariant_rows(self, device: torch.device) -> int:
         """Rows per fixed-shape GEMM call in batch-invariant mode on ``device``."""
         return self.BI_GEMM_ROWS.get(torch.device(device).type, self.BI_GEMM_ROWS_DEFAULT)
+
+    def batch_invariant_query_chunk(self, device: torch.device) -> int:
+        """Queries per attention chunk in batch-invariant mode on ``device`` (chunks start at its multiples)."""
+        return self.BI_QUERY_CHUNK.get(torch.device(device).type, self.BI_QUERY_CHUNK_DEFAULT)
 
     @staticmethod
     def _collapse(pre: torch.Tensor, streams: torch.Tensor, rows: int) -> torch.Tensor:
@@ -679,7 +690,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                                    pools["idx_state_gate"], pools["idx"], table)
                 ikeys = pools["idx"].view(-1, idx.head_dim)[ent_slots].float()
             if rows:  # 2'. batch-invariant: fixed query chunks at absolute positions, fixed-shape matmuls
-                QC = self.BI_QUERY_CHUNK
+                QC = self.batch_invariant_query_chunk(x.device)
                 for j0 in range((c0 // QC) * QC, L, QC):
                     lo, hi = max(c0, j0), min(L, j0 + QC)
                     r0 = s.a + lo - c0
@@ -739,7 +750,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                          ent: torch.Tensor | None, m: int, sink: torch.Tensor, scale: float,
                          indexer: tuple | None) -> tuple[torch.Tensor, int]:
         """Batch-invariant attention of the queries at positions ``lo .. lo + q.shape[0] - 1`` of one sequence, all
-        inside the query chunk ``[j0, j0 + BI_QUERY_CHUNK)`` (``j0`` a multiple of the chunk).
+        inside the query chunk ``[j0, j0 + QC)`` (``QC = batch_invariant_query_chunk``, ``j0`` a multiple of it).
 
         Every tensor has a shape fixed by ``j0`` alone: the queries are zero-padded to the whole chunk (query ``t``
         at row ``t - j0``), the window keys are the positions ``[j0 - W + 1, j0 + chunk)`` (zeros outside
@@ -749,7 +760,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         contribute exact zeros. ``indexer`` = ``(iq [n, nh, d], iw [n, nh], ikeys [E, d] float32, Indexer)`` on CSA
         layers. Returns (``[n, H, hd]`` in the query dtype, indexer boundary ties among the real rows)."""
         cfg = self.config
-        QC, W, B = self.BI_QUERY_CHUNK, cfg.sliding_window, self._block_size
+        QC, W, B = self.batch_invariant_query_chunk(q.device), cfg.sliding_window, self._block_size
         n, H, hd = q.shape
         dev = q.device
         a, b = lo - j0, lo - j0 + n  # real rows of the chunk
