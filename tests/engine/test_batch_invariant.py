@@ -143,6 +143,24 @@ def test_model_logits_bitwise_alone_vs_batches(device):
         assert equal, f"batch-invariant mode: logits differ inside a batch of {b} (max |diff| {diff:.3g})"
 
 
+def test_model_chunked_prefill_and_decode_bitwise(device):
+    """One 300-token prompt in one step vs cut at arbitrary (unaligned) points, ending with a one-token decode step:
+    the logits of each step's last token are bitwise those of the one-shot prefill (attention chunks are fixed by
+    absolute position, windows of the compressors close in different steps)."""
+    model = _model(device)
+    ids = torch.tensor(_ids(random.Random(3), 300), device=device)
+    table = torch.arange(3, dtype=torch.int32, device=device).view(1, 3)
+    cuts = [0, 7, 137, 250, 299, 300]
+    ends = torch.tensor([c - 1 for c in cuts[1:]], device=device)
+    one_shot = model.forward(ForwardBatch(ids, torch.arange(300, device=device), [300], [300], table, ends,
+                                          batch_invariant=True), model.allocate_cache(3))
+    cache = model.allocate_cache(3)
+    for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:])):
+        step = model.forward(ForwardBatch(ids[a:b], torch.arange(a, b, device=device), [b - a], [b], table,
+                                          torch.tensor([b - a - 1], device=device), batch_invariant=True), cache)
+        assert torch.equal(step[0], one_shot[i]), f"step [{a}, {b}): max |diff| {(step[0] - one_shot[i]).abs().max()}"
+
+
 def test_model_mode_off_differs_where_kernels_depend_on_batch(device):
     """Mode off: the kernels (MKL's small-M paths and SIMD tails on the CPU, cuBLAS tile / split-K choice by M on
     CUDA) make a row depend on its batch; this checks that the mode is needed at all on this platform."""

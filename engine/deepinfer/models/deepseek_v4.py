@@ -575,9 +575,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         return self._collapse(pre, streams, rows)
 
     # ---- compressor -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _pool_bi(slot_kv: torch.Tensor, slot_gate: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant window pooling: ``[n_win, slots, hd]`` kv and float32 gates -> ``[n_win, hd]`` in the kv
+        dtype, ``sum_j kv_j * softmax_j(gate)`` with the softmax sum and the pooled sum as explicit float32 adds in
+        slot order (a torch reduction kernel's split of the slots over threads may follow the number of windows
+        closing in the step, i.e. the prefill chunking)."""
+        n_slots = slot_gate.shape[1]
+        shifted = slot_gate - slot_gate.amax(dim=1, keepdim=True)  # max: exact in any order
+        e = pointwise(torch.exp, shifted, 1)
+        denom = e[:, 0]
+        for j in range(1, n_slots):
+            denom = denom + e[:, j]
+        weights = (e / denom.unsqueeze(1)).to(slot_kv.dtype)
+        acc = (slot_kv[:, 0] * weights[:, 0]).float()
+        for j in range(1, n_slots):
+            acc = acc + (slot_kv[:, j] * weights[:, j]).float()
+        return acc.to(slot_kv.dtype)
+
     def _compress_seq(self, comp: Compressor, kv_new: torch.Tensor, gate_new: torch.Tensor, s: _Seq,
                       pool_state_kv: torch.Tensor, pool_state_gate: torch.Tensor, pool_comp: torch.Tensor,
-                      rope_table: torch.Tensor) -> None:
+                      rope_table: torch.Tensor, rows: int = 0) -> None:
         """Emit the entries of every window that closes in this step into ``pool_comp`` and persist the open
         window's (and for CSA the previous window's) projections in the ring of the block of the last token.
         ``kv_new`` / ``gate_new``: ``[q, coff * hd]`` projections of the step's tokens (the rings keep them as
@@ -615,8 +633,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                     slot_gate[n_win - k:, :m] = (all_gate[plo:phi].view(k, m, -1).float() + ape)[..., :hd]
             else:
                 slot_kv, slot_gate = cur_kv, cur_gate
-            weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
-            entries = comp.norm((slot_kv * weights).sum(dim=1))
+            if rows:
+                entries = comp.norm(self._pool_bi(slot_kv, slot_gate.float()).contiguous())
+            else:
+                weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
+                entries = comp.norm((slot_kv * weights).sum(dim=1))
             w_pos = torch.arange(first_w, end_w, device=entries.device) * m
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             per_block = pool_comp.shape[1]
@@ -680,14 +701,15 @@ class DeepseekV4ForCausalLM(nn.Module):
             kv_pool[_token_slots(s.blocks, c0, L, B)] = kv[sl].to(kv_pool.dtype)
             n_ent = 0
             if lt != SLIDING:
-                self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"], table)
+                self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"],
+                                   table, rows)
                 n_ent = L // m
                 per_block = pools["comp"].shape[1]
                 ent_slots = _entry_slots(s.blocks, 0, n_ent, per_block)
                 ent = pools["comp"].view(-1, hd)[ent_slots].to(x.dtype)
             if lt == CSA:
                 self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
-                                   pools["idx_state_gate"], pools["idx"], table)
+                                   pools["idx_state_gate"], pools["idx"], table, rows)
                 ikeys = pools["idx"].view(-1, idx.head_dim)[ent_slots].float()
             if rows:  # 2'. batch-invariant: fixed query chunks at absolute positions, fixed-shape matmuls
                 QC = self.batch_invariant_query_chunk(x.device)
