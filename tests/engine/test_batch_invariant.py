@@ -161,6 +161,23 @@ def test_model_chunked_prefill_and_decode_bitwise(device):
         assert torch.equal(step[0], one_shot[i]), f"step [{a}, {b}): max |diff| {(step[0] - one_shot[i]).abs().max()}"
 
 
+def test_model_mtp_bitwise_prefix(device):
+    """The MTP layer in batch-invariant mode: a 7-token step equals the first 7 rows of a 40-token step."""
+    model = _model(device)
+    ids = torch.tensor(_ids(random.Random(4), 41), device=device)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=device)
+
+    def fb(a, b, n):
+        return ForwardBatch(ids[a:b], torch.arange(n, device=device), [n], [n], table, torch.arange(n, device=device),
+                            batch_invariant=True)
+
+    _, streams = model.forward(fb(0, 40, 40), model.allocate_cache(1), return_hidden=True)
+    assert streams.shape[0] == 40
+    full = model.forward_mtp(fb(1, 41, 40), model.allocate_cache(1), streams)
+    part = model.forward_mtp(fb(1, 8, 7), model.allocate_cache(1), streams[:7])
+    assert torch.equal(part, full[:7])
+
+
 def test_model_mode_off_differs_where_kernels_depend_on_batch(device):
     """Mode off: the kernels (MKL's small-M paths and SIMD tails on the CPU, cuBLAS tile / split-K choice by M on
     CUDA) make a row depend on its batch; this checks that the mode is needed at all on this platform."""

@@ -166,6 +166,19 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int = 0) -> torch.T
     return out[:m, :n].reshape(*lead, n)
 
 
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [M, ...]`` zero-padded along dim 0 to a multiple of ``rows`` (``x`` itself when it already is one, is
+    contiguous and aligned like a fresh allocation): batch-invariant mode keeps the token dimension padded so that
+    every :func:`linear_rows` call takes whole chunks without copying."""
+    m = x.shape[0]
+    align = 256 if x.is_cuda else 64
+    if rows <= 0 or (m % rows == 0 and x.is_contiguous() and x.data_ptr() % align == 0):
+        return x
+    out = x.new_zeros(-(-m // rows) * rows, *x.shape[1:])
+    out[:m] = x
+    return out
+
+
 def pointwise(fn, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
     """``fn(x)`` for a transcendental elementwise op (sigmoid, silu, softplus, ...).
 
@@ -266,9 +279,11 @@ class Expert(nn.Module):
         self.w3 = Linear(inter, dim, dtype)  # up
 
     def forward(self, x: torch.Tensor, limit: float, rows: int = 0) -> torch.Tensor:
+        m = x.shape[0]
+        x = pad_rows(x, rows)  # batch-invariant mode: pad once, the three GEMMs then take whole chunks
         gate = self.w1(x, rows).clamp(max=limit)
         up = self.w3(x, rows).clamp(min=-limit, max=limit)
-        return self.w2(pointwise(F.silu, gate, rows) * up, rows)
+        return self.w2(pointwise(F.silu, gate, rows) * up, rows)[:m]
 
 
 class Gate(nn.Module):
@@ -450,6 +465,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         with torch.device("cpu"):
             self._inv_freq = {k: rope_inv_freq(cfg, k) for k in ("main", "compress")}
         self._rope_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._bi_window_masks: dict[tuple, torch.Tensor] = {}  # batch-invariant attention: window mask per chunk size
         self._block_size = BLOCK_SIZE  # set from the cache at each forward
         # diagnostics of the last forward: number of indexer rows whose k-th and (k+1)-th best valid scores tie
         self.last_indexer_boundary_ties = 0
@@ -690,7 +706,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             deepinfer_ops.rotary_embedding(iq, positions, table)
             iw = idx.weights_proj(x, rows).float() * (idx.n_heads ** -0.5)
 
-        out = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
+        # batch-invariant mode: rows past the real tokens (padding) are never attended; zeros keep them finite
+        out = (torch.zeros if rows else torch.empty)(T, H, hd, dtype=x.dtype, device=x.device)
         kv_pool = pools["kv"].view(-1, hd)
         scale = hd ** -0.5
         sink = attn.attn_sink.float()
@@ -790,11 +807,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         qc = q.new_zeros(QC, H, hd)
         qc[a:b] = q
         k0 = j0 - W + 1
-        kpos = torch.arange(k0, j0 + QC, device=dev)
         keys = q.new_zeros(QC + W - 1, hd)
         p0, p1 = max(0, k0), min(L, j0 + QC)
         keys[p0 - k0:p1 - k0] = kv_pool[_token_slots(s.blocks, p0, p1, B)].to(q.dtype)
-        mask = (kpos.view(1, -1) >= 0) & (kpos.view(1, -1) <= tq.view(-1, 1)) & (kpos.view(1, -1) > tq.view(-1, 1) - W)
+        # key k of the chunk is position k0 + k: visible to row r (position j0 + r) iff r < k + 1 <= r + W
+        mkey = (QC, W, dev)
+        mask = self._bi_window_masks.get(mkey)
+        if mask is None:
+            kk, rr = torch.arange(QC + W - 1, device=dev).view(1, -1), torch.arange(QC, device=dev).view(-1, 1)
+            mask = self._bi_window_masks[mkey] = (kk >= rr) & (kk <= rr + W - 1)
+        if k0 < 0:  # positions before 0 do not exist
+            mask = mask.clone()
+            mask[:, :-k0] = False
         ties = 0
         if ent is not None:
             visible = torch.arange(ent.shape[0], device=dev).view(1, -1) < ((tq + 1) // m).view(-1, 1)
@@ -844,12 +868,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         return weights, indices
 
-    def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, rows: int = 0,
+             num_tokens: int | None = None) -> torch.Tensor:
         """Routed experts + shared expert. The combine is in a fixed order in both modes: a token's expert outputs
         are added to it in ascending expert id (one ``index_add_`` per expert, each token at most once per call, so
         no atomics race), then the shared expert. ``rows > 0``: every expert GEMM runs in fixed-shape chunks."""
         cfg = self.config
         weights, indices = self._route(moe, x, input_ids, rows)
+        if num_tokens is not None:  # batch-invariant mode: rows past num_tokens are padding, never dispatched
+            weights, indices = weights[:num_tokens], indices[:num_tokens]
         y = torch.zeros_like(x)
         limit = cfg.swiglu_limit
         for e in torch.unique(indices).tolist():
@@ -865,7 +892,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         a = self._attention(blk.attn, blk.attn_norm(collapsed), positions, seqs, pools, rows)
         streams = self._hc_post(streams, a, post, comb, rows)
         post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, rows)
-        f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids, rows)
+        f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids, rows, seqs[-1].b if rows else None)
         return self._hc_post(streams, f, post, comb, rows)
 
     # ---- public forward --------------------------------------------------------------------------------------------
@@ -897,12 +924,16 @@ class DeepseekV4ForCausalLM(nn.Module):
             streams = torch.empty(0, cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=dev)
             return (logits, streams) if return_hidden else logits
         rows = self.batch_invariant_rows(dev) if batch.batch_invariant else 0
-        ids = batch.input_ids.long()
-        positions = batch.positions.long()
+        T = batch.num_tokens
+        # batch-invariant mode: the token dimension is zero-padded to whole GEMM chunks for the whole step (token 0
+        # at position 0); the padding rows are never attended to, routed, cached or returned
+        ids = pad_rows(batch.input_ids.long(), rows)
+        positions = pad_rows(batch.positions.long(), rows)
         emb = self.embed(ids)
         streams = emb.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for i, blk in enumerate(self.layers):
             streams = self._block(blk, streams, ids, positions, seqs, cache.layers[i], rows)
+        streams = streams[:T]
         li = batch.logits_indices.long()
         sel = streams[li]
         x = self.norm(self._hc_head(sel, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, rows))
@@ -933,13 +964,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             return (logits, hidden_streams[:0].to(self.dtype)) if return_hidden else logits
         blk = self.mtp[mtp_idx]
         rows = self.batch_invariant_rows(hidden_streams.device) if batch.batch_invariant else 0
-        ids = batch.input_ids.long()
-        positions = batch.positions.long()
+        ids = pad_rows(batch.input_ids.long(), rows)  # batch-invariant mode: whole GEMM chunks, see forward
+        positions = pad_rows(batch.positions.long(), rows)
         e = blk.e_proj(blk.enorm(self.embed(ids)), rows)
-        h = blk.h_proj(blk.hnorm(hidden_streams.to(self.dtype).contiguous()), rows)
+        h = blk.h_proj(blk.hnorm(pad_rows(hidden_streams.to(self.dtype).contiguous(), rows)), rows)
         streams = e.unsqueeze(1) + h
         streams = self._block(blk, streams, ids, positions, seqs,
-                              cache.layers[self.config.num_hidden_layers + mtp_idx], rows)
+                              cache.layers[self.config.num_hidden_layers + mtp_idx], rows)[:T]
         sel = streams[batch.logits_indices.long()]
         x = blk.norm(self._hc_head(sel, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, rows))
         logits = self.head(x, rows).float()
