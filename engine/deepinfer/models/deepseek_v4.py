@@ -42,6 +42,28 @@ Architecture (all names are the native checkpoint's):
 
 Tie rule (indexer and router): higher score first, then lower index (``deepinfer_ops.topk``).
 
+Batch-invariant mode (``ForwardBatch.batch_invariant``, set by ``LLM(batch_invariant=True)`` / ``--batch-invariant``;
+an explicit per-step argument, no global state): every token's row is computed with a reduction order that depends
+neither on the number of tokens in the step nor on the other sequences, nor on how its prompt was chunked:
+
+* GEMMs (every linear, ``wo_a``'s groups, router, experts, mHC mixes, LM head): the token dimension is zero-padded
+  once per step to a multiple of ``BI_GEMM_ROWS`` (128 on CUDA, 16 on the CPU) and every ``torch.mm`` has that many
+  rows (:func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed
+  shape is the only way to get one kernel for every row. Experts pad their gathered tokens the same way.
+* Attention: query chunks of ``BI_QUERY_CHUNK`` (64 on CUDA, 16 on the CPU) at absolute positions, zero-padded, with
+  window keys ``[j0 - W + 1, j0 + chunk)`` and compressed entries ``[0, (j0 + chunk) // m)`` zero-filled past what is
+  written (:meth:`DeepseekV4ForCausalLM._attend_chunk_bi`): every matmul / softmax / top-k shape depends on the
+  chunk's start alone, masked keys add exact zeros. The scheduler's 128-aligned prefill cuts are not even needed.
+* Compressor pooling: softmax sum and pooled sum as explicit float32 adds in slot order. mHC stream sums: explicit
+  float32 adds in stream order (no batched matmul whose batch count is the number of tokens).
+* Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
+  rule; MoE combine: a token's experts added in ascending expert id (as in the default mode).
+* CPU only: transcendental elementwise ops go through :func:`pointwise` (torch's SIMD loops compute tails with
+  scalar libm, so a value would depend on its position).
+
+Cost: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a decode step of <= 128 tokens on
+the GPU), one GEMM launch per 128 tokens in prefill, and a whole padded query chunk of attention per decode token.
+
 Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported);
 /work/shared/reference/architecture.md; DeepSeek-V4 paper.
 """
