@@ -89,6 +89,23 @@ def test_linear_rows_edge_cases(device):
     assert torch.equal(linear_rows(xs, w[:, :32].contiguous(), 16)[3], linear_rows(xs[3:4], w[:, :32].contiguous(), 16)[0])
 
 
+def test_linear_mode_off_rows_depend_on_m(device):
+    """Why the mode exists: a plain ``F.linear`` at V4-Flash widths gives a row different bits depending on M (cuBLAS
+    chooses tiles / split-K by M; MKL has small-M paths). Skips, saying what it saw, where the library happens not to."""
+    g = torch.Generator().manual_seed(1)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    w = (torch.randn(1024, 4096, generator=g) / 64).to(device, dtype)
+    x = torch.randn(256, 4096, generator=g).to(device, dtype)
+    full = F.linear(x, w)
+    differ = [m for m in BATCH_SIZES if not torch.equal(F.linear(x[:m], w), full[:m])]
+    if not differ:
+        pytest.skip(f"mode off: F.linear rows were bitwise equal for M in {BATCH_SIZES} vs M=256 on this {device}")
+    rows = DeepseekV4ForCausalLM.BI_GEMM_ROWS[device]
+    fixed = linear_rows(x, w, rows)
+    for m in differ:  # the same rows through fixed-shape chunks agree
+        assert torch.equal(linear_rows(x[:m], w, rows), fixed[:m]), f"M={m}"
+
+
 def test_pointwise_cpu_position_invariant():
     """torch's SIMD CPU loops compute tails with scalar libm: ``pointwise`` makes every element take one path."""
     x = torch.randn(300, 4, generator=torch.Generator().manual_seed(0))
