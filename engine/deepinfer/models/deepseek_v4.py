@@ -201,6 +201,15 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return out
 
 
+def pad_rows_buffer(like: torch.Tensor, m: int, rows: int) -> torch.Tensor:
+    """A fresh ``[ceil(m / rows) * rows, *like.shape[1:]]`` buffer for ``m`` rows of ``like``'s dtype and device.
+    Its padding rows are zero on the CPU and left uninitialised on CUDA: a GEMM row (and every row-wise op) depends
+    on its own row only, and padding rows are dropped, so their content never matters -- zeros on the CPU only
+    avoid slow denormal arithmetic."""
+    shape = (-(-m // rows) * rows, *like.shape[1:])
+    return like.new_empty(shape) if like.is_cuda else like.new_zeros(shape)
+
+
 def pointwise(fn, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
     """``fn(x)`` for a transcendental elementwise op (sigmoid, silu, softplus, ...).
 
@@ -826,7 +835,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         dev = q.device
         a, b = lo - j0, lo - j0 + n  # real rows of the chunk
         tq = torch.arange(j0, j0 + QC, device=dev)
-        qc = q.new_zeros(QC, H, hd)
+        qc = torch.zeros(QC, H, hd, dtype=torch.float32, device=dev)  # float32 logits, as in the default mode
         qc[a:b] = q
         k0 = j0 - W + 1
         keys = q.new_zeros(QC + W - 1, hd)
@@ -860,7 +869,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             keys = torch.cat([keys, ent.to(q.dtype)])
             mask = torch.cat([mask, visible], dim=1)
         nk = keys.shape[0]
-        logits = torch.mm(qc.float().view(QC * H, hd), keys.float().t()).view(QC, H, nk) * scale
+        logits = torch.mm(qc.view(QC * H, hd), keys.float().t()).view(QC, H, nk) * scale
         logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
         combined = torch.cat([logits, sink.view(1, H, 1).expand(QC, H, 1)], dim=-1)
         combined = combined - combined.max(dim=-1, keepdim=True).values
@@ -903,7 +912,13 @@ class DeepseekV4ForCausalLM(nn.Module):
         limit = cfg.swiglu_limit
         for e in torch.unique(indices).tolist():
             tok, slot = torch.where(indices == e)
-            h = moe.experts[e](x[tok], limit, rows) * weights[tok, slot, None].to(x.dtype)
+            if rows:  # gather straight into a buffer of whole GEMM chunks (the expert then copies nothing)
+                xe = pad_rows_buffer(x, tok.shape[0], rows)
+                torch.index_select(x, 0, tok, out=xe[:tok.shape[0]])
+                h = moe.experts[e](xe, limit, rows)[:tok.shape[0]]
+            else:
+                h = moe.experts[e](x[tok], limit, rows)
+            h = h * weights[tok, slot, None].to(x.dtype)
             y.index_add_(0, tok, h)
         return y + moe.shared_experts(x, limit, rows)
 
