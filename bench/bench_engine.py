@@ -1,9 +1,9 @@
 """Engine throughput: prefill and decode tok/s of `deepinfer.LLM`, batch-invariant mode off and on, in one run.
 
 Usage (GPU machine, from the repository root, PYTHONPATH=python:engine):
-    python bench/bench_engine.py                      # makes a v4-flash-shapes checkpoint in a temp dir, then deletes it
-    python bench/bench_engine.py --model /tmp/v4fs    # an existing checkpoint (`deepinfer make-checkpoint --preset ...`)
-    python bench/bench_engine.py --num-experts 256    # the full preset (~20 GB on disk, ~66 GB of bf16 weights)
+    python bench/bench_engine.py                    # makes a v4-flash-shapes checkpoint in a temp dir, deletes it after
+    python bench/bench_engine.py --model /tmp/v4fs  # an existing one (`deepinfer make-checkpoint --preset ...`)
+    python bench/bench_engine.py --num-experts 256  # the full preset (~20 GB on disk, ~66 GB of bf16 weights)
 Without --model the checkpoint is `v4-flash-shapes` (V4-Flash hidden 4096, 64 heads x 512, q_lora 1024, o 8 x 1024,
 experts of 2048, indexer 64 x 128 top-512, hc 4, vocab 129,280) at --num-layers (default 4: sliding, sliding, CSA,
 HCA) and --num-experts routed experts (default 64 instead of 256, to keep the checkpoint near 7 GB and its
@@ -102,9 +102,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None,
                    help="checkpoint folder; default: make a v4-flash-shapes checkpoint in a temp dir (deleted after)")
-    p.add_argument("--num-layers", type=int, default=None, help="depth of the generated checkpoint (default: preset's 4)")
-    p.add_argument("--num-experts", type=int, default=64, help="routed experts of the generated checkpoint (preset: 256)")
-    p.add_argument("--work-dir", default=None, help="where the generated checkpoint goes (default: the system temp dir)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="depth of the generated checkpoint (default: the preset's 4)")
+    p.add_argument("--num-experts", type=int, default=64,
+                   help="routed experts of the generated checkpoint (the preset has 256)")
+    p.add_argument("--work-dir", default=None,
+                   help="where the generated checkpoint goes (default: the system temp dir)")
     p.add_argument("--keep-checkpoint", action="store_true", help="do not delete the generated checkpoint")
     p.add_argument("--modes", default="off,on", help="batch-invariant modes to run: off, on or off,on")
     p.add_argument("--num-requests", type=int, default=64)
@@ -114,7 +117,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--device", default=None)
-    p.add_argument("--quick", action="store_true", help="smoke run: 2 layers, 16 experts, 8 requests of 256 + 16 tokens")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 layers, 16 experts, 8 requests of 256 + 16 tokens")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args()
     if args.quick:

@@ -86,12 +86,14 @@ def test_linear_rows_edge_cases(device):
     torch.testing.assert_close(y3.float(), F.linear(x3, w3).float(), rtol=2e-2, atol=2e-2)
     assert torch.equal(linear_rows(x3[1, 4:5], w3, 16)[0], y3[1, 4])
     xs = torch.randn(40, 33, device=device, dtype=dtype)[:, :32]
-    assert torch.equal(linear_rows(xs, w[:, :32].contiguous(), 16)[3], linear_rows(xs[3:4], w[:, :32].contiguous(), 16)[0])
+    w32 = w[:, :32].contiguous()
+    assert torch.equal(linear_rows(xs, w32, 16)[3], linear_rows(xs[3:4], w32, 16)[0])
 
 
 def test_linear_mode_off_rows_depend_on_m(device):
-    """Why the mode exists: a plain ``F.linear`` at V4-Flash widths gives a row different bits depending on M (cuBLAS
-    chooses tiles / split-K by M; MKL has small-M paths). Skips, saying what it saw, where the library happens not to."""
+    """Why the mode exists: a plain ``F.linear`` at V4-Flash widths gives a row different bits depending on M
+    (cuBLAS chooses tiles / split-K by M; MKL has small-M paths). Skips, saying what it saw, where the library
+    happens not to."""
     g = torch.Generator().manual_seed(1)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     w = (torch.randn(1024, 4096, generator=g) / 64).to(device, dtype)
