@@ -42,6 +42,28 @@ Architecture (all names are the native checkpoint's):
 
 Tie rule (indexer and router): higher score first, then lower index (``deepinfer_ops.topk``).
 
+Batch-invariant mode (``ForwardBatch.batch_invariant``, set by ``LLM(batch_invariant=True)`` / ``--batch-invariant``;
+an explicit per-step argument, no global state): every token's row is computed with a reduction order that depends
+neither on the number of tokens in the step nor on the other sequences, nor on how its prompt was chunked:
+
+* GEMMs (every linear, ``wo_a``'s groups, router, experts, mHC mixes, LM head): the token dimension is zero-padded
+  once per step to a multiple of ``BI_GEMM_ROWS`` (128 on CUDA, 16 on the CPU) and every ``torch.mm`` has that many
+  rows (:func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed
+  shape is the only way to get one kernel for every row. Experts pad their gathered tokens the same way.
+* Attention: query chunks of ``BI_QUERY_CHUNK`` (64 on CUDA, 16 on the CPU) at absolute positions, zero-padded, with
+  window keys ``[j0 - W + 1, j0 + chunk)`` and compressed entries ``[0, (j0 + chunk) // m)`` zero-filled past what is
+  written (:meth:`DeepseekV4ForCausalLM._attend_chunk_bi`): every matmul / softmax / top-k shape depends on the
+  chunk's start alone, masked keys add exact zeros. The scheduler's 128-aligned prefill cuts are not even needed.
+* Compressor pooling: softmax sum and pooled sum as explicit float32 adds in slot order. mHC stream sums: explicit
+  float32 adds in stream order (no batched matmul whose batch count is the number of tokens).
+* Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
+  rule; MoE combine: a token's experts added in ascending expert id (as in the default mode).
+* CPU only: transcendental elementwise ops go through :func:`pointwise` (torch's SIMD loops compute tails with
+  scalar libm, so a value would depend on its position).
+
+Cost: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a decode step of <= 128 tokens on
+the GPU), one GEMM launch per 128 tokens in prefill, and a whole padded query chunk of attention per decode token.
+
 Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported);
 /work/shared/reference/architecture.md; DeepSeek-V4 paper.
 """
@@ -120,15 +142,100 @@ def _param(*shape: int, dtype=torch.float32) -> nn.Parameter:
     return nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
 
 
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """``y = x @ weight.T``; with ``rows > 0`` every GEMM call has exactly ``rows`` rows (batch-invariant mode).
+
+    Args:
+        x: ``[..., in]`` activations (any leading dims, flattened to ``[M, in]``).
+        weight: ``[out, in]``, same dtype as ``x``.
+        rows: 0 = one ``F.linear`` call (the library picks tiles / split-K by M, so a row's bits may depend on M);
+            ``rows > 0`` = the rows are cut into chunks of exactly ``rows`` (the last one zero-padded) and each chunk
+            is one ``torch.mm`` of the fixed shape ``[rows, in'] x [in', out']`` (``in``, ``out`` zero-padded to
+            multiples of 16 -- MKL treats narrow / odd shapes position-dependently; the model's large weights need
+            no padding). Every call has the same shape, strides and (>= 256-byte) operand alignment, so cuBLAS /
+            MKL choose the same kernel for every chunk and a row's reduction order is the same wherever it sits and
+            whoever shares its chunk.
+    Returns:
+        ``[..., out]`` in ``x.dtype``.
+    Cost: ``ceil(M / rows)`` GEMM launches instead of one and up to ``rows - 1`` padded rows; with ``rows`` = 128 on
+    CUDA a decode batch of <= 128 tokens is still one launch (bandwidth-bound on the weight, the padding is free).
+    """
+    if rows <= 0:
+        return F.linear(x, weight)
+    k, n = x.shape[-1], weight.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return x2.new_empty(*lead, n)
+    kp, np_ = -(-k // 16) * 16, -(-n // 16) * 16
+    if (kp, np_) != (k, n):
+        w = weight.new_zeros(np_, kp)
+        w[:n, :k] = weight
+        weight = w
+    chunks = -(-m // rows)
+    align = 256 if x2.is_cuda else 64  # what fresh allocations guarantee (CUDA caching allocator / c10 CPU)
+    if m % rows or kp != k or not x2.is_contiguous() or x2.data_ptr() % align:
+        # a fresh zero-padded copy; every chunk start then keeps the base alignment, as rows * kp * itemsize is a
+        # multiple of 256 for rows >= 8 (and of 64 for any rows)
+        xp = x2.new_zeros(chunks * rows, kp)
+        xp[:m, :k] = x2
+        x2 = xp
+    out = x2.new_empty(chunks * rows, np_)
+    wt = weight.t()
+    for c in range(chunks):
+        torch.mm(x2[c * rows:(c + 1) * rows], wt, out=out[c * rows:(c + 1) * rows])
+    return out[:m, :n].reshape(*lead, n)
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [M, ...]`` zero-padded along dim 0 to a multiple of ``rows`` (``x`` itself when it already is one, is
+    contiguous and aligned like a fresh allocation): batch-invariant mode keeps the token dimension padded so that
+    every :func:`linear_rows` call takes whole chunks without copying."""
+    m = x.shape[0]
+    align = 256 if x.is_cuda else 64
+    if rows <= 0 or (m % rows == 0 and x.is_contiguous() and x.data_ptr() % align == 0):
+        return x
+    out = x.new_zeros(-(-m // rows) * rows, *x.shape[1:])
+    out[:m] = x
+    return out
+
+
+def pad_rows_buffer(like: torch.Tensor, m: int, rows: int) -> torch.Tensor:
+    """A fresh ``[ceil(m / rows) * rows, *like.shape[1:]]`` buffer for ``m`` rows of ``like``'s dtype and device.
+    Its padding rows are zero on the CPU and left uninitialised on CUDA: a GEMM row (and every row-wise op) depends
+    on its own row only, and padding rows are dropped, so their content never matters -- zeros on the CPU only
+    avoid slow denormal arithmetic."""
+    shape = (-(-m // rows) * rows, *like.shape[1:])
+    return like.new_empty(shape) if like.is_cuda else like.new_zeros(shape)
+
+
+def pointwise(fn, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """``fn(x)`` for a transcendental elementwise op (sigmoid, silu, softplus, ...).
+
+    Batch-invariant mode (``rows > 0``) on the CPU: torch's vectorised CPU loops compute the tail of each contiguous
+    run (and of each thread's range) with the scalar libm function, whose last bit can differ from the SIMD one,
+    so an element's value would depend on where it sits, i.e. on the batch. The op then runs on a stride-2 copy,
+    which torch always processes with the scalar function, every element the same way. CUDA elementwise kernels
+    apply the same device function to every element, so they run as is.
+    """
+    if rows <= 0 or x.device.type != "cpu":
+        return fn(x)
+    spread = torch.empty(*x.shape, 2, dtype=x.dtype)[..., 0]
+    spread.copy_(x)
+    return fn(spread)
+
+
 class Linear(nn.Module):
-    """``y = x @ weight.T`` on a dequantised ``[out, in]`` weight (FP8/FP4 GEMMs replace this later)."""
+    """``y = x @ weight.T`` on a dequantised ``[out, in]`` weight (FP8/FP4 GEMMs replace this later).
+    ``forward(x, rows)``: see :func:`linear_rows` (``rows > 0``: fixed-shape, batch-invariant GEMM chunks)."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        return linear_rows(x, self.weight, rows)
 
 
 class RMSNorm(nn.Module):
@@ -202,10 +309,12 @@ class Expert(nn.Module):
         self.w2 = Linear(dim, inter, dtype)  # down
         self.w3 = Linear(inter, dim, dtype)  # up
 
-    def forward(self, x: torch.Tensor, limit: float) -> torch.Tensor:
-        gate = self.w1(x).clamp(max=limit)
-        up = self.w3(x).clamp(min=-limit, max=limit)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, limit: float, rows: int = 0) -> torch.Tensor:
+        m = x.shape[0]
+        x = pad_rows(x, rows)  # batch-invariant mode: pad once, the three GEMMs then take whole chunks
+        gate = self.w1(x, rows).clamp(max=limit)
+        up = self.w3(x, rows).clamp(min=-limit, max=limit)
+        return self.w2(pointwise(F.silu, gate, rows) * up, rows)[:m]
 
 
 class Gate(nn.Module):
@@ -359,6 +468,15 @@ class DeepseekV4ForCausalLM(nn.Module):
     """
 
     QUERY_CHUNK = 512  # queries per attention chunk (memory bound of the dense-masked CPU/torch attention)
+    # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape GEMM call (see ``linear_rows``),
+    # per device type, and queries per attention chunk (chunks start at absolute positions that are multiples of it).
+    # The costs: up to rows - 1 padded GEMM rows per call (free while a call is bandwidth-bound on its weight, as a
+    # decode step of <= 128 tokens is on the GPU) and one launch per ``rows`` tokens; a decode query pays for a whole
+    # query chunk of attention (64 padded queries on CUDA, 16 on the CPU).
+    BI_GEMM_ROWS = {"cuda": 128, "cpu": 16}
+    BI_GEMM_ROWS_DEFAULT = 128
+    BI_QUERY_CHUNK = {"cuda": 64, "cpu": 16}
+    BI_QUERY_CHUNK_DEFAULT = 64
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -378,6 +496,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         with torch.device("cpu"):
             self._inv_freq = {k: rope_inv_freq(cfg, k) for k in ("main", "compress")}
         self._rope_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self._bi_window_masks: dict[tuple, torch.Tensor] = {}  # batch-invariant attention: window mask per chunk size
         self._block_size = BLOCK_SIZE  # set from the cache at each forward
         # diagnostics of the last forward: number of indexer rows whose k-th and (k+1)-th best valid scores tie
         self.last_indexer_boundary_ties = 0
@@ -440,44 +559,90 @@ class DeepseekV4ForCausalLM(nn.Module):
         return t
 
     # ---- mHC ------------------------------------------------------------------------------------------------------
-    def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
-        """streams ``[T, hc, D]`` -> (post ``[T, hc]``, comb ``[T, hc, hc]`` float32, collapsed ``[T, D]``)."""
+    def batch_invariant_rows(self, device: torch.device) -> int:
+        """Rows per fixed-shape GEMM call in batch-invariant mode on ``device``."""
+        return self.BI_GEMM_ROWS.get(torch.device(device).type, self.BI_GEMM_ROWS_DEFAULT)
+
+    def batch_invariant_query_chunk(self, device: torch.device) -> int:
+        """Queries per attention chunk in batch-invariant mode on ``device`` (chunks start at its multiples)."""
+        return self.BI_QUERY_CHUNK.get(torch.device(device).type, self.BI_QUERY_CHUNK_DEFAULT)
+
+    @staticmethod
+    def _collapse(pre: torch.Tensor, streams: torch.Tensor, rows: int) -> torch.Tensor:
+        """``sum_i pre[:, i] * streams[:, i]`` -> ``[T, D]`` in ``streams.dtype`` (batch-invariant mode: explicit adds
+        in stream order, float32)."""
+        if not rows:
+            return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        acc = pre[:, 0, None] * streams[:, 0].float()
+        for i in range(1, streams.shape[1]):
+            acc = acc + pre[:, i, None] * streams[:, i].float()
+        return acc.to(streams.dtype)
+
+    def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rows: int = 0):
+        """streams ``[T, hc, D]`` -> (post ``[T, hc]``, comb ``[T, hc, hc]`` float32, collapsed ``[T, D]``).
+        ``rows``: batch-invariant GEMM rows (0 = off)."""
         cfg = self.config
         hc = cfg.hc_mult
         T = streams.shape[0]
         flat = streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous()
         flat = deepinfer_ops.rms_norm(flat, None, cfg.rms_norm_eps)
-        mix = F.linear(flat, fn.float())
+        mix = linear_rows(flat, fn.float(), rows)
         pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
         base = base.float()
         scale = scale.float()
-        pre = torch.sigmoid(pre_w * scale[0] + base[:hc]) + cfg.hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + base[hc:2 * hc])
+        pre = pointwise(torch.sigmoid, pre_w * scale[0] + base[:hc], rows) + cfg.hc_eps
+        post = 2 * pointwise(torch.sigmoid, post_w * scale[1] + base[hc:2 * hc], rows)
         comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + cfg.hc_eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
         for _ in range(cfg.hc_sinkhorn_iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, self._collapse(pre, streams, rows)
 
     @staticmethod
-    def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 rows: int = 0) -> torch.Tensor:
+        """``new[:, j] = post[:, j] * out + sum_i comb[:, i, j] * streams[:, i]``. Batch-invariant mode (``rows > 0``):
+        the mixing sum is explicit float32 adds in stream order instead of a batched matmul whose batch count is
+        the number of tokens (cuBLAS would pick its kernel by it)."""
         dt = streams.dtype
-        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+        if not rows:
+            return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+        mixed = comb[:, 0, :, None] * streams[:, 0, None, :].float()
+        for i in range(1, streams.shape[1]):
+            mixed = mixed + comb[:, i, :, None] * streams[:, i, None, :].float()
+        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + mixed.to(dt)
 
-    def _hc_head(self, streams: torch.Tensor, fn, base, scale) -> torch.Tensor:
+    def _hc_head(self, streams: torch.Tensor, fn, base, scale, rows: int = 0) -> torch.Tensor:
         T = streams.shape[0]
         flat = streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous()
         flat = deepinfer_ops.rms_norm(flat, None, self.config.rms_norm_eps)
-        mixes = F.linear(flat, fn.float())
-        pre = torch.sigmoid(mixes * scale.float() + base.float()) + self.config.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        mixes = linear_rows(flat, fn.float(), rows)
+        pre = pointwise(torch.sigmoid, mixes * scale.float() + base.float(), rows) + self.config.hc_eps
+        return self._collapse(pre, streams, rows)
 
     # ---- compressor -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _pool_bi(slot_kv: torch.Tensor, slot_gate: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant window pooling: ``[n_win, slots, hd]`` kv and float32 gates -> ``[n_win, hd]`` in the kv
+        dtype, ``sum_j kv_j * softmax_j(gate)`` with the softmax sum and the pooled sum as explicit float32 adds in
+        slot order (a torch reduction kernel's split of the slots over threads may follow the number of windows
+        closing in the step, i.e. the prefill chunking)."""
+        n_slots = slot_gate.shape[1]
+        shifted = slot_gate - slot_gate.amax(dim=1, keepdim=True)  # max: exact in any order
+        e = pointwise(torch.exp, shifted, 1)
+        denom = e[:, 0]
+        for j in range(1, n_slots):
+            denom = denom + e[:, j]
+        weights = (e / denom.unsqueeze(1)).to(slot_kv.dtype)
+        acc = (slot_kv[:, 0] * weights[:, 0]).float()
+        for j in range(1, n_slots):
+            acc = acc + (slot_kv[:, j] * weights[:, j]).float()
+        return acc.to(slot_kv.dtype)
+
     def _compress_seq(self, comp: Compressor, kv_new: torch.Tensor, gate_new: torch.Tensor, s: _Seq,
                       pool_state_kv: torch.Tensor, pool_state_gate: torch.Tensor, pool_comp: torch.Tensor,
-                      rope_table: torch.Tensor) -> None:
+                      rope_table: torch.Tensor, rows: int = 0) -> None:
         """Emit the entries of every window that closes in this step into ``pool_comp`` and persist the open
         window's (and for CSA the previous window's) projections in the ring of the block of the last token.
         ``kv_new`` / ``gate_new``: ``[q, coff * hd]`` projections of the step's tokens (the rings keep them as
@@ -515,8 +680,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                     slot_gate[n_win - k:, :m] = (all_gate[plo:phi].view(k, m, -1).float() + ape)[..., :hd]
             else:
                 slot_kv, slot_gate = cur_kv, cur_gate
-            weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
-            entries = comp.norm((slot_kv * weights).sum(dim=1))
+            if rows:
+                entries = comp.norm(self._pool_bi(slot_kv, slot_gate.float()).contiguous())
+            else:
+                weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
+                entries = comp.norm((slot_kv * weights).sum(dim=1))
             w_pos = torch.arange(first_w, end_w, device=entries.device) * m
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             per_block = pool_comp.shape[1]
@@ -537,7 +705,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ---- attention ---------------------------------------------------------------------------------------------
     def _attention(self, attn: Attention, x: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq],
-                   pools: dict[str, torch.Tensor]) -> torch.Tensor:
+                   pools: dict[str, torch.Tensor], rows: int = 0) -> torch.Tensor:
+        """One attention sublayer over the step's tokens ``x [T, D]``. ``rows > 0``: batch-invariant mode (fixed-shape
+        GEMM chunks of ``rows`` rows, attention in fixed query chunks, see :meth:`_attend_chunk_bi`)."""
         cfg = self.config
         T = x.shape[0]
         H, hd = cfg.num_attention_heads, cfg.head_dim
@@ -546,28 +716,29 @@ class DeepseekV4ForCausalLM(nn.Module):
         max_pos = int(positions.max()) + 1 if T else 1
         table = self._rope(attn.rope_kind, max_pos, x.device)
 
-        qr = attn.q_norm(attn.wq_a(x))
-        q = attn.wq_b(qr).view(T, H, hd)
+        qr = attn.q_norm(attn.wq_a(x, rows))
+        q = attn.wq_b(qr, rows).view(T, H, hd)
         q = deepinfer_ops.rms_norm(q.contiguous(), None, cfg.rms_norm_eps)
         deepinfer_ops.rotary_embedding(q, positions, table)
-        kv = attn.kv_norm(attn.wkv(x)).contiguous()
+        kv = attn.kv_norm(attn.wkv(x, rows)).contiguous()
         deepinfer_ops.rotary_embedding(kv, positions, table)
 
         lt = attn.layer_type
         if lt != SLIDING:
             m = attn.ratio
             comp = attn.compressor
-            ckv = comp.wkv(x)
-            cgate = comp.wgate(x)
+            ckv = comp.wkv(x, rows)
+            cgate = comp.wgate(x, rows)
         if lt == CSA:
             idx = attn.indexer
-            ikv = idx.compressor.wkv(x)
-            igate = idx.compressor.wgate(x)
-            iq = idx.wq_b(qr).view(T, idx.n_heads, idx.head_dim).contiguous()
+            ikv = idx.compressor.wkv(x, rows)
+            igate = idx.compressor.wgate(x, rows)
+            iq = idx.wq_b(qr, rows).view(T, idx.n_heads, idx.head_dim).contiguous()
             deepinfer_ops.rotary_embedding(iq, positions, table)
-            iw = idx.weights_proj(x).float() * (idx.n_heads ** -0.5)
+            iw = idx.weights_proj(x, rows).float() * (idx.n_heads ** -0.5)
 
-        out = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
+        # batch-invariant mode: rows past the real tokens (padding) are never attended; zeros keep them finite
+        out = (torch.zeros if rows else torch.empty)(T, H, hd, dtype=x.dtype, device=x.device)
         kv_pool = pools["kv"].view(-1, hd)
         scale = hd ** -0.5
         sink = attn.attn_sink.float()
@@ -578,19 +749,39 @@ class DeepseekV4ForCausalLM(nn.Module):
             kv_pool[_token_slots(s.blocks, c0, L, B)] = kv[sl].to(kv_pool.dtype)
             n_ent = 0
             if lt != SLIDING:
-                self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"], table)
+                self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"],
+                                   table, rows)
                 n_ent = L // m
                 per_block = pools["comp"].shape[1]
                 ent_slots = _entry_slots(s.blocks, 0, n_ent, per_block)
                 ent = pools["comp"].view(-1, hd)[ent_slots].to(x.dtype)
             if lt == CSA:
                 self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
-                                   pools["idx_state_gate"], pools["idx"], table)
+                                   pools["idx_state_gate"], pools["idx"], table, rows)
                 ikeys = pools["idx"].view(-1, idx.head_dim)[ent_slots].float()
+            if rows:  # 2'. batch-invariant: fixed query chunks at absolute positions, fixed-shape matmuls
+                QC = self.batch_invariant_query_chunk(x.device)
+                for j0 in range((c0 // QC) * QC, L, QC):
+                    lo, hi = max(c0, j0), min(L, j0 + QC)
+                    r0 = s.a + lo - c0
+                    ent_c = ikeys_c = None
+                    if lt != SLIDING and (j0 + QC) // m > 0:
+                        ent_c = x.new_zeros((j0 + QC) // m, hd)  # entries not closed yet stay zero (never visible)
+                        k = min(ent_c.shape[0], n_ent)
+                        ent_c[:k] = ent[:k]
+                        if lt == CSA:
+                            ikeys_c = ikeys.new_zeros(ent_c.shape[0], idx.head_dim)
+                            ikeys_c[:k] = ikeys[:k]
+                    o, ties = self._attend_chunk_bi(
+                        q[r0:r0 + hi - lo], j0, lo, L, s, kv_pool, ent_c, m if lt != SLIDING else 0, sink, scale,
+                        (iq[r0:r0 + hi - lo], iw[r0:r0 + hi - lo], ikeys_c, idx) if ikeys_c is not None else None)
+                    self.last_indexer_boundary_ties += ties
+                    out[r0:r0 + hi - lo] = o
+                continue
             # 2. attention, QUERY_CHUNK queries at a time (bounds the [heads, queries, keys] logits)
             for t0 in range(c0, L, self.QUERY_CHUNK):
                 t1 = min(L, t0 + self.QUERY_CHUNK)
-                rows = slice(s.a + t0 - c0, s.a + t1 - c0)
+                qrows = slice(s.a + t0 - c0, s.a + t1 - c0)
                 tq = torch.arange(t0, t1, device=x.device)
                 w0 = max(0, t0 - W + 1)
                 keys = [kv_pool[_token_slots(s.blocks, w0, t1, B)].to(x.dtype)]
@@ -599,39 +790,105 @@ class DeepseekV4ForCausalLM(nn.Module):
                 if n_ent > 0:
                     visible = torch.arange(n_ent, device=x.device).view(1, -1) < ((tq + 1) // m).view(-1, 1)
                     if lt == CSA:
-                        sc = torch.einsum("thd,nd->thn", iq[rows].float(), ikeys)
+                        sc = torch.einsum("thd,nd->thn", iq[qrows].float(), ikeys)
                         sc = F.relu(sc) * (idx.head_dim ** -0.5)
-                        sc = (sc * iw[rows].unsqueeze(-1)).sum(dim=1)  # [queries, n_ent]
+                        sc = (sc * iw[qrows].unsqueeze(-1)).sum(dim=1)  # [queries, n_ent]
                         visible, ties = indexer_select(sc, visible, idx.topk)
                         self.last_indexer_boundary_ties += ties
                     keys.append(ent)
                     masks.append(visible)
                 K = torch.cat(keys) if len(keys) > 1 else keys[0]
                 M = torch.cat(masks, dim=1) if len(masks) > 1 else masks[0]
-                logits = torch.einsum("thd,kd->htk", q[rows].float(), K.float()) * scale
+                logits = torch.einsum("thd,kd->htk", q[qrows].float(), K.float()) * scale
                 logits = logits.masked_fill(~M.unsqueeze(0), float("-inf"))
                 combined = torch.cat([logits, sink.view(H, 1, 1).expand(H, t1 - t0, 1)], dim=-1)
                 combined = combined - combined.max(dim=-1, keepdim=True).values
                 probs = torch.softmax(combined, dim=-1)[..., :-1].to(x.dtype)
-                out[rows] = torch.einsum("htk,kd->thd", probs, K)
+                out[qrows] = torch.einsum("htk,kd->thd", probs, K)
         deepinfer_ops.rotary_embedding(out, positions, table, inverse=True)
         G = cfg.o_groups
-        grouped = out.view(T, G, -1)
         wa = attn.wo_a.weight.view(G, cfg.o_lora_rank, -1)
+        if rows:  # one fixed-shape GEMM chain per group (the einsum below is a bmm whose kernel depends on T)
+            per_group = out.view(T, G, -1).transpose(0, 1).contiguous()
+            o = torch.stack([linear_rows(per_group[g], wa[g], rows) for g in range(G)], dim=1)
+            return attn.wo_b(o.reshape(T, G * cfg.o_lora_rank), rows)
+        grouped = out.view(T, G, -1)
         o = torch.einsum("tgi,goi->tgo", grouped, wa).reshape(T, G * cfg.o_lora_rank)
         return attn.wo_b(o)
 
+    def _attend_chunk_bi(self, q: torch.Tensor, j0: int, lo: int, L: int, s: _Seq, kv_pool: torch.Tensor,
+                         ent: torch.Tensor | None, m: int, sink: torch.Tensor, scale: float,
+                         indexer: tuple | None) -> tuple[torch.Tensor, int]:
+        """Batch-invariant attention of the queries at positions ``lo .. lo + q.shape[0] - 1`` of one sequence, all
+        inside the query chunk ``[j0, j0 + QC)`` (``QC = batch_invariant_query_chunk``, ``j0`` a multiple of it).
+
+        Every tensor has a shape fixed by ``j0`` alone: the queries are zero-padded to the whole chunk (query ``t``
+        at row ``t - j0``), the window keys are the positions ``[j0 - W + 1, j0 + chunk)`` (zeros outside
+        ``[0, L)``, masked), the compressed entries ``ent`` are ``[(j0 + chunk) // m, hd]`` (zeros for windows not
+        closed yet, never visible). So the matmuls, the masked softmax and the indexer's top-k see the same shapes
+        and the same row position for a query whatever the step's batch, ``L`` or prefill chunking -- masked keys
+        contribute exact zeros. ``indexer`` = ``(iq [n, nh, d], iw [n, nh], ikeys [E, d] float32, Indexer)`` on CSA
+        layers. Returns (``[n, H, hd]`` in the query dtype, indexer boundary ties among the real rows)."""
+        cfg = self.config
+        QC, W, B = self.batch_invariant_query_chunk(q.device), cfg.sliding_window, self._block_size
+        n, H, hd = q.shape
+        dev = q.device
+        a, b = lo - j0, lo - j0 + n  # real rows of the chunk
+        tq = torch.arange(j0, j0 + QC, device=dev)
+        qc = torch.zeros(QC, H, hd, dtype=torch.float32, device=dev)  # float32 logits, as in the default mode
+        qc[a:b] = q
+        k0 = j0 - W + 1
+        keys = q.new_zeros(QC + W - 1, hd)
+        p0, p1 = max(0, k0), min(L, j0 + QC)
+        keys[p0 - k0:p1 - k0] = kv_pool[_token_slots(s.blocks, p0, p1, B)].to(q.dtype)
+        # key k of the chunk is position k0 + k: visible to row r (position j0 + r) iff r < k + 1 <= r + W
+        mkey = (QC, W, dev)
+        mask = self._bi_window_masks.get(mkey)
+        if mask is None:
+            kk, rr = torch.arange(QC + W - 1, device=dev).view(1, -1), torch.arange(QC, device=dev).view(-1, 1)
+            mask = self._bi_window_masks[mkey] = (kk >= rr) & (kk <= rr + W - 1)
+        if k0 < 0:  # positions before 0 do not exist
+            mask = mask.clone()
+            mask[:, :-k0] = False
+        ties = 0
+        if ent is not None:
+            visible = torch.arange(ent.shape[0], device=dev).view(1, -1) < ((tq + 1) // m).view(-1, 1)
+            if indexer is not None:
+                iq, iw, ikeys, idx = indexer
+                nh, d = iq.shape[1], iq.shape[2]
+                iqc = iq.new_zeros(QC, nh, d)
+                iqc[a:b] = iq
+                iwc = iw.new_zeros(QC, nh)
+                iwc[a:b] = iw
+                sc = torch.mm(iqc.float().view(QC * nh, d), ikeys.t()).view(QC, nh, -1)
+                sc = F.relu(sc) * (d ** -0.5)
+                sc = (sc * iwc.unsqueeze(-1)).sum(dim=1)  # [QC, E]
+                sel, ties = indexer_select(sc[a:b], visible[a:b], idx.topk)
+                visible = torch.zeros_like(visible)
+                visible[a:b] = sel
+            keys = torch.cat([keys, ent.to(q.dtype)])
+            mask = torch.cat([mask, visible], dim=1)
+        nk = keys.shape[0]
+        logits = torch.mm(qc.view(QC * H, hd), keys.float().t()).view(QC, H, nk) * scale
+        logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
+        combined = torch.cat([logits, sink.view(1, H, 1).expand(QC, H, 1)], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype).reshape(QC * H, nk)
+        o = torch.mm(probs, keys).view(QC, H, hd)
+        return o[a:b], ties
+
     # ---- MoE -------------------------------------------------------------------------------------------------------
-    def _route(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor,
+               rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Router: ``x [T, D]`` -> (weights ``[T, top_k]`` float32, expert ids ``[T, top_k]`` int64). Hash layers take
         ``tid2eid[input_ids]``; score-routed layers the top-k of ``score + bias`` by the tie rule (higher first, then
         lower expert id). Weights are the chosen unbiased scores, renormalised, times ``routed_scaling_factor``."""
         cfg = self.config
-        logits = F.linear(x, moe.gate.weight).float()
+        logits = linear_rows(x, moe.gate.weight, rows).float()
         if cfg.scoring_func == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
+            scores = pointwise(F.softplus, logits, rows).sqrt()
         elif cfg.scoring_func == "sigmoid":
-            scores = torch.sigmoid(logits)
+            scores = pointwise(torch.sigmoid, logits, rows)
         else:
             scores = torch.softmax(logits, dim=-1)
         if moe.gate.hashed:
@@ -642,26 +899,38 @@ class DeepseekV4ForCausalLM(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         return weights, indices
 
-    def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, rows: int = 0,
+             num_tokens: int | None = None) -> torch.Tensor:
+        """Routed experts + shared expert. The combine is in a fixed order in both modes: a token's expert outputs
+        are added to it in ascending expert id (one ``index_add_`` per expert, each token at most once per call, so
+        no atomics race), then the shared expert. ``rows > 0``: every expert GEMM runs in fixed-shape chunks."""
         cfg = self.config
-        weights, indices = self._route(moe, x, input_ids)
+        weights, indices = self._route(moe, x, input_ids, rows)
+        if num_tokens is not None:  # batch-invariant mode: rows past num_tokens are padding, never dispatched
+            weights, indices = weights[:num_tokens], indices[:num_tokens]
         y = torch.zeros_like(x)
         limit = cfg.swiglu_limit
         for e in torch.unique(indices).tolist():
             tok, slot = torch.where(indices == e)
-            h = moe.experts[e](x[tok], limit) * weights[tok, slot, None].to(x.dtype)
+            if rows:  # gather straight into a buffer of whole GEMM chunks (the expert then copies nothing)
+                xe = pad_rows_buffer(x, tok.shape[0], rows)
+                torch.index_select(x, 0, tok, out=xe[:tok.shape[0]])
+                h = moe.experts[e](xe, limit, rows)[:tok.shape[0]]
+            else:
+                h = moe.experts[e](x[tok], limit, rows)
+            h = h * weights[tok, slot, None].to(x.dtype)
             y.index_add_(0, tok, h)
-        return y + moe.shared_experts(x, limit)
+        return y + moe.shared_experts(x, limit, rows)
 
     # ---- blocks -----------------------------------------------------------------------------------------------------
     def _block(self, blk: Block, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-               seqs: list[_Seq], pools: dict[str, torch.Tensor]) -> torch.Tensor:
-        post, comb, collapsed = self._hc_pre(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale)
-        a = self._attention(blk.attn, blk.attn_norm(collapsed), positions, seqs, pools)
-        streams = self._hc_post(streams, a, post, comb)
-        post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale)
-        f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids)
-        return self._hc_post(streams, f, post, comb)
+               seqs: list[_Seq], pools: dict[str, torch.Tensor], rows: int = 0) -> torch.Tensor:
+        post, comb, collapsed = self._hc_pre(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, rows)
+        a = self._attention(blk.attn, blk.attn_norm(collapsed), positions, seqs, pools, rows)
+        streams = self._hc_post(streams, a, post, comb, rows)
+        post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, rows)
+        f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids, rows, seqs[-1].b if rows else None)
+        return self._hc_post(streams, f, post, comb, rows)
 
     # ---- public forward --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -691,16 +960,21 @@ class DeepseekV4ForCausalLM(nn.Module):
             logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=dev)
             streams = torch.empty(0, cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=dev)
             return (logits, streams) if return_hidden else logits
-        ids = batch.input_ids.long()
-        positions = batch.positions.long()
+        rows = self.batch_invariant_rows(dev) if batch.batch_invariant else 0
+        T = batch.num_tokens
+        # batch-invariant mode: the token dimension is zero-padded to whole GEMM chunks for the whole step (token 0
+        # at position 0); the padding rows are never attended to, routed, cached or returned
+        ids = pad_rows(batch.input_ids.long(), rows)
+        positions = pad_rows(batch.positions.long(), rows)
         emb = self.embed(ids)
         streams = emb.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for i, blk in enumerate(self.layers):
-            streams = self._block(blk, streams, ids, positions, seqs, cache.layers[i])
+            streams = self._block(blk, streams, ids, positions, seqs, cache.layers[i], rows)
+        streams = streams[:T]
         li = batch.logits_indices.long()
         sel = streams[li]
-        x = self.norm(self._hc_head(sel, self.hc_head_fn, self.hc_head_base, self.hc_head_scale))
-        logits = self.head(x).float()
+        x = self.norm(self._hc_head(sel, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, rows))
+        logits = self.head(x, rows).float()
         return (logits, streams) if return_hidden else logits
 
     @torch.no_grad()
@@ -726,21 +1000,24 @@ class DeepseekV4ForCausalLM(nn.Module):
             logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=hidden_streams.device)
             return (logits, hidden_streams[:0].to(self.dtype)) if return_hidden else logits
         blk = self.mtp[mtp_idx]
-        ids = batch.input_ids.long()
-        positions = batch.positions.long()
-        e = blk.e_proj(blk.enorm(self.embed(ids)))
-        h = blk.h_proj(blk.hnorm(hidden_streams.to(self.dtype).contiguous()))
+        rows = self.batch_invariant_rows(hidden_streams.device) if batch.batch_invariant else 0
+        ids = pad_rows(batch.input_ids.long(), rows)  # batch-invariant mode: whole GEMM chunks, see forward
+        positions = pad_rows(batch.positions.long(), rows)
+        e = blk.e_proj(blk.enorm(self.embed(ids)), rows)
+        h = blk.h_proj(blk.hnorm(pad_rows(hidden_streams.to(self.dtype).contiguous(), rows)), rows)
         streams = e.unsqueeze(1) + h
-        streams = self._block(blk, streams, ids, positions, seqs, cache.layers[self.config.num_hidden_layers + mtp_idx])
+        streams = self._block(blk, streams, ids, positions, seqs,
+                              cache.layers[self.config.num_hidden_layers + mtp_idx], rows)[:T]
         sel = streams[batch.logits_indices.long()]
-        x = blk.norm(self._hc_head(sel, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale))
-        logits = self.head(x).float()
+        x = blk.norm(self._hc_head(sel, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, rows))
+        logits = self.head(x, rows).float()
         return (logits, streams) if return_hidden else logits
 
     @torch.no_grad()
-    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_full(self, input_ids: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """Whole-sequence forward with a temporary cache: ``input_ids [S]`` or ``[B, S]`` -> logits ``[S, vocab]`` or
-        ``[B, S, vocab]`` float32 (every position). Same code path as :meth:`forward`."""
+        ``[B, S, vocab]`` float32 (every position). Same code path as :meth:`forward` (``batch_invariant``: see
+        ``ForwardBatch``)."""
         squeeze = input_ids.dim() == 1
         ids = input_ids.view(1, -1) if squeeze else input_ids
         Bsz, S = ids.shape
@@ -755,6 +1032,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             context_lens=[S] * Bsz,
             block_tables=torch.arange(Bsz * nb, dtype=torch.int32, device=ids.device).view(Bsz, nb),
             logits_indices=torch.arange(Bsz * S, device=ids.device),
+            batch_invariant=batch_invariant,
         )
         logits = self.forward(batch, cache)
         return logits.view(S, -1) if squeeze else logits.view(Bsz, S, -1)
