@@ -27,12 +27,17 @@ Architecture (all names are the native checkpoint's):
   low-rank output ``wo_a`` (block diagonal, ``o_groups``) then ``wo_b``.
   Keys: the last ``sliding_window`` raw tokens (query included) plus, for CSA (ratio 4), the top-``index_topk``
   closed compressed entries chosen by the lightning indexer, for HCA (ratio 128) every closed compressed entry.
+  One :func:`deepinfer_ops.sparse_mqa_prefill` call per layer and step reads both as index lists into the paged
+  caches (window: the ``kv`` pool, block_size 128; compressed: the ``comp`` pool, block_size ``128 // m``), on CPU
+  (bf16 or float32) and CUDA (bf16) alike; cache writes go through :func:`deepinfer_ops.kv_cache_write`.
 * Compressor: per channel softmax over a window's gate (``wgate x + ape[slot]``, float32) pooling ``wkv x``; CSA
   overlaps windows (entry ``w`` pools window ``w-1``'s first half channels "Ca" and window ``w``'s second half "Cb",
   ``2m`` slots), then ``norm`` and RoPE at position ``w m``. An entry is visible to query ``t`` iff its window closed:
   ``w < (t + 1) // m``.
 * Indexer: its own overlapped compressor at ``index_head_dim``; score ``sum_h (weights_proj(x)_h / sqrt(n_h)) *
-  ReLU(q_h . k / sqrt(index_head_dim))``, future entries masked, top-k by :func:`deepinfer_ops.topk`.
+  ReLU(q_h . k / sqrt(index_head_dim))``, future entries masked, top-k by :func:`deepinfer_ops.topk`
+  (:func:`indexer_topk`). The scores are torch code, not ``deepinfer_ops.mqa_logits``: that op takes bf16 q/keys
+  and index_head_dim 64 or 128 only, while the fp32 CPU path and the tiny preset (index_head_dim 48) need more.
 * MoE: router ``gate`` (score ``sqrtsoftplus``), selection by ``tid2eid[token]`` (hash layers) or top-k of
   ``score + bias`` (the tie rule), weights = selected unbiased scores renormalised x ``routed_scaling_factor``;
   experts ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))``; shared expert (same clamp) added unscaled.
@@ -72,6 +77,7 @@ __all__ = [
     "allocate_cache",
     "expected_parameters",
     "indexer_select",
+    "indexer_topk",
     "init_parameters",
     "rope_inv_freq",
 ]
@@ -318,17 +324,18 @@ def _entry_slots(blocks: torch.Tensor, w0: int, w1: int, per_block: int) -> torc
     return blocks[w // per_block] * per_block + w % per_block
 
 
-def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
-    """Lightning-indexer selection for one sequence's queries.
+def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
+    """Lightning-indexer top-k for one sequence's queries, as entry ids.
 
     Args:
-        scores: ``[num_queries, num_entries]`` float32 index scores.
+        scores: ``[num_queries, num_entries]`` float32 index scores (``num_entries >= 1``).
         visible: ``[num_queries, num_entries]`` bool, entry closed before the query (``w < (t + 1) // m``).
         topk: ``index_topk``.
     Returns:
-        (``[num_queries, num_entries]`` bool: the top ``min(topk, #visible)`` visible entries of each row, ranked
-        by the tie rule -- higher score first, then lower entry index; number of rows whose k-th and (k+1)-th best
-        visible scores are equal, i.e. where the tie rule decided the selection).
+        (``[num_queries, min(topk, num_entries)]`` int64: the ids of the top ``min(topk, #visible)`` visible entries
+        of each row, ranked by the tie rule -- higher score first, then lower entry index -- and ``-1`` in the
+        remaining columns (fewer visible entries, or a non-finite score); number of rows whose k-th and (k+1)-th
+        best visible scores are equal, i.e. where the tie rule decided the selection).
     """
     n = scores.shape[-1]
     masked = scores.masked_fill(~visible, float("-inf"))
@@ -339,9 +346,20 @@ def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tu
     if kk > k:
         ties = int(((vals[:, k - 1] == vals[:, k]) & torch.isfinite(vals[:, k])).sum())
     vals, inds = vals[:, :k], inds[:, :k]
-    sel = torch.zeros_like(visible)
-    sel.scatter_(1, inds, torch.isfinite(vals))
-    return sel & visible, ties
+    ok = torch.isfinite(vals) & visible.gather(1, inds)
+    return torch.where(ok, inds, torch.full_like(inds, -1)), ties
+
+
+def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
+    """:func:`indexer_topk` as a mask: (``[num_queries, num_entries]`` bool, True for the selected entries; the
+    number of tie-decided rows)."""
+    n = scores.shape[-1]
+    if n == 0:
+        return torch.zeros_like(visible), 0
+    ids, ties = indexer_topk(scores, visible, topk)
+    sel = torch.zeros(scores.shape[0], n + 1, dtype=torch.bool, device=scores.device)
+    sel.scatter_(1, torch.where(ids >= 0, ids, n), True)
+    return sel[:, :n], ties
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -358,7 +376,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             run in float32.
     """
 
-    QUERY_CHUNK = 512  # queries per attention chunk (memory bound of the dense-masked CPU/torch attention)
+    QUERY_CHUNK = 512  # queries per lightning-indexer score chunk (bounds the [queries, index heads, entries] scores)
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -520,20 +538,19 @@ class DeepseekV4ForCausalLM(nn.Module):
             w_pos = torch.arange(first_w, end_w, device=entries.device) * m
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             per_block = pool_comp.shape[1]
-            pool_comp.view(-1, hd)[_entry_slots(s.blocks, first_w, end_w, per_block)] = entries.to(pool_comp.dtype)
+            deepinfer_ops.kv_cache_write(pool_comp, entries.to(pool_comp.dtype),
+                                         _entry_slots(s.blocks, first_w, end_w, per_block))
         # Persist the state a later step needs: the ring of the block holding position E - 1 gets the state "as of
         # E" for E = every block end crossed by this step (so a full block is an immutable snapshot and can be shared
         # as a prefix) and E = L (the sequence's current end).
         ends = list(range((c0 // B + 1) * B, L, B)) + [L]
-        kv_flat = pool_state_kv.view(-1, pool_state_kv.shape[-1])
-        gate_flat = pool_state_gate.view(-1, pool_state_gate.shape[-1])
         for E in ends:
             r0 = max(0, (E // m) * m - m) if overlap else (E // m) * m
-            if E > r0:
+            if E > r0:  # E - r0 < R: the ring slots of one write are distinct
                 blk = s.blocks[(E - 1) // B]
                 ring = blk * R + torch.arange(r0, E, device=blk.device) % R
-                kv_flat[ring] = all_kv[r0 - s0:E - s0].to(kv_flat.dtype)
-                gate_flat[ring] = all_gate[r0 - s0:E - s0].to(gate_flat.dtype)
+                deepinfer_ops.kv_cache_write(pool_state_kv, all_kv[r0 - s0:E - s0].to(pool_state_kv.dtype), ring)
+                deepinfer_ops.kv_cache_write(pool_state_gate, all_gate[r0 - s0:E - s0].to(pool_state_gate.dtype), ring)
 
     # ---- attention ---------------------------------------------------------------------------------------------
     def _attention(self, attn: Attention, x: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq],
@@ -567,53 +584,68 @@ class DeepseekV4ForCausalLM(nn.Module):
             deepinfer_ops.rotary_embedding(iq, positions, table)
             iw = idx.weights_proj(x).float() * (idx.n_heads ** -0.5)
 
-        out = torch.empty(T, H, hd, dtype=x.dtype, device=x.device)
-        kv_pool = pools["kv"].view(-1, hd)
-        scale = hd ** -0.5
-        sink = attn.attn_sink.float()
+        # 1. the step's cache writes: raw K=V of every token, then every window closing in this step (compressed
+        #    entries and indexer keys)
+        kv_cache = pools["kv"]  # [num_blocks, B, hd]: a paged cache with block_size B
+        slots = torch.cat([_token_slots(s.blocks, s.c0, s.L, B) for s in seqs])
+        deepinfer_ops.kv_cache_write(kv_cache, kv.to(kv_cache.dtype), slots)
+        if lt != SLIDING:
+            for s in seqs:
+                sl = slice(s.a, s.b)
+                self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"],
+                                   table)
+                if lt == CSA:
+                    self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
+                                       pools["idx_state_gate"], pools["idx"], table)
+        # 2. the index lists: window = the last W raw tokens (query included) in position order; compressed = every
+        #    closed entry (HCA) or the indexer's top-k closed entries (CSA), in entry order; -1 = no entry
+        dev = x.device
+        win_idx = torch.empty(T, W, dtype=torch.int32, device=dev)
+        offs = torch.arange(-W + 1, 1, device=dev)
         for s in seqs:
-            sl = slice(s.a, s.b)
-            c0, L = s.c0, s.L
-            # 1. the step's cache writes: raw K=V, then every window closing in this step (entries and indexer keys)
-            kv_pool[_token_slots(s.blocks, c0, L, B)] = kv[sl].to(kv_pool.dtype)
-            n_ent = 0
-            if lt != SLIDING:
-                self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"], table)
-                n_ent = L // m
-                per_block = pools["comp"].shape[1]
+            p = torch.arange(s.c0, s.L, device=dev).view(-1, 1) + offs  # [q, W]
+            pc = p.clamp(min=0)
+            win_idx[s.a:s.b] = torch.where(p >= 0, s.blocks[pc // B] * B + pc % B, -1).to(torch.int32)
+        comp_cache = comp_idx = None
+        if lt != SLIDING:
+            comp_cache = pools["comp"]  # [num_blocks, B // m, hd]: a paged cache with block_size B // m
+            per_block = comp_cache.shape[1]
+            width = idx.topk if lt == CSA else max(s.L // m for s in seqs)
+            comp_idx = torch.full((T, width), -1, dtype=torch.int32, device=dev)
+            for s in seqs:
+                n_ent = s.L // m
+                if n_ent == 0:
+                    continue
                 ent_slots = _entry_slots(s.blocks, 0, n_ent, per_block)
-                ent = pools["comp"].view(-1, hd)[ent_slots].to(x.dtype)
-            if lt == CSA:
-                self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
-                                   pools["idx_state_gate"], pools["idx"], table)
+                if lt == HCA:
+                    tq = torch.arange(s.c0, s.L, device=dev)
+                    w = torch.arange(n_ent, device=dev).view(1, -1)
+                    comp_idx[s.a:s.b, :n_ent] = torch.where(w < ((tq + 1) // m).view(-1, 1), ent_slots.view(1, -1),
+                                                            -1).to(torch.int32)
+                    continue
+                # CSA: lightning-indexer scores, QUERY_CHUNK queries at a time (bounds [queries, heads, entries])
                 ikeys = pools["idx"].view(-1, idx.head_dim)[ent_slots].float()
-            # 2. attention, QUERY_CHUNK queries at a time (bounds the [heads, queries, keys] logits)
-            for t0 in range(c0, L, self.QUERY_CHUNK):
-                t1 = min(L, t0 + self.QUERY_CHUNK)
-                rows = slice(s.a + t0 - c0, s.a + t1 - c0)
-                tq = torch.arange(t0, t1, device=x.device)
-                w0 = max(0, t0 - W + 1)
-                keys = [kv_pool[_token_slots(s.blocks, w0, t1, B)].to(x.dtype)]
-                kpos = torch.arange(w0, t1, device=x.device)
-                masks = [(kpos.view(1, -1) <= tq.view(-1, 1)) & (kpos.view(1, -1) > tq.view(-1, 1) - W)]
-                if n_ent > 0:
-                    visible = torch.arange(n_ent, device=x.device).view(1, -1) < ((tq + 1) // m).view(-1, 1)
-                    if lt == CSA:
-                        sc = torch.einsum("thd,nd->thn", iq[rows].float(), ikeys)
-                        sc = F.relu(sc) * (idx.head_dim ** -0.5)
-                        sc = (sc * iw[rows].unsqueeze(-1)).sum(dim=1)  # [queries, n_ent]
-                        visible, ties = indexer_select(sc, visible, idx.topk)
-                        self.last_indexer_boundary_ties += ties
-                    keys.append(ent)
-                    masks.append(visible)
-                K = torch.cat(keys) if len(keys) > 1 else keys[0]
-                M = torch.cat(masks, dim=1) if len(masks) > 1 else masks[0]
-                logits = torch.einsum("thd,kd->htk", q[rows].float(), K.float()) * scale
-                logits = logits.masked_fill(~M.unsqueeze(0), float("-inf"))
-                combined = torch.cat([logits, sink.view(H, 1, 1).expand(H, t1 - t0, 1)], dim=-1)
-                combined = combined - combined.max(dim=-1, keepdim=True).values
-                probs = torch.softmax(combined, dim=-1)[..., :-1].to(x.dtype)
-                out[rows] = torch.einsum("htk,kd->thd", probs, K)
+                for t0 in range(s.c0, s.L, self.QUERY_CHUNK):
+                    t1 = min(s.L, t0 + self.QUERY_CHUNK)
+                    rows = slice(s.a + t0 - s.c0, s.a + t1 - s.c0)
+                    tq = torch.arange(t0, t1, device=dev)
+                    visible = torch.arange(n_ent, device=dev).view(1, -1) < ((tq + 1) // m).view(-1, 1)
+                    sc = torch.einsum("thd,nd->thn", iq[rows].float(), ikeys)
+                    sc = F.relu(sc) * (idx.head_dim ** -0.5)
+                    sc = (sc * iw[rows].unsqueeze(-1)).sum(dim=1)  # [queries, n_ent]
+                    ids, ties = indexer_topk(sc, visible, idx.topk)
+                    self.last_indexer_boundary_ties += ties
+                    # entry order (-1 last) so the keys are summed in the same order for any chunking
+                    ids = torch.where(ids >= 0, ids, n_ent).sort(dim=1).values
+                    ent = torch.cat([ent_slots, ent_slots.new_full((1,), -1)])[ids]
+                    comp_idx[rows, :ids.shape[1]] = ent.to(torch.int32)
+        if comp_idx is not None and comp_idx.shape[1] == 0:  # no sequence has a closed window yet
+            comp_cache = comp_idx = None
+        # 3. sparse MQA over both lists (K = V, one shared head), the per-head sink in the denominator
+        out, _ = deepinfer_ops.sparse_mqa_prefill(
+            q.to(kv_cache.dtype).contiguous(), kv_cache, win_idx, hd ** -0.5,
+            extra_kv_cache=comp_cache, extra_indices=comp_idx, attn_sink=attn.attn_sink.float().contiguous())
+        out = out.to(x.dtype)
         deepinfer_ops.rotary_embedding(out, positions, table, inverse=True)
         G = cfg.o_groups
         grouped = out.view(T, G, -1)
