@@ -143,10 +143,10 @@ def mqa_logits(
     future entries).
 
     Args:
-        q: ``[num_tokens, H, head_dim]`` bf16, contiguous; head_dim 64 or 128 (V4: H 64, head_dim 128);
-            H <= 128 on CUDA.
+        q: ``[num_tokens, H, head_dim]`` bf16 (CPU also float32, with a float32 k_cache), contiguous; head_dim 48
+            (the tiny test preset), 64 or 128 (V4: H 64, head_dim 128); H <= 128 on CUDA.
         weights: ``[num_tokens, H]`` fp32.
-        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 indexer-key cache.
+        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 (or float32, CPU) indexer-key cache.
         num_candidates: columns of the output; default ``num_blocks * block_size`` (flat) or
             ``max_blocks * block_size`` (with block_table).
         block_table: optional ``[num_tokens, max_blocks]`` int32.

@@ -233,7 +233,8 @@ def test_prefill_matches_ref(device, t, h, dim, topk, window):
 # ---- mqa_logits -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("t,H,dim,block_size,num_blocks", [(1, 1, 64, 16, 3), (5, 8, 128, 64, 7), (3, 64, 128, 7, 9)])
+@pytest.mark.parametrize("t,H,dim,block_size,num_blocks", [(1, 1, 64, 16, 3), (5, 8, 128, 64, 7), (3, 64, 128, 7, 9),
+                                                           (4, 16, 48, 32, 5)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_mqa_logits_matches_ref(device, t, H, dim, block_size, num_blocks, paged):
     g = _gen(t * H + dim)
@@ -252,6 +253,39 @@ def test_mqa_logits_matches_ref(device, t, H, dim, block_size, num_blocks, paged
     torch.ops.deepinfer_ops.mqa_logits(logits, q, w, k, kw.get("block_table"), kw["k_start"], kw["k_end"])
     assert_close(logits, refs.mqa_logits_ref(q, w, k, n, **kw), FP32, "logits")
     assert_close(deepinfer_ops.mqa_logits(q, w, k, n, **kw), logits, FP32, "logits (wrapper)")
+
+
+@pytest.mark.parametrize("dim", [48, 128])
+def test_mqa_logits_fp32_cpu_matches_ref(dim):
+    """float32 q / keys (CPU only: the model's fp32 CPU path), paged, with a future mask, at fp32 tolerance."""
+    g = _gen(dim + 1)
+    t, H, block_size, num_blocks = 6, 16, 32, 5
+    q = torch.randn(t, H, dim, generator=g)
+    w = torch.randn(t, H, generator=g)
+    k = _fp32_cache(num_blocks, block_size, dim, g, block_pad=8)
+    table = torch.randint(-1, num_blocks, (t, 3), generator=g, dtype=torch.int32)
+    n = 3 * block_size + 5
+    k_end = torch.randint(0, n + 1, (t,), generator=g, dtype=torch.int32)
+    logits = poison_(torch.empty(t, n))
+    torch.ops.deepinfer_ops.mqa_logits(logits, q, w, k, table, None, k_end)
+    assert_close(logits, refs.mqa_logits_ref(q, w, k, n, block_table=table, k_end=k_end), FP32, "fp32 logits")
+
+
+@pytest.mark.native_errors
+def test_mqa_logits_fp32_dtype_rules(device):
+    g = _gen(7)
+    q32, w = torch.randn(2, 4, 64, generator=g).to(device), torch.randn(2, 4, generator=g).to(device)
+    k32 = _fp32_cache(2, 8, 64, g).to(device)
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="q must be torch.bfloat16"):
+            deepinfer_ops.mqa_logits(q32, w, k32)
+        return
+    with pytest.raises(RuntimeError, match="k_cache must be torch.float32 with a float32 q"):
+        deepinfer_ops.mqa_logits(q32, w, k32.bfloat16())
+    with pytest.raises(RuntimeError, match="k_cache must be torch.bfloat16"):
+        deepinfer_ops.mqa_logits(q32.bfloat16(), w, k32)
+    with pytest.raises(RuntimeError, match="head_dim must be 48, 64 or 128"):
+        deepinfer_ops.mqa_logits(q32[..., :32].contiguous(), w, k32[..., :32])
 
 
 # ---- topk -------------------------------------------------------------------------------------------------------

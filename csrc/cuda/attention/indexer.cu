@@ -210,6 +210,8 @@ void launch_mqa_logits(const MqaLogitsParams& p, cudaStream_t stream) {
     launch_logits_dim<128>(p, stream);
   } else if (p.head_dim == 64) {
     launch_logits_dim<64>(p, stream);
+  } else if (p.head_dim == 48) {  // the tiny test preset's index_head_dim
+    launch_logits_dim<48>(p, stream);
   } else {
     throw std::runtime_error("deepinfer mqa_logits: unsupported head_dim " + std::to_string(p.head_dim));
   }

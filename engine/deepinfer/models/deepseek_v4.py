@@ -35,9 +35,9 @@ Architecture (all names are the native checkpoint's):
   ``2m`` slots), then ``norm`` and RoPE at position ``w m``. An entry is visible to query ``t`` iff its window closed:
   ``w < (t + 1) // m``.
 * Indexer: its own overlapped compressor at ``index_head_dim``; score ``sum_h (weights_proj(x)_h / sqrt(n_h)) *
-  ReLU(q_h . k / sqrt(index_head_dim))``, future entries masked, top-k by :func:`deepinfer_ops.topk`
-  (:func:`indexer_topk`). The scores are torch code, not ``deepinfer_ops.mqa_logits``: that op takes bf16 q/keys
-  and index_head_dim 64 or 128 only, while the fp32 CPU path and the tiny preset (index_head_dim 48) need more.
+  ReLU(q_h . k / sqrt(index_head_dim))``, future entries masked: :func:`deepinfer_ops.mqa_logits` over the paged
+  indexer keys (both scalings folded into its per-head weights, ``k_end = (t + 1) // m``), then the top-k by
+  :func:`deepinfer_ops.topk` (:func:`indexer_topk`).
 * MoE: router ``gate`` (score ``sqrtsoftplus``), selection by ``tid2eid[token]`` (hash layers) or top-k of
   ``score + bias`` (the tie rule), weights = selected unbiased scores renormalised x ``routed_scaling_factor``;
   experts ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))``; shared expert (same clamp) added unscaled.
@@ -598,49 +598,46 @@ class DeepseekV4ForCausalLM(nn.Module):
                     self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
                                        pools["idx_state_gate"], pools["idx"], table)
         # 2. the index lists: window = the last W raw tokens (query included) in position order; compressed = every
-        #    closed entry (HCA) or the indexer's top-k closed entries (CSA), in entry order; -1 = no entry
+        #    closed entry (HCA) or the indexer's top-k closed entries (CSA); -1 = no entry. Per-token block tables.
         dev = x.device
-        win_idx = torch.empty(T, W, dtype=torch.int32, device=dev)
-        offs = torch.arange(-W + 1, 1, device=dev)
+        max_nb = max(s.blocks.numel() for s in seqs)
+        tok_bt = torch.full((T, max_nb), -1, dtype=torch.long, device=dev)
         for s in seqs:
-            p = torch.arange(s.c0, s.L, device=dev).view(-1, 1) + offs  # [q, W]
-            pc = p.clamp(min=0)
-            win_idx[s.a:s.b] = torch.where(p >= 0, s.blocks[pc // B] * B + pc % B, -1).to(torch.int32)
+            tok_bt[s.a:s.b, :s.blocks.numel()] = s.blocks.to(dev)
+        p = positions.view(-1, 1) + torch.arange(-W + 1, 1, device=dev)  # [T, W]
+        pc = p.clamp(min=0)
+        win_idx = torch.where(p >= 0, tok_bt.gather(1, pc // B) * B + pc % B, -1).to(torch.int32)
         comp_cache = comp_idx = None
-        if lt != SLIDING:
+        n_ent = max(s.L // m for s in seqs) if lt != SLIDING else 0
+        if n_ent > 0:
             comp_cache = pools["comp"]  # [num_blocks, B // m, hd]: a paged cache with block_size B // m
             per_block = comp_cache.shape[1]
-            width = idx.topk if lt == CSA else max(s.L // m for s in seqs)
-            comp_idx = torch.full((T, width), -1, dtype=torch.int32, device=dev)
-            for s in seqs:
-                n_ent = s.L // m
-                if n_ent == 0:
-                    continue
-                ent_slots = _entry_slots(s.blocks, 0, n_ent, per_block)
-                if lt == HCA:
-                    tq = torch.arange(s.c0, s.L, device=dev)
-                    w = torch.arange(n_ent, device=dev).view(1, -1)
-                    comp_idx[s.a:s.b, :n_ent] = torch.where(w < ((tq + 1) // m).view(-1, 1), ent_slots.view(1, -1),
-                                                            -1).to(torch.int32)
-                    continue
-                # CSA: lightning-indexer scores, QUERY_CHUNK queries at a time (bounds [queries, heads, entries])
-                ikeys = pools["idx"].view(-1, idx.head_dim)[ent_slots].float()
-                for t0 in range(s.c0, s.L, self.QUERY_CHUNK):
-                    t1 = min(s.L, t0 + self.QUERY_CHUNK)
-                    rows = slice(s.a + t0 - s.c0, s.a + t1 - s.c0)
-                    tq = torch.arange(t0, t1, device=dev)
-                    visible = torch.arange(n_ent, device=dev).view(1, -1) < ((tq + 1) // m).view(-1, 1)
-                    sc = torch.einsum("thd,nd->thn", iq[rows].float(), ikeys)
-                    sc = F.relu(sc) * (idx.head_dim ** -0.5)
-                    sc = (sc * iw[rows].unsqueeze(-1)).sum(dim=1)  # [queries, n_ent]
+            n_vis = (positions + 1) // m  # [T]: entry w is visible to token t iff w < (t + 1) // m
+            if lt == HCA:
+                w = torch.arange(n_ent, device=dev).view(1, -1)
+                comp_idx = torch.where(w < n_vis.view(-1, 1), tok_bt.gather(1, (w // per_block).expand(T, -1)) * per_block
+                                       + w % per_block, -1).to(torch.int32)
+            else:  # CSA: lightning-indexer scores (mqa_logits over the paged indexer keys), then the top-k
+                k = min(idx.topk, n_ent)
+                ent = torch.empty(T, k, dtype=torch.long, device=dev)
+                ikeys = pools["idx"].to(iq.dtype)
+                k_end = n_vis.to(torch.int32)
+                bt32 = tok_bt.to(torch.int32)
+                # one index head's weight folds both scalings: weights_proj / sqrt(n_h) and 1 / sqrt(index_head_dim)
+                iw = iw * (idx.head_dim ** -0.5)
+                for r0 in range(0, T, self.QUERY_CHUNK):  # bounds the [queries, entries] scores
+                    r1 = min(T, r0 + self.QUERY_CHUNK)
+                    sc = deepinfer_ops.mqa_logits(iq[r0:r1], iw[r0:r1].contiguous(), ikeys, n_ent,
+                                                  block_table=bt32[r0:r1].contiguous(), k_end=k_end[r0:r1].contiguous())
+                    visible = torch.arange(n_ent, device=dev).view(1, -1) < n_vis[r0:r1].view(-1, 1)
                     ids, ties = indexer_topk(sc, visible, idx.topk)
                     self.last_indexer_boundary_ties += ties
-                    # entry order (-1 last) so the keys are summed in the same order for any chunking
-                    ids = torch.where(ids >= 0, ids, n_ent).sort(dim=1).values
-                    ent = torch.cat([ent_slots, ent_slots.new_full((1,), -1)])[ids]
-                    comp_idx[rows, :ids.shape[1]] = ent.to(torch.int32)
-        if comp_idx is not None and comp_idx.shape[1] == 0:  # no sequence has a closed window yet
-            comp_cache = comp_idx = None
+                    ent[r0:r1] = ids
+                # entry order (-1 last) so the keys are summed in the same order for any chunking or batch
+                ent = torch.where(ent >= 0, ent, n_ent).sort(dim=1).values
+                ec = ent.clamp(max=n_ent - 1)
+                comp_idx = torch.where(ent < n_ent, tok_bt.gather(1, ec // per_block) * per_block + ec % per_block,
+                                       -1).to(torch.int32)
         # 3. sparse MQA over both lists (K = V, one shared head), the per-head sink in the denominator
         out, _ = deepinfer_ops.sparse_mqa_prefill(
             q.to(kv_cache.dtype).contiguous(), kv_cache, win_idx, hd ** -0.5,
