@@ -1,7 +1,8 @@
 """The one timer and result writer every benchmark uses.
 
-Timing: CUDA events around each call, after a warm-up, with the L2 cache flushed (a 256 MB buffer written)
-before every timed call so that inputs come from HBM, not the 60 MB L2; the median of ``iters`` calls is
+Timing: CUDA events around each call, after a warm-up, with the L2 cache flushed before every timed call
+(a 256 MB buffer is *read*, so the 60 MB L2 holds only clean lines: inputs come from HBM, and no write-back of the
+flush competes with the timed kernel); the median of ``iters`` calls is
 reported. Results: ``bench/results/<gpu>/<bench>.json`` = ``{"gpu", "torch", "commit", "rows": [...]}`` where each
 row is ``{"op", "shape": {...}, "us", "tflops"?, "gbps"?, "peers": {name: {"us", "tflops"?, "gbps"?}}}``.
 """
@@ -26,8 +27,8 @@ _flush_buf: torch.Tensor | None = None
 def _flush_l2() -> None:
     global _flush_buf
     if _flush_buf is None:
-        _flush_buf = torch.empty(_L2_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
-    _flush_buf.zero_()
+        _flush_buf = torch.ones(_L2_FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    _flush_buf.sum()  # a read-only pass: evicts the L2 without leaving dirty lines behind
 
 
 def time_cuda(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, flush_l2: bool = True) -> float:

@@ -24,6 +24,25 @@ void per_token_group_quant_fp8_cuda(at::Tensor& out_q, at::Tensor& out_scale, co
 void rotary_embedding_cpu(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin_cache, bool inverse);
 void rotary_embedding_cuda(at::Tensor& x, const at::Tensor& positions, const at::Tensor& cos_sin_cache, bool inverse);
 
+// ---- gemm ----
+void fp8_gemm_nt_cpu(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                     const at::Tensor& b_scale, bool accumulate, int64_t split_k);
+void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale, const at::Tensor& b,
+                      const at::Tensor& b_scale, bool accumulate, int64_t split_k);
+void m_grouped_fp8_gemm_nt_contiguous_cpu(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                                          const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& m_indices);
+void m_grouped_fp8_gemm_nt_contiguous_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                                           const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& m_indices);
+void m_grouped_fp8_gemm_nt_masked_cpu(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                                      const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& masked_m);
+void m_grouped_fp8_gemm_nt_masked_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_scale,
+                                       const at::Tensor& b, const at::Tensor& b_scale, const at::Tensor& masked_m);
+void fp4_to_fp8_blockscaled_cpu(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& w,
+                                const at::Tensor& w_scale);
+void swiglu_clamp_quant_fp8_cpu(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& gate_up, double limit,
+                                bool scale_ue8m0);
+void swiglu_clamp_quant_fp8_cuda(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& gate_up, double limit,
+                                 bool scale_ue8m0);
 // ---- attention ----
 #define DEEPINFER_SPARSE_MQA_ARGS                                                                              \
   at::Tensor &out, at::Tensor &lse, const at::Tensor &q, const at::Tensor &kv_cache, const at::Tensor &indices, \

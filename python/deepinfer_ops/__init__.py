@@ -20,6 +20,14 @@ from .attention import (
     sparse_mqa_prefill,
 )
 from .backend import BUILT_WITH_CUDA, BackendUnavailableError, device_for, select_accelerator
+from .gemm import (
+    fp4_to_fp8_blockscaled,
+    fp8_gemm_nt,
+    m_grouped_fp8_gemm_nt_contiguous,
+    m_grouped_fp8_gemm_nt_masked,
+    swiglu_clamp_quant_fp8,
+)
+from .moe import fused_moe_fp8
 from .norm import rms_norm
 from .quant import FP8_E4M3_MAX, per_token_group_quant_fp8
 from .rope import rope_cos_sin_cache, rotary_embedding
@@ -32,9 +40,14 @@ __all__ = [
     "BackendUnavailableError",
     "FP8_E4M3_MAX",
     "device_for",
+    "fp4_to_fp8_blockscaled",
+    "fp8_gemm_nt",
+    "fused_moe_fp8",
     "kv_cache_dequant_fp8",
     "kv_cache_write",
     "kv_cache_write_fp8",
+    "m_grouped_fp8_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_masked",
     "mqa_logits",
     "per_token_group_quant_fp8",
     "rms_norm",
@@ -43,5 +56,6 @@ __all__ = [
     "select_accelerator",
     "sparse_mqa_decode",
     "sparse_mqa_prefill",
+    "swiglu_clamp_quant_fp8",
     "topk",
 ]

@@ -26,6 +26,35 @@ def _rotary_embedding_fake(x, positions, cos_sin_cache, inverse):
     return None
 
 
+@torch.library.register_fake("deepinfer_ops::fp8_gemm_nt")
+def _fp8_gemm_nt_fake(out, a, a_scale, b, b_scale, accumulate, split_k=1):
+    torch._check(out.shape == (a.shape[0], b.shape[0]), lambda: "fp8_gemm_nt: out must be [M, N]")
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::m_grouped_fp8_gemm_nt_contiguous")
+def _m_grouped_fp8_gemm_nt_contiguous_fake(out, a, a_scale, b, b_scale, m_indices):
+    torch._check(out.shape == (a.shape[0], b.shape[1]), lambda: "m_grouped_fp8_gemm_nt_contiguous: out must be [M, N]")
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::m_grouped_fp8_gemm_nt_masked")
+def _m_grouped_fp8_gemm_nt_masked_fake(out, a, a_scale, b, b_scale, masked_m):
+    torch._check(out.shape == (a.shape[0], a.shape[1], b.shape[1]),
+                 lambda: "m_grouped_fp8_gemm_nt_masked: out must be [G, max_m, N]")
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::fp4_to_fp8_blockscaled")
+def _fp4_to_fp8_blockscaled_fake(out_q, out_scale, w, w_scale):
+    torch._check(out_q.shape == (w.shape[0], 2 * w.shape[1]), lambda: "fp4_to_fp8_blockscaled: out_q must be [N, K]")
+    return None
+
+
+@torch.library.register_fake("deepinfer_ops::swiglu_clamp_quant_fp8")
+def _swiglu_clamp_quant_fp8_fake(out_q, out_scale, gate_up, limit, scale_ue8m0):
+    torch._check(out_q.shape == (gate_up.shape[0], gate_up.shape[1] // 2),
+                 lambda: "swiglu_clamp_quant_fp8: out_q must be [rows, I]")
 @torch.library.register_fake("deepinfer_ops::sparse_mqa_decode")
 def _sparse_mqa_decode_fake(out, lse, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
                             extra_topk_length, attn_sink, softmax_scale):

@@ -11,7 +11,7 @@ import torch
 
 import deepinfer_ops
 from deepinfer_ops.testing import refs
-from deepinfer_ops.testing.compare import TOLERANCES, assert_close, poison_
+from deepinfer_ops.testing.compare import BF16_WEIGHTS_REL, TOLERANCES, assert_close, poison_
 
 BF16 = TOLERANCES[torch.bfloat16]
 FP32 = TOLERANCES[torch.float32]
@@ -288,6 +288,31 @@ def test_mqa_logits_fp32_dtype_rules(device):
         deepinfer_ops.mqa_logits(q32[..., :32].contiguous(), w, k32[..., :32])
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("t,H,dim,n", [(1, 64, 128, 5000), (4, 64, 128, 4097), (3, 13, 64, 777), (2, 128, 128, 300)])
+def test_cuda_mqa_logits_tensor_core_kernel_equals_round_one(monkeypatch, t, H, dim, n):
+    # The default (tensor-core) kernel against DEEPINFER_MQA_LOGITS_IMPL=1 (CUDA cores) and the reference, paged, with
+    # invalid blocks and per-token ranges; V4 indexer shapes (H = 64, d = 128) included.
+    g = _gen(t * 1000 + H)
+    block_size = 64
+    num_blocks = (n + block_size - 1) // block_size
+    q = (torch.randn(t, H, dim, generator=g) * 0.3).bfloat16().to("cuda")
+    w = torch.randn(t, H, generator=g).to("cuda")
+    k = (_cache(num_blocks + 2, block_size, dim, g, "cuda").float() * 0.3).bfloat16()
+    table = torch.randint(-1, num_blocks + 3, (t, num_blocks), generator=g, dtype=torch.int32).to("cuda")
+    kw = dict(block_table=table, k_start=torch.randint(0, 70, (t,), generator=g, dtype=torch.int32).to("cuda"),
+              k_end=torch.randint(n // 2, n + 2, (t,), generator=g, dtype=torch.int32).to("cuda"))
+    monkeypatch.delenv("DEEPINFER_MQA_LOGITS_IMPL", raising=False)
+    new = deepinfer_ops.mqa_logits(q, w, k, n, **kw)
+    monkeypatch.setenv("DEEPINFER_MQA_LOGITS_IMPL", "1")
+    old = deepinfer_ops.mqa_logits(q, w, k, n, **kw)
+    monkeypatch.delenv("DEEPINFER_MQA_LOGITS_IMPL")
+    ref = refs.mqa_logits_ref(q, w, k, n, **kw)
+    assert_close(new, ref, FP32, "logits (tensor cores)")
+    assert_close(old, ref, FP32, "logits (round one)")
+    assert torch.equal(torch.isinf(new).cpu(), torch.isinf(old).cpu())
+
+
 # ---- topk -------------------------------------------------------------------------------------------------------
 
 
@@ -303,7 +328,8 @@ def _topk_inputs(rows, n, g):
     return s
 
 
-@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (3, 100, 0), (4, 100, 100), (5, 1000, 37), (3, 5125, 512)])
+@pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (3, 100, 0), (4, 100, 100), (5, 1000, 37), (3, 5125, 512),
+                                     (3, 3000, 1025), (3, 40000, 2048)])  # sort sizes just past / at a power of two
 def test_topk_matches_ref_exactly(device, rows, n, k):
     s = _topk_inputs(rows, n, _gen(n + k)).to(device)
     v, i = deepinfer_ops.topk(s, k)
@@ -324,6 +350,23 @@ def test_topk_native_op_poisoned_and_bf16(device):
     vb, ib = deepinfer_ops.topk(sb, 50)
     rvb, rib = refs.topk_ref(sb, 50)
     assert vb.dtype == torch.bfloat16 and torch.equal(ib.cpu(), rib.cpu())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,n,k,relu", [(4, 32768, 512, True), (3, 65536, 2048, False), (5, 5000, 1000, False),
+                                          (2, 1, 1, False), (3, 2048, 2048, True)])
+def test_cuda_topk_kernel_equals_round_one(monkeypatch, rows, n, k, relu):
+    # Default kernel (bitonic sort, aggregated histogram) against DEEPINFER_TOPK_IMPL=1 (round one) and the reference.
+    s = _topk_inputs(rows, n, _gen(n + k + 1))
+    s = (s.clamp_min(0) if relu else s).to("cuda")  # relu: half the row ties at 0 (the bench's case)
+    monkeypatch.delenv("DEEPINFER_TOPK_IMPL", raising=False)
+    v2, i2 = deepinfer_ops.topk(s, k)
+    monkeypatch.setenv("DEEPINFER_TOPK_IMPL", "1")
+    v1, i1 = deepinfer_ops.topk(s, k)
+    monkeypatch.delenv("DEEPINFER_TOPK_IMPL")
+    rv, ri = refs.topk_ref(s, k)
+    assert torch.equal(i2.cpu(), ri.cpu()) and torch.equal(v2.cpu().nan_to_num(), rv.cpu().nan_to_num())
+    assert torch.equal(i1.cpu(), i2.cpu()) and torch.equal(v1.cpu().nan_to_num(), v2.cpu().nan_to_num())
 
 
 def test_topk_rejects_bad_k():
@@ -504,32 +547,89 @@ def test_fp8_cache_write_and_dequant_bit_exact(device):
     assert torch.all(err.view(-1, 7, 64) <= amax.clamp_min(1e-10) * 2 ** -3)  # half an e4m3 ulp at most
 
 
-def test_decode_fp8_cache_equals_decoded_bf16_cache(device):
-    g = _gen(585)
+def _decode_weight_magnitude(q, cache, idx, scale, topk_length=None, extra_kv_cache=None, extra_indices=None,
+                             extra_topk_length=None, attn_sink=None):
+    """``sum_j p_j |v_j|`` [b, s_q, h, d] fp32 (p_j: the reference's softmax weights, sink in the denominator): the
+    scale of the error from bf16-rounded softmax weights (compare.BF16_WEIGHTS_REL)."""
+    kv, valid = refs._gather_kv_list_ref(cache, idx, topk_length)
+    if extra_kv_cache is not None:
+        kv2, valid2 = refs._gather_kv_list_ref(extra_kv_cache, extra_indices, extra_topk_length)
+        kv, valid = torch.cat([kv, kv2], dim=2), torch.cat([valid, valid2], dim=2)
+    scores = (torch.einsum("bshd,bskd->bshk", q.float(), kv) * scale).masked_fill(~valid.unsqueeze(2), float("-inf"))
+    total = torch.logsumexp(scores, dim=-1)
+    if attn_sink is not None:
+        total = torch.logaddexp(total, attn_sink.float().view(1, 1, -1))
+    p = torch.nan_to_num(torch.exp(scores - total.unsqueeze(-1)), nan=0.0)  # rows without valid entries: 0
+    return torch.einsum("bshk,bskd->bshd", p, kv.abs())
+
+
+@pytest.mark.parametrize("seed", [585, 586, 587])
+def test_decode_fp8_cache_equals_decoded_bf16_cache(device, seed):
+    # Wide-range rows (1e-3 .. 1e3, times 0.05): outputs are sums of large values that cancel, so the reference check
+    # allows for the bf16-rounded softmax weights (round one: one element off by 0.016 at |v| ~ 64, exactly the value
+    # a CPU emulation of bf16 weights gives). The FP8 path must equal the bf16 path bit for bit, run after run.
+    g = _gen(seed)
     b, s_q, h, topk, block_size = 3, 2, 16, 40, 16
     kv = _fp8_rows(8 * block_size, g, device) * 0.05
     cache8 = _fp8_cache(8, block_size, device)
     deepinfer_ops.kv_cache_write_fp8(cache8, kv, torch.arange(8 * block_size, device=device))
     cache16 = refs.fp8_entry_decode_ref(cache8).contiguous()
     q = torch.randn(b, s_q, h, V4_DIM, generator=g).bfloat16().to(device)
-    idx = _indices((b, s_q, topk), 8 * block_size, g, device)
+    # > 64 entries per row (two lists): several gather tiles, a partial last tile, both pipeline buffers in use.
+    idx = _indices((b, s_q, topk * 4), 8 * block_size, g, device)
     win = _cache(4, block_size, V4_DIM, g, device)
     kw = dict(extra_kv_cache=win, extra_indices=_indices((b, s_q, 9), 64, g, device),
               attn_sink=torch.randn(h, generator=g).to(device),
-              topk_length=torch.tensor([40, 0, 13], dtype=torch.int32, device=device))
+              topk_length=torch.tensor([topk * 4, 0, 13 + seed % 64], dtype=torch.int32, device=device))
     out8, lse8 = _run_decode(q, cache8, idx, V4_SCALE, **kw)
     out16, lse16 = _run_decode(q, cache16, idx, V4_SCALE, **kw)
     assert torch.equal(out8.cpu(), out16.cpu()) and torch.equal(lse8.cpu(), lse16.cpu())
-    _check(out8, lse8, *refs.sparse_mqa_decode_ref(q, cache8, idx, V4_SCALE, **kw))
+    for _ in range(3):
+        again, lse_again = _run_decode(q, cache8, idx, V4_SCALE, **kw)
+        assert torch.equal(again.cpu(), out8.cpu()) and torch.equal(lse_again.cpu(), lse8.cpu())
+    ref_out, ref_lse = refs.sparse_mqa_decode_ref(q, cache8, idx, V4_SCALE, **kw)
+    mag = _decode_weight_magnitude(q, cache8, idx, V4_SCALE, **kw)
+    assert_close(out8, ref_out, BF16, "out", extra_atol=BF16_WEIGHTS_REL * mag)
+    assert_close(lse8, ref_lse, BF16, "lse")
 
 
 @pytest.mark.cuda
-def test_cuda_decode_batch_invariant_across_cta_shapes():
-    # 160 rows fill the GPU with 64 heads per CTA; one row alone runs with 16 heads per CTA. Same bits.
+@pytest.mark.parametrize("fp8", [False, True])
+def test_cuda_decode_batch_invariant_across_cta_shapes(fp8):
+    # 160 rows fill the GPU with 64 heads per CTA; one row alone runs with 16 heads per CTA (FP8: register-decoded
+    # entries vs entries staged in shared memory). Same bits.
     q, comp, idx, kw = _decode_case("cuda", 160, 1, V4_HEADS, V4_DIM, V4_TOPK, V4_WINDOW, 64, 160)
+    if fp8:
+        rows = comp.reshape(-1, V4_DIM)
+        comp = _fp8_cache(comp.shape[0], 64, "cuda")
+        deepinfer_ops.kv_cache_write_fp8(comp, rows, torch.arange(rows.shape[0], device="cuda"))
     out, lse = _run_decode(q, comp, idx, V4_SCALE, **kw)
     for r in (0, 77, 159):
         sub = {k: (v[r:r + 1] if k in ("topk_length", "extra_topk_length", "extra_indices") else v)
                for k, v in kw.items()}
         o1, l1 = _run_decode(q[r:r + 1].contiguous(), comp, idx[r:r + 1].contiguous(), V4_SCALE, **sub)
         assert torch.equal(o1, out[r:r + 1]) and torch.equal(l1, lse[r:r + 1])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,h,dim,fp8", [
+    (1, 64, 512, False), (100, 64, 512, False), (200, 64, 512, False),  # 16 / 32 / 64 heads per CTA
+    (100, 64, 512, True), (8, 64, 512, True),  # FP8: register path (32 heads per CTA), staged path (16)
+    (3, 16, 128, False), (2, 5, 64, False), (1, 20, 256, False),
+])
+def test_cuda_decode_v2_kernel_equals_round_one_kernel(monkeypatch, rows, h, dim, fp8):
+    # DEEPINFER_SPARSE_MQA_IMPL=1 selects the round-one kernel; the default (v2) must give the same bits.
+    q, comp, idx, kw = _decode_case("cuda", rows, 1, h, dim, 150, 40, 16, 900 + rows)
+    if fp8:
+        g = _gen(901)
+        comp = _fp8_cache(comp.shape[0], 16, "cuda")
+        deepinfer_ops.kv_cache_write_fp8(comp, _fp8_rows(comp.shape[0] * 16, g, "cuda") * 0.05,
+                                         torch.arange(comp.shape[0] * 16, device="cuda"))
+    monkeypatch.delenv("DEEPINFER_SPARSE_MQA_IMPL", raising=False)
+    out2, lse2 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
+    monkeypatch.setenv("DEEPINFER_SPARSE_MQA_IMPL", "1")
+    out1, lse1 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
+    assert torch.equal(out1.cpu(), out2.cpu()) and torch.equal(lse1.cpu(), lse2.cpu())
+    monkeypatch.delenv("DEEPINFER_SPARSE_MQA_IMPL")
+    if not fp8:  # (FP8 against the reference: test_decode_fp8_cache_equals_decoded_bf16_cache)
+        _check(out2, lse2, *refs.sparse_mqa_decode_ref(q, comp, idx, dim ** -0.5, **kw))
