@@ -1,13 +1,24 @@
-"""Engine throughput: prefill and decode tok/s of `deepinfer.LLM` (batch-invariant mode off and/or on).
+"""Engine throughput: prefill and decode tok/s of `deepinfer.LLM`, batch-invariant mode off and on, in one run.
 
-Usage (GPU machine):
-    deepinfer make-checkpoint --preset v4-flash-shapes --out /tmp/v4fs
-    python bench/bench_engine.py --model /tmp/v4fs --modes off,on
-Prefill: every request with max_tokens=1, tok/s = prompt tokens / prefill step time. Decode: the same requests with
-max_tokens=N and ignore_eos, tok/s = decode tokens / decode step time (steps are split between prefill and decode in
-proportion to their tokens; see `deepinfer.llm.EngineStats`). A warm-up generate runs first and is not counted.
-Writes bench/results/<gpu>/bench_engine.json, and bench_batch_invariant.json when both modes run (the "on" row carries
-prefill_overhead_pct / decode_overhead_pct = off tok/s / on tok/s - 1, and the "off" time as its peer).
+Usage (GPU machine, from the repository root, PYTHONPATH=python:engine):
+    python bench/bench_engine.py                    # makes a v4-flash-shapes checkpoint in a temp dir, deletes it after
+    python bench/bench_engine.py --model /tmp/v4fs  # an existing one (`deepinfer make-checkpoint --preset ...`)
+    python bench/bench_engine.py --num-experts 256  # the full preset (~20 GB on disk, ~66 GB of bf16 weights)
+Without --model the checkpoint is `v4-flash-shapes` (V4-Flash hidden 4096, 64 heads x 512, q_lora 1024, o 8 x 1024,
+experts of 2048, indexer 64 x 128 top-512, hc 4, vocab 129,280) at --num-layers (default 4: sliding, sliding, CSA,
+HCA) and --num-experts routed experts (default 64 instead of 256, to keep the checkpoint near 7 GB and its
+generation / loading to about a minute; per-expert shapes are unchanged, top-6 routing).
+
+Method: the model is loaded once and shared by both modes (the mode travels in each ForwardBatch). Per mode: a warm-up
+generate (not counted), then prefill -- every request with max_tokens=1, tok/s = prompt tokens / prefill step time --
+then decode -- the same requests with max_tokens=N and ignore_eos, tok/s = decode tokens / decode step time (step
+times are split between prefill and decode in proportion to their tokens, see `deepinfer.llm.EngineStats`; every step
+ends with a device synchronisation). Then request 0 runs alone for a few tokens and its logprobs are compared bitwise
+with its logprobs in the batched decode run (`alone_equals_batched`: expected true with the mode on; with the mode off
+it records whether cuBLAS's choice by batch size changed anything).
+Writes bench/results/<gpu>/bench_engine.json (one row per mode: prefill_tok_s, decode_tok_s, us = 1e6 / decode tok/s)
+and, when both modes ran, bench_batch_invariant.json (rows engine_prefill / engine_decode, us per token with the mode
+on, the mode-off time as the peer, overhead_pct = off tok/s / on tok/s - 1, in percent).
 """
 
 from __future__ import annotations
@@ -16,7 +27,10 @@ import argparse
 import gc
 import json
 import random
+import shutil
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -24,11 +38,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+ALONE_TOKENS = 8  # decode steps of the lone-request comparison
 
-def run_mode(model, batch_invariant: bool, args) -> dict:
+
+def run_mode(model, batch_invariant: bool, args, shape_extra: dict) -> dict:
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(model, batch_invariant=batch_invariant, max_num_seqs=args.num_requests,
+    llm = LLM(model, batch_invariant=batch_invariant, max_num_seqs=args.num_requests, device=args.device,
               max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
               max_model_len=args.prompt_len + args.max_tokens + 128)
     rng = random.Random(0)
@@ -36,17 +52,26 @@ def run_mode(model, batch_invariant: bool, args) -> dict:
     llm.generate(prompts[: min(4, len(prompts))], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     prefill = llm.last_stats.summary()
-    llm.generate(prompts, SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=1))
+    dec_params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
+    outs = llm.generate(prompts, dec_params)
     decode = llm.last_stats.summary()
+    alone_params = SamplingParams(temperature=args.temperature, max_tokens=min(ALONE_TOKENS, args.max_tokens),
+                                  ignore_eos=True, seed=1)
+    alone = llm.generate(prompts[:1], alone_params)[0]
+    n = len(alone.logprobs)
     row = {
         "op": "engine_generate",
         "shape": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-                  "batch_invariant": batch_invariant, "max_num_batched_tokens": args.max_num_batched_tokens},
+                  "batch_invariant": batch_invariant, "max_num_batched_tokens": args.max_num_batched_tokens,
+                  **shape_extra},
         # "us": microseconds per decoded token over the whole batch (1e6 / decode tok/s), the timer's unit
         "us": round(1e6 / decode["decode_tok_s"], 3) if decode["decode_tok_s"] else float("nan"),
         "prefill_tok_s": prefill["prefill_tok_s"], "decode_tok_s": decode["decode_tok_s"],
+        "prefill_time_s": prefill["prompt_tokens"] / prefill["prefill_tok_s"] if prefill["prefill_tok_s"] else None,
         "ttft_ms": decode["ttft_ms"], "tpot_ms": decode["tpot_ms"], "wall_s": decode["wall_s"],
         "preemptions": decode["preemptions"],
+        "alone_equals_batched": alone.token_ids == outs[0].token_ids[:n] and alone.logprobs == outs[0].logprobs[:n],
+        "alone_max_abs_logprob_diff": max((abs(a - b) for a, b in zip(alone.logprobs, outs[0].logprobs)), default=0.0),
     }
     del llm
     gc.collect()
@@ -55,9 +80,35 @@ def run_mode(model, batch_invariant: bool, args) -> dict:
     return row
 
 
+def overhead_rows(off: dict, on: dict) -> list[dict]:
+    """bench_batch_invariant.json rows: per phase, us per token with the mode on and the mode off as its peer."""
+    rows = []
+    for phase in ("prefill", "decode"):
+        t_on, t_off = on[f"{phase}_tok_s"], off[f"{phase}_tok_s"]
+        rows.append({
+            "op": f"engine_{phase}",
+            "shape": {k: v for k, v in on["shape"].items() if k != "batch_invariant"},
+            "us": round(1e6 / t_on, 3) if t_on else float("nan"),
+            "tok_s": t_on,
+            "peers": {"batch_invariant_off": {"us": round(1e6 / t_off, 3) if t_off else float("nan"), "tok_s": t_off}},
+            "overhead_pct": round(100 * (t_off / t_on - 1), 2) if t_on else None,
+            "alone_equals_batched": on["alone_equals_batched"],
+            "alone_equals_batched_mode_off": off["alone_equals_batched"],
+        })
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="checkpoint folder (e.g. from `deepinfer make-checkpoint --preset v4-flash-shapes`)")
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder; default: make a v4-flash-shapes checkpoint in a temp dir (deleted after)")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="depth of the generated checkpoint (default: the preset's 4)")
+    p.add_argument("--num-experts", type=int, default=64,
+                   help="routed experts of the generated checkpoint (the preset has 256)")
+    p.add_argument("--work-dir", default=None,
+                   help="where the generated checkpoint goes (default: the system temp dir)")
+    p.add_argument("--keep-checkpoint", action="store_true", help="do not delete the generated checkpoint")
     p.add_argument("--modes", default="off,on", help="batch-invariant modes to run: off, on or off,on")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=1024)
@@ -66,28 +117,58 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 layers, 16 experts, 8 requests of 256 + 16 tokens")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args()
+    if args.quick:
+        args.num_layers, args.num_experts = args.num_layers or 2, min(args.num_experts, 16)
+        args.num_requests, args.prompt_len, args.max_tokens = 8, 256, 16
+    modes = [m.strip() for m in args.modes.split(",")]
+    if not modes or any(m not in ("off", "on") for m in modes):
+        p.error(f"--modes: expected off, on or off,on, got {args.modes!r}")
 
+    from deepinfer.checkpoint import make_checkpoint
     from deepinfer.llm import _load_checkpoint
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model = _load_checkpoint(args.model, device, batch_invariant=False)
+    args.device = str(device)
+    tmp = None
+    model_path = args.model
+    shape_extra: dict = {"checkpoint": model_path}
+    if model_path is None:
+        tmp = tempfile.mkdtemp(prefix="bench-v4fs-", dir=args.work_dir)
+        t0 = time.perf_counter()
+        make_checkpoint("v4-flash-shapes", tmp, 0, num_layers=args.num_layers, num_experts=args.num_experts,
+                        progress=False)
+        print(f"made v4-flash-shapes (layers={args.num_layers or 'preset'}, experts={args.num_experts}) in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        model_path = tmp
+        shape_extra = {"checkpoint": "v4-flash-shapes", "num_experts": args.num_experts}
+    try:
+        t0 = time.perf_counter()
+        model = _load_checkpoint(model_path, device, batch_invariant=False)
+        cfg = model.config
+        shape_extra.update({"num_layers": cfg.num_hidden_layers, "n_routed_experts": cfg.n_routed_experts,
+                            "hidden_size": cfg.hidden_size})
+        print(f"loaded in {time.perf_counter() - t0:.0f} s", flush=True)
+    finally:
+        if tmp is not None and not args.keep_checkpoint:
+            shutil.rmtree(tmp, ignore_errors=True)
     rows = []
-    for mode in args.modes.split(","):
-        rows.append(run_mode(model, mode.strip() == "on", args))
-        print(json.dumps(rows[-1]))
-    if len(rows) == 2 and not rows[0]["shape"]["batch_invariant"] and rows[1]["shape"]["batch_invariant"]:
-        off, on = rows
-        on["peers"] = {"batch_invariant_off": {"us": off["us"]}}
-        on["prefill_overhead_pct"] = 100 * (off["prefill_tok_s"] / on["prefill_tok_s"] - 1) if on["prefill_tok_s"] else None
-        on["decode_overhead_pct"] = 100 * (off["decode_tok_s"] / on["decode_tok_s"] - 1) if on["decode_tok_s"] else None
-        print(json.dumps({k: on[k] for k in ("prefill_overhead_pct", "decode_overhead_pct")}))
+    for mode in modes:
+        rows.append(run_mode(model, mode == "on", args, shape_extra))
+        print(json.dumps(rows[-1]), flush=True)
     from bench.timer import write_results
 
     write_results("bench_engine", rows, args.out_dir)
-    if len(rows) == 2:
-        write_results("bench_batch_invariant", rows, args.out_dir)
+    if [r["shape"]["batch_invariant"] for r in rows] == [False, True]:
+        bi_rows = overhead_rows(rows[0], rows[1])
+        for r in bi_rows:
+            print(f"{r['op']}: batch-invariant overhead {r['overhead_pct']}% "
+                  f"(on {r['tok_s']:.1f} tok/s, off {r['peers']['batch_invariant_off']['tok_s']:.1f} tok/s)")
+        write_results("bench_batch_invariant", bi_rows, args.out_dir)
+
 
 if __name__ == "__main__":
     main()

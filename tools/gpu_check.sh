@@ -2,6 +2,7 @@
 # One device call: build deepinfer_ops on the GPU machine from the working tree, run the test suite with CUDA
 # required (a skipped GPU test fails the run), run the benchmarks, and leave logs + JSON under $OUT.
 #
+# It also runs the main job (deepinfer generate over examples/requests.jsonl) on the GPU.
 # Usage (from the repository root, on a machine with an NVIDIA GPU):
 #   tools/gpu_check.sh [bench_name ...]        # default: every bench/bench_*.py
 # Environment:
@@ -37,6 +38,14 @@ DEEPINFER_REQUIRE_CUDA=1 python3 -m pytest -q -rs ${PYTEST_ARGS:-tests} >"$OUT/p
 test_rc=$?
 tail -25 "$OUT/pytest.log"
 
+echo "== main job on the GPU: deepinfer generate over examples/requests.jsonl (built-in tiny model)"
+DEEPINFER_ACCELERATOR=nvidia DEEPINFER_CACHE_DIR=/tmp/deepinfer-cache timeout ${GENERATE_TIMEOUT:-240} \
+  python3 -m deepinfer.cli generate --input examples/requests.jsonl --output "$OUT/generate.jsonl" \
+  >"$OUT/generate.log" 2>&1
+gen_rc=$?
+tail -c 600 "$OUT/generate.log" | tr '\r' '\n' | tail -3
+echo "generate rc=$gen_rc: $(wc -l <"$OUT/generate.jsonl" 2>/dev/null || echo 0) result lines for $(wc -l <examples/requests.jsonl) requests"
+
 echo "== benchmarks"
 benches=("$@")
 if [ ${#benches[@]} -eq 0 ]; then
@@ -48,5 +57,5 @@ for b in "${benches[@]}"; do
   python3 "bench/$b.py" --out-dir "$OUT/results" >>"$OUT/bench.log" 2>&1 || { bench_rc=1; echo "$b FAILED" | tee -a "$OUT/bench.log"; }
 done
 grep -E "^(--|geomean|wrote)|FAILED|Error" "$OUT/bench.log" | tail -40
-echo "tests rc=$test_rc bench rc=$bench_rc"
-exit $(( test_rc != 0 || bench_rc != 0 ))
+echo "tests rc=$test_rc generate rc=$gen_rc bench rc=$bench_rc"
+exit $(( test_rc != 0 || gen_rc != 0 || bench_rc != 0 ))

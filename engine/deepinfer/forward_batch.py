@@ -32,6 +32,10 @@ class ForwardBatch:
         block_tables: ``[num_seqs, max_blocks]`` int32 block ids into the cache pools; -1 pads unused slots.
         logits_indices: ``[num_logits]`` int64 rows of the token dimension whose logits are returned
             (usually the last new token of each sequence that finishes its prompt or decodes).
+        batch_invariant: compute every token's row with a reduction order that depends neither on the number of
+            tokens in the step nor on the other sequences (fixed-shape GEMM chunks, row-wise sparse attention),
+            so a request's logits are bitwise the same alone or in any batch, and
+            however its prefill is cut into chunks. Slower; see ``DeepseekV4ForCausalLM`` for the design.
     """
 
     input_ids: torch.Tensor
@@ -40,6 +44,7 @@ class ForwardBatch:
     context_lens: list[int]
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    batch_invariant: bool = False
 
     @property
     def num_seqs(self) -> int:

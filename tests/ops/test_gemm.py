@@ -77,6 +77,13 @@ def _to(device, *ts):
     return [t.to(device) for t in ts]
 
 
+def _padded(s, pad=3):
+    """The same values as a view into a NaN-filled buffer whose last dim is `pad` longer (non-compact strides)."""
+    buf = torch.full((*s.shape[:-1], s.shape[-1] + pad), float("nan"), dtype=s.dtype, device=s.device)
+    buf[..., : s.shape[-1]] = s
+    return buf[..., : s.shape[-1]]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # fp8_gemm_nt
 # ---------------------------------------------------------------------------------------------------------------
@@ -263,8 +270,12 @@ def _contiguous_layout(group_sizes, pad_between=3, gen=None):
 
 @pytest.mark.parametrize("sizes_nk", [([5, 0, 130, 1], 256, 320), ([0, 0, 0], 128, 128), ([17, 64], 448, 576),
                                       ([1] * 8, 192, 256)])
-@pytest.mark.parametrize("integer", [False, True])
-def test_m_grouped_contiguous(device, sizes_nk, integer):
+@pytest.mark.parametrize("integer", [True, False])
+@pytest.mark.parametrize("scale_layout", ["row", "padded"])
+def test_m_grouped_contiguous(device, sizes_nk, integer, scale_layout):
+    """Groups in shuffled order with padding rows between; K = 320 / 576 gives several K blocks, so each group's
+    A scales must be found at its own rows for every K block (the CUDA kernel repacks them per group).
+    "padded": A scales M-major with a padded leading dim and B scales with padded rows (NaN in the padding)."""
     sizes, n, k = sizes_nk
     gen = torch.Generator().manual_seed(len(sizes) + n + k + integer)
     m_idx = _contiguous_layout(sizes, gen=gen)
@@ -274,6 +285,8 @@ def test_m_grouped_contiguous(device, sizes_nk, integer):
     sa = _rand_scales((m, kb), gen, pow2=integer)
     b, sb = _grouped_b(len(sizes), n, k, gen, integer)
     a, sa, b, sb, m_idx_d = _to(device, a, sa, b, sb, m_idx)
+    if scale_layout == "padded":
+        sa, sb = _padded(sa.t()).t(), _padded(sb)
     out = poison_(torch.empty(m, n, dtype=torch.bfloat16, device=device))
     deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, m_idx_d, out=out)
     ref = refs.m_grouped_fp8_gemm_nt_contiguous_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), m_idx,
@@ -333,9 +346,11 @@ def test_m_grouped_contiguous_expert_shapes_cuda(num_groups, nk):
 # m_grouped_fp8_gemm_nt_masked
 # ---------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("masked_nk", [([3, 0, 17, 32], 256, 320), ([0, 0], 128, 128), ([1, 129], 448, 576)])
-@pytest.mark.parametrize("integer", [False, True])
-@pytest.mark.parametrize("scale_layout", ["row", "col"])
+@pytest.mark.parametrize("integer", [True, False])
+@pytest.mark.parametrize("scale_layout", ["row", "col", "padded"])
 def test_m_grouped_masked(device, masked_nk, integer, scale_layout):
+    """masked_m below max_m and several K blocks: each group's A scales for every K block must come from its own
+    rows (the CUDA kernel repacks them per group). "padded": M-major A scales and B scales with padded strides."""
     masked, n, k = masked_nk
     g, max_m = len(masked), max(max(masked), 1) + 5
     gen = torch.Generator().manual_seed(g + n + k + integer)
@@ -347,6 +362,8 @@ def test_m_grouped_masked(device, masked_nk, integer, scale_layout):
     b, sb = _grouped_b(g, n, k, gen, integer)
     mm = torch.tensor(masked, dtype=torch.int32)
     a, sa, b, sb, mm_d = _to(device, a, sa, b, sb, mm)
+    if scale_layout == "padded":
+        sa, sb = _padded(sa.transpose(1, 2)).transpose(1, 2), _padded(sb)
     out = poison_(torch.empty(g, max_m, n, dtype=torch.bfloat16, device=device))
     deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, mm_d, out=out)
     got = out.cpu()

@@ -140,7 +140,10 @@ struct DenseConfig {
 
 // ---------------------------------------------------------------------------------------------------------------
 // Grouped (ptr-array): contiguous and masked layouts share one kernel; a setup kernel writes the per-group
-// problem sizes, pointers, strides and scale layouts into the workspace.
+// problem sizes, pointers, strides and scale layouts into the workspace, and a packing kernel copies each group's
+// A scales into a compact M-major [ceil(K/128), M_g] block there: CUTLASS 4.2's grouped blockwise mainloop
+// (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp, load_init) ignores layout_SFA/SFB and
+// derives the scale layouts from the group's (M_g, N, K), i.e. SFA kb-stride = M_g and SFB nb-stride = ceil(K/128).
 // ---------------------------------------------------------------------------------------------------------------
 struct GroupedConfig {
   using ElementD = cutlass::bfloat16_t;
@@ -175,13 +178,15 @@ struct GroupedConfig {
     StrideD* stride_d;
     LayoutSFA* layout_sfa;
     LayoutSFB* layout_sfb;
+    int* row0;          // contiguous: first row of each group in A / D
+    float* sfa_packed;  // per-group compact A scales (group g at ptr_sfa[g])
     void* cutlass_workspace;
     size_t bytes;  // total of the arrays (without CUTLASS's workspace)
   };
 
   static size_t align_up(size_t x) { return (x + 255) / 256 * 256; }
 
-  static Arrays carve(void* base, int G) {
+  static Arrays carve(void* base, int G, size_t sfa_floats) {
     Arrays a{};
     char* p = static_cast<char*>(base);
     size_t off = 0;
@@ -201,6 +206,8 @@ struct GroupedConfig {
     a.stride_d = reinterpret_cast<StrideD*>(take(sizeof(StrideD) * G));
     a.layout_sfa = reinterpret_cast<LayoutSFA*>(take(sizeof(LayoutSFA) * G));
     a.layout_sfb = reinterpret_cast<LayoutSFB*>(take(sizeof(LayoutSFB) * G));
+    a.row0 = reinterpret_cast<int*>(take(sizeof(int) * G));
+    a.sfa_packed = reinterpret_cast<float*>(take(sizeof(float) * sfa_floats));
     a.cutlass_workspace = p ? p + off : nullptr;
     a.bytes = off;
     return a;
@@ -220,8 +227,8 @@ struct GroupedConfig {
     return args;
   }
 
-  static size_t workspace_size(int G, int num_sms) {
-    Arrays arr = carve(nullptr, G);
+  static size_t workspace_size(int G, size_t sfa_floats, int num_sms) {
+    Arrays arr = carve(nullptr, G, sfa_floats);
     return arr.bytes + align_up(Gemm::get_workspace_size(make_args(arr, G, num_sms)));
   }
 };

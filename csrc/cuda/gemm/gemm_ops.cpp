@@ -122,10 +122,21 @@ namespace {
 
 void run_grouped(gemm::GroupedFp8GemmParams& p, const at::Tensor& out) {
   p.num_sms = num_sms();
-  const size_t ws = gemm::grouped_fp8_gemm_nt_bf16_workspace_size(p.num_groups, p.num_sms);
+  const int64_t sfa_rows = p.layout == gemm::GroupedLayout::kContiguous
+                               ? p.M_total
+                               : static_cast<int64_t>(p.num_groups) * p.M_total;
+  const size_t ws = gemm::grouped_fp8_gemm_nt_bf16_workspace_size(p.num_groups, sfa_rows, p.K, p.num_sms);
   auto workspace = at::empty({static_cast<int64_t>(ws)}, out.options().dtype(at::kByte));
   p.workspace = workspace.mutable_data_ptr();
   gemm::launch_grouped_fp8_gemm_nt_bf16(p, current_stream());
+}
+
+// [G, nb, kb] B scales, compact per group (nb stride == kb, kb stride == 1): CUTLASS 4.2's grouped mainloop derives
+// the B scale layout from (N, K) and ignores any other stride. Copies when the given strides differ.
+at::Tensor grouped_b_scales(const at::Tensor& s) {
+  const int64_t nb = s.size(1), kb = s.size(2);
+  const bool ok = (kb <= 1 || s.stride(2) == 1) && (nb <= 1 || s.stride(1) == kb);
+  return ok ? s : s.contiguous();
 }
 
 void fill_grouped_b(const char* op, gemm::GroupedFp8GemmParams& p, const at::Tensor& b, const at::Tensor& sfb) {
@@ -135,7 +146,7 @@ void fill_grouped_b(const char* op, gemm::GroupedFp8GemmParams& p, const at::Ten
   p.ldb = b.stride(1);
   p.b_group_stride = b.stride(0);
   p.sfb = sfb.const_data_ptr<float>();
-  p.ld_sfb = static_cast<int>(sfb.size(1) <= 1 ? sfb.size(2) : sfb.stride(1));
+  p.ld_sfb = static_cast<int>(sfb.size(2));
   p.sfb_group_stride = sfb.stride(0);
   p.N = static_cast<int>(b.size(1));
   p.K = static_cast<int>(b.size(2));
@@ -155,16 +166,17 @@ void m_grouped_fp8_gemm_nt_contiguous_cuda(at::Tensor& out, const at::Tensor& a,
   const c10::cuda::CUDAGuard guard(out.device());
   check_tma_operand(op, a, "a", a.stride(0), 1);
   check_tma_operand(op, out, "out", out.stride(0), 2);
-  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/false);
-  const auto sfb = k_major_scales(b_scale);
+  // A scales are read with their own strides by the packing kernel (see fp8_gemm.cuh): no host-side copy.
+  const auto sfb = grouped_b_scales(b_scale);
   gemm::GroupedFp8GemmParams p{};
   p.layout = gemm::GroupedLayout::kContiguous;
   p.num_groups = static_cast<int>(G);
   fill_grouped_b(op, p, b, sfb);
   p.a = a.const_data_ptr();
   p.lda = a.stride(0);
-  p.sfa = sfa.const_data_ptr<float>();
-  p.ld_sfa = static_cast<int>(ld_sfa);
+  p.sfa = a_scale.const_data_ptr<float>();
+  p.sfa_row_stride = a_scale.stride(0);
+  p.sfa_k_stride = a_scale.stride(1);
   p.d = out.mutable_data_ptr();
   p.ldd = out.stride(0);
   p.m_indices = m_indices.const_data_ptr<int32_t>();
@@ -184,18 +196,8 @@ void m_grouped_fp8_gemm_nt_masked_cuda(at::Tensor& out, const at::Tensor& a, con
   check_tma_operand(op, out, "out", out.stride(1), 2);
   DEEPINFER_CHECK(G <= 1 || (a.stride(0) % 16 == 0 && out.stride(0) % 8 == 0), op,
                   "a / out group strides must be multiples of 16 bytes");
-  // A scales per group M-major: element (g, m, kb) at g * group_stride + kb * ld + m.
-  at::Tensor sfa = a_scale;
-  int64_t ld_sfa = a_scale.stride(2), sfa_group_stride = a_scale.stride(0);
-  const int64_t kb = a_scale.size(2);
-  if (!(max_m <= 1 || a_scale.stride(1) == 1) || (kb > 1 && ld_sfa < max_m)) {
-    sfa = a_scale.transpose(1, 2).contiguous();  // [G, kb, max_m]
-    ld_sfa = max_m;
-    sfa_group_stride = kb * max_m;
-  } else if (kb <= 1) {
-    ld_sfa = max_m;
-  }
-  const auto sfb = k_major_scales(b_scale);
+  // A scales are read with their own strides by the packing kernel (see fp8_gemm.cuh): no host-side copy.
+  const auto sfb = grouped_b_scales(b_scale);
   gemm::GroupedFp8GemmParams p{};
   p.layout = gemm::GroupedLayout::kMasked;
   p.num_groups = static_cast<int>(G);
@@ -203,9 +205,10 @@ void m_grouped_fp8_gemm_nt_masked_cuda(at::Tensor& out, const at::Tensor& a, con
   p.a = a.const_data_ptr();
   p.lda = a.stride(1);
   p.a_group_stride = a.stride(0);
-  p.sfa = sfa.const_data_ptr<float>();
-  p.ld_sfa = static_cast<int>(ld_sfa);
-  p.sfa_group_stride = sfa_group_stride;
+  p.sfa = a_scale.const_data_ptr<float>();
+  p.sfa_row_stride = a_scale.stride(1);
+  p.sfa_k_stride = a_scale.stride(2);
+  p.sfa_group_stride = a_scale.stride(0);
   p.d = out.mutable_data_ptr();
   p.ldd = out.stride(1);
   p.d_group_stride = out.stride(0);

@@ -47,6 +47,28 @@ Architecture (all names are the native checkpoint's):
 
 Tie rule (indexer and router): higher score first, then lower index (``deepinfer_ops.topk``).
 
+Batch-invariant mode (``ForwardBatch.batch_invariant``, set by ``LLM(batch_invariant=True)`` / ``--batch-invariant``;
+an explicit per-step argument, no global state): every token's row is computed with a reduction order that depends
+neither on the number of tokens in the step nor on the other sequences, nor on how its prompt was chunked:
+
+* GEMMs (every linear, ``wo_a``'s groups, router, experts, mHC mixes, LM head): the token dimension is zero-padded
+  once per step to a multiple of ``BI_GEMM_ROWS`` (128 on CUDA, 16 on the CPU) and every ``torch.mm`` has that many
+  rows (:func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed
+  shape is the only way to get one kernel for every row. Experts pad their gathered tokens the same way.
+* Attention: ``sparse_mqa_prefill`` computes every query row on its own from its own index lists (window by
+  position, entries by id, -1 padding; the kernels are batch-invariant by construction); the indexer's
+  ``mqa_logits`` and top-k are row-wise too (masked candidates score -inf, the tie rule fixes the selection) and the
+  selected entries are passed in entry order. Padding rows get no entries (output 0).
+* Compressor pooling: softmax sum and pooled sum as explicit float32 adds in slot order. mHC stream sums: explicit
+  float32 adds in stream order (no batched matmul whose batch count is the number of tokens).
+* Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
+  rule; MoE combine: a token's experts added in ascending expert id (as in the default mode).
+* CPU only: transcendental elementwise ops go through :func:`pointwise` (torch's SIMD loops compute tails with
+  scalar libm, so a value would depend on its position).
+
+Cost: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a decode step of <= 128 tokens on
+the GPU) and one GEMM launch per 128 tokens in prefill.
+
 Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported);
 /work/shared/reference/architecture.md; DeepSeek-V4 paper.
 """
@@ -126,15 +148,100 @@ def _param(*shape: int, dtype=torch.float32) -> nn.Parameter:
     return nn.Parameter(torch.zeros(shape, dtype=dtype), requires_grad=False)
 
 
+def linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """``y = x @ weight.T``; with ``rows > 0`` every GEMM call has exactly ``rows`` rows (batch-invariant mode).
+
+    Args:
+        x: ``[..., in]`` activations (any leading dims, flattened to ``[M, in]``).
+        weight: ``[out, in]``, same dtype as ``x``.
+        rows: 0 = one ``F.linear`` call (the library picks tiles / split-K by M, so a row's bits may depend on M);
+            ``rows > 0`` = the rows are cut into chunks of exactly ``rows`` (the last one zero-padded) and each chunk
+            is one ``torch.mm`` of the fixed shape ``[rows, in'] x [in', out']`` (``in``, ``out`` zero-padded to
+            multiples of 16 -- MKL treats narrow / odd shapes position-dependently; the model's large weights need
+            no padding). Every call has the same shape, strides and (>= 256-byte) operand alignment, so cuBLAS /
+            MKL choose the same kernel for every chunk and a row's reduction order is the same wherever it sits and
+            whoever shares its chunk.
+    Returns:
+        ``[..., out]`` in ``x.dtype``.
+    Cost: ``ceil(M / rows)`` GEMM launches instead of one and up to ``rows - 1`` padded rows; with ``rows`` = 128 on
+    CUDA a decode batch of <= 128 tokens is still one launch (bandwidth-bound on the weight, the padding is free).
+    """
+    if rows <= 0:
+        return F.linear(x, weight)
+    k, n = x.shape[-1], weight.shape[0]
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    m = x2.shape[0]
+    if m == 0:
+        return x2.new_empty(*lead, n)
+    kp, np_ = -(-k // 16) * 16, -(-n // 16) * 16
+    if (kp, np_) != (k, n):
+        w = weight.new_zeros(np_, kp)
+        w[:n, :k] = weight
+        weight = w
+    chunks = -(-m // rows)
+    align = 256 if x2.is_cuda else 64  # what fresh allocations guarantee (CUDA caching allocator / c10 CPU)
+    if m % rows or kp != k or not x2.is_contiguous() or x2.data_ptr() % align:
+        # a fresh zero-padded copy; every chunk start then keeps the base alignment, as rows * kp * itemsize is a
+        # multiple of 256 for rows >= 8 (and of 64 for any rows)
+        xp = x2.new_zeros(chunks * rows, kp)
+        xp[:m, :k] = x2
+        x2 = xp
+    out = x2.new_empty(chunks * rows, np_)
+    wt = weight.t()
+    for c in range(chunks):
+        torch.mm(x2[c * rows:(c + 1) * rows], wt, out=out[c * rows:(c + 1) * rows])
+    return out[:m, :n].reshape(*lead, n)
+
+
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """``x [M, ...]`` zero-padded along dim 0 to a multiple of ``rows`` (``x`` itself when it already is one, is
+    contiguous and aligned like a fresh allocation): batch-invariant mode keeps the token dimension padded so that
+    every :func:`linear_rows` call takes whole chunks without copying."""
+    m = x.shape[0]
+    align = 256 if x.is_cuda else 64
+    if rows <= 0 or (m % rows == 0 and x.is_contiguous() and x.data_ptr() % align == 0):
+        return x
+    out = x.new_zeros(-(-m // rows) * rows, *x.shape[1:])
+    out[:m] = x
+    return out
+
+
+def pad_rows_buffer(like: torch.Tensor, m: int, rows: int) -> torch.Tensor:
+    """A fresh ``[ceil(m / rows) * rows, *like.shape[1:]]`` buffer for ``m`` rows of ``like``'s dtype and device.
+    Its padding rows are zero on the CPU and left uninitialised on CUDA: a GEMM row (and every row-wise op) depends
+    on its own row only, and padding rows are dropped, so their content never matters -- zeros on the CPU only
+    avoid slow denormal arithmetic."""
+    shape = (-(-m // rows) * rows, *like.shape[1:])
+    return like.new_empty(shape) if like.is_cuda else like.new_zeros(shape)
+
+
+def pointwise(fn, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
+    """``fn(x)`` for a transcendental elementwise op (sigmoid, silu, softplus, ...).
+
+    Batch-invariant mode (``rows > 0``) on the CPU: torch's vectorised CPU loops compute the tail of each contiguous
+    run (and of each thread's range) with the scalar libm function, whose last bit can differ from the SIMD one,
+    so an element's value would depend on where it sits, i.e. on the batch. The op then runs on a stride-2 copy,
+    which torch always processes with the scalar function, every element the same way. CUDA elementwise kernels
+    apply the same device function to every element, so they run as is.
+    """
+    if rows <= 0 or x.device.type != "cpu":
+        return fn(x)
+    spread = torch.empty(*x.shape, 2, dtype=x.dtype)[..., 0]
+    spread.copy_(x)
+    return fn(spread)
+
+
 class Linear(nn.Module):
-    """``y = x @ weight.T`` on a dequantised ``[out, in]`` weight (FP8/FP4 GEMMs replace this later)."""
+    """``y = x @ weight.T`` on a dequantised ``[out, in]`` weight (FP8/FP4 GEMMs replace this later).
+    ``forward(x, rows)``: see :func:`linear_rows` (``rows > 0``: fixed-shape, batch-invariant GEMM chunks)."""
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)
+    def forward(self, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        return linear_rows(x, self.weight, rows)
 
 
 class RMSNorm(nn.Module):
@@ -208,10 +315,12 @@ class Expert(nn.Module):
         self.w2 = Linear(dim, inter, dtype)  # down
         self.w3 = Linear(inter, dim, dtype)  # up
 
-    def forward(self, x: torch.Tensor, limit: float) -> torch.Tensor:
-        gate = self.w1(x).clamp(max=limit)
-        up = self.w3(x).clamp(min=-limit, max=limit)
-        return self.w2(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, limit: float, rows: int = 0) -> torch.Tensor:
+        m = x.shape[0]
+        x = pad_rows(x, rows)  # batch-invariant mode: pad once, the three GEMMs then take whole chunks
+        gate = self.w1(x, rows).clamp(max=limit)
+        up = self.w3(x, rows).clamp(min=-limit, max=limit)
+        return self.w2(pointwise(F.silu, gate, rows) * up, rows)[:m]
 
 
 class Gate(nn.Module):
@@ -376,7 +485,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             run in float32.
     """
 
-    QUERY_CHUNK = 512  # queries per lightning-indexer score chunk (bounds the [queries, index heads, entries] scores)
+    QUERY_CHUNK = 512  # queries per lightning-indexer score chunk (bounds the [queries, entries] scores)
+    # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape GEMM call (see ``linear_rows``),
+    # per device type. The costs: up to rows - 1 padded GEMM rows per call (free while a call is bandwidth-bound on
+    # its weight, as a decode step of <= 128 tokens is on the GPU) and one launch per ``rows`` tokens.
+    BI_GEMM_ROWS = {"cuda": 128, "cpu": 16}
+    BI_GEMM_ROWS_DEFAULT = 128
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -458,44 +572,86 @@ class DeepseekV4ForCausalLM(nn.Module):
         return t
 
     # ---- mHC ------------------------------------------------------------------------------------------------------
-    def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
-        """streams ``[T, hc, D]`` -> (post ``[T, hc]``, comb ``[T, hc, hc]`` float32, collapsed ``[T, D]``)."""
+    def batch_invariant_rows(self, device: torch.device) -> int:
+        """Rows per fixed-shape GEMM call in batch-invariant mode on ``device``."""
+        return self.BI_GEMM_ROWS.get(torch.device(device).type, self.BI_GEMM_ROWS_DEFAULT)
+
+    @staticmethod
+    def _collapse(pre: torch.Tensor, streams: torch.Tensor, rows: int) -> torch.Tensor:
+        """``sum_i pre[:, i] * streams[:, i]`` -> ``[T, D]`` in ``streams.dtype`` (batch-invariant mode: explicit adds
+        in stream order, float32)."""
+        if not rows:
+            return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        acc = pre[:, 0, None] * streams[:, 0].float()
+        for i in range(1, streams.shape[1]):
+            acc = acc + pre[:, i, None] * streams[:, i].float()
+        return acc.to(streams.dtype)
+
+    def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rows: int = 0):
+        """streams ``[T, hc, D]`` -> (post ``[T, hc]``, comb ``[T, hc, hc]`` float32, collapsed ``[T, D]``).
+        ``rows``: batch-invariant GEMM rows (0 = off)."""
         cfg = self.config
         hc = cfg.hc_mult
         T = streams.shape[0]
         flat = streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous()
         flat = deepinfer_ops.rms_norm(flat, None, cfg.rms_norm_eps)
-        mix = F.linear(flat, fn.float())
+        mix = linear_rows(flat, fn.float(), rows)
         pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
         base = base.float()
         scale = scale.float()
-        pre = torch.sigmoid(pre_w * scale[0] + base[:hc]) + cfg.hc_eps
-        post = 2 * torch.sigmoid(post_w * scale[1] + base[hc:2 * hc])
+        pre = pointwise(torch.sigmoid, pre_w * scale[0] + base[:hc], rows) + cfg.hc_eps
+        post = 2 * pointwise(torch.sigmoid, post_w * scale[1] + base[hc:2 * hc], rows)
         comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + cfg.hc_eps
         comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
         for _ in range(cfg.hc_sinkhorn_iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, self._collapse(pre, streams, rows)
 
     @staticmethod
-    def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 rows: int = 0) -> torch.Tensor:
+        """``new[:, j] = post[:, j] * out + sum_i comb[:, i, j] * streams[:, i]``. Batch-invariant mode (``rows > 0``):
+        the mixing sum is explicit float32 adds in stream order instead of a batched matmul whose batch count is
+        the number of tokens (cuBLAS would pick its kernel by it)."""
         dt = streams.dtype
-        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+        if not rows:
+            return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
+        mixed = comb[:, 0, :, None] * streams[:, 0, None, :].float()
+        for i in range(1, streams.shape[1]):
+            mixed = mixed + comb[:, i, :, None] * streams[:, i, None, :].float()
+        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + mixed.to(dt)
 
-    def _hc_head(self, streams: torch.Tensor, fn, base, scale) -> torch.Tensor:
+    def _hc_head(self, streams: torch.Tensor, fn, base, scale, rows: int = 0) -> torch.Tensor:
         T = streams.shape[0]
         flat = streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous()
         flat = deepinfer_ops.rms_norm(flat, None, self.config.rms_norm_eps)
-        mixes = F.linear(flat, fn.float())
-        pre = torch.sigmoid(mixes * scale.float() + base.float()) + self.config.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        mixes = linear_rows(flat, fn.float(), rows)
+        pre = pointwise(torch.sigmoid, mixes * scale.float() + base.float(), rows) + self.config.hc_eps
+        return self._collapse(pre, streams, rows)
 
     # ---- compressor -------------------------------------------------------------------------------------------
+    @staticmethod
+    def _pool_bi(slot_kv: torch.Tensor, slot_gate: torch.Tensor) -> torch.Tensor:
+        """Batch-invariant window pooling: ``[n_win, slots, hd]`` kv and float32 gates -> ``[n_win, hd]`` in the kv
+        dtype, ``sum_j kv_j * softmax_j(gate)`` with the softmax sum and the pooled sum as explicit float32 adds in
+        slot order (a torch reduction kernel's split of the slots over threads may follow the number of windows
+        closing in the step, i.e. the prefill chunking)."""
+        n_slots = slot_gate.shape[1]
+        shifted = slot_gate - slot_gate.amax(dim=1, keepdim=True)  # max: exact in any order
+        e = pointwise(torch.exp, shifted, 1)
+        denom = e[:, 0]
+        for j in range(1, n_slots):
+            denom = denom + e[:, j]
+        weights = (e / denom.unsqueeze(1)).to(slot_kv.dtype)
+        acc = (slot_kv[:, 0] * weights[:, 0]).float()
+        for j in range(1, n_slots):
+            acc = acc + (slot_kv[:, j] * weights[:, j]).float()
+        return acc.to(slot_kv.dtype)
+
     def _compress_seq(self, comp: Compressor, kv_new: torch.Tensor, gate_new: torch.Tensor, s: _Seq,
                       pool_state_kv: torch.Tensor, pool_state_gate: torch.Tensor, pool_comp: torch.Tensor,
-                      rope_table: torch.Tensor) -> None:
+                      rope_table: torch.Tensor, rows: int = 0) -> None:
         """Emit the entries of every window that closes in this step into ``pool_comp`` and persist the open
         window's (and for CSA the previous window's) projections in the ring of the block of the last token.
         ``kv_new`` / ``gate_new``: ``[q, coff * hd]`` projections of the step's tokens (the rings keep them as
@@ -533,8 +689,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                     slot_gate[n_win - k:, :m] = (all_gate[plo:phi].view(k, m, -1).float() + ape)[..., :hd]
             else:
                 slot_kv, slot_gate = cur_kv, cur_gate
-            weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
-            entries = comp.norm((slot_kv * weights).sum(dim=1))
+            if rows:
+                entries = comp.norm(self._pool_bi(slot_kv, slot_gate.float()).contiguous())
+            else:
+                weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
+                entries = comp.norm((slot_kv * weights).sum(dim=1))
             w_pos = torch.arange(first_w, end_w, device=entries.device) * m
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             per_block = pool_comp.shape[1]
@@ -554,7 +713,9 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ---- attention ---------------------------------------------------------------------------------------------
     def _attention(self, attn: Attention, x: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq],
-                   pools: dict[str, torch.Tensor]) -> torch.Tensor:
+                   pools: dict[str, torch.Tensor], rows: int = 0) -> torch.Tensor:
+        """One attention sublayer over the step's tokens ``x [T, D]``. ``rows > 0``: batch-invariant mode (fixed-shape
+        GEMM chunks of ``rows`` rows; the sparse attention and indexer ops compute each query row on its own)."""
         cfg = self.config
         T = x.shape[0]
         H, hd = cfg.num_attention_heads, cfg.head_dim
@@ -563,42 +724,43 @@ class DeepseekV4ForCausalLM(nn.Module):
         max_pos = int(positions.max()) + 1 if T else 1
         table = self._rope(attn.rope_kind, max_pos, x.device)
 
-        qr = attn.q_norm(attn.wq_a(x))
-        q = attn.wq_b(qr).view(T, H, hd)
+        qr = attn.q_norm(attn.wq_a(x, rows))
+        q = attn.wq_b(qr, rows).view(T, H, hd)
         q = deepinfer_ops.rms_norm(q.contiguous(), None, cfg.rms_norm_eps)
         deepinfer_ops.rotary_embedding(q, positions, table)
-        kv = attn.kv_norm(attn.wkv(x)).contiguous()
+        kv = attn.kv_norm(attn.wkv(x, rows)).contiguous()
         deepinfer_ops.rotary_embedding(kv, positions, table)
 
         lt = attn.layer_type
         if lt != SLIDING:
             m = attn.ratio
             comp = attn.compressor
-            ckv = comp.wkv(x)
-            cgate = comp.wgate(x)
+            ckv = comp.wkv(x, rows)
+            cgate = comp.wgate(x, rows)
         if lt == CSA:
             idx = attn.indexer
-            ikv = idx.compressor.wkv(x)
-            igate = idx.compressor.wgate(x)
-            iq = idx.wq_b(qr).view(T, idx.n_heads, idx.head_dim).contiguous()
+            ikv = idx.compressor.wkv(x, rows)
+            igate = idx.compressor.wgate(x, rows)
+            iq = idx.wq_b(qr, rows).view(T, idx.n_heads, idx.head_dim).contiguous()
             deepinfer_ops.rotary_embedding(iq, positions, table)
-            iw = idx.weights_proj(x).float() * (idx.n_heads ** -0.5)
+            iw = idx.weights_proj(x, rows).float() * (idx.n_heads ** -0.5)
 
         # 1. the step's cache writes: raw K=V of every token, then every window closing in this step (compressed
         #    entries and indexer keys)
         kv_cache = pools["kv"]  # [num_blocks, B, hd]: a paged cache with block_size B
         slots = torch.cat([_token_slots(s.blocks, s.c0, s.L, B) for s in seqs])
-        deepinfer_ops.kv_cache_write(kv_cache, kv.to(kv_cache.dtype), slots)
+        deepinfer_ops.kv_cache_write(kv_cache, kv[:slots.shape[0]].to(kv_cache.dtype), slots)  # not the padding rows
         if lt != SLIDING:
             for s in seqs:
                 sl = slice(s.a, s.b)
                 self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"],
-                                   table)
+                                   table, rows)
                 if lt == CSA:
                     self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
-                                       pools["idx_state_gate"], pools["idx"], table)
+                                       pools["idx_state_gate"], pools["idx"], table, rows)
         # 2. the index lists: window = the last W raw tokens (query included) in position order; compressed = every
-        #    closed entry (HCA) or the indexer's top-k closed entries (CSA); -1 = no entry. Per-token block tables.
+        #    closed entry (HCA) or the indexer's top-k closed entries (CSA) in entry order; -1 = no entry. Per-token
+        #    block tables; batch-invariant padding rows (past the sequences) get no block, hence no entry (out = 0).
         dev = x.device
         max_nb = max(s.blocks.numel() for s in seqs)
         tok_bt = torch.full((T, max_nb), -1, dtype=torch.long, device=dev)
@@ -618,8 +780,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 comp_idx = torch.where(w < n_vis.view(-1, 1), tok_bt.gather(1, (w // per_block).expand(T, -1)) * per_block
                                        + w % per_block, -1).to(torch.int32)
             else:  # CSA: lightning-indexer scores (mqa_logits over the paged indexer keys), then the top-k
-                k = min(idx.topk, n_ent)
-                ent = torch.empty(T, k, dtype=torch.long, device=dev)
+                ent = torch.full((T, idx.topk), -1, dtype=torch.long, device=dev)  # width independent of the batch
                 ikeys = pools["idx"].to(iq.dtype)
                 k_end = n_vis.to(torch.int32)
                 bt32 = tok_bt.to(torch.int32)
@@ -632,7 +793,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                     visible = torch.arange(n_ent, device=dev).view(1, -1) < n_vis[r0:r1].view(-1, 1)
                     ids, ties = indexer_topk(sc, visible, idx.topk)
                     self.last_indexer_boundary_ties += ties
-                    ent[r0:r1] = ids
+                    ent[r0:r1, :ids.shape[1]] = ids
                 # entry order (-1 last) so the keys are summed in the same order for any chunking or batch
                 ent = torch.where(ent >= 0, ent, n_ent).sort(dim=1).values
                 ec = ent.clamp(max=n_ent - 1)
@@ -645,22 +806,27 @@ class DeepseekV4ForCausalLM(nn.Module):
         out = out.to(x.dtype)
         deepinfer_ops.rotary_embedding(out, positions, table, inverse=True)
         G = cfg.o_groups
-        grouped = out.view(T, G, -1)
         wa = attn.wo_a.weight.view(G, cfg.o_lora_rank, -1)
+        if rows:  # one fixed-shape GEMM chain per group (the einsum below is a bmm whose kernel depends on T)
+            per_group = out.view(T, G, -1).transpose(0, 1).contiguous()
+            o = torch.stack([linear_rows(per_group[g], wa[g], rows) for g in range(G)], dim=1)
+            return attn.wo_b(o.reshape(T, G * cfg.o_lora_rank), rows)
+        grouped = out.view(T, G, -1)
         o = torch.einsum("tgi,goi->tgo", grouped, wa).reshape(T, G * cfg.o_lora_rank)
         return attn.wo_b(o)
 
     # ---- MoE -------------------------------------------------------------------------------------------------------
-    def _route(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor,
+               rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Router: ``x [T, D]`` -> (weights ``[T, top_k]`` float32, expert ids ``[T, top_k]`` int64). Hash layers take
         ``tid2eid[input_ids]``; score-routed layers the top-k of ``score + bias`` by the tie rule (higher first, then
         lower expert id). Weights are the chosen unbiased scores, renormalised, times ``routed_scaling_factor``."""
         cfg = self.config
-        logits = F.linear(x, moe.gate.weight).float()
+        logits = linear_rows(x, moe.gate.weight, rows).float()
         if cfg.scoring_func == "sqrtsoftplus":
-            scores = F.softplus(logits).sqrt()
+            scores = pointwise(F.softplus, logits, rows).sqrt()
         elif cfg.scoring_func == "sigmoid":
-            scores = torch.sigmoid(logits)
+            scores = pointwise(torch.sigmoid, logits, rows)
         else:
             scores = torch.softmax(logits, dim=-1)
         if moe.gate.hashed:
@@ -671,26 +837,38 @@ class DeepseekV4ForCausalLM(nn.Module):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
         return weights, indices
 
-    def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, rows: int = 0,
+             num_tokens: int | None = None) -> torch.Tensor:
+        """Routed experts + shared expert. The combine is in a fixed order in both modes: a token's expert outputs
+        are added to it in ascending expert id (one ``index_add_`` per expert, each token at most once per call, so
+        no atomics race), then the shared expert. ``rows > 0``: every expert GEMM runs in fixed-shape chunks."""
         cfg = self.config
-        weights, indices = self._route(moe, x, input_ids)
+        weights, indices = self._route(moe, x, input_ids, rows)
+        if num_tokens is not None:  # batch-invariant mode: rows past num_tokens are padding, never dispatched
+            weights, indices = weights[:num_tokens], indices[:num_tokens]
         y = torch.zeros_like(x)
         limit = cfg.swiglu_limit
         for e in torch.unique(indices).tolist():
             tok, slot = torch.where(indices == e)
-            h = moe.experts[e](x[tok], limit) * weights[tok, slot, None].to(x.dtype)
+            if rows:  # gather straight into a buffer of whole GEMM chunks (the expert then copies nothing)
+                xe = pad_rows_buffer(x, tok.shape[0], rows)
+                torch.index_select(x, 0, tok, out=xe[:tok.shape[0]])
+                h = moe.experts[e](xe, limit, rows)[:tok.shape[0]]
+            else:
+                h = moe.experts[e](x[tok], limit, rows)
+            h = h * weights[tok, slot, None].to(x.dtype)
             y.index_add_(0, tok, h)
-        return y + moe.shared_experts(x, limit)
+        return y + moe.shared_experts(x, limit, rows)
 
     # ---- blocks -----------------------------------------------------------------------------------------------------
     def _block(self, blk: Block, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-               seqs: list[_Seq], pools: dict[str, torch.Tensor]) -> torch.Tensor:
-        post, comb, collapsed = self._hc_pre(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale)
-        a = self._attention(blk.attn, blk.attn_norm(collapsed), positions, seqs, pools)
-        streams = self._hc_post(streams, a, post, comb)
-        post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale)
-        f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids)
-        return self._hc_post(streams, f, post, comb)
+               seqs: list[_Seq], pools: dict[str, torch.Tensor], rows: int = 0) -> torch.Tensor:
+        post, comb, collapsed = self._hc_pre(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, rows)
+        a = self._attention(blk.attn, blk.attn_norm(collapsed), positions, seqs, pools, rows)
+        streams = self._hc_post(streams, a, post, comb, rows)
+        post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, rows)
+        f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids, rows, seqs[-1].b if rows else None)
+        return self._hc_post(streams, f, post, comb, rows)
 
     # ---- public forward --------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -720,16 +898,21 @@ class DeepseekV4ForCausalLM(nn.Module):
             logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=dev)
             streams = torch.empty(0, cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=dev)
             return (logits, streams) if return_hidden else logits
-        ids = batch.input_ids.long()
-        positions = batch.positions.long()
+        rows = self.batch_invariant_rows(dev) if batch.batch_invariant else 0
+        T = batch.num_tokens
+        # batch-invariant mode: the token dimension is zero-padded to whole GEMM chunks for the whole step (token 0
+        # at position 0); the padding rows are never attended to, routed, cached or returned
+        ids = pad_rows(batch.input_ids.long(), rows)
+        positions = pad_rows(batch.positions.long(), rows)
         emb = self.embed(ids)
         streams = emb.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for i, blk in enumerate(self.layers):
-            streams = self._block(blk, streams, ids, positions, seqs, cache.layers[i])
+            streams = self._block(blk, streams, ids, positions, seqs, cache.layers[i], rows)
+        streams = streams[:T]
         li = batch.logits_indices.long()
         sel = streams[li]
-        x = self.norm(self._hc_head(sel, self.hc_head_fn, self.hc_head_base, self.hc_head_scale))
-        logits = self.head(x).float()
+        x = self.norm(self._hc_head(sel, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, rows))
+        logits = self.head(x, rows).float()
         return (logits, streams) if return_hidden else logits
 
     @torch.no_grad()
@@ -755,21 +938,24 @@ class DeepseekV4ForCausalLM(nn.Module):
             logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=hidden_streams.device)
             return (logits, hidden_streams[:0].to(self.dtype)) if return_hidden else logits
         blk = self.mtp[mtp_idx]
-        ids = batch.input_ids.long()
-        positions = batch.positions.long()
-        e = blk.e_proj(blk.enorm(self.embed(ids)))
-        h = blk.h_proj(blk.hnorm(hidden_streams.to(self.dtype).contiguous()))
+        rows = self.batch_invariant_rows(hidden_streams.device) if batch.batch_invariant else 0
+        ids = pad_rows(batch.input_ids.long(), rows)  # batch-invariant mode: whole GEMM chunks, see forward
+        positions = pad_rows(batch.positions.long(), rows)
+        e = blk.e_proj(blk.enorm(self.embed(ids)), rows)
+        h = blk.h_proj(blk.hnorm(pad_rows(hidden_streams.to(self.dtype).contiguous(), rows)), rows)
         streams = e.unsqueeze(1) + h
-        streams = self._block(blk, streams, ids, positions, seqs, cache.layers[self.config.num_hidden_layers + mtp_idx])
+        streams = self._block(blk, streams, ids, positions, seqs,
+                              cache.layers[self.config.num_hidden_layers + mtp_idx], rows)[:T]
         sel = streams[batch.logits_indices.long()]
-        x = blk.norm(self._hc_head(sel, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale))
-        logits = self.head(x).float()
+        x = blk.norm(self._hc_head(sel, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, rows))
+        logits = self.head(x, rows).float()
         return (logits, streams) if return_hidden else logits
 
     @torch.no_grad()
-    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_full(self, input_ids: torch.Tensor, batch_invariant: bool = False) -> torch.Tensor:
         """Whole-sequence forward with a temporary cache: ``input_ids [S]`` or ``[B, S]`` -> logits ``[S, vocab]`` or
-        ``[B, S, vocab]`` float32 (every position). Same code path as :meth:`forward`."""
+        ``[B, S, vocab]`` float32 (every position). Same code path as :meth:`forward` (``batch_invariant``: see
+        ``ForwardBatch``)."""
         squeeze = input_ids.dim() == 1
         ids = input_ids.view(1, -1) if squeeze else input_ids
         Bsz, S = ids.shape
@@ -784,6 +970,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             context_lens=[S] * Bsz,
             block_tables=torch.arange(Bsz * nb, dtype=torch.int32, device=ids.device).view(Bsz, nb),
             logits_indices=torch.arange(Bsz * S, device=ids.device),
+            batch_invariant=batch_invariant,
         )
         logits = self.forward(batch, cache)
         return logits.view(S, -1) if squeeze else logits.view(Bsz, S, -1)

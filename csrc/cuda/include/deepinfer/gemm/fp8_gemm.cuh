@@ -48,6 +48,13 @@ void launch_fp8_gemm_nt_bf16_splitk(const Fp8GemmParams& p, cudaStream_t stream)
 // The per-group problem sizes and pointers are derived on the device (no host sync) by a setup kernel,
 // from m_indices (contiguous layout) or masked_m (masked layout), then one persistent CUTLASS
 // ptr-array grouped kernel runs all groups.
+//
+// Scale layouts inside the kernel: CUTLASS 4.2's sm90 grouped blockwise mainloop ignores the layout_SFA /
+// layout_SFB arguments and rebuilds both scale layouts from each group's problem shape (M_g, N, K)
+// (Sm90BlockwiseScaleConfig::tile_atom_to_shape_SFA/SFB): group g's A scales must be a compact M-major
+// [ceil(K/128), M_g] block (kb stride M_g) and its B scales a compact K-major [ceil(N/128), ceil(K/128)] block.
+// So the launcher first packs the caller's A scales (any strides) per group into such blocks in the workspace;
+// the B scales must already be compact per group (ld_sfb == ceil(K/128); the torch entry point ensures it).
 enum class GroupedLayout : int { kContiguous = 0, kMasked = 1 };
 
 struct GroupedFp8GemmParams {
@@ -58,23 +65,28 @@ struct GroupedFp8GemmParams {
   //             (rows outside every run, e.g. m_indices == -1, are not read and their D rows are not written).
   // masked:     A [G, max_m, K]; group g = rows [0, min(masked_m[g], max_m)) of A[g].
   const void* a;        // float8_e4m3fn, row stride lda, group stride a_group_stride (masked), elements
-  const float* sfa;     // M-major scales: contiguous sfa[kb * ld_sfa + r];
-                        //                 masked sfa[g * sfa_group_stride + kb * ld_sfa + m]
+  const float* sfa;     // A scales, any strides (elements): contiguous [M_total, kb]: sfa[r * sfa_row_stride +
+                        // kb * sfa_k_stride]; masked [G, max_m, kb]: sfa[g * sfa_group_stride + m * sfa_row_stride +
+                        // kb * sfa_k_stride]. Read once by the packing kernel (never by CUTLASS).
   const void* b;        // [G, N, K] float8_e4m3fn, row stride ldb, group stride b_group_stride
-  const float* sfb;     // [G, ceil(N/128), ceil(K/128)] fp32, sfb[g * sfb_group_stride + nb * ld_sfb + kb]
+  const float* sfb;     // [G, ceil(N/128), ceil(K/128)] fp32, sfb[g * sfb_group_stride + nb * ld_sfb + kb];
+                        // ld_sfb must equal ceil(K/128) when ceil(N/128) > 1 (compact per group, see above)
   void* d;              // bf16; contiguous [M_total, N], masked [G, max_m, N]; row stride ldd,
                         // group stride d_group_stride
   const int32_t* m_indices;  // contiguous: [M_total] group of each row (-1 = padding); else null
   const int32_t* masked_m;   // masked: [G] valid rows per group; else null
   int M_total;          // contiguous: rows of A; masked: max_m
   int64_t lda, ldb, ldd, a_group_stride, b_group_stride, d_group_stride;
-  int ld_sfa, ld_sfb;
-  int64_t sfa_group_stride, sfb_group_stride;
+  int64_t sfa_row_stride, sfa_k_stride, sfa_group_stride;
+  int ld_sfb;
+  int64_t sfb_group_stride;
   int num_sms;
-  void* workspace;      // >= grouped_fp8_gemm_nt_bf16_workspace_size(num_groups, num_sms) bytes, 256-byte aligned
+  void* workspace;      // >= grouped_fp8_gemm_nt_bf16_workspace_size(...) bytes, 256-byte aligned
 };
 
-size_t grouped_fp8_gemm_nt_bf16_workspace_size(int num_groups, int num_sms);
+// Workspace bytes: per-group argument arrays, the packed A scales (sfa_rows * ceil(K/128) floats, where sfa_rows =
+// M_total (contiguous) or G * max_m (masked)) and CUTLASS's own workspace.
+size_t grouped_fp8_gemm_nt_bf16_workspace_size(int num_groups, int64_t sfa_rows, int K, int num_sms);
 void launch_grouped_fp8_gemm_nt_bf16(const GroupedFp8GemmParams& p, cudaStream_t stream);
 
 }  // namespace deepinfer::gemm

@@ -1,0 +1,47 @@
+"""bench/bench_engine.py on the tiny model (CPU): both modes in one run, the overhead rows, the alone-vs-batched flag."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "bench_engine.py"
+
+
+def _bench_module():
+    spec = importlib.util.spec_from_file_location("bench_engine_under_test", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_mode_both_modes_and_overhead_rows():
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    mod = _bench_module()
+    model = DeepseekV4ForCausalLM.from_checkpoint().eval()
+    args = argparse.Namespace(num_requests=3, prompt_len=20, max_tokens=3, temperature=0.0,
+                              max_num_batched_tokens=128, num_blocks=16, device="cpu")
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        off = mod.run_mode(model, False, args, {"checkpoint": "tiny"})
+        on = mod.run_mode(model, True, args, {"checkpoint": "tiny"})
+    finally:
+        torch.set_num_threads(n)
+    for row in (off, on):
+        assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+        assert row["us"] == pytest.approx(1e6 / row["decode_tok_s"], rel=1e-3)
+    assert on["shape"]["batch_invariant"] and not off["shape"]["batch_invariant"]
+    assert on["alone_equals_batched"] and on["alone_max_abs_logprob_diff"] == 0.0
+    rows = mod.overhead_rows(off, on)
+    assert [r["op"] for r in rows] == ["engine_prefill", "engine_decode"]
+    for r, phase in zip(rows, ("prefill", "decode")):
+        assert r["tok_s"] == on[f"{phase}_tok_s"]
+        assert r["peers"]["batch_invariant_off"]["tok_s"] == off[f"{phase}_tok_s"]
+        assert r["overhead_pct"] == pytest.approx(100 * (off[f"{phase}_tok_s"] / on[f"{phase}_tok_s"] - 1), abs=0.01)
+        assert "batch_invariant" not in r["shape"]
