@@ -37,8 +37,11 @@ def per_token_group_quant_fp8_ref(
     scale = max(amax, 1e-10) / 448 per group (NaN if the group holds NaN), optionally rounded up to a power of
     two; q = e4m3(clamp(x * (1 / scale), -448, 448)), round-to-nearest-even. The last group may be partial.
     """
+    # Computed on the CPU whatever x's device: torch's CUDA division by a Python scalar multiplies by the rounded
+    # reciprocal ("may lose one bit"), which would make this bit-exact reference device-dependent.
+    device = x.device
     k = x.shape[-1]
-    x2 = x.reshape(-1, k).float()
+    x2 = x.reshape(-1, k).float().cpu()
     rows = x2.shape[0]
     groups = -(-k // group_size)
     pad = groups * group_size - k
@@ -51,7 +54,7 @@ def per_token_group_quant_fp8_ref(
         scale = torch.where(finite, round_up_pow2_ref(torch.where(finite, scale, torch.ones_like(scale))), scale)
     q = (xp * (1.0 / scale).unsqueeze(-1)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     q = q.view(rows, groups * group_size)[:, :k].to(torch.float8_e4m3fn)
-    return q.view(x.shape), scale
+    return q.view(x.shape).to(device), scale.to(device)
 
 
 def dequant_per_token_group_fp8_ref(q: torch.Tensor, scale: torch.Tensor, group_size: int = 128) -> torch.Tensor:
