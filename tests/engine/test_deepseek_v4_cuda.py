@@ -61,8 +61,8 @@ def _routes(model: DeepseekV4ForCausalLM):
     calls: list[torch.Tensor] = []
     orig = model._route
 
-    def route(moe, x, input_ids):
-        w, idx = orig(moe, x, input_ids)
+    def route(*args, **kwargs):
+        w, idx = orig(*args, **kwargs)
         calls.append(idx.sort(dim=-1).values.cpu())
         return w, idx
 
