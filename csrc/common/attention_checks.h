@@ -43,8 +43,14 @@ inline void check_kv_list(const char* op, const at::Tensor& q, const at::Tensor&
                           const at::Tensor& indices, const char* indices_name,
                           const std::optional<at::Tensor>& topk_length, const char* len_name,
                           at::IntArrayRef idx_lead, int64_t num_lengths) {
-  DEEPINFER_CHECK(cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kByte, op, cache_name,
-                  " must be torch.bfloat16 or torch.uint8 (FP8 MODEL1 entries), got ", dtype_name(cache.scalar_type()));
+  if (q.scalar_type() == at::kFloat) {
+    DEEPINFER_CHECK(cache.scalar_type() == at::kFloat, op, cache_name, " must be torch.float32 with a float32 q, got ",
+                    dtype_name(cache.scalar_type()));
+  } else {
+    DEEPINFER_CHECK(cache.scalar_type() == at::kBFloat16 || cache.scalar_type() == at::kByte, op, cache_name,
+                    " must be torch.bfloat16 or torch.uint8 (FP8 MODEL1 entries), got ",
+                    dtype_name(cache.scalar_type()));
+  }
   check_same_device(op, cache, cache_name, q, "q");
   DEEPINFER_CHECK(cache.dim() == 3, op, cache_name, " must be [num_blocks, block_size, head_dim], got ",
                   cache.sizes());
@@ -74,21 +80,30 @@ inline void check_kv_list(const char* op, const at::Tensor& q, const at::Tensor&
 }
 
 // decode: q [b, s_q, h, d]; prefill: q [t, h, d] (is_prefill). Returns the normalised arguments.
+// allow_fp32 (CPU only): q, out and both caches may instead all be float32 (the model's fp32 CPU path).
 inline SparseMqaArgs check_sparse_mqa(const char* op, bool is_prefill, const at::Tensor& out, const at::Tensor& lse,
                                       const at::Tensor& q, const at::Tensor& kv_cache, const at::Tensor& indices,
                                       const std::optional<at::Tensor>& topk_length,
                                       const std::optional<at::Tensor>& extra_kv_cache,
                                       const std::optional<at::Tensor>& extra_indices,
                                       const std::optional<at::Tensor>& extra_topk_length,
-                                      const std::optional<at::Tensor>& attn_sink, double softmax_scale) {
+                                      const std::optional<at::Tensor>& attn_sink, double softmax_scale,
+                                      bool allow_fp32 = false) {
   const int64_t lead_dims = is_prefill ? 1 : 2;
-  check_dtype(op, q, "q", at::kBFloat16);
+  if (allow_fp32 && q.scalar_type() == at::kFloat) {
+    // float32 q: out and the caches must be float32 too (checked below and in check_kv_list)
+  } else if (allow_fp32) {
+    DEEPINFER_CHECK(q.scalar_type() == at::kBFloat16, op, "q must be torch.bfloat16 or torch.float32, got ",
+                    dtype_name(q.scalar_type()));
+  } else {
+    check_dtype(op, q, "q", at::kBFloat16);
+  }
   DEEPINFER_CHECK(q.dim() == lead_dims + 2, op, "q must be ", is_prefill ? "[num_tokens, h, head_dim]" :
                   "[b, s_q, h, head_dim]", ", got ", q.sizes());
   DEEPINFER_CHECK(q.is_contiguous(), op, "q must be contiguous, got strides ", q.strides());
   const int64_t h = q.size(-2), d = q.size(-1);
   DEEPINFER_CHECK(d == 64 || d == 128 || d == 256 || d == 512, op, "head_dim must be 64, 128, 256 or 512, got ", d);
-  check_dtype(op, out, "out", at::kBFloat16);
+  check_dtype(op, out, "out", q.scalar_type());
   DEEPINFER_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), op, "out must be contiguous ", q.sizes(),
                   ", got ", out.sizes(), " strides ", out.strides());
   check_same_device(op, out, "out", q, "q");
@@ -131,21 +146,34 @@ inline SparseMqaArgs check_sparse_mqa(const char* op, bool is_prefill, const at:
 
 // mqa_logits(logits [t, n] fp32, q [t, H, d] bf16, weights [t, H] fp32, k_cache [num_blocks, block_size, d] bf16,
 //            block_table [t, max_blocks] int32?, k_start [t] int32?, k_end [t] int32?)
+// allow_fp32 (CPU only): q and k_cache may instead both be float32 (the model's fp32 CPU path).
 inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights,
                              const at::Tensor& k_cache, const std::optional<at::Tensor>& block_table,
-                             const std::optional<at::Tensor>& k_start, const std::optional<at::Tensor>& k_end) {
+                             const std::optional<at::Tensor>& k_start, const std::optional<at::Tensor>& k_end,
+                             bool allow_fp32 = false) {
   const char* op = "mqa_logits";
-  check_dtype(op, q, "q", at::kBFloat16);
+  const bool fp32 = allow_fp32 && q.scalar_type() == at::kFloat;
+  if (allow_fp32 && !fp32) {
+    DEEPINFER_CHECK(q.scalar_type() == at::kBFloat16, op, "q must be torch.bfloat16 or torch.float32, got ",
+                    dtype_name(q.scalar_type()));
+  } else if (!fp32) {
+    check_dtype(op, q, "q", at::kBFloat16);
+  }
   DEEPINFER_CHECK(q.dim() == 3 && q.is_contiguous(), op,
                   "q must be a contiguous [num_tokens, num_heads, head_dim], got ", q.sizes(), " strides ", q.strides());
   const int64_t t = q.size(0), H = q.size(1), d = q.size(2);
-  DEEPINFER_CHECK(d == 64 || d == 128, op, "head_dim must be 64 or 128, got ", d);
+  DEEPINFER_CHECK(d == 48 || d == 64 || d == 128, op, "head_dim must be 48, 64 or 128, got ", d);
   DEEPINFER_CHECK(H >= 1, op, "num_heads must be >= 1");
   check_dtype(op, weights, "weights", at::kFloat);
   DEEPINFER_CHECK(weights.dim() == 2 && weights.size(0) == t && weights.size(1) == H && weights.is_contiguous(), op,
                   "weights must be a contiguous [", t, ", ", H, "], got ", weights.sizes());
   check_same_device(op, weights, "weights", q, "q");
-  check_dtype(op, k_cache, "k_cache", at::kBFloat16);
+  if (fp32) {
+    DEEPINFER_CHECK(k_cache.scalar_type() == at::kFloat, op, "k_cache must be torch.float32 with a float32 q, got ",
+                    dtype_name(k_cache.scalar_type()));
+  } else {
+    check_dtype(op, k_cache, "k_cache", at::kBFloat16);
+  }
   check_same_device(op, k_cache, "k_cache", q, "q");
   DEEPINFER_CHECK(k_cache.dim() == 3 && k_cache.size(2) == d && k_cache.size(1) > 0, op,
                   "k_cache must be [num_blocks, block_size > 0, ", d, "], got ", k_cache.sizes());

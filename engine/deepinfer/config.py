@@ -21,7 +21,7 @@ class EngineConfig:
         max_num_seqs: most sequences running at once.
         max_model_len: context limit in tokens (prompt + output); ``None`` takes the model's.
         batch_invariant: per-row computation everywhere: every model step runs in the model's batch-invariant
-            mode (``ForwardBatch.batch_invariant``: fixed-shape GEMM chunks, attention in fixed query chunks), the
+            mode (``ForwardBatch.batch_invariant``: fixed-shape GEMM chunks, row-wise sparse attention), the
             sampler reduces one row at a time and prefill chunks end at multiples of ``prefill_chunk_align``, so a
             request's logits and draws do not depend on what it is batched with (issue 7).
         prefill_chunk_align: in batch-invariant mode a prefill chunk that does not end its prompt ends at a

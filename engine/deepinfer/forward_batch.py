@@ -33,8 +33,8 @@ class ForwardBatch:
         logits_indices: ``[num_logits]`` int64 rows of the token dimension whose logits are returned
             (usually the last new token of each sequence that finishes its prompt or decodes).
         batch_invariant: compute every token's row with a reduction order that depends neither on the number of
-            tokens in the step nor on the other sequences (fixed-shape GEMM chunks, attention in fixed query chunks
-            aligned to absolute positions): a request's logits are bitwise the same alone or in any batch, and
+            tokens in the step nor on the other sequences (fixed-shape GEMM chunks, row-wise sparse attention),
+            so a request's logits are bitwise the same alone or in any batch, and
             however its prefill is cut into chunks. Slower; see ``DeepseekV4ForCausalLM`` for the design.
     """
 

@@ -24,6 +24,9 @@ Quantisation per 64-dim tile: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))`
 over its decoded bf16 cache. Either list of a sparse MQA call may be bf16 or FP8. (Entry order after FlashMLA's
 MODEL1 description as read from public sources; not verified against FlashMLA itself.)
 
+float32 (CPU only): q, the caches and out may all be float32 instead of bf16 (the model's fp32 CPU path; same math,
+no output rounding). CUDA takes bf16 q only.
+
 Not yet: split-KV (a row's entries are one CTA's work; batch-invariant by construction).
 
 Source: DeepSeek-V4 attention (architecture.md); FlashMLA ``flash_mla_with_kvcache`` sparse interface (the
@@ -65,7 +68,8 @@ def sparse_mqa_decode(
     row). fp32 accumulation; output rounded once to bf16.
 
     Args:
-        q: ``[b, s_q, h, head_dim]`` bf16, contiguous; head_dim 512 for V4 (64/128/256 also accepted).
+        q: ``[b, s_q, h, head_dim]`` bf16 (CPU also float32, with float32 caches), contiguous; head_dim 512 for V4
+            (64/128/256 also accepted).
         kv_cache: ``[num_blocks, block_size, head_dim]`` bf16 paged cache (e.g. the compressed-entry cache), or
             ``[num_blocks, block_size, 584]`` uint8 MODEL1 FP8 entries (head_dim 512).
         indices: ``[b, s_q, topk]`` int32, contiguous: ``block_id * block_size + offset``; -1 / out of range invalid.
@@ -76,7 +80,7 @@ def sparse_mqa_decode(
             window cache and its ``[b, s_q, window]`` indices); given together.
         attn_sink: optional ``[h]`` fp32 sink logits.
     Returns:
-        ``(out [b, s_q, h, head_dim] bf16, lse [b, s_q, h] fp32)``; see the module doc for the empty-set rule.
+        ``(out [b, s_q, h, head_dim] q.dtype, lse [b, s_q, h] fp32)``; see the module doc for the empty-set rule.
     Raises:
         RuntimeError naming the tensor at fault (dtype, shape, device, contiguity, alignment on CUDA).
     Source: DeepSeek-V4 attention; FlashMLA sparse decode interface.
@@ -104,13 +108,13 @@ def sparse_mqa_prefill(
     indices and ``topk_length``.
 
     Args:
-        q: ``[num_tokens, h, head_dim]`` bf16, contiguous (tokens of all sequences packed).
-        kv_cache: ``[num_blocks, block_size, head_dim]`` bf16.
+        q: ``[num_tokens, h, head_dim]`` bf16 (CPU also float32), contiguous (tokens of all sequences packed).
+        kv_cache: ``[num_blocks, block_size, head_dim]`` bf16 (float32 with a float32 q), or MODEL1 FP8 uint8.
         indices: ``[num_tokens, topk]`` int32; ``topk_length``: optional ``[num_tokens]`` int32.
         extra_kv_cache, extra_indices ``[num_tokens, topk2]``, extra_topk_length ``[num_tokens]``: optional second list.
         softmax_scale, attn_sink: as in :func:`sparse_mqa_decode`.
     Returns:
-        ``(out [num_tokens, h, head_dim] bf16, lse [num_tokens, h] fp32)``.
+        ``(out [num_tokens, h, head_dim] q.dtype, lse [num_tokens, h] fp32)``.
     Raises:
         RuntimeError naming the tensor at fault.
     Source: DeepSeek-V4 attention; FlashMLA sparse prefill interface.
@@ -139,10 +143,10 @@ def mqa_logits(
     future entries).
 
     Args:
-        q: ``[num_tokens, H, head_dim]`` bf16, contiguous; head_dim 64 or 128 (V4: H 64, head_dim 128);
-            H <= 128 on CUDA.
+        q: ``[num_tokens, H, head_dim]`` bf16 (CPU also float32, with a float32 k_cache), contiguous; head_dim 48
+            (the tiny test preset), 64 or 128 (V4: H 64, head_dim 128); H <= 128 on CUDA.
         weights: ``[num_tokens, H]`` fp32.
-        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 indexer-key cache.
+        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 (or float32, CPU) indexer-key cache.
         num_candidates: columns of the output; default ``num_blocks * block_size`` (flat) or
             ``max_blocks * block_size`` (with block_table).
         block_table: optional ``[num_tokens, max_blocks]`` int32.

@@ -156,6 +156,59 @@ def test_decode_errors_name_the_tensor(device):
         deepinfer_ops.sparse_mqa_decode(q, cache, idx, 0.1, extra_kv_cache=cache)
 
 
+def _fp32_cache(num_blocks, block_size, dim, g, block_pad=0):
+    base = torch.randn(num_blocks, block_size * dim + block_pad, generator=g)
+    return base[:, : block_size * dim].view(num_blocks, block_size, dim)
+
+
+@pytest.mark.parametrize("b,s_q,h,dim,topk,window,block_size", [(1, 1, 4, 64, 40, 128, 128), (3, 2, 8, 128, 17, 9, 7),
+                                                                 (2, 4, 16, 512, 64, 16, 1)])
+def test_decode_and_prefill_fp32_cpu_match_ref(b, s_q, h, dim, topk, window, block_size):
+    """float32 q / out / caches (CPU only: the model's fp32 CPU path) against the fp32 reference at fp32 tolerance."""
+    g = _gen(b * 100 + dim)
+    q = torch.randn(b, s_q, h, dim, generator=g)
+    comp = _fp32_cache(max(1, (b * topk) // block_size + 3), block_size, dim, g, block_pad=8)
+    win = _fp32_cache(max(1, (b * window) // block_size + 2), block_size, dim, g)
+    idx = _indices((b, s_q, topk), comp.shape[0] * block_size, g, "cpu")
+    widx = _indices((b, s_q, window), win.shape[0] * block_size, g, "cpu")
+    kw = dict(topk_length=torch.randint(0, topk + 3, (b,), generator=g, dtype=torch.int32), extra_kv_cache=win,
+              extra_indices=widx, attn_sink=torch.randn(h, generator=g))
+    out, lse = _run_decode(q, comp, idx, dim ** -0.5, **kw)
+    ref_out, ref_lse = refs.sparse_mqa_decode_ref(q, comp, idx, dim ** -0.5, **kw)
+    assert out.dtype == torch.float32
+    assert_close(out, ref_out, FP32, "fp32 out")
+    assert_close(lse, ref_lse, FP32, "fp32 lse")
+    # prefill: the rows of the decode call packed as tokens (topk_length per token)
+    t = b * s_q
+    pkw = dict(kw, topk_length=kw["topk_length"].repeat_interleave(s_q), extra_indices=widx.view(t, window))
+    out_p, lse_p = deepinfer_ops.sparse_mqa_prefill(q.view(t, h, dim), comp, idx.view(t, topk), dim ** -0.5, **pkw)
+    assert torch.equal(out_p, out.view(t, h, dim)) and torch.equal(lse_p, lse.view(t, h))
+
+
+@pytest.mark.native_errors
+def test_fp32_dtype_rules(device):
+    """float32 needs float32 everywhere and only on the CPU; bf16 q never reads a float32 cache."""
+    g = _gen(5)
+    idx = torch.zeros(1, 1, 3, dtype=torch.int32, device=device)
+    q32 = torch.randn(1, 1, 8, 64, generator=g).to(device)
+    c32 = _fp32_cache(2, 4, 64, g).to(device)
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="q must be torch.bfloat16"):
+            deepinfer_ops.sparse_mqa_decode(q32, c32, idx, 0.1)
+        return
+    with pytest.raises(RuntimeError, match="kv_cache must be torch.float32 with a float32 q"):
+        deepinfer_ops.sparse_mqa_decode(q32, _cache(2, 4, 64, g, device), idx, 0.1)
+    with pytest.raises(RuntimeError, match="extra_kv_cache must be torch.float32 with a float32 q"):
+        deepinfer_ops.sparse_mqa_decode(q32, c32, idx, 0.1, extra_kv_cache=c32.bfloat16(), extra_indices=idx)
+    with pytest.raises(RuntimeError, match="kv_cache must be torch.bfloat16 or torch.uint8"):
+        deepinfer_ops.sparse_mqa_decode(q32.bfloat16(), c32, idx, 0.1)
+    with pytest.raises(RuntimeError, match="q must be torch.bfloat16 or torch.float32"):
+        deepinfer_ops.sparse_mqa_decode(q32.half(), c32, idx, 0.1)
+    out, lse = torch.empty_like(q32).bfloat16(), torch.empty(1, 1, 8)
+    with pytest.raises(RuntimeError, match="out must be torch.float32"):
+        torch.ops.deepinfer_ops.sparse_mqa_decode(out, lse, q32, c32, idx, None, None, None, None, None, 0.1)
+
+
 # ---- sparse_mqa_prefill -----------------------------------------------------------------------------------------
 
 
@@ -180,7 +233,8 @@ def test_prefill_matches_ref(device, t, h, dim, topk, window):
 # ---- mqa_logits -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("t,H,dim,block_size,num_blocks", [(1, 1, 64, 16, 3), (5, 8, 128, 64, 7), (3, 64, 128, 7, 9)])
+@pytest.mark.parametrize("t,H,dim,block_size,num_blocks", [(1, 1, 64, 16, 3), (5, 8, 128, 64, 7), (3, 64, 128, 7, 9),
+                                                           (4, 16, 48, 32, 5)])
 @pytest.mark.parametrize("paged", [False, True])
 def test_mqa_logits_matches_ref(device, t, H, dim, block_size, num_blocks, paged):
     g = _gen(t * H + dim)
@@ -199,6 +253,39 @@ def test_mqa_logits_matches_ref(device, t, H, dim, block_size, num_blocks, paged
     torch.ops.deepinfer_ops.mqa_logits(logits, q, w, k, kw.get("block_table"), kw["k_start"], kw["k_end"])
     assert_close(logits, refs.mqa_logits_ref(q, w, k, n, **kw), FP32, "logits")
     assert_close(deepinfer_ops.mqa_logits(q, w, k, n, **kw), logits, FP32, "logits (wrapper)")
+
+
+@pytest.mark.parametrize("dim", [48, 128])
+def test_mqa_logits_fp32_cpu_matches_ref(dim):
+    """float32 q / keys (CPU only: the model's fp32 CPU path), paged, with a future mask, at fp32 tolerance."""
+    g = _gen(dim + 1)
+    t, H, block_size, num_blocks = 6, 16, 32, 5
+    q = torch.randn(t, H, dim, generator=g)
+    w = torch.randn(t, H, generator=g)
+    k = _fp32_cache(num_blocks, block_size, dim, g, block_pad=8)
+    table = torch.randint(-1, num_blocks, (t, 3), generator=g, dtype=torch.int32)
+    n = 3 * block_size + 5
+    k_end = torch.randint(0, n + 1, (t,), generator=g, dtype=torch.int32)
+    logits = poison_(torch.empty(t, n))
+    torch.ops.deepinfer_ops.mqa_logits(logits, q, w, k, table, None, k_end)
+    assert_close(logits, refs.mqa_logits_ref(q, w, k, n, block_table=table, k_end=k_end), FP32, "fp32 logits")
+
+
+@pytest.mark.native_errors
+def test_mqa_logits_fp32_dtype_rules(device):
+    g = _gen(7)
+    q32, w = torch.randn(2, 4, 64, generator=g).to(device), torch.randn(2, 4, generator=g).to(device)
+    k32 = _fp32_cache(2, 8, 64, g).to(device)
+    if device == "cuda":
+        with pytest.raises(RuntimeError, match="q must be torch.bfloat16"):
+            deepinfer_ops.mqa_logits(q32, w, k32)
+        return
+    with pytest.raises(RuntimeError, match="k_cache must be torch.float32 with a float32 q"):
+        deepinfer_ops.mqa_logits(q32, w, k32.bfloat16())
+    with pytest.raises(RuntimeError, match="k_cache must be torch.bfloat16"):
+        deepinfer_ops.mqa_logits(q32.bfloat16(), w, k32)
+    with pytest.raises(RuntimeError, match="head_dim must be 48, 64 or 128"):
+        deepinfer_ops.mqa_logits(q32[..., :32].contiguous(), w, k32[..., :32])
 
 
 @pytest.mark.cuda

@@ -29,16 +29,18 @@ inline uint32_t topk_key(float x) {
 
 }  // namespace
 
-void mqa_logits_cpu(at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
-                    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
-                    const std::optional<at::Tensor>& k_end) {
-  check_mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end);
+namespace {
+
+template <typename T>
+void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                         const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
+                         const std::optional<at::Tensor>& k_end) {
   const int64_t t = q.size(0), H = q.size(1), d = q.size(2), n = logits.size(1);
   if (t == 0 || n == 0) return;
   const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
   const int64_t bstride = k_cache.stride(0), tstride = k_cache.stride(1);
-  const bf16* kc = k_cache.const_data_ptr<bf16>();
-  const bf16* qp = q.const_data_ptr<bf16>();
+  const T* kc = k_cache.const_data_ptr<T>();
+  const T* qp = q.const_data_ptr<T>();
   const float* w = weights.const_data_ptr<float>();
   float* out = logits.mutable_data_ptr<float>();
   const int32_t* bt = block_table.has_value() ? block_table->const_data_ptr<int32_t>() : nullptr;
@@ -58,7 +60,7 @@ void mqa_logits_cpu(at::Tensor& logits, const at::Tensor& q, const at::Tensor& w
           out[i * n + c] = neg_inf;
           continue;
         }
-        const bf16* k = kc + block * bstride + (c % block_size) * tstride;
+        const T* k = kc + block * bstride + (c % block_size) * tstride;
         float acc = 0.f;
         for (int64_t hh = 0; hh < H; ++hh) {
           float s = 0.f;
@@ -69,6 +71,20 @@ void mqa_logits_cpu(at::Tensor& logits, const at::Tensor& q, const at::Tensor& w
       }
     }
   });
+}
+
+}  // namespace
+
+// bf16 q / keys as on CUDA, or (CPU only) float32 q / keys: the model's fp32 CPU path.
+void mqa_logits_cpu(at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
+                    const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
+                    const std::optional<at::Tensor>& k_end) {
+  check_mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end, /*allow_fp32=*/true);
+  if (q.scalar_type() == at::kFloat) {
+    mqa_logits_cpu_impl<float>(logits, q, weights, k_cache, block_table, k_start, k_end);
+  } else {
+    mqa_logits_cpu_impl<bf16>(logits, q, weights, k_cache, block_table, k_start, k_end);
+  }
 }
 
 void topk_rows_cpu(at::Tensor& values, at::Tensor& indices, const at::Tensor& scores) {

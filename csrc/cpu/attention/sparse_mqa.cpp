@@ -4,11 +4,14 @@
 //   entry j of list l is valid iff j < topk_length_l[row / rows_per_length] (when given) and
 //   0 <= idx < num_blocks * block_size; s_j = softmax_scale * q . k_j; lse = log(sum_valid exp(s_j)) (-inf if none);
 //   out = sum_valid exp(s_j) k_j / (sum_valid exp(s_j) + exp(sink)) (0 if none valid).
+// Element types: bf16 q/out with bf16 or FP8 (MODEL1) caches (as on CUDA), or, on CPU only, float32 q/out/caches
+// (the model's fp32 CPU path); the math is float32 either way.
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <limits>
 #include <vector>
 
@@ -21,20 +24,21 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
+template <typename T>
 void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
   const int64_t rows = a.q.size(0), h = a.q.size(1), d = a.q.size(2);
   if (rows == 0 || h == 0) return;
-  const bf16* q = a.q.const_data_ptr<bf16>();
-  bf16* out = a.out.mutable_data_ptr<bf16>();
+  const T* q = a.q.const_data_ptr<T>();
+  T* out = a.out.mutable_data_ptr<T>();
   float* lse = a.lse.mutable_data_ptr<float>();
   const float* sink = a.attn_sink.defined() ? a.attn_sink.const_data_ptr<float>() : nullptr;
   const float scale = static_cast<float>(a.softmax_scale);
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<const bf16*> keys;
+    std::vector<const T*> keys;
     std::vector<float> qf(d), acc(d), scores;
-    std::vector<bf16> dequant;  // FP8 entries decoded to bf16 (exact)
+    std::vector<T> dequant;  // FP8 entries decoded to bf16 (exact; bf16 q only)
     for (int64_t r = r0; r < r1; ++r) {
       // Gather the valid entries of every list, in list order.
       keys.clear();
@@ -50,7 +54,7 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
         }
         const int32_t* idx = l.indices.const_data_ptr<int32_t>() + r * topk;
         const int64_t block_size = l.cache.size(1), num_slots = l.cache.size(0) * block_size;
-        const bool fp8 = l.cache.scalar_type() == at::kByte;
+        [[maybe_unused]] const bool fp8 = l.cache.scalar_type() == at::kByte;
         const auto* base = static_cast<const uint8_t*>(l.cache.const_data_ptr());
         const int64_t esize = l.cache.element_size();
         for (int64_t j = 0; j < len; ++j) {
@@ -58,19 +62,21 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
           if (s < 0 || s >= num_slots) continue;
           const uint8_t* e =
               base + ((s / block_size) * l.cache.stride(0) + (s % block_size) * l.cache.stride(1)) * esize;
-          if (fp8) {
-            bf16* row = dequant.data() + keys.size() * d;
-            fp8_entry::decode(row, e);
-            keys.push_back(row);
-          } else {
-            keys.push_back(reinterpret_cast<const bf16*>(e));
+          if constexpr (std::is_same_v<T, bf16>) {
+            if (fp8) {
+              bf16* row = dequant.data() + keys.size() * d;
+              fp8_entry::decode(row, e);
+              keys.push_back(row);
+              continue;
+            }
           }
+          keys.push_back(reinterpret_cast<const T*>(e));
         }
       }
       const int64_t n = static_cast<int64_t>(keys.size());
       scores.resize(n);
       for (int64_t hh = 0; hh < h; ++hh) {
-        const bf16* qr = q + (r * h + hh) * d;
+        const T* qr = q + (r * h + hh) * d;
         for (int64_t c = 0; c < d; ++c) qf[c] = static_cast<float>(qr[c]);
         float m = neg_inf;
         for (int64_t j = 0; j < n; ++j) {
@@ -89,12 +95,20 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
         float denom = l;
         if (sink != nullptr && n > 0) denom += std::exp(sink[hh] - m);
         const float inv = n > 0 ? 1.f / denom : 0.f;
-        bf16* o = out + (r * h + hh) * d;
-        for (int64_t c = 0; c < d; ++c) o[c] = static_cast<bf16>(acc[c] * inv);
+        T* o = out + (r * h + hh) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
         lse[r * h + hh] = n > 0 ? m + std::log(l) : neg_inf;
       }
     }
   });
+}
+
+void sparse_mqa_cpu(const SparseMqaArgs& a) {
+  if (a.q.scalar_type() == at::kFloat) {
+    sparse_mqa_cpu_impl<float>(a);
+  } else {
+    sparse_mqa_cpu_impl<bf16>(a);
+  }
 }
 
 }  // namespace
@@ -106,8 +120,9 @@ void sparse_mqa_decode_cpu(at::Tensor& out, at::Tensor& lse, const at::Tensor& q
                            const std::optional<at::Tensor>& extra_topk_length,
                            const std::optional<at::Tensor>& attn_sink, double softmax_scale) {
   auto a = check_sparse_mqa("sparse_mqa_decode", false, out, lse, q, kv_cache, indices, topk_length, extra_kv_cache,
-                            extra_indices, extra_topk_length, attn_sink, softmax_scale);
-  sparse_mqa_cpu_impl(a);
+                            extra_indices, extra_topk_length, attn_sink, softmax_scale,
+                            /*allow_fp32=*/true);
+  sparse_mqa_cpu(a);
 }
 
 void sparse_mqa_prefill_cpu(at::Tensor& out, at::Tensor& lse, const at::Tensor& q, const at::Tensor& kv_cache,
@@ -117,8 +132,9 @@ void sparse_mqa_prefill_cpu(at::Tensor& out, at::Tensor& lse, const at::Tensor& 
                             const std::optional<at::Tensor>& extra_topk_length,
                             const std::optional<at::Tensor>& attn_sink, double softmax_scale) {
   auto a = check_sparse_mqa("sparse_mqa_prefill", true, out, lse, q, kv_cache, indices, topk_length, extra_kv_cache,
-                            extra_indices, extra_topk_length, attn_sink, softmax_scale);
-  sparse_mqa_cpu_impl(a);
+                            extra_indices, extra_topk_length, attn_sink, softmax_scale,
+                            /*allow_fp32=*/true);
+  sparse_mqa_cpu(a);
 }
 
 }  // namespace deepinfer

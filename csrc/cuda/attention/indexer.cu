@@ -538,6 +538,8 @@ void launch_mqa_logits(const MqaLogitsParams& p, cudaStream_t stream) {
     v2 ? launch_logits_mma_dim<128>(p, stream) : launch_logits_dim<128>(p, stream);
   } else if (p.head_dim == 64) {
     v2 ? launch_logits_mma_dim<64>(p, stream) : launch_logits_dim<64>(p, stream);
+  } else if (p.head_dim == 48) {  // the tiny test preset's index_head_dim: the round-one kernel (CUDA cores)
+    launch_logits_dim<48>(p, stream);
   } else {
     throw std::runtime_error("deepinfer mqa_logits: unsupported head_dim " + std::to_string(p.head_dim));
   }

@@ -25,6 +25,10 @@ pool                 shape                               content
 ``idx_state_gate``
 ===================  ==================================  =====================================================
 
+``kv``, ``comp`` and ``idx`` are the paged caches the native ops read and write directly (``deepinfer_ops``
+``sparse_mqa_prefill``, ``mqa_logits``, ``kv_cache_write``): ``[num_blocks, block_size, dim]`` with block_size 128
+(``kv``) or ``128 // m`` (``comp``, ``idx``), slot ``block_id * block_size + offset``.
+
 The partial-window state of a step's end lives in the block holding the sequence's last token (a step reads it from
 the block of position ``context_len - query_len - 1``); in addition, whenever a step crosses a block end, the ring of
 the block just completed receives the state as of that block end. A full block is therefore an immutable snapshot of

@@ -27,12 +27,17 @@ Architecture (all names are the native checkpoint's):
   low-rank output ``wo_a`` (block diagonal, ``o_groups``) then ``wo_b``.
   Keys: the last ``sliding_window`` raw tokens (query included) plus, for CSA (ratio 4), the top-``index_topk``
   closed compressed entries chosen by the lightning indexer, for HCA (ratio 128) every closed compressed entry.
+  One :func:`deepinfer_ops.sparse_mqa_prefill` call per layer and step reads both as index lists into the paged
+  caches (window: the ``kv`` pool, block_size 128; compressed: the ``comp`` pool, block_size ``128 // m``), on CPU
+  (bf16 or float32) and CUDA (bf16) alike; cache writes go through :func:`deepinfer_ops.kv_cache_write`.
 * Compressor: per channel softmax over a window's gate (``wgate x + ape[slot]``, float32) pooling ``wkv x``; CSA
   overlaps windows (entry ``w`` pools window ``w-1``'s first half channels "Ca" and window ``w``'s second half "Cb",
   ``2m`` slots), then ``norm`` and RoPE at position ``w m``. An entry is visible to query ``t`` iff its window closed:
   ``w < (t + 1) // m``.
 * Indexer: its own overlapped compressor at ``index_head_dim``; score ``sum_h (weights_proj(x)_h / sqrt(n_h)) *
-  ReLU(q_h . k / sqrt(index_head_dim))``, future entries masked, top-k by :func:`deepinfer_ops.topk`.
+  ReLU(q_h . k / sqrt(index_head_dim))``, future entries masked: :func:`deepinfer_ops.mqa_logits` over the paged
+  indexer keys (both scalings folded into its per-head weights, ``k_end = (t + 1) // m``), then the top-k by
+  :func:`deepinfer_ops.topk` (:func:`indexer_topk`).
 * MoE: router ``gate`` (score ``sqrtsoftplus``), selection by ``tid2eid[token]`` (hash layers) or top-k of
   ``score + bias`` (the tie rule), weights = selected unbiased scores renormalised x ``routed_scaling_factor``;
   experts ``w2(silu(min(w1 x, L)) * clamp(w3 x, -L, L))``; shared expert (same clamp) added unscaled.
@@ -50,10 +55,10 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
   once per step to a multiple of ``BI_GEMM_ROWS`` (128 on CUDA, 16 on the CPU) and every ``torch.mm`` has that many
   rows (:func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed
   shape is the only way to get one kernel for every row. Experts pad their gathered tokens the same way.
-* Attention: query chunks of ``BI_QUERY_CHUNK`` (64 on CUDA, 16 on the CPU) at absolute positions, zero-padded, with
-  window keys ``[j0 - W + 1, j0 + chunk)`` and compressed entries ``[0, (j0 + chunk) // m)`` zero-filled past what is
-  written (:meth:`DeepseekV4ForCausalLM._attend_chunk_bi`): every matmul / softmax / top-k shape depends on the
-  chunk's start alone, masked keys add exact zeros. The scheduler's 128-aligned prefill cuts are not even needed.
+* Attention: ``sparse_mqa_prefill`` computes every query row on its own from its own index lists (window by
+  position, entries by id, -1 padding; the kernels are batch-invariant by construction); the indexer's
+  ``mqa_logits`` and top-k are row-wise too (masked candidates score -inf, the tie rule fixes the selection) and the
+  selected entries are passed in entry order. Padding rows get no entries (output 0).
 * Compressor pooling: softmax sum and pooled sum as explicit float32 adds in slot order. mHC stream sums: explicit
   float32 adds in stream order (no batched matmul whose batch count is the number of tokens).
 * Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
@@ -62,7 +67,7 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
   scalar libm, so a value would depend on its position).
 
 Cost: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a decode step of <= 128 tokens on
-the GPU), one GEMM launch per 128 tokens in prefill, and a whole padded query chunk of attention per decode token.
+the GPU) and one GEMM launch per 128 tokens in prefill.
 
 Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported);
 /work/shared/reference/architecture.md; DeepSeek-V4 paper.
@@ -94,6 +99,7 @@ __all__ = [
     "allocate_cache",
     "expected_parameters",
     "indexer_select",
+    "indexer_topk",
     "init_parameters",
     "rope_inv_freq",
 ]
@@ -427,17 +433,18 @@ def _entry_slots(blocks: torch.Tensor, w0: int, w1: int, per_block: int) -> torc
     return blocks[w // per_block] * per_block + w % per_block
 
 
-def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
-    """Lightning-indexer selection for one sequence's queries.
+def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
+    """Lightning-indexer top-k for one sequence's queries, as entry ids.
 
     Args:
-        scores: ``[num_queries, num_entries]`` float32 index scores.
+        scores: ``[num_queries, num_entries]`` float32 index scores (``num_entries >= 1``).
         visible: ``[num_queries, num_entries]`` bool, entry closed before the query (``w < (t + 1) // m``).
         topk: ``index_topk``.
     Returns:
-        (``[num_queries, num_entries]`` bool: the top ``min(topk, #visible)`` visible entries of each row, ranked
-        by the tie rule -- higher score first, then lower entry index; number of rows whose k-th and (k+1)-th best
-        visible scores are equal, i.e. where the tie rule decided the selection).
+        (``[num_queries, min(topk, num_entries)]`` int64: the ids of the top ``min(topk, #visible)`` visible entries
+        of each row, ranked by the tie rule -- higher score first, then lower entry index -- and ``-1`` in the
+        remaining columns (fewer visible entries, or a non-finite score); number of rows whose k-th and (k+1)-th
+        best visible scores are equal, i.e. where the tie rule decided the selection).
     """
     n = scores.shape[-1]
     masked = scores.masked_fill(~visible, float("-inf"))
@@ -448,9 +455,20 @@ def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tu
     if kk > k:
         ties = int(((vals[:, k - 1] == vals[:, k]) & torch.isfinite(vals[:, k])).sum())
     vals, inds = vals[:, :k], inds[:, :k]
-    sel = torch.zeros_like(visible)
-    sel.scatter_(1, inds, torch.isfinite(vals))
-    return sel & visible, ties
+    ok = torch.isfinite(vals) & visible.gather(1, inds)
+    return torch.where(ok, inds, torch.full_like(inds, -1)), ties
+
+
+def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
+    """:func:`indexer_topk` as a mask: (``[num_queries, num_entries]`` bool, True for the selected entries; the
+    number of tie-decided rows)."""
+    n = scores.shape[-1]
+    if n == 0:
+        return torch.zeros_like(visible), 0
+    ids, ties = indexer_topk(scores, visible, topk)
+    sel = torch.zeros(scores.shape[0], n + 1, dtype=torch.bool, device=scores.device)
+    sel.scatter_(1, torch.where(ids >= 0, ids, n), True)
+    return sel[:, :n], ties
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -467,16 +485,12 @@ class DeepseekV4ForCausalLM(nn.Module):
             run in float32.
     """
 
-    QUERY_CHUNK = 512  # queries per attention chunk (memory bound of the dense-masked CPU/torch attention)
+    QUERY_CHUNK = 512  # queries per lightning-indexer score chunk (bounds the [queries, entries] scores)
     # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape GEMM call (see ``linear_rows``),
-    # per device type, and queries per attention chunk (chunks start at absolute positions that are multiples of it).
-    # The costs: up to rows - 1 padded GEMM rows per call (free while a call is bandwidth-bound on its weight, as a
-    # decode step of <= 128 tokens is on the GPU) and one launch per ``rows`` tokens; a decode query pays for a whole
-    # query chunk of attention (64 padded queries on CUDA, 16 on the CPU).
+    # per device type. The costs: up to rows - 1 padded GEMM rows per call (free while a call is bandwidth-bound on
+    # its weight, as a decode step of <= 128 tokens is on the GPU) and one launch per ``rows`` tokens.
     BI_GEMM_ROWS = {"cuda": 128, "cpu": 16}
     BI_GEMM_ROWS_DEFAULT = 128
-    BI_QUERY_CHUNK = {"cuda": 64, "cpu": 16}
-    BI_QUERY_CHUNK_DEFAULT = 64
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32):
         super().__init__()
@@ -496,7 +510,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         with torch.device("cpu"):
             self._inv_freq = {k: rope_inv_freq(cfg, k) for k in ("main", "compress")}
         self._rope_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self._bi_window_masks: dict[tuple, torch.Tensor] = {}  # batch-invariant attention: window mask per chunk size
         self._block_size = BLOCK_SIZE  # set from the cache at each forward
         # diagnostics of the last forward: number of indexer rows whose k-th and (k+1)-th best valid scores tie
         self.last_indexer_boundary_ties = 0
@@ -562,10 +575,6 @@ class DeepseekV4ForCausalLM(nn.Module):
     def batch_invariant_rows(self, device: torch.device) -> int:
         """Rows per fixed-shape GEMM call in batch-invariant mode on ``device``."""
         return self.BI_GEMM_ROWS.get(torch.device(device).type, self.BI_GEMM_ROWS_DEFAULT)
-
-    def batch_invariant_query_chunk(self, device: torch.device) -> int:
-        """Queries per attention chunk in batch-invariant mode on ``device`` (chunks start at its multiples)."""
-        return self.BI_QUERY_CHUNK.get(torch.device(device).type, self.BI_QUERY_CHUNK_DEFAULT)
 
     @staticmethod
     def _collapse(pre: torch.Tensor, streams: torch.Tensor, rows: int) -> torch.Tensor:
@@ -688,26 +697,25 @@ class DeepseekV4ForCausalLM(nn.Module):
             w_pos = torch.arange(first_w, end_w, device=entries.device) * m
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             per_block = pool_comp.shape[1]
-            pool_comp.view(-1, hd)[_entry_slots(s.blocks, first_w, end_w, per_block)] = entries.to(pool_comp.dtype)
+            deepinfer_ops.kv_cache_write(pool_comp, entries.to(pool_comp.dtype),
+                                         _entry_slots(s.blocks, first_w, end_w, per_block))
         # Persist the state a later step needs: the ring of the block holding position E - 1 gets the state "as of
         # E" for E = every block end crossed by this step (so a full block is an immutable snapshot and can be shared
         # as a prefix) and E = L (the sequence's current end).
         ends = list(range((c0 // B + 1) * B, L, B)) + [L]
-        kv_flat = pool_state_kv.view(-1, pool_state_kv.shape[-1])
-        gate_flat = pool_state_gate.view(-1, pool_state_gate.shape[-1])
         for E in ends:
             r0 = max(0, (E // m) * m - m) if overlap else (E // m) * m
-            if E > r0:
+            if E > r0:  # E - r0 < R: the ring slots of one write are distinct
                 blk = s.blocks[(E - 1) // B]
                 ring = blk * R + torch.arange(r0, E, device=blk.device) % R
-                kv_flat[ring] = all_kv[r0 - s0:E - s0].to(kv_flat.dtype)
-                gate_flat[ring] = all_gate[r0 - s0:E - s0].to(gate_flat.dtype)
+                deepinfer_ops.kv_cache_write(pool_state_kv, all_kv[r0 - s0:E - s0].to(pool_state_kv.dtype), ring)
+                deepinfer_ops.kv_cache_write(pool_state_gate, all_gate[r0 - s0:E - s0].to(pool_state_gate.dtype), ring)
 
     # ---- attention ---------------------------------------------------------------------------------------------
     def _attention(self, attn: Attention, x: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq],
                    pools: dict[str, torch.Tensor], rows: int = 0) -> torch.Tensor:
         """One attention sublayer over the step's tokens ``x [T, D]``. ``rows > 0``: batch-invariant mode (fixed-shape
-        GEMM chunks of ``rows`` rows, attention in fixed query chunks, see :meth:`_attend_chunk_bi`)."""
+        GEMM chunks of ``rows`` rows; the sparse attention and indexer ops compute each query row on its own)."""
         cfg = self.config
         T = x.shape[0]
         H, hd = cfg.num_attention_heads, cfg.head_dim
@@ -737,74 +745,65 @@ class DeepseekV4ForCausalLM(nn.Module):
             deepinfer_ops.rotary_embedding(iq, positions, table)
             iw = idx.weights_proj(x, rows).float() * (idx.n_heads ** -0.5)
 
-        # batch-invariant mode: rows past the real tokens (padding) are never attended; zeros keep them finite
-        out = (torch.zeros if rows else torch.empty)(T, H, hd, dtype=x.dtype, device=x.device)
-        kv_pool = pools["kv"].view(-1, hd)
-        scale = hd ** -0.5
-        sink = attn.attn_sink.float()
-        for s in seqs:
-            sl = slice(s.a, s.b)
-            c0, L = s.c0, s.L
-            # 1. the step's cache writes: raw K=V, then every window closing in this step (entries and indexer keys)
-            kv_pool[_token_slots(s.blocks, c0, L, B)] = kv[sl].to(kv_pool.dtype)
-            n_ent = 0
-            if lt != SLIDING:
+        # 1. the step's cache writes: raw K=V of every token, then every window closing in this step (compressed
+        #    entries and indexer keys)
+        kv_cache = pools["kv"]  # [num_blocks, B, hd]: a paged cache with block_size B
+        slots = torch.cat([_token_slots(s.blocks, s.c0, s.L, B) for s in seqs])
+        deepinfer_ops.kv_cache_write(kv_cache, kv[:slots.shape[0]].to(kv_cache.dtype), slots)  # not the padding rows
+        if lt != SLIDING:
+            for s in seqs:
+                sl = slice(s.a, s.b)
                 self._compress_seq(comp, ckv[sl], cgate[sl], s, pools["state_kv"], pools["state_gate"], pools["comp"],
                                    table, rows)
-                n_ent = L // m
-                per_block = pools["comp"].shape[1]
-                ent_slots = _entry_slots(s.blocks, 0, n_ent, per_block)
-                ent = pools["comp"].view(-1, hd)[ent_slots].to(x.dtype)
-            if lt == CSA:
-                self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
-                                   pools["idx_state_gate"], pools["idx"], table, rows)
-                ikeys = pools["idx"].view(-1, idx.head_dim)[ent_slots].float()
-            if rows:  # 2'. batch-invariant: fixed query chunks at absolute positions, fixed-shape matmuls
-                QC = self.batch_invariant_query_chunk(x.device)
-                for j0 in range((c0 // QC) * QC, L, QC):
-                    lo, hi = max(c0, j0), min(L, j0 + QC)
-                    r0 = s.a + lo - c0
-                    ent_c = ikeys_c = None
-                    if lt != SLIDING and (j0 + QC) // m > 0:
-                        ent_c = x.new_zeros((j0 + QC) // m, hd)  # entries not closed yet stay zero (never visible)
-                        k = min(ent_c.shape[0], n_ent)
-                        ent_c[:k] = ent[:k]
-                        if lt == CSA:
-                            ikeys_c = ikeys.new_zeros(ent_c.shape[0], idx.head_dim)
-                            ikeys_c[:k] = ikeys[:k]
-                    o, ties = self._attend_chunk_bi(
-                        q[r0:r0 + hi - lo], j0, lo, L, s, kv_pool, ent_c, m if lt != SLIDING else 0, sink, scale,
-                        (iq[r0:r0 + hi - lo], iw[r0:r0 + hi - lo], ikeys_c, idx) if ikeys_c is not None else None)
+                if lt == CSA:
+                    self._compress_seq(idx.compressor, ikv[sl], igate[sl], s, pools["idx_state_kv"],
+                                       pools["idx_state_gate"], pools["idx"], table, rows)
+        # 2. the index lists: window = the last W raw tokens (query included) in position order; compressed = every
+        #    closed entry (HCA) or the indexer's top-k closed entries (CSA) in entry order; -1 = no entry. Per-token
+        #    block tables; batch-invariant padding rows (past the sequences) get no block, hence no entry (out = 0).
+        dev = x.device
+        max_nb = max(s.blocks.numel() for s in seqs)
+        tok_bt = torch.full((T, max_nb), -1, dtype=torch.long, device=dev)
+        for s in seqs:
+            tok_bt[s.a:s.b, :s.blocks.numel()] = s.blocks.to(dev)
+        p = positions.view(-1, 1) + torch.arange(-W + 1, 1, device=dev)  # [T, W]
+        pc = p.clamp(min=0)
+        win_idx = torch.where(p >= 0, tok_bt.gather(1, pc // B) * B + pc % B, -1).to(torch.int32)
+        comp_cache = comp_idx = None
+        n_ent = max(s.L // m for s in seqs) if lt != SLIDING else 0
+        if n_ent > 0:
+            comp_cache = pools["comp"]  # [num_blocks, B // m, hd]: a paged cache with block_size B // m
+            per_block = comp_cache.shape[1]
+            n_vis = (positions + 1) // m  # [T]: entry w is visible to token t iff w < (t + 1) // m
+            if lt == HCA:
+                w = torch.arange(n_ent, device=dev).view(1, -1)
+                comp_idx = torch.where(w < n_vis.view(-1, 1), tok_bt.gather(1, (w // per_block).expand(T, -1)) * per_block
+                                       + w % per_block, -1).to(torch.int32)
+            else:  # CSA: lightning-indexer scores (mqa_logits over the paged indexer keys), then the top-k
+                ent = torch.full((T, idx.topk), -1, dtype=torch.long, device=dev)  # width independent of the batch
+                ikeys = pools["idx"].to(iq.dtype)
+                k_end = n_vis.to(torch.int32)
+                bt32 = tok_bt.to(torch.int32)
+                # one index head's weight folds both scalings: weights_proj / sqrt(n_h) and 1 / sqrt(index_head_dim)
+                iw = iw * (idx.head_dim ** -0.5)
+                for r0 in range(0, T, self.QUERY_CHUNK):  # bounds the [queries, entries] scores
+                    r1 = min(T, r0 + self.QUERY_CHUNK)
+                    sc = deepinfer_ops.mqa_logits(iq[r0:r1], iw[r0:r1].contiguous(), ikeys, n_ent,
+                                                  block_table=bt32[r0:r1].contiguous(), k_end=k_end[r0:r1].contiguous())
+                    visible = torch.arange(n_ent, device=dev).view(1, -1) < n_vis[r0:r1].view(-1, 1)
+                    ids, ties = indexer_topk(sc, visible, idx.topk)
                     self.last_indexer_boundary_ties += ties
-                    out[r0:r0 + hi - lo] = o
-                continue
-            # 2. attention, QUERY_CHUNK queries at a time (bounds the [heads, queries, keys] logits)
-            for t0 in range(c0, L, self.QUERY_CHUNK):
-                t1 = min(L, t0 + self.QUERY_CHUNK)
-                qrows = slice(s.a + t0 - c0, s.a + t1 - c0)
-                tq = torch.arange(t0, t1, device=x.device)
-                w0 = max(0, t0 - W + 1)
-                keys = [kv_pool[_token_slots(s.blocks, w0, t1, B)].to(x.dtype)]
-                kpos = torch.arange(w0, t1, device=x.device)
-                masks = [(kpos.view(1, -1) <= tq.view(-1, 1)) & (kpos.view(1, -1) > tq.view(-1, 1) - W)]
-                if n_ent > 0:
-                    visible = torch.arange(n_ent, device=x.device).view(1, -1) < ((tq + 1) // m).view(-1, 1)
-                    if lt == CSA:
-                        sc = torch.einsum("thd,nd->thn", iq[qrows].float(), ikeys)
-                        sc = F.relu(sc) * (idx.head_dim ** -0.5)
-                        sc = (sc * iw[qrows].unsqueeze(-1)).sum(dim=1)  # [queries, n_ent]
-                        visible, ties = indexer_select(sc, visible, idx.topk)
-                        self.last_indexer_boundary_ties += ties
-                    keys.append(ent)
-                    masks.append(visible)
-                K = torch.cat(keys) if len(keys) > 1 else keys[0]
-                M = torch.cat(masks, dim=1) if len(masks) > 1 else masks[0]
-                logits = torch.einsum("thd,kd->htk", q[qrows].float(), K.float()) * scale
-                logits = logits.masked_fill(~M.unsqueeze(0), float("-inf"))
-                combined = torch.cat([logits, sink.view(H, 1, 1).expand(H, t1 - t0, 1)], dim=-1)
-                combined = combined - combined.max(dim=-1, keepdim=True).values
-                probs = torch.softmax(combined, dim=-1)[..., :-1].to(x.dtype)
-                out[qrows] = torch.einsum("htk,kd->thd", probs, K)
+                    ent[r0:r1, :ids.shape[1]] = ids
+                # entry order (-1 last) so the keys are summed in the same order for any chunking or batch
+                ent = torch.where(ent >= 0, ent, n_ent).sort(dim=1).values
+                ec = ent.clamp(max=n_ent - 1)
+                comp_idx = torch.where(ent < n_ent, tok_bt.gather(1, ec // per_block) * per_block + ec % per_block,
+                                       -1).to(torch.int32)
+        # 3. sparse MQA over both lists (K = V, one shared head), the per-head sink in the denominator
+        out, _ = deepinfer_ops.sparse_mqa_prefill(
+            q.to(kv_cache.dtype).contiguous(), kv_cache, win_idx, hd ** -0.5,
+            extra_kv_cache=comp_cache, extra_indices=comp_idx, attn_sink=attn.attn_sink.float().contiguous())
+        out = out.to(x.dtype)
         deepinfer_ops.rotary_embedding(out, positions, table, inverse=True)
         G = cfg.o_groups
         wa = attn.wo_a.weight.view(G, cfg.o_lora_rank, -1)
@@ -815,67 +814,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         grouped = out.view(T, G, -1)
         o = torch.einsum("tgi,goi->tgo", grouped, wa).reshape(T, G * cfg.o_lora_rank)
         return attn.wo_b(o)
-
-    def _attend_chunk_bi(self, q: torch.Tensor, j0: int, lo: int, L: int, s: _Seq, kv_pool: torch.Tensor,
-                         ent: torch.Tensor | None, m: int, sink: torch.Tensor, scale: float,
-                         indexer: tuple | None) -> tuple[torch.Tensor, int]:
-        """Batch-invariant attention of the queries at positions ``lo .. lo + q.shape[0] - 1`` of one sequence, all
-        inside the query chunk ``[j0, j0 + QC)`` (``QC = batch_invariant_query_chunk``, ``j0`` a multiple of it).
-
-        Every tensor has a shape fixed by ``j0`` alone: the queries are zero-padded to the whole chunk (query ``t``
-        at row ``t - j0``), the window keys are the positions ``[j0 - W + 1, j0 + chunk)`` (zeros outside
-        ``[0, L)``, masked), the compressed entries ``ent`` are ``[(j0 + chunk) // m, hd]`` (zeros for windows not
-        closed yet, never visible). So the matmuls, the masked softmax and the indexer's top-k see the same shapes
-        and the same row position for a query whatever the step's batch, ``L`` or prefill chunking -- masked keys
-        contribute exact zeros. ``indexer`` = ``(iq [n, nh, d], iw [n, nh], ikeys [E, d] float32, Indexer)`` on CSA
-        layers. Returns (``[n, H, hd]`` in the query dtype, indexer boundary ties among the real rows)."""
-        cfg = self.config
-        QC, W, B = self.batch_invariant_query_chunk(q.device), cfg.sliding_window, self._block_size
-        n, H, hd = q.shape
-        dev = q.device
-        a, b = lo - j0, lo - j0 + n  # real rows of the chunk
-        tq = torch.arange(j0, j0 + QC, device=dev)
-        qc = torch.zeros(QC, H, hd, dtype=torch.float32, device=dev)  # float32 logits, as in the default mode
-        qc[a:b] = q
-        k0 = j0 - W + 1
-        keys = q.new_zeros(QC + W - 1, hd)
-        p0, p1 = max(0, k0), min(L, j0 + QC)
-        keys[p0 - k0:p1 - k0] = kv_pool[_token_slots(s.blocks, p0, p1, B)].to(q.dtype)
-        # key k of the chunk is position k0 + k: visible to row r (position j0 + r) iff r < k + 1 <= r + W
-        mkey = (QC, W, dev)
-        mask = self._bi_window_masks.get(mkey)
-        if mask is None:
-            kk, rr = torch.arange(QC + W - 1, device=dev).view(1, -1), torch.arange(QC, device=dev).view(-1, 1)
-            mask = self._bi_window_masks[mkey] = (kk >= rr) & (kk <= rr + W - 1)
-        if k0 < 0:  # positions before 0 do not exist
-            mask = mask.clone()
-            mask[:, :-k0] = False
-        ties = 0
-        if ent is not None:
-            visible = torch.arange(ent.shape[0], device=dev).view(1, -1) < ((tq + 1) // m).view(-1, 1)
-            if indexer is not None:
-                iq, iw, ikeys, idx = indexer
-                nh, d = iq.shape[1], iq.shape[2]
-                iqc = iq.new_zeros(QC, nh, d)
-                iqc[a:b] = iq
-                iwc = iw.new_zeros(QC, nh)
-                iwc[a:b] = iw
-                sc = torch.mm(iqc.float().view(QC * nh, d), ikeys.t()).view(QC, nh, -1)
-                sc = F.relu(sc) * (d ** -0.5)
-                sc = (sc * iwc.unsqueeze(-1)).sum(dim=1)  # [QC, E]
-                sel, ties = indexer_select(sc[a:b], visible[a:b], idx.topk)
-                visible = torch.zeros_like(visible)
-                visible[a:b] = sel
-            keys = torch.cat([keys, ent.to(q.dtype)])
-            mask = torch.cat([mask, visible], dim=1)
-        nk = keys.shape[0]
-        logits = torch.mm(qc.view(QC * H, hd), keys.float().t()).view(QC, H, nk) * scale
-        logits = logits.masked_fill(~mask.unsqueeze(1), float("-inf"))
-        combined = torch.cat([logits, sink.view(1, H, 1).expand(QC, H, 1)], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype).reshape(QC * H, nk)
-        o = torch.mm(probs, keys).view(QC, H, hd)
-        return o[a:b], ties
 
     # ---- MoE -------------------------------------------------------------------------------------------------------
     def _route(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor,
