@@ -5,15 +5,15 @@
 #include <math_constants.h>
 
 #include "deepinfer/attention/sparse_mqa.cuh"
+#include "deepinfer/fp8.cuh"
 
 namespace deepinfer::attention {
 namespace {
 
 constexpr int kWarps = 4;
-constexpr float kE4m3Max = 448.0f;
-constexpr float kAmaxEps = 1e-10f;
-
-__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || isnan(a)) ? a : b; }
+using fp8::kAmaxEps;
+using fp8::kE4m3Max;
+using fp8::nan_max;
 
 // Biased exponent of the smallest power of two >= s (s positive normal); 0xFF (E8M0 NaN) for NaN.
 __device__ __forceinline__ uint32_t ue8m0_exponent_up(float s) {

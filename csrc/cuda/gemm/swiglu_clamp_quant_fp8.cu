@@ -3,6 +3,7 @@
 // saturating at +-448). One warp per (row, 128-column group); each lane holds 4 values in registers.
 #include <cuda_fp8.h>
 
+#include "deepinfer/fp8.cuh"
 #include "deepinfer/gemm/swiglu_clamp_quant_fp8.cuh"
 
 namespace deepinfer::gemm {
@@ -11,17 +12,10 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr int kGroup = 128;
 constexpr int kPerLane = kGroup / 32;
-constexpr float kFp8Max = 448.0f;
-constexpr float kAmaxEps = 1e-10f;
-
-__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || isnan(a)) ? a : b; }
-
-__device__ __forceinline__ float round_up_pow2(float s) {
-  uint32_t bits = __float_as_uint(s);
-  uint32_t exp = (bits >> 23) & 0xffu;
-  if ((bits & 0x7fffffu) != 0u) exp += 1u;
-  return __uint_as_float(exp << 23);
-}
+using fp8::kAmaxEps;
+using fp8::nan_max;
+using fp8::round_up_pow2;
+constexpr float kFp8Max = fp8::kE4m3Max;
 
 template <typename T>
 __global__ void __launch_bounds__(kWarpsPerBlock * 32) swiglu_clamp_quant_fp8_kernel(SwigluClampQuantParams p) {

@@ -1,22 +1,16 @@
 #include <cuda_fp8.h>
 
+#include "deepinfer/fp8.cuh"
 #include "deepinfer/quant/per_token_group_quant_fp8.cuh"
 
 namespace deepinfer::quant {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
-constexpr float kFp8Max = 448.0f;
-constexpr float kAmaxEps = 1e-10f;
-
-__device__ __forceinline__ float nan_max(float a, float b) { return (a > b || isnan(a)) ? a : b; }
-
-__device__ __forceinline__ float round_up_pow2(float s) {
-  uint32_t bits = __float_as_uint(s);
-  uint32_t exp = (bits >> 23) & 0xffu;
-  if ((bits & 0x7fffffu) != 0u) exp += 1u;
-  return __uint_as_float(exp << 23);
-}
+using fp8::kAmaxEps;
+using fp8::nan_max;
+using fp8::round_up_pow2;
+constexpr float kFp8Max = fp8::kE4m3Max;
 
 // inv_scale = 1 / scale (IEEE): identical to the CPU implementation and the reference. The saturating
 // conversion clamps to +-448 and keeps NaN, which is the reference's clamp.
