@@ -17,8 +17,26 @@ import json
 import sys
 
 
-def _open_in(path: str):
-    return contextlib.nullcontext(sys.stdin) if path == "-" else open(path, encoding="utf-8")
+def _read_lines(path: str) -> list[bytes]:
+    """The input's lines as bytes, split on ``\n`` only (JSON strings may hold raw U+2028 / U+0085), a trailing
+    ``\r`` and a leading UTF-8 BOM removed. Decoding happens per line, so one bad byte costs only its line."""
+    if path == "-":
+        stream = getattr(sys.stdin, "buffer", None)
+        data = stream.read() if stream is not None else sys.stdin.read().encode("utf-8", "surrogateescape")
+    else:
+        with open(path, "rb") as f:
+            data = f.read()
+    if data.startswith(b"\xef\xbb\xbf"):
+        data = data[3:]
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return [ln[:-1] if ln.endswith(b"\r") else ln for ln in lines]
+
+
+def _line_error(line_no: int, message: str, code: str = "invalid_json") -> dict:
+    return {"line": line_no, "error": {"message": message, "type": "invalid_request_error", "code": code,
+                                       "param": None, "status_code": 400}}
 
 
 def _open_out(path: str):
@@ -34,31 +52,37 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
                        seed=args.seed, enable_image_fetch=args.enable_image_fetch)
-    with _open_in(args.input) as f:
-        lines = f.read().splitlines()
+    lines = _read_lines(args.input)
+    out_file = _open_out(args.output)  # opened before the model runs: a bad --output fails fast, losing nothing
     llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg,
               batch_invariant=args.batch_invariant, served_model_name=args.served_model_name,
               tokenizer=args.tokenizer, created=args.created)
     records: list[dict | None] = [None] * len(lines)
     bodies, where = [], []
-    for i, line in enumerate(lines):
+    for i, raw in enumerate(lines):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            records[i] = _line_error(i + 1, f"line is not valid UTF-8: {e}", "invalid_encoding")
+            continue
         if not line.strip():
-            records[i] = {"line": i + 1, "error": {"message": "empty line: expected a JSON request body",
-                                                   "type": "invalid_request_error", "code": "invalid_json",
-                                                   "param": None, "status_code": 400}}
+            records[i] = _line_error(i + 1, "empty line: expected a JSON request body")
             continue
         try:
             body = json.loads(line)
-        except ValueError as e:
-            records[i] = {"line": i + 1, "error": {"message": f"malformed JSON: {e}", "type": "invalid_request_error",
-                                                   "code": "invalid_json", "param": None, "status_code": 400}}
+        except (ValueError, RecursionError) as e:
+            records[i] = _line_error(i + 1, f"malformed JSON: {e}")
+            continue
+        if not isinstance(body, dict):
+            records[i] = _line_error(i + 1, f"a request body must be a JSON object, got {type(body).__name__}",
+                                     "invalid_request_error")
             continue
         bodies.append(body)
         where.append(i)
     results = llm.chat(bodies, api=args.api, use_tqdm=not args.no_progress)
     for i, res in zip(where, results):
         records[i] = {"line": i + 1, "error": res["error"]} if is_error_record(res) else res
-    with _open_out(args.output) as out:
+    with out_file as out:
         for rec in records:
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
     stats = llm.last_stats
@@ -87,6 +111,9 @@ def determinism_check(llm, batch_sizes: list[int], max_tokens: int = 16, tempera
     target = [rng.randrange(3, vocab) for _ in range(prompt_len)]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
     ref = llm.generate([target], params)[0]
+    if ref.error is not None or not ref.token_ids:
+        raise ValueError(f"determinism-check: the reference request produced no tokens ({ref.error or 'empty'}); "
+                         "check --prompt-len, --max-tokens and --temperature")
     outputs = {tuple(ref.token_ids)}
     first_div, bitwise, max_diff, runs = None, True, 0.0, []
     for b in batch_sizes:
@@ -118,6 +145,8 @@ def run_determinism_check(args: argparse.Namespace, model_obj=None) -> int:
     llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), batch_invariant=args.batch_invariant,
               device=args.device, max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
+    if any(b < 1 for b in sizes):
+        raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
     report = determinism_check(llm, sizes, args.max_tokens, args.temperature, args.seed, args.prompt_len)
     print(json.dumps(report, indent=2))
     return 0 if report["distinct_outputs"] == 1 or not args.batch_invariant else 1
@@ -213,8 +242,20 @@ def _run_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point. A bad argument, a missing file or a bad checkpoint ends with one ``deepinfer: error: ...`` line
+    on stderr and exit code 2 (``DEEPINFER_DEBUG=1`` re-raises with the traceback)."""
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0) if hasattr(args, "func") else 0
+    if not hasattr(args, "func"):
+        return 0
+    from deepinfer_ops import BackendUnavailableError, envs
+
+    try:
+        return int(args.func(args) or 0)
+    except (OSError, ValueError, BackendUnavailableError) as e:  # CheckpointError is a ValueError
+        if envs.debug():
+            raise
+        print(f"deepinfer: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -392,6 +392,12 @@ class LLM:
                 prepared.append(None)
                 results.append({"error": e.record})
                 continue
+            except Exception as e:  # noqa: BLE001 - any other failure of one body is that request's error, never the batch's
+                prepared.append(None)
+                results.append({"error": {"message": f"invalid request: {type(e).__name__}: {e}",
+                                          "type": "invalid_request_error", "code": "invalid_request", "param": None,
+                                          "status_code": 400}})
+                continue
             seq = self._new_seq(pc.prompt_token_ids, pc.params)
 
             def on_token(s: Sequence, t: int, pc=pc) -> bool:

@@ -14,6 +14,7 @@ Run time:
     DEEPINFER_MQA_LOGITS_IMPL  ``2`` (default) or ``1``: ``1`` runs the round-one CUDA-core mqa_logits kernel
                            instead of the tensor-core one (fp32 results equal up to summation order).
     DEEPINFER_TOPK_IMPL    ``2`` (default) or ``1``: ``1`` runs the round-one CUDA top-k kernel (same output).
+    DEEPINFER_DEBUG        ``1``: the ``deepinfer`` CLI re-raises errors with their traceback instead of one line.
     DEEPINFER_CACHE_DIR    where generated artefacts (the built-in tiny checkpoint) are kept;
                            default ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``.
 """
@@ -46,3 +47,8 @@ def cache_dir() -> Path:
 def require_cuda() -> bool:
     """``DEEPINFER_REQUIRE_CUDA=1``: CUDA tests must run (fail rather than skip)."""
     return os.environ.get("DEEPINFER_REQUIRE_CUDA", "0").strip() in ("1", "true", "yes")
+
+
+def debug() -> bool:
+    """``DEEPINFER_DEBUG=1``: show tracebacks instead of one-line CLI errors."""
+    return os.environ.get("DEEPINFER_DEBUG", "0").strip() in ("1", "true", "yes")

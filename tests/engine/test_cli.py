@@ -99,3 +99,59 @@ def test_determinism_check_on_fake_model(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["distinct_outputs"] == 1 and report["first_divergence"] is None and report["logprobs_bitwise_equal"]
     assert [r["batch_size"] for r in report["runs"]] == [1, 5, 9]
+
+
+def test_hostile_lines_each_get_their_own_record(tmp_path):
+    """Lines that once crashed the whole run or shifted the output: each now yields one record, in order."""
+    ok = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                     "thinking": {"type": "disabled"}})
+    raw_lines = [
+        b"\xef\xbb\xbf" + ok.encode(),                                                   # 1: BOM on line 1 -> fine
+        b'{"messages":[{"role":"user","content":"hi"}],"max_tokens":1000000000000000000000000000000}',  # 2: int overflow
+        b'{"messages":[{"role":"user","content":"\\ud800"}],"max_tokens":1}',           # 3: lone surrogate
+        b'{"messages":[{"role":"user","content":"hi"}],"x":' + b"[" * 200 + b"]" * 200 + b"}",  # 4: deep nesting
+        b'{"messages":[{"role":"user","content":"bad \xff byte"}]}',                      # 5: invalid UTF-8
+        ok.replace("hi", "a\u2028b\u0085c").encode(),                                    # 6: raw U+2028 / U+0085 -> fine
+        json.dumps(ok).encode(),                                                         # 7: a JSON string, not an object
+        b"[" * 100000,                                                                   # 8: parser recursion
+        ok.encode() + b"\r",                                                             # 9: CRLF -> fine
+    ]
+    inp = tmp_path / "hostile.jsonl"
+    inp.write_bytes(b"\n".join(raw_lines) + b"\n")
+    out = tmp_path / "out.jsonl"
+    args = build_parser().parse_args(["generate", "--input", str(inp), "--output", str(out), "--created", "0",
+                                      "--no-progress"])
+    assert run_generate(args, model_obj=FakeModel(FakeConfig(max_position_embeddings=1024))) == 0
+    recs = [json.loads(l) for l in out.read_text(encoding="utf-8").split("\n") if l]
+    assert len(recs) == len(raw_lines)
+    fine = {1, 6, 9}
+    for n, rec in enumerate(recs, start=1):
+        if n in fine:
+            assert rec.get("object") == "chat.completion", (n, rec)
+        else:
+            assert set(rec) == {"line", "error"} and rec["line"] == n and rec["error"]["message"], (n, rec)
+    assert "UTF-8" in recs[4]["error"]["message"] and "JSON object, got str" in recs[6]["error"]["message"]
+
+
+def test_bad_output_folder_fails_before_the_model_runs(tmp_path):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}) + "\n")
+    calls = []
+
+    class Boom(FakeModel):
+        def forward(self, *a, **k):
+            calls.append(1)
+            return super().forward(*a, **k)
+
+    args = build_parser().parse_args(["generate", "--input", str(inp), "--output", str(tmp_path / "missing" / "o.jsonl"),
+                                      "--no-progress"])
+    with pytest.raises(FileNotFoundError):
+        run_generate(args, model_obj=Boom(FakeConfig(max_position_embeddings=1024)))
+    assert not calls, "the model ran although the output could not be written"
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    rc = main(["generate", "--input", str(tmp_path / "nope.jsonl"), "--output", "-"])
+    assert rc == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("deepinfer: error:") and "nope.jsonl" in err[-1]
