@@ -237,6 +237,13 @@ class ChatFrontend:
             err.record["code"] = "context_length_exceeded"
             raise err from None
         io = conv.inference_options
+        oc = io.output_constraint
+        if oc is not None and ((oc.kind == "json" and oc.schema) or oc.kind == "regex"):
+            # The recipe passes JSON-schema / regex constraints through without enforcing them; until the sampler
+            # enforces them (xgrammar), refusing is better than returning text that silently violates them.
+            raise RequestError(f"structured output ({'regex' if oc.kind == 'regex' else 'json_schema'}) is not "
+                               "enforced by this engine yet; use response_format json_object or text",
+                               code="unsupported_constraint")
         seed = io.seed
         drawn = seed is None
         if drawn:

@@ -155,3 +155,17 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("deepinfer: error:") and "nope.jsonl" in err[-1]
+
+
+def test_unenforced_constraints_are_refused(tmp_path):
+    base = {"messages": [{"role": "user", "content": "reply in json"}], "max_tokens": 2}
+    bodies = [dict(base, response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+              dict(base, response_format={"type": "json_object"}), base]
+    inp = tmp_path / "c.jsonl"
+    inp.write_text("\n".join(json.dumps(b) for b in bodies) + "\n")
+    out = tmp_path / "o.jsonl"
+    args = build_parser().parse_args(["generate", "--input", str(inp), "--output", str(out), "--no-progress"])
+    run_generate(args, model_obj=FakeModel(FakeConfig(max_position_embeddings=1024)))
+    recs = [json.loads(l) for l in out.read_text().splitlines()]
+    assert recs[0]["error"]["code"] == "unsupported_constraint" and recs[0]["line"] == 1
+    assert recs[1].get("object") == "chat.completion" and recs[2].get("object") == "chat.completion"
