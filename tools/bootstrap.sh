@@ -16,4 +16,5 @@ if ! "$VPY" -c "import torch" 2>/dev/null; then
   "$VPY" -m pip install -q "${DEEPINFER_TORCH_SPEC:-torch==2.14.1}"
 fi
 MAX_JOBS=${MAX_JOBS:-$(nproc)} "$VPY" -m pip install -q --no-build-isolation -e ".[test,cuda]"
-"$VPY" -c "import deepinfer_ops, torch; print('deepinfer_ops ready: torch', torch.__version__, '| CUDA kernels built:', deepinfer_ops.BUILT_WITH_CUDA)"
+# status to stderr: stdout stays clean for the command chained after this one (e.g. JSONL on --output -)
+"$VPY" -c "import deepinfer_ops, sys, torch; print('deepinfer_ops ready: torch', torch.__version__, '| CUDA kernels built:', deepinfer_ops.BUILT_WITH_CUDA, file=sys.stderr)"

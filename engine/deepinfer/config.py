@@ -29,7 +29,8 @@ class EngineConfig:
         enable_image_fetch: let the recipe fetch image URLs (off by default). When on, only public addresses are
             allowed and each image is capped at ``image_max_bytes``.
         image_max_bytes: byte limit per fetched image.
-        device: torch device of the model and cache (``None``: CUDA when available, else CPU).
+        device: torch device of the model and cache (``None``: from ``DEEPINFER_ACCELERATOR``, default auto = CUDA when
+            deepinfer_ops was built with CUDA and a GPU is visible, else CPU).
         seed: base of the seeds drawn for requests without one; ``None`` draws from the OS.
     """
 

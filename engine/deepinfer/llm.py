@@ -12,6 +12,8 @@ from typing import Any, Sequence as Seq
 
 import torch
 
+import deepinfer_ops
+
 from deepinfer.block_manager import BlockManager
 from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record
 from deepinfer.config import EngineConfig
@@ -159,8 +161,8 @@ class LLM:
             params = getattr(model, "parameters", None)
             first = next(iter(params()), None) if callable(params) else None
             self.device = first.device if first is not None else torch.device("cpu")
-        else:
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        else:  # DEEPINFER_ACCELERATOR (default auto); raises naming what is missing for an unavailable backend
+            self.device = deepinfer_ops.device_for(deepinfer_ops.select_accelerator())
 
         model_dir: Path | None = None
         if isinstance(model, (str, os.PathLike)):

@@ -121,3 +121,16 @@ def test_logprobs_and_top_logprobs_match_the_model():
         assert [i for i, _ in top] == idx[:4].tolist()
         assert [v for _, v in top] == pytest.approx(vals[:4].tolist(), abs=1e-6)
         ctx.append(t)
+
+
+def test_accelerator_env_is_honoured(monkeypatch):
+    """DEEPINFER_ACCELERATOR picks the engine's device; an unavailable or unknown backend is a clear error."""
+    import deepinfer_ops
+    from deepinfer import LLM
+
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "ascend")
+    with pytest.raises(deepinfer_ops.BackendUnavailableError, match="CANN"):
+        LLM("tiny")
+    monkeypatch.setenv("DEEPINFER_ACCELERATOR", "bogus")
+    with pytest.raises(ValueError, match="DEEPINFER_ACCELERATOR"):
+        LLM("tiny")
