@@ -3,6 +3,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <optional>
@@ -41,6 +42,13 @@ inline void check_same_device(const char* op, const at::Tensor& a, const char* a
 
 inline void check_dtype(const char* op, const at::Tensor& t, const char* name, at::ScalarType dtype) {
   DEEPINFER_CHECK(t.scalar_type() == dtype, op, name, " must be ", dtype_name(dtype), ", got ", dtype_name(t.scalar_type()));
+}
+
+// A tensor the op writes must not have elements sharing memory (e.g. an expand()ed, stride-0 view).
+inline void check_writable(const char* op, const at::Tensor& t, const char* name) {
+  DEEPINFER_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, op, name,
+                  " has elements that share memory (e.g. an expanded, stride-0 view) and cannot be written; pass a "
+                  "tensor with its own storage per element");
 }
 
 inline bool is_float_activation(at::ScalarType t) {

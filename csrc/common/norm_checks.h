@@ -15,6 +15,7 @@ inline std::pair<at::Tensor, at::Tensor> check_rms_norm(const at::Tensor& out, c
   DEEPINFER_CHECK(out.scalar_type() == input.scalar_type(), op, "out dtype ", dtype_name(out.scalar_type()), " != input dtype ",
                   dtype_name(input.scalar_type()));
   check_same_device(op, out, "out", input, "input");
+  check_writable(op, out, "out");
   DEEPINFER_CHECK(eps >= 0.0, op, "eps must be >= 0, got ", eps);
   if (weight.has_value()) {
     const auto& w = *weight;

@@ -26,6 +26,8 @@ inline std::pair<at::Tensor, at::Tensor> check_per_token_group_quant_fp8(const a
   DEEPINFER_CHECK(out_q.sizes() == input.sizes(), op, "out_q shape ", out_q.sizes(), " != input shape ",
                   input.sizes());
   check_same_device(op, out_q, "out_q", input, "input");
+  check_writable(op, out_q, "out_q");
+  check_writable(op, out_scale, "out_scale");
   check_same_device(op, out_scale, "out_scale", input, "input");
   auto in2 = as_rows(op, input, "input");
   auto q2 = as_rows(op, out_q, "out_q");

@@ -25,6 +25,7 @@ inline void check_rotary_embedding(const at::Tensor& x, const at::Tensor& positi
   DEEPINFER_CHECK(rope_dim % 2 == 0 && rope_dim > 0 && rope_dim <= x.size(-1), op, "rope_dim (cos_sin_cache.size(1) = ",
                   rope_dim, ") must be even, > 0 and <= head_dim ", x.size(-1));
   check_same_device(op, positions, "positions", x, "x");
+  check_writable(op, x, "x");
   check_same_device(op, cache, "cos_sin_cache", x, "x");
 }
 

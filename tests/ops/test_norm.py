@@ -69,6 +69,8 @@ def test_rms_norm_bad_inputs(device):
         deepinfer_ops.rms_norm(x.to(torch.int32), None, 1e-6)
     with pytest.raises(RuntimeError, match="out shape"):
         deepinfer_ops.rms_norm(x, None, 1e-6, out=torch.empty(4, 32, device=device))
+    with pytest.raises(RuntimeError, match="out has elements that share memory"):
+        deepinfer_ops.rms_norm(x, None, 1e-6, out=torch.empty(1, 64, device=device).expand(4, 64))
     with pytest.raises(RuntimeError, match="contiguous in its last dim"):
         deepinfer_ops.rms_norm(torch.randn(64, 4, device=device).t(), None, 1e-6)
 

@@ -70,6 +70,9 @@ def test_rope_bad_inputs(device):
     with pytest.raises(RuntimeError, match="cos_sin_cache must be torch.float32, got torch.float64"):
         deepinfer_ops.rotary_embedding(x, torch.zeros(4, dtype=torch.long, device=device),
                                        _cache(device=device).double())
+    with pytest.raises(RuntimeError, match="x has elements that share memory"):
+        deepinfer_ops.rotary_embedding(torch.randn(1, 1, 512, device=device).expand(3, 4, 512),
+                                       torch.zeros(3, dtype=torch.long, device=device), _cache(device=device))
     with pytest.raises(RuntimeError, match="rope_dim"):
         deepinfer_ops.rotary_embedding(torch.randn(4, 32, device=device), torch.zeros(4, dtype=torch.long, device=device),
                                        _cache(device=device))
