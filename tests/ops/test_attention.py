@@ -156,6 +156,53 @@ def test_decode_errors_name_the_tensor(device):
         deepinfer_ops.sparse_mqa_decode(q, cache, idx, 0.1, extra_kv_cache=cache)
 
 
+@pytest.mark.native_errors
+def test_outputs_with_shared_elements_are_refused(device):
+    # Every tensor an attention op writes: an expanded (stride-0) view is refused with an error naming the tensor,
+    # before anything is written.
+    g = _gen(5)
+    ops = torch.ops.deepinfer_ops
+    q = torch.randn(1, 2, 8, 64, generator=g).bfloat16().to(device)
+    cache = _cache(2, 4, 64, g, device)
+    idx = torch.zeros(1, 2, 3, dtype=torch.int32, device=device)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 8, device=device)
+    out_x = torch.empty(1, 1, 8, 64, dtype=torch.bfloat16, device=device).expand(1, 2, 8, 64)
+    lse_x = torch.empty(1, 1, 8, device=device).expand(1, 2, 8)
+    with pytest.raises(RuntimeError, match="sparse_mqa_decode: out has elements that share memory"):
+        ops.sparse_mqa_decode(out_x, lse, q, cache, idx, None, None, None, None, None, 0.1)
+    with pytest.raises(RuntimeError, match="sparse_mqa_decode: lse has elements that share memory"):
+        ops.sparse_mqa_decode(out, lse_x, q, cache, idx, None, None, None, None, None, 0.1)
+    with pytest.raises(RuntimeError, match="sparse_mqa_prefill: out has elements that share memory"):
+        ops.sparse_mqa_prefill(out_x[0], lse[0], q[0], cache, idx[0], None, None, None, None, None, 0.1)
+    with pytest.raises(RuntimeError, match="sparse_mqa_prefill: lse has elements that share memory"):
+        ops.sparse_mqa_prefill(out[0], lse_x[0], q[0], cache, idx[0], None, None, None, None, None, 0.1)
+
+    qi = torch.randn(2, 4, 64, generator=g).bfloat16().to(device)
+    w = torch.randn(2, 4, device=device)
+    logits_x = torch.empty(1, 8, device=device).expand(2, 8)
+    with pytest.raises(RuntimeError, match="mqa_logits: logits has elements that share memory"):
+        ops.mqa_logits(logits_x, qi, w, cache, None, None, None)
+
+    scores = torch.randn(3, 10, generator=g).to(device)
+    values, indices = torch.empty(3, 4, device=device), torch.empty(3, 4, dtype=torch.int64, device=device)
+    with pytest.raises(RuntimeError, match="topk_rows: values has elements that share memory"):
+        ops.topk_rows(torch.empty(1, 4, device=device).expand(3, 4), indices, scores)
+    with pytest.raises(RuntimeError, match="topk_rows: indices has elements that share memory"):
+        ops.topk_rows(values, torch.empty(3, 1, dtype=torch.int64, device=device).expand(3, 4), scores)
+
+    slots = torch.arange(2, device=device)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="kv_cache_write: kv_cache has elements that share memory"):
+        ops.kv_cache_write(cache[:1].expand(2, 4, 64), torch.randn(2, 64, generator=g).bfloat16().to(device), slots)
+    assert torch.equal(cache, before), "the refused call wrote into the cache"
+    cache8 = _fp8_cache(2, 4, device)
+    with pytest.raises(RuntimeError, match="kv_cache_write_fp8: kv_cache has elements that share memory"):
+        ops.kv_cache_write_fp8(cache8[:, :1].expand(2, 4, 584), _fp8_rows(2, g, device), slots)
+    with pytest.raises(RuntimeError, match="kv_cache_dequant_fp8: out has elements that share memory"):
+        ops.kv_cache_dequant_fp8(torch.empty(1, 512, dtype=torch.bfloat16, device=device).expand(2, 512), cache8,
+                                 slots)
+
+
 def _fp32_cache(num_blocks, block_size, dim, g, block_pad=0):
     base = torch.randn(num_blocks, block_size * dim + block_pad, generator=g)
     return base[:, : block_size * dim].view(num_blocks, block_size, dim)

@@ -188,14 +188,14 @@ attention::Fp8CacheParams fp8_params(const at::Tensor& kv_cache, const at::Tenso
 }  // namespace
 
 void kv_cache_write_fp8_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping) {
-  check_fp8_cache("kv_cache_write_fp8", kv_cache, kv, "kv", slot_mapping);
+  check_fp8_cache("kv_cache_write_fp8", kv_cache, kv, "kv", slot_mapping, /*writes_cache=*/true);
   if (kv.size(0) == 0 || kv_cache.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   attention::launch_kv_cache_write_fp8(fp8_params(kv_cache, kv, slot_mapping), current_stream());
 }
 
 void kv_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
-  check_fp8_cache("kv_cache_dequant_fp8", kv_cache, out, "out", slot_mapping);
+  check_fp8_cache("kv_cache_dequant_fp8", kv_cache, out, "out", slot_mapping, /*writes_cache=*/false);
   if (out.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   attention::launch_kv_cache_dequant_fp8(fp8_params(kv_cache, out, slot_mapping), current_stream());
