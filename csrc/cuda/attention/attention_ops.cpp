@@ -125,6 +125,7 @@ void topk_rows_cuda(at::Tensor& values, at::Tensor& indices, const at::Tensor& s
   const int64_t rows = scores.size(0), k = values.size(1);
   if (rows == 0 || k == 0) return;
   DEEPINFER_CHECK(k <= kTopkMaxK, op, "k = ", k, " exceeds the CUDA limit ", kTopkMaxK);
+  DEEPINFER_CHECK(scores.size(1) < (int64_t(1) << 30), op, "n = ", scores.size(1), " must be < 2^30 on CUDA");
   const c10::cuda::CUDAGuard guard(scores.device());
   attention::TopkParams p{};
   p.scores = scores.const_data_ptr<float>();
@@ -134,6 +135,11 @@ void topk_rows_cuda(at::Tensor& values, at::Tensor& indices, const at::Tensor& s
   p.rows = rows;
   p.n = static_cast<int>(scores.size(1));
   p.k = static_cast<int>(k);
+  DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, scores.device().index()));
+  const int64_t ws_bytes = attention::topk_rows_workspace_bytes(p);
+  const at::Tensor workspace = at::empty({ws_bytes}, scores.options().dtype(at::kByte));  // stream-ordered reuse
+  p.workspace = workspace.mutable_data_ptr();
+  p.workspace_bytes = ws_bytes;
   attention::launch_topk_rows(p, current_stream());
 }
 

@@ -64,9 +64,15 @@ struct TopkParams {
   float* values;        // [rows, k]
   int64_t* indices;     // [rows, k]
   int64_t rows;
-  int n, k;             // k <= 2048
+  int n, k;             // k <= min(n, 2048), n < 2^30
+  int num_sms;          // of the device (sizes the number of CTAs per row; results do not depend on it)
+  void* workspace;      // topk_rows_workspace_bytes(*this) bytes, 16-byte aligned, on the device (contents ignored)
+  int64_t workspace_bytes;
 };
 
+// Workspace bytes launch_topk_rows needs for p (rows, n, k and num_sms set).
+int64_t topk_rows_workspace_bytes(const TopkParams& p);
+// Radix select over several CTAs per row, then a bitonic sort of the k selected (topk.cu).
 void launch_topk_rows(const TopkParams& p, cudaStream_t stream);
 
 struct KvCacheWriteParams {
