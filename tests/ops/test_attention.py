@@ -682,7 +682,8 @@ def _decode_weight_magnitude(q, cache, idx, scale, topk_length=None, extra_kv_ca
 def test_decode_fp8_cache_equals_decoded_bf16_cache(device, seed):
     # Wide-range rows (1e-3 .. 1e3, times 0.05): outputs are sums of large values that cancel, so the reference check
     # allows for the bf16-rounded softmax weights (seen on the H200: one element off by 0.016 at |v| ~ 64, exactly
-    # the value a CPU emulation of bf16 weights gives). The FP8 path must equal the bf16 path bit for bit, run after run.
+    # the value a CPU emulation of bf16 weights gives). The FP8 path must equal the bf16 path bit for bit, run after
+    # run.
     g = _gen(seed)
     b, s_q, h, topk, block_size = 3, 2, 16, 40, 16
     kv = _fp8_rows(8 * block_size, g, device) * 0.05

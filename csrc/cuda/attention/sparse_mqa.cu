@@ -278,8 +278,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_co
     cp_async_wait_all();
     __syncthreads();
     if constexpr (kStageFp8) {
-      // Staged FP8 entries of this tile -> bf16 rows of K buffer `buf` (decode_fp8_entry8's bits, as the register path); the
-      // staging is free again before the next issue() below.
+      // Staged FP8 entries of this tile -> bf16 rows of K buffer `buf` (decode_fp8_entry8's bits, as the register
+      // path); the staging is free again before the next issue() below.
       const uint8_t* const* ptrs = sPtr + buf * kBlockN;
       const bool* fp8s = sFp8 + buf * kBlockN;
       __nv_bfloat16* kbuf = sK + buf * kBlockN * kStride;
