@@ -579,7 +579,9 @@ def test_transformers_loads_our_quantized_tiny_checkpoint_with_the_same_weights(
     folder = C.make_checkpoint("tiny", tmp_path / "t", seed=0, scale_fmt=scale_fmt, expert_quant=expert_quant)
     ck = C.load_checkpoint(folder)
     assert ck.formats["layers.3.ffn.experts.1.w2.weight"] == expert_quant
-    hf, info = transformers.DeepseekV4ForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    hf, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True,
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True))  # also with a GPU present
     for k in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
         assert not info.get(k), f"{k}: {info.get(k)}"
     sd = {k: v.detach() for k, v in hf.state_dict().items()}

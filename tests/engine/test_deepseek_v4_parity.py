@@ -43,11 +43,13 @@ def pair(tmp_path_factory):
     ckpt = load_checkpoint(path)
     ours = DeepseekV4ForCausalLM.from_parameters(ckpt.config, ckpt.params)
     hf, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
-        path, dtype=torch.float32, experts_implementation="eager", output_loading_info=True
+        path, dtype=torch.float32, experts_implementation="eager", output_loading_info=True,
+        # dequantise on every machine: with a GPU present transformers would keep the FP8 weights (no .float())
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
     )
     for k in ("missing_keys", "mismatched_keys", "error_msgs"):
         assert not info.get(k), f"transformers could not load the tiny checkpoint: {k} = {info.get(k)}"
-    # On CPU transformers dequantises FP8/FP4 to bf16; those values are exact in bf16 (3 / 1 mantissa bits times a
+    # Dequantised, FP8/FP4 weights are bf16 values; those values are exact in bf16 (3 / 1 mantissa bits times a
     # power-of-two scale), so float() gives the same fp32 numbers as our dequantisation.
     hf = hf.float().eval()
     return ckpt, ours, hf

@@ -100,7 +100,8 @@ def test_engine_greedy_equals_transformers(llm):
     from deepinfer.checkpoint import default_model_path
 
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(
-        default_model_path(), dtype=torch.float32, experts_implementation="eager").float().eval()
+        default_model_path(), dtype=torch.float32, experts_implementation="eager",
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True)).float().eval()
     prompts = [p for p in _prompts(seed=2) if len(p) in (5, 130, 257)]
     new = 5
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
