@@ -156,6 +156,20 @@ __device__ void bitonic_sort_desc(uint64_t* s, int npow2) {
 }
 
 // Elements of row g in the top-digit bin of the k-th largest key (valid once hist<1> has recorded that digit).
+// Sum of v over the CTA in a fixed order (warp butterflies, then the warps in order); valid in thread 0 only.
+// Every thread must call it (it synchronises).
+__device__ __forceinline__ int block_sum_fixed_order_int(int v, int* s_warp, int lane, int warp, int tid) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  if (lane == 0) s_warp[warp] = v;
+  __syncthreads();
+  int total = 0;
+  if (tid == 0) {
+    for (int w = 0; w < kWarps; ++w) total += s_warp[w];
+  }
+  return total;
+}
+
 __device__ __forceinline__ int top_bin_count(const TopkRun& r, int g, uint32_t prefix0) {
   return r.hist[static_cast<int64_t>(g) * 3 * kBins + (prefix0 >> digit_shift(0))];
 }
@@ -350,16 +364,8 @@ __global__ void __launch_bounds__(kThreads) topk_collect_kernel(const __grid_con
     warp_append((ok && u > thr) || (eq && all_eq), sel_entry(u, i), counter, sel, k, lane);
   });
   if (!all_eq) {  // uniform: this chunk's count of elements equal to thr, for collect_ties
-    int v = my_eq;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (lane == 0) s_warp[warp] = v;
-    __syncthreads();
-    if (tid == 0) {
-      int total = 0;
-      for (int w = 0; w < kWarps; ++w) total += s_warp[w];
-      r.ties[static_cast<int64_t>(g) * r.chunks + blockIdx.y] = total;
-    }
+    const int total = block_sum_fixed_order_int(my_eq, s_warp, lane, warp, tid);
+    if (tid == 0) r.ties[static_cast<int64_t>(g) * r.chunks + blockIdx.y] = total;
   }
 }
 
@@ -381,15 +387,8 @@ __global__ void __launch_bounds__(kThreads) topk_collect_ties_kernel(const __gri
   // Ties in the chunks before this one (a fixed-order block sum).
   int v = 0;
   for (int c = tid; c < chunk_id; c += kThreads) v += ties[c];
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if (lane == 0) s_warp[warp] = v;
-  __syncthreads();
-  if (tid == 0) {
-    int total = 0;
-    for (int w = 0; w < kWarps; ++w) total += s_warp[w];
-    s_before = total;
-  }
+  const int before = block_sum_fixed_order_int(v, s_warp, lane, warp, tid);
+  if (tid == 0) s_before = before;
   __syncthreads();
   int base = s_before;  // the same in every thread
   if (base >= need_eq) return;
