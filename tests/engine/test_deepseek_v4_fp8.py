@@ -256,3 +256,14 @@ def test_llm_on_cpu_fp8_and_default():
         assert int(llm.model.forward_full(torch.tensor(ids))[-1].argmax()) == t
         ids.append(t)
     assert LLM("tiny", device="cpu", num_blocks=8).model.gemm == "dequant"
+
+
+def test_dequant_path_from_quantized_weights_equals_dequantised_load(pair):
+    """``load_native`` given the stored formats (``QuantizedWeight``) on path ``"dequant"`` dequantises them itself:
+    bitwise the model loaded from already-dequantised tensors."""
+    deq, _ = pair
+    ck = load_checkpoint(default_model_path(), dequantize=False)
+    model = DeepseekV4ForCausalLM.from_parameters(ck.config, ck.params, gemm="dequant")
+    assert model.gemm == "dequant" and not model.layers[0].attn.wq_a.is_fp8 and not model.layers[0].ffn.is_fp8
+    ids = _ids(20, 11)
+    assert torch.equal(model.forward_full(ids), deq.forward_full(ids))
