@@ -241,8 +241,9 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int = 0) -> torch.T
     wt = weight.t()
     for c in range(full):
         torch.mm(x2[c * rows:(c + 1) * rows], wt, out=out[c * rows:(c + 1) * rows])
-    if full < chunks:
-        tail = x2.new_zeros(rows, kp)
+    if full < chunks:  # padding rows: uninitialised on CUDA (a GEMM row depends on its own row only; dropped),
+        #                zeros on the CPU (no slow denormal arithmetic), as in pad_rows_buffer
+        tail = x2.new_empty(rows, kp) if x2.is_cuda else x2.new_zeros(rows, kp)
         tail[:m - full * rows] = x2[full * rows:]
         torch.mm(tail, wt, out=out[full * rows:])
     return out[:m, :n].reshape(*lead, n)
