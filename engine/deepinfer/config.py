@@ -21,9 +21,10 @@ class EngineConfig:
         max_num_seqs: most sequences running at once.
         max_model_len: context limit in tokens (prompt + output); ``None`` takes the model's.
         batch_invariant: per-row computation everywhere: every model step runs in the model's batch-invariant
-            mode (``ForwardBatch.batch_invariant``: fixed-shape GEMM chunks, row-wise sparse attention), the
-            sampler reduces one row at a time and prefill chunks end at multiples of ``prefill_chunk_align``, so a
-            request's logits and draws do not depend on what it is batched with (issue 7).
+            mode (``ForwardBatch.batch_invariant``: fixed-shape chunks for the torch GEMMs, batch-invariant FP8
+            GEMMs, row-wise sparse attention), the sampler reduces one row at a time and prefill chunks end at
+            multiples of ``prefill_chunk_align``, so a request's logits and draws do not depend on what it is
+            batched with (issue 7).
         prefill_chunk_align: in batch-invariant mode a prefill chunk that does not end its prompt ends at a
             multiple of this many positions (a multiple of the attention split-KV size; default ``block_size``).
         enable_image_fetch: let the recipe fetch image URLs (off by default). When on, only public addresses are

@@ -239,8 +239,8 @@ def _engine_runs(device: str, batch_invariant: bool, gemm: str = "dequant"):
         outs = llm.generate(fillers[:at] + [target] + fillers[at:], fparams[:at] + [params] + fparams[at:])
         runs.append((f"batch of {b} at {at}", outs[at]))
     for budget, align in ((48, 16), (128, 128)):
-        runs.append((f"chunks of <= {budget} cut at multiples of {align}",
-                     _llm(device, batch_invariant, budget=budget, align=align, gemm=gemm).generate([target], params)[0]))
+        llm = _llm(device, batch_invariant, budget=budget, align=align, gemm=gemm)
+        runs.append((f"chunks of <= {budget} cut at multiples of {align}", llm.generate([target], params)[0]))
     return ref, runs
 
 

@@ -100,7 +100,8 @@ def test_fp8_load_keeps_the_checkpoint_format(pair):
         ref = deq.get_submodule(name.rpartition(".")[0]).weight
         assert torch.equal(_dq(lin.weight, lin.scale), ref), f"{name}: not the dequant path's values"
     # "other" weights keep their dtype and torch GEMMs
-    for mod in (fp8.head, fp8.layers[1].ffn.gate, fp8.layers[1].attn.compressor.wkv, fp8.layers[1].attn.indexer.weights_proj):
+    attn = fp8.layers[1].attn
+    for mod in (fp8.head, fp8.layers[1].ffn.gate, attn.compressor.wkv, attn.indexer.weights_proj):
         assert mod.weight.dtype == torch.float32
         assert not getattr(mod, "is_fp8", False)
     # routed experts: stacked, FP4 converted exactly (the tiny checkpoint's per-32 exponents lie within 14 binades),

@@ -388,7 +388,8 @@ class Linear(nn.Module):
             raise ValueError(f"Linear.set_fp8: weight must be float8_e4m3fn {[out, inp]}, got {weight.dtype} "
                              f"{list(weight.shape)}")
         if scale.dtype != torch.float32 or tuple(scale.shape) != want:
-            raise ValueError(f"Linear.set_fp8: scale must be float32 {list(want)}, got {scale.dtype} {list(scale.shape)}")
+            raise ValueError(f"Linear.set_fp8: scale must be float32 {list(want)}, got {scale.dtype} "
+                             f"{list(scale.shape)}")
         self._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
         self._parameters["scale"] = nn.Parameter(scale, requires_grad=False)
 
@@ -682,9 +683,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     """
 
     QUERY_CHUNK = 512  # queries per lightning-indexer score chunk (bounds the [queries, entries] scores)
-    # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape GEMM call (see ``linear_rows``),
-    # per device type. The costs: up to rows - 1 padded GEMM rows per call (free while a call is bandwidth-bound on
-    # its weight, as a decode step of <= 128 tokens is on the GPU) and one launch per ``rows`` tokens.
+    # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape torch GEMM call (see
+    # ``linear_rows``; the FP8 GEMMs of path "fp8" need none), per device type. The costs: up to rows - 1 padded GEMM
+    # rows per call (free while a call is bandwidth-bound on its weight, as a decode step of <= 128 tokens is on the
+    # GPU) and one launch per ``rows`` tokens.
     BI_GEMM_ROWS = {"cuda": 128, "cpu": 16}
     BI_GEMM_ROWS_DEFAULT = 128
 
