@@ -16,7 +16,6 @@ Run on a GPU: python bench/bench_attention.py [--quick] [--out-dir DIR]
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -43,15 +42,6 @@ def _sdpa_peer(q, caches, idx_lists, sink):
     bias[..., :-1].masked_fill_(~valid.view(r, 1, 1, -1), float("-inf"))
     bias[..., -1] = sink.view(1, 1, h).to(q.dtype)
     return F.scaled_dot_product_attention(q.unsqueeze(1), kv, kv, attn_mask=bias, scale=SCALE)
-
-
-def _time_round_one(fn, var="DEEPINFER_SPARSE_MQA_IMPL", **kw):
-    """time_cuda of fn with ``var=1``: the round-one kernel (sparse MQA: same bits as v2; mqa_logits: CUDA cores)."""
-    os.environ[var] = "1"
-    try:
-        return time_cuda(fn, **kw)
-    finally:
-        del os.environ[var]
 
 
 def _sparse_case(rows, topk, gen_blocks):
@@ -85,8 +75,7 @@ def bench_decode(quick):
             out.append({"op": "sparse_mqa_decode",
                         "shape": {"b": b, "s_q": s_q, "h": HEADS, "topk": TOPK, "window": WINDOW, "dtype": "bf16"},
                         **metrics(time_cuda(fn), flops, nbytes),
-                        "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes),
-                                  "round_one_kernel": metrics(_time_round_one(fn), flops, nbytes)}})
+                        "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes)}})
             # FP8 MODEL1 compressed cache (584 B entries), bf16 window: same math, fewer bytes.
             comp8 = torch.empty(comp.shape[0], BLOCK, 584, device="cuda", dtype=torch.uint8)
             deepinfer_ops.kv_cache_write_fp8(comp8, comp.view(-1, DIM),
@@ -98,8 +87,7 @@ def bench_decode(quick):
                         "shape": {"b": b, "s_q": s_q, "h": HEADS, "topk": TOPK, "window": WINDOW,
                                   "dtype": "fp8_model1+bf16_window"},
                         **metrics(time_cuda(fn8), flops, nbytes8),
-                        "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes8),
-                                  "round_one_kernel": metrics(_time_round_one(fn8), flops, nbytes8)}})
+                        "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes8)}})
     return out
 
 
@@ -116,8 +104,7 @@ def bench_prefill(quick):
         out.append({"op": "sparse_mqa_prefill",
                     "shape": {"tokens": t, "h": HEADS, "topk": topk, "window": WINDOW, "dtype": "bf16"},
                     **metrics(time_cuda(fn, iters=20), flops, nbytes),
-                    "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes),
-                              "round_one_kernel": metrics(_time_round_one(fn, iters=20), flops, nbytes)}})
+                    "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes)}})
     return out
 
 
@@ -134,10 +121,7 @@ def bench_indexer(quick):
             peer = lambda: (torch.einsum("thd,nd->thn", q, kf).float().clamp_min(0) * w.unsqueeze(-1)).sum(1)
             out.append({"op": "mqa_logits", "shape": {"t": t, "H": H, "d": d, "n": n, "dtype": "bf16"},
                         **metrics(time_cuda(lambda: deepinfer_ops.mqa_logits(q, w, k, n)), flops, nbytes),
-                        "peers": {"torch_einsum": metrics(time_cuda(peer), flops, nbytes),
-                                  "round_one_kernel": metrics(_time_round_one(
-                                      lambda: deepinfer_ops.mqa_logits(q, w, k, n), var="DEEPINFER_MQA_LOGITS_IMPL"),
-                                      flops, nbytes)}})
+                        "peers": {"torch_einsum": metrics(time_cuda(peer), flops, nbytes)}})
         for rows in [4, 64]:
             s = torch.randn(rows, n, device="cuda").clamp_min(0)  # ReLU-like: many ties at 0
             for kk in [512, 2048]:
@@ -145,10 +129,7 @@ def bench_indexer(quick):
                 out.append({"op": "topk", "shape": {"rows": rows, "n": n, "k": kk},
                             **metrics(time_cuda(lambda: deepinfer_ops.topk(s, kk)), bytes_moved=nbytes),
                             "peers": {"torch.topk": metrics(time_cuda(lambda: torch.topk(s, kk)),
-                                                            bytes_moved=nbytes),
-                                      "round_one_kernel": metrics(_time_round_one(
-                                          lambda: deepinfer_ops.topk(s, kk), var="DEEPINFER_TOPK_IMPL"),
-                                          bytes_moved=nbytes)}})
+                                                            bytes_moved=nbytes)}})
     return out
 
 

@@ -104,10 +104,12 @@ inline SparseMqaArgs check_sparse_mqa(const char* op, bool is_prefill, const at:
   const int64_t h = q.size(-2), d = q.size(-1);
   DEEPINFER_CHECK(d == 64 || d == 128 || d == 256 || d == 512, op, "head_dim must be 64, 128, 256 or 512, got ", d);
   check_dtype(op, out, "out", q.scalar_type());
+  check_writable(op, out, "out");
   DEEPINFER_CHECK(out.sizes() == q.sizes() && out.is_contiguous(), op, "out must be contiguous ", q.sizes(),
                   ", got ", out.sizes(), " strides ", out.strides());
   check_same_device(op, out, "out", q, "q");
   check_dtype(op, lse, "lse", at::kFloat);
+  check_writable(op, lse, "lse");
   DEEPINFER_CHECK(lse.sizes() == q.sizes().slice(0, lead_dims + 1) && lse.is_contiguous(), op,
                   "lse must be contiguous ", q.sizes().slice(0, lead_dims + 1), ", got ", lse.sizes());
   check_same_device(op, lse, "lse", q, "q");
@@ -179,6 +181,7 @@ inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, cons
                   "k_cache must be [num_blocks, block_size > 0, ", d, "], got ", k_cache.sizes());
   DEEPINFER_CHECK(k_cache.numel() == 0 || k_cache.stride(2) == 1, op, "k_cache must be contiguous in head_dim");
   check_dtype(op, logits, "logits", at::kFloat);
+  check_writable(op, logits, "logits");
   check_same_device(op, logits, "logits", q, "q");
   DEEPINFER_CHECK(logits.dim() == 2 && logits.size(0) == t && logits.is_contiguous(), op,
                   "logits must be a contiguous [", t, ", num_candidates], got ", logits.sizes());
@@ -209,6 +212,8 @@ inline void check_topk_rows(const at::Tensor& values, const at::Tensor& indices,
   DEEPINFER_CHECK(scores.size(1) <= kTopkMaxN, op, "n = ", scores.size(1), " exceeds ", kTopkMaxN);
   check_dtype(op, values, "values", at::kFloat);
   check_dtype(op, indices, "indices", at::kLong);
+  check_writable(op, values, "values");
+  check_writable(op, indices, "indices");
   check_same_device(op, values, "values", scores, "scores");
   check_same_device(op, indices, "indices", scores, "scores");
   DEEPINFER_CHECK(values.dim() == 2 && values.size(0) == scores.size(0) && values.is_contiguous(), op,
@@ -221,6 +226,7 @@ inline void check_topk_rows(const at::Tensor& values, const at::Tensor& indices,
 // kv_cache_write(kv_cache [num_blocks, block_size, d]!, kv [t, d], slot_mapping [t] int64)
 inline void check_kv_cache_write(const at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping) {
   const char* op = "kv_cache_write";
+  check_writable(op, kv_cache, "kv_cache");
   DEEPINFER_CHECK(kv_cache.dim() == 3, op, "kv_cache must be [num_blocks, block_size, entry_dim], got ",
                   kv_cache.sizes());
   DEEPINFER_CHECK(kv_cache.numel() == 0 || kv_cache.stride(2) == 1, op, "kv_cache must be contiguous in entry_dim");
@@ -237,10 +243,15 @@ inline void check_kv_cache_write(const at::Tensor& kv_cache, const at::Tensor& k
 }
 
 // kv_cache_write_fp8(kv_cache [num_blocks, block_size, 584] uint8!, kv [t, 512] bf16, slot_mapping [t] int64) and
-// kv_cache_dequant_fp8(out [t, 512] bf16!, kv_cache, slot_mapping).
+// kv_cache_dequant_fp8(out [t, 512] bf16!, kv_cache, slot_mapping). writes_cache: the op writes kv_cache (else rows).
 inline void check_fp8_cache(const char* op, const at::Tensor& kv_cache, const at::Tensor& rows, const char* rows_name,
-                            const at::Tensor& slot_mapping) {
+                            const at::Tensor& slot_mapping, bool writes_cache) {
   check_dtype(op, kv_cache, "kv_cache", at::kByte);
+  if (writes_cache) {
+    check_writable(op, kv_cache, "kv_cache");
+  } else {
+    check_writable(op, rows, rows_name);
+  }
   DEEPINFER_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == kFp8EntryBytes && kv_cache.size(1) > 0, op,
                   "kv_cache must be uint8 [num_blocks, block_size, ", kFp8EntryBytes, "], got ", kv_cache.sizes());
   DEEPINFER_CHECK(kv_cache.numel() == 0 || kv_cache.stride(2) == 1, op, "kv_cache must be contiguous in its last dim");

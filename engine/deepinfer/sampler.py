@@ -6,6 +6,10 @@ A draw is ``argmax_v(logits[v] / T + g(seed, counter, v))`` over the tokens top-
 Nothing depends on the other rows of the batch or on any generator state, so a request with a fixed seed draws the
 same tokens alone, in any batch, after preemption, on any device (Gumbel-max: Gumbel 1958; the hash: Steele et al.,
 "Fast splittable pseudorandom number generators", OOPSLA 2014).
+
+Before the draw, ``adjust_logits`` applies OpenAI's frequency / presence penalties and ``logit_bias`` per element
+(one row's adjusted logits do not depend on the other rows); reported log-probabilities stay those of the unmodified
+logits.
 """
 
 from __future__ import annotations
@@ -146,11 +150,40 @@ def _draw_filtered(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return out
 
 
+def adjust_logits(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Tensor, counts: torch.Tensor,
+                  presence: torch.Tensor, frequency: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """Penalised and biased logits (a new float32 tensor; ``logits`` is not modified).
+
+    For each listed element ``(rows[j], token_ids[j])`` (pairs must be distinct):
+    ``out = (logits - (presence[j] + frequency[j] * counts[j])) + bias[j]`` in float32, every other element unchanged.
+    With ``counts[j]`` the token's occurrences in the request's output (0 for a token only biased), this is OpenAI's
+    ``logits[t] -= presence_penalty * (count[t] > 0) + frequency_penalty * count[t]``, then ``+= logit_bias[t]``.
+    Elementwise, in a fixed order of float32 operations: a row's result does not depend on the batch.
+
+    Args:
+        logits: ``[n, V]`` float (upcast to float32).
+        rows, token_ids: ``[m]`` int64 element coordinates; counts, presence, frequency, bias: ``[m]`` float32
+            (presence already zeroed where the count is 0).
+    Raises:
+        ValueError: a token id outside ``[0, V)`` or a row outside ``[0, n)``.
+    """
+    out = logits.float().clone()
+    if rows.numel() == 0:
+        return out
+    n, vocab = out.shape
+    if bool(((token_ids < 0) | (token_ids >= vocab)).any()) or bool(((rows < 0) | (rows >= n)).any()):
+        raise ValueError(f"adjust_logits: token ids must be in [0, {vocab}) and rows in [0, {n})")
+    penalty = presence + frequency * counts
+    out[rows, token_ids] = (out[rows, token_ids] - penalty) + bias
+    return out
+
+
 def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 seeds: torch.Tensor, counters: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 seeds: torch.Tensor, counters: torch.Tensor,
+                 raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     vocab = logits.shape[-1]
-    logprobs_all = torch.log_softmax(logits, dim=-1)
+    logprobs_all = torch.log_softmax((logits if raw_logits is None else raw_logits).float(), dim=-1)
     sampled = torch.argmax(logits, dim=-1)  # greedy rows keep this
     do_sample = temperature > 0
     if bool(do_sample.any()):
@@ -171,7 +204,8 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, counters: torch.Tensor, batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+           seeds: torch.Tensor, counters: torch.Tensor, batch_invariant: bool = False,
+           raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     Args:
@@ -182,11 +216,20 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         seeds: ``[n]`` int64 in ``[0, 2**63)``.
         counters: ``[n]`` int64, the index of the token being drawn within its request.
         batch_invariant: compute row by row, so even the reductions (softmax, cumsum, sort) see one row at a time
-            whatever the batch; the vectorised path already uses only per-row reductions.
+            whatever the batch. The vectorised path uses only per-row reductions, but torch picks how it splits a
+            reduction by the tensor's shape, number of rows included (CPU ``parallel_reduce`` splits a lone row across
+            threads; CUDA's ``ReduceConfig`` spreads a row over several blocks when there are few rows; CUDA
+            ``cumsum`` of a single row uses cub's scan; CUDA ``topk`` picks its algorithm by the number of rows), so a
+            row's float reductions may differ in the last bit between n = 1 and n > 1 (measured: ``sum(-1)`` of
+            fp32 rows of 129,280 on a 2-thread CPU, torch 2.14, differs for 5 of 8 rows alone vs batched). Not
+            proven bitwise row-independent for every op on CPU and CUDA, so the loop stays: every call sees n = 1.
+        raw_logits: ``[n, V]``, the unmodified logits when ``logits`` holds penalised/biased ones
+            (``adjust_logits``); the reported log-probabilities are computed from them. Default: ``logits``.
 
     Returns:
         ``(token_ids [n] int64, logprobs [n] float32)`` where ``logprobs`` is the log-probability of the chosen
-        token under the unmodified model distribution ``log_softmax(logits)`` (before temperature and filtering).
+        token under the unmodified model distribution ``log_softmax(raw_logits)`` (before penalties, bias,
+        temperature and filtering).
 
     Raises:
         ValueError: mismatched shapes.
@@ -198,14 +241,18 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                     ("counters", counters)):
         if t.shape != (n,):
             raise ValueError(f"sample: {name} must have shape [{n}], got {tuple(t.shape)}")
+    if raw_logits is not None and raw_logits.shape != logits.shape:
+        raise ValueError(f"sample: raw_logits must have the shape of logits {tuple(logits.shape)}, got "
+                         f"{tuple(raw_logits.shape)}")
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(0, device=logits.device)
     if not batch_invariant:
-        return _sample_rows(logits, temperature, top_k, top_p, seeds, counters)
+        return _sample_rows(logits, temperature, top_k, top_p, seeds, counters, raw_logits)
     toks, lps = [], []
     for i in range(n):
         s = slice(i, i + 1)
-        t, lp = _sample_rows(logits[s], temperature[s], top_k[s], top_p[s], seeds[s], counters[s])
+        t, lp = _sample_rows(logits[s], temperature[s], top_k[s], top_p[s], seeds[s], counters[s],
+                             None if raw_logits is None else raw_logits[s])
         toks.append(t)
         lps.append(lp)
     return torch.cat(toks), torch.cat(lps)
@@ -230,19 +277,58 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
         """Sample one token for each sequence in ``seqs`` (row i of ``logits`` belongs to ``seqs[i]``).
 
-        The draw counter of a sequence is its number of output tokens so far. Returns token ids, their
-        log-probabilities, and per row the ``params.top_logprobs`` most likely ``(token_id, logprob)`` (see
-        ``top_logprobs``; empty when not asked).
+        The draw counter of a sequence is its number of output tokens so far. Penalties and ``logit_bias`` of the
+        sequences' ``SamplingParams`` are applied first (``adjust_logits``; counts over each sequence's output tokens).
+        Returns token ids, their log-probabilities, and per row the ``params.top_logprobs`` most likely
+        ``(token_id, logprob)`` (see ``top_logprobs``; empty when not asked), both from the unmodified logits.
         """
         dev = logits.device
+        raw = None
+        if any(s.params.adjusts_logits for s in seqs):
+            raw = logits
+            logits = adjust_logits(logits, *_adjustments(seqs, dev))
         temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
         top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64, device=dev)
         top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev)
         seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
         counters = torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=dev)
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant)
+        tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant, raw)
+        raw = logits if raw is None else raw
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         for i, s in enumerate(seqs):
             if s.params.top_logprobs > 0:
-                tops[i] = top_logprobs(logits[i], s.params.top_logprobs)
+                tops[i] = top_logprobs(raw[i], s.params.top_logprobs)
         return tokens.tolist(), logprobs.tolist(), tops
+
+
+def _adjustments(seqs: list, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """``adjust_logits``'s element lists for ``seqs``: per row, the tokens its output holds (when it has penalties)
+    and the tokens of its ``logit_bias``, each once."""
+    rows: list[int] = []
+    toks: list[int] = []
+    counts: list[float] = []
+    pres: list[float] = []
+    freq: list[float] = []
+    bias: list[float] = []
+    for i, s in enumerate(seqs):
+        p = s.params
+        if not p.adjusts_logits:
+            continue
+        occ = s.output_token_counts() if (p.frequency_penalty or p.presence_penalty) else {}
+        lb = p.logit_bias or {}
+        for t in sorted(set(occ) | set(lb)):
+            c = occ.get(t, 0)
+            rows.append(i)
+            toks.append(int(t))
+            counts.append(float(c))
+            pres.append(float(p.presence_penalty) if c > 0 else 0.0)
+            freq.append(float(p.frequency_penalty))
+            bias.append(float(lb.get(t, 0.0)))
+
+    def f32(x: list[float]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.float32, device=device)
+
+    def i64(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.int64, device=device)
+
+    return i64(rows), i64(toks), f32(counts), f32(pres), f32(freq), f32(bias)

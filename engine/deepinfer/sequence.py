@@ -8,6 +8,16 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 SEED_LIMIT = 1 << 63
+PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| <= 2 (OpenAI's range)
+LOGIT_BIAS_LIMIT = 100.0  # |logit_bias[token]| <= 100 (OpenAI's range)
+
+
+class SamplingParamError(ValueError):
+    """A sampling parameter out of range; ``param`` is the field's name (for the error record's ``param``)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -24,6 +34,12 @@ class SamplingParams:
             unless ``ignore_eos``.
         ignore_eos: keep generating past EOS (benchmarks).
         top_logprobs: also report this many most likely tokens and their log-probabilities per step (0..20).
+        frequency_penalty / presence_penalty: in [-2, 2]; before temperature and filtering, the logit of every token
+            the request has generated so far is lowered by ``presence_penalty + frequency_penalty * count`` (count =
+            its number of occurrences in the output; the prompt does not count) -- OpenAI's definition.
+        logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to that token's logit after the penalties and
+            before temperature (also for greedy requests; -100 in practice bans a token, +100 forces it).
+        Reported log-probabilities stay those of the unmodified model distribution.
     """
 
     temperature: float = 1.0
@@ -34,9 +50,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     top_logprobs: int = 0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
 
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the field when a parameter is out of range."""
+    def validate(self, vocab_size: int | None = None) -> None:
+        """Raise ``ValueError`` naming the field when a parameter is out of range (``SamplingParamError``, with the
+        field in ``.param``, for the penalties and ``logit_bias``). ``vocab_size``: when given, ``logit_bias`` ids
+        must be below it."""
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if self.top_k < -1:
@@ -49,6 +70,27 @@ class SamplingParams:
             raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
         if self.seed is not None and not (0 <= self.seed < SEED_LIMIT):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+                raise SamplingParamError(name, f"{name} must be a number in [-2, 2], got {v!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise SamplingParamError("logit_bias", f"logit_bias must be a dict {{token_id: bias}}, got "
+                                                       f"{type(self.logit_bias).__name__}")
+            for tok, bias in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (vocab_size and tok >= vocab_size):
+                    limit = f"[0, {vocab_size})" if vocab_size else ">= 0"
+                    raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids {limit}, got {tok!r}")
+                if (isinstance(bias, bool) or not isinstance(bias, (int, float))
+                        or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+                    raise SamplingParamError("logit_bias", f"logit_bias[{tok}] must be a number in [-100, 100], "
+                                                           f"got {bias!r}")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when penalties or a logit bias change this request's logits before sampling."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias)
 
 
 def draw_seed() -> int:
@@ -93,6 +135,8 @@ class Sequence:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    # (number of output tokens counted, {token_id: count}) for the penalties; kept up to date by the sampler
+    _output_counts: tuple[int, dict[int, int]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -118,6 +162,16 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def output_token_counts(self) -> dict[int, int]:
+        """``{token_id: occurrences}`` over ``output_token_ids`` (updated incrementally: O(new tokens) per call)."""
+        done, counts = self._output_counts or (0, {})
+        if done > len(self.output_token_ids):  # outputs were reset: count again
+            done, counts = 0, {}
+        for t in self.output_token_ids[done:]:
+            counts[t] = counts.get(t, 0) + 1
+        self._output_counts = (len(self.output_token_ids), counts)
+        return counts
 
     @property
     def is_finished(self) -> bool:

@@ -2,60 +2,107 @@
 
 All current ops write preallocated outputs and return nothing, so their fake implementations only
 check what the real ones would and return None.
+
+Every fake is registered through ``_register_fake``, which first checks that all tensor arguments are on one device.
+That check matters beyond tracing: a call mixing ``meta`` tensors with CPU/CUDA ones dispatches to the Meta kernel
+(Meta outranks every backend in torch's dispatch order), i.e. to these fakes, where the real ops' C++ device checks
+never run; it would otherwise return a meta result or leave a CPU output unwritten. Under ``FakeTensorMode`` /
+``torch.compile`` the fake tensors carry their real device, so consistent calls pass unchanged.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 
+#: Ops whose fake implementation checks devices (every op; tests compare this with the registered schemas).
+CHECKED_OPS: set[str] = set()
 
-@torch.library.register_fake("deepinfer_ops::rms_norm")
+
+def check_same_device(op: str, bound: dict) -> None:
+    """Raise RuntimeError ``deepinfer_ops.<op>: <name> is on <device> but <first> is on <device>`` unless every tensor
+    in ``bound`` (argument name -> value; None, numbers and lists of tensors allowed) is on the first tensor's device."""
+    first = None
+    for name, value in bound.items():
+        items = value if isinstance(value, (list, tuple)) else (value,)
+        for t in items:
+            if not isinstance(t, torch.Tensor):
+                continue
+            if first is None:
+                first = (name, t.device)
+            elif t.device != first[1]:
+                raise RuntimeError(f"deepinfer_ops.{op}: {name} is on {t.device} but {first[0]} is on {first[1]} "
+                                   "(all tensor arguments must be on one device)")
+
+
+def _register_fake(qualname: str):
+    """``torch.library.register_fake(qualname)`` for a fake that is first given the same-device check."""
+    op = qualname.split("::", 1)[1]
+
+    def deco(fn):
+        sig = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            check_same_device(op, sig.bind(*args, **kwargs).arguments)
+            return fn(*args, **kwargs)
+
+        CHECKED_OPS.add(op)
+        torch.library.register_fake(qualname)(checked)
+        return fn
+
+    return deco
+
+
+@_register_fake("deepinfer_ops::rms_norm")
 def _rms_norm_fake(out, input, weight, eps):
     torch._check(out.shape == input.shape, lambda: "rms_norm: out shape != input shape")
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::per_token_group_quant_fp8")
+@_register_fake("deepinfer_ops::per_token_group_quant_fp8")
 def _per_token_group_quant_fp8_fake(out_q, out_scale, input, group_size, scale_ue8m0):
     torch._check(out_q.shape == input.shape, lambda: "per_token_group_quant_fp8: out_q shape != input shape")
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::rotary_embedding")
+@_register_fake("deepinfer_ops::rotary_embedding")
 def _rotary_embedding_fake(x, positions, cos_sin_cache, inverse):
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::fp8_gemm_nt")
+@_register_fake("deepinfer_ops::fp8_gemm_nt")
 def _fp8_gemm_nt_fake(out, a, a_scale, b, b_scale, accumulate, split_k=1):
     torch._check(out.shape == (a.shape[0], b.shape[0]), lambda: "fp8_gemm_nt: out must be [M, N]")
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::m_grouped_fp8_gemm_nt_contiguous")
+@_register_fake("deepinfer_ops::m_grouped_fp8_gemm_nt_contiguous")
 def _m_grouped_fp8_gemm_nt_contiguous_fake(out, a, a_scale, b, b_scale, m_indices):
     torch._check(out.shape == (a.shape[0], b.shape[1]), lambda: "m_grouped_fp8_gemm_nt_contiguous: out must be [M, N]")
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::m_grouped_fp8_gemm_nt_masked")
+@_register_fake("deepinfer_ops::m_grouped_fp8_gemm_nt_masked")
 def _m_grouped_fp8_gemm_nt_masked_fake(out, a, a_scale, b, b_scale, masked_m):
     torch._check(out.shape == (a.shape[0], a.shape[1], b.shape[1]),
                  lambda: "m_grouped_fp8_gemm_nt_masked: out must be [G, max_m, N]")
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::fp4_to_fp8_blockscaled")
+@_register_fake("deepinfer_ops::fp4_to_fp8_blockscaled")
 def _fp4_to_fp8_blockscaled_fake(out_q, out_scale, w, w_scale):
     torch._check(out_q.shape == (w.shape[0], 2 * w.shape[1]), lambda: "fp4_to_fp8_blockscaled: out_q must be [N, K]")
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::swiglu_clamp_quant_fp8")
+@_register_fake("deepinfer_ops::swiglu_clamp_quant_fp8")
 def _swiglu_clamp_quant_fp8_fake(out_q, out_scale, gate_up, limit, scale_ue8m0):
     torch._check(out_q.shape == (gate_up.shape[0], gate_up.shape[1] // 2),
                  lambda: "swiglu_clamp_quant_fp8: out_q must be [rows, I]")
-@torch.library.register_fake("deepinfer_ops::sparse_mqa_decode")
+@_register_fake("deepinfer_ops::sparse_mqa_decode")
 def _sparse_mqa_decode_fake(out, lse, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
                             extra_topk_length, attn_sink, softmax_scale):
     torch._check(out.shape == q.shape, lambda: "sparse_mqa_decode: out shape != q shape")
@@ -63,7 +110,7 @@ def _sparse_mqa_decode_fake(out, lse, q, kv_cache, indices, topk_length, extra_k
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::sparse_mqa_prefill")
+@_register_fake("deepinfer_ops::sparse_mqa_prefill")
 def _sparse_mqa_prefill_fake(out, lse, q, kv_cache, indices, topk_length, extra_kv_cache, extra_indices,
                              extra_topk_length, attn_sink, softmax_scale):
     torch._check(out.shape == q.shape, lambda: "sparse_mqa_prefill: out shape != q shape")
@@ -71,28 +118,28 @@ def _sparse_mqa_prefill_fake(out, lse, q, kv_cache, indices, topk_length, extra_
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::mqa_logits")
+@_register_fake("deepinfer_ops::mqa_logits")
 def _mqa_logits_fake(logits, q, weights, k_cache, block_table, k_start, k_end):
     torch._check(logits.shape[0] == q.shape[0], lambda: "mqa_logits: logits rows != num_tokens")
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::topk_rows")
+@_register_fake("deepinfer_ops::topk_rows")
 def _topk_rows_fake(values, indices, scores):
     torch._check(values.shape == indices.shape, lambda: "topk_rows: values shape != indices shape")
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::kv_cache_write")
+@_register_fake("deepinfer_ops::kv_cache_write")
 def _kv_cache_write_fake(kv_cache, kv, slot_mapping):
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::kv_cache_write_fp8")
+@_register_fake("deepinfer_ops::kv_cache_write_fp8")
 def _kv_cache_write_fp8_fake(kv_cache, kv, slot_mapping):
     return None
 
 
-@torch.library.register_fake("deepinfer_ops::kv_cache_dequant_fp8")
+@_register_fake("deepinfer_ops::kv_cache_dequant_fp8")
 def _kv_cache_dequant_fp8_fake(out, kv_cache, slot_mapping):
     return None

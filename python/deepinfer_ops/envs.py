@@ -8,12 +8,6 @@ Run time:
     DEEPINFER_ACCELERATOR  ``auto`` (default), ``nvidia``, ``ascend`` or ``cpu``: the backend the engine runs on.
     DEEPINFER_REQUIRE_CUDA ``1`` makes the test suite fail, instead of skip, when no CUDA device is usable
                            (tools/gpu_check.sh sets it: a skipped GPU test is not a passed one).
-    DEEPINFER_SPARSE_MQA_IMPL  ``2`` (default) or ``1``: ``1`` runs the round-one sparse MQA CUDA kernel instead of
-                           the ldmatrix one (same results bit for bit; a fallback while v2 is new). Read by the C++
-                           launcher on every call.
-    DEEPINFER_MQA_LOGITS_IMPL  ``2`` (default) or ``1``: ``1`` runs the round-one CUDA-core mqa_logits kernel
-                           instead of the tensor-core one (fp32 results equal up to summation order).
-    DEEPINFER_TOPK_IMPL    ``2`` (default) or ``1``: ``1`` runs the round-one CUDA top-k kernel (same output).
     DEEPINFER_DEBUG        ``1``: the ``deepinfer`` CLI re-raises errors with their traceback instead of one line.
     DEEPINFER_CACHE_DIR    where generated artefacts (the built-in tiny checkpoint) are kept;
                            default ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``.

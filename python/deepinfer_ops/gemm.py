@@ -19,9 +19,29 @@ from __future__ import annotations
 
 import torch
 
+from ._fake import check_same_device
 from .testing import refs as _refs
 
 SCALE_BLOCK = 128
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def index_to_int32(op: str, name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (any integer dtype) as a contiguous int32 tensor on its device, without wrapping: values outside the
+    int32 range saturate to ``-2**31`` / ``2**31 - 1``, so an out-of-range index stays out of range and meets the op's
+    own range rule (the CPU ops raise naming the tensor; the CUDA ops, which cannot check without a host sync, apply
+    their documented padding/clamping rule) instead of wrapping onto a valid index (``2**32 + 3`` -> 3).
+
+    Raises: TypeError naming ``op`` and ``name`` for a non-integer (float, bool, complex) or uint64 tensor.
+    """
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype in (torch.bool, torch.uint64):
+        raise TypeError(f"deepinfer_ops.{op}: {name} must be an integer tensor (int8..int64, uint8..uint32), "
+                        f"got {t.dtype}")
+    if t.dtype == torch.uint32:
+        t = t.to(torch.int64)  # lossless; then saturated below
+    if t.dtype == torch.int64:
+        t = t.clamp(_INT32_MIN, _INT32_MAX)
+    return t.to(torch.int32).contiguous()
 
 
 def fp8_gemm_nt(
@@ -54,7 +74,8 @@ def fp8_gemm_nt(
     Returns:
         ``out``. M = 0 or N = 0 returns the empty result; K = 0 gives zeros (or leaves ``out`` with accumulate).
     Raises:
-        RuntimeError naming the tensor at fault (dtype, shape, device, CUDA alignment).
+        RuntimeError naming the tensor at fault (dtype, shape, device -- ``meta`` mixed with real devices included --,
+        CUDA alignment, an ``out`` whose elements share memory such as an ``expand``ed view).
     """
     if out is None:
         if accumulate:
@@ -87,16 +108,18 @@ def m_grouped_fp8_gemm_nt_contiguous(
         b: ``[G, N, K]`` float8_e4m3fn expert weights, K contiguous.
         b_scale: ``[G, ceil(N/128), ceil(K/128)]`` float32; the CUDA op reads it in place when each group is compact
             (strides ``(any, ceil(K/128), 1)``), otherwise copies it first.
-        m_indices: ``[M]`` group index per row (any integer dtype; converted to int32), -1 = padding.
+        m_indices: ``[M]`` group index per row (any integer dtype; converted to int32 by ``index_to_int32``:
+            values outside the int32 range saturate instead of wrapping), -1 = padding.
         out: optional ``[M, N]`` bfloat16 output (mutated in the group rows only).
     Returns:
         ``out`` (a new ``torch.empty`` tensor when not given: padding rows then hold garbage).
     Raises:
-        RuntimeError naming the tensor at fault.
+        RuntimeError naming the tensor at fault (also for tensors on different devices, ``meta`` included, and an
+        ``out`` whose elements share memory); TypeError for a non-integer ``m_indices``.
     """
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16, device=a.device)
-    m_indices = m_indices.to(torch.int32).contiguous()
+    m_indices = index_to_int32("m_grouped_fp8_gemm_nt_contiguous", "m_indices", m_indices)
     torch.ops.deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(out, a, a_scale, b, b_scale, m_indices)
     return out
 
@@ -120,16 +143,18 @@ def m_grouped_fp8_gemm_nt_masked(
             of each group into the compact layout CUTLASS's grouped kernel reads, in a device workspace).
         b: ``[G, N, K]`` float8_e4m3fn; b_scale ``[G, ceil(N/128), ceil(K/128)]`` float32 (copied first unless each
             group is compact, strides ``(any, ceil(K/128), 1)``).
-        masked_m: ``[G]`` valid rows per group (converted to int32; stays on the device: no sync).
+        masked_m: ``[G]`` valid rows per group (any integer dtype; converted to int32 by ``index_to_int32``, values
+            outside the int32 range saturate instead of wrapping; stays on the device: no sync).
         out: optional ``[G, max_m, N]`` bfloat16 output.
     Returns:
         ``out``.
     Raises:
-        RuntimeError naming the tensor at fault.
+        RuntimeError naming the tensor at fault (also for tensors on different devices, ``meta`` included, and an
+        ``out`` whose elements share memory); TypeError for a non-integer ``masked_m``.
     """
     if out is None:
         out = torch.empty((a.shape[0], a.shape[1], b.shape[1]), dtype=torch.bfloat16, device=a.device)
-    masked_m = masked_m.to(torch.int32).contiguous()
+    masked_m = index_to_int32("m_grouped_fp8_gemm_nt_masked", "masked_m", masked_m)
     torch.ops.deepinfer_ops.m_grouped_fp8_gemm_nt_masked(out, a, a_scale, b, b_scale, masked_m)
     return out
 
@@ -150,11 +175,12 @@ def fp4_to_fp8_blockscaled(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torc
     Returns:
         (q ``[N, K]`` float8_e4m3fn, scale ``[ceil(N/128), ceil(K/128)]`` float32), on ``w``'s device.
     Raises:
-        RuntimeError naming the tensor at fault.
+        RuntimeError naming the tensor at fault (also when ``w`` and ``w_scale`` are on different devices).
     Notes:
         Runs the CPU op for CPU tensors and the identical vectorised torch formula (``testing.refs``) elsewhere;
         both are bit-identical (tested). FP8 doubles the expert memory relative to FP4 (see moe.py).
     """
+    check_same_device("fp4_to_fp8_blockscaled", {"w": w, "w_scale": w_scale})
     n, k = w.shape[0], 2 * w.shape[1]
     if w.device.type != "cpu":
         return _refs.fp4_to_fp8_blockscaled_ref(w, w_scale)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ._fake import check_same_device
 from .gemm import m_grouped_fp8_gemm_nt_contiguous, swiglu_clamp_quant_fp8
 from .quant import per_token_group_quant_fp8
 
@@ -49,7 +50,8 @@ def fused_moe_fp8(
 
     Args:
         x: ``[T, hidden]`` bfloat16/float32 activations.
-        topk_idx: ``[T, k]`` integer expert ids (-1 = no expert for that slot).
+        topk_idx: ``[T, k]`` integer expert ids, any integer dtype (-1 = no expert for that slot; any id outside
+            ``[0, E)``, e.g. an int64 ``2**32 + e``, is also padding: ids are compared in int64, never wrapped).
         topk_weights: ``[T, k]`` float routing weights (already normalised/scaled by the caller).
         w13: ``[E, 2I, hidden]`` float8_e4m3fn: gate (w1) rows ``[:I]`` then up (w3) rows ``[I:]``.
         w13_scale: ``[E, ceil(2I/128), ceil(hidden/128)]`` float32.
@@ -60,8 +62,13 @@ def fused_moe_fp8(
     Returns:
         ``[T, hidden]`` tensor of ``out_dtype`` (accumulated in float32).
     Raises:
-        ValueError / RuntimeError on shape or dtype mismatch.
+        ValueError / RuntimeError on shape or dtype mismatch; TypeError for a non-integer ``topk_idx``;
+        RuntimeError naming the tensor when the tensors are not all on one device (``meta`` included).
     """
+    check_same_device("fused_moe_fp8", {"x": x, "topk_idx": topk_idx, "topk_weights": topk_weights, "w13": w13,
+                                        "w13_scale": w13_scale, "w2": w2, "w2_scale": w2_scale})
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        raise TypeError(f"deepinfer_ops.fused_moe_fp8: topk_idx must be an integer tensor, got {topk_idx.dtype}")
     if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape != topk_weights.shape or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, hidden] and topk_idx/topk_weights [T, k]; got {tuple(x.shape)}, "
                          f"{tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")

@@ -6,8 +6,10 @@ import math
 
 import torch
 
-# The native op's largest k on CUDA (it sorts the selected set in shared memory); larger k fall back to a sort.
+# The native op's largest k on CUDA (it sorts the selected set in shared memory) and its row length limit (int32
+# positions); larger k or n fall back to a sort.
 NATIVE_TOPK_MAX_K_CUDA = 2048
+NATIVE_TOPK_MAX_N_CUDA = 2**30 - 1
 _NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -15,9 +17,9 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-``k`` of each row of ``scores`` with the tie rule used everywhere in deepinfer (indexer and router):
     higher score first, then lower index. Deterministic for any batch size.
 
-    fp32/bf16/fp16 scores on CPU (any k) or CUDA (k <= 2048) run the native ``topk_rows`` op (radix select on an
-    order-preserving 32-bit key, bf16/fp16 upcast exactly to fp32); other cases use a stable descending sort.
-    Both give the same result.
+    fp32/bf16/fp16 scores on CPU (any k) or CUDA (k <= 2048, n < 2^30) run the native ``topk_rows`` op (radix
+    select on an order-preserving 32-bit key, bf16/fp16 upcast exactly to fp32; on CUDA several CTAs share a row, see
+    csrc/cuda/attention/topk.cu); other cases use a stable descending sort. Both give the same result.
 
     Args:
         scores: ``[..., n]`` float (any float dtype; compared as given). ``-inf`` entries sort last; NaN sorts
@@ -33,7 +35,7 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     if not 0 <= k <= n:
         raise ValueError(f"topk: k={k} is outside [0, {n}]")
     native = scores.dtype in _NATIVE_DTYPES and scores.device.type in ("cpu", "cuda") and (
-        scores.device.type == "cpu" or k <= NATIVE_TOPK_MAX_K_CUDA)
+        scores.device.type == "cpu" or (k <= NATIVE_TOPK_MAX_K_CUDA and n <= NATIVE_TOPK_MAX_N_CUDA))
     if not native:
         values, indices = torch.sort(scores, dim=-1, descending=True, stable=True)
         return values[..., :k], indices[..., :k]

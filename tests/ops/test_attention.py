@@ -156,6 +156,53 @@ def test_decode_errors_name_the_tensor(device):
         deepinfer_ops.sparse_mqa_decode(q, cache, idx, 0.1, extra_kv_cache=cache)
 
 
+@pytest.mark.native_errors
+def test_outputs_with_shared_elements_are_refused(device):
+    # Every tensor an attention op writes: an expanded (stride-0) view is refused with an error naming the tensor,
+    # before anything is written.
+    g = _gen(5)
+    ops = torch.ops.deepinfer_ops
+    q = torch.randn(1, 2, 8, 64, generator=g).bfloat16().to(device)
+    cache = _cache(2, 4, 64, g, device)
+    idx = torch.zeros(1, 2, 3, dtype=torch.int32, device=device)
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 8, device=device)
+    out_x = torch.empty(1, 1, 8, 64, dtype=torch.bfloat16, device=device).expand(1, 2, 8, 64)
+    lse_x = torch.empty(1, 1, 8, device=device).expand(1, 2, 8)
+    with pytest.raises(RuntimeError, match="sparse_mqa_decode: out has elements that share memory"):
+        ops.sparse_mqa_decode(out_x, lse, q, cache, idx, None, None, None, None, None, 0.1)
+    with pytest.raises(RuntimeError, match="sparse_mqa_decode: lse has elements that share memory"):
+        ops.sparse_mqa_decode(out, lse_x, q, cache, idx, None, None, None, None, None, 0.1)
+    with pytest.raises(RuntimeError, match="sparse_mqa_prefill: out has elements that share memory"):
+        ops.sparse_mqa_prefill(out_x[0], lse[0], q[0], cache, idx[0], None, None, None, None, None, 0.1)
+    with pytest.raises(RuntimeError, match="sparse_mqa_prefill: lse has elements that share memory"):
+        ops.sparse_mqa_prefill(out[0], lse_x[0], q[0], cache, idx[0], None, None, None, None, None, 0.1)
+
+    qi = torch.randn(2, 4, 64, generator=g).bfloat16().to(device)
+    w = torch.randn(2, 4, device=device)
+    logits_x = torch.empty(1, 8, device=device).expand(2, 8)
+    with pytest.raises(RuntimeError, match="mqa_logits: logits has elements that share memory"):
+        ops.mqa_logits(logits_x, qi, w, cache, None, None, None)
+
+    scores = torch.randn(3, 10, generator=g).to(device)
+    values, indices = torch.empty(3, 4, device=device), torch.empty(3, 4, dtype=torch.int64, device=device)
+    with pytest.raises(RuntimeError, match="topk_rows: values has elements that share memory"):
+        ops.topk_rows(torch.empty(1, 4, device=device).expand(3, 4), indices, scores)
+    with pytest.raises(RuntimeError, match="topk_rows: indices has elements that share memory"):
+        ops.topk_rows(values, torch.empty(3, 1, dtype=torch.int64, device=device).expand(3, 4), scores)
+
+    slots = torch.arange(2, device=device)
+    before = cache.clone()
+    with pytest.raises(RuntimeError, match="kv_cache_write: kv_cache has elements that share memory"):
+        ops.kv_cache_write(cache[:1].expand(2, 4, 64), torch.randn(2, 64, generator=g).bfloat16().to(device), slots)
+    assert torch.equal(cache, before), "the refused call wrote into the cache"
+    cache8 = _fp8_cache(2, 4, device)
+    with pytest.raises(RuntimeError, match="kv_cache_write_fp8: kv_cache has elements that share memory"):
+        ops.kv_cache_write_fp8(cache8[:, :1].expand(2, 4, 584), _fp8_rows(2, g, device), slots)
+    with pytest.raises(RuntimeError, match="kv_cache_dequant_fp8: out has elements that share memory"):
+        ops.kv_cache_dequant_fp8(torch.empty(1, 512, dtype=torch.bfloat16, device=device).expand(2, 512), cache8,
+                                 slots)
+
+
 def _fp32_cache(num_blocks, block_size, dim, g, block_pad=0):
     base = torch.randn(num_blocks, block_size * dim + block_pad, generator=g)
     return base[:, : block_size * dim].view(num_blocks, block_size, dim)
@@ -289,10 +336,11 @@ def test_mqa_logits_fp32_dtype_rules(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("t,H,dim,n", [(1, 64, 128, 5000), (4, 64, 128, 4097), (3, 13, 64, 777), (2, 128, 128, 300)])
-def test_cuda_mqa_logits_tensor_core_kernel_equals_round_one(monkeypatch, t, H, dim, n):
-    # The default (tensor-core) kernel against DEEPINFER_MQA_LOGITS_IMPL=1 (CUDA cores) and the reference, paged, with
-    # invalid blocks and per-token ranges; V4 indexer shapes (H = 64, d = 128) included.
+@pytest.mark.parametrize("t,H,dim,n", [(1, 64, 128, 5000), (4, 64, 128, 4097), (3, 13, 64, 777), (2, 128, 128, 300),
+                                       (3, 10, 48, 1000)])
+def test_cuda_mqa_logits_tensor_core_kernel_matches_ref(t, H, dim, n):
+    # The tensor-core kernel against the fp32 reference, paged, with invalid blocks and per-token ranges; V4 indexer
+    # shapes (H = 64, d = 128), head counts not a multiple of 8 and the tiny preset's head_dim 48 included.
     g = _gen(t * 1000 + H)
     block_size = 64
     num_blocks = (n + block_size - 1) // block_size
@@ -302,15 +350,10 @@ def test_cuda_mqa_logits_tensor_core_kernel_equals_round_one(monkeypatch, t, H, 
     table = torch.randint(-1, num_blocks + 3, (t, num_blocks), generator=g, dtype=torch.int32).to("cuda")
     kw = dict(block_table=table, k_start=torch.randint(0, 70, (t,), generator=g, dtype=torch.int32).to("cuda"),
               k_end=torch.randint(n // 2, n + 2, (t,), generator=g, dtype=torch.int32).to("cuda"))
-    monkeypatch.delenv("DEEPINFER_MQA_LOGITS_IMPL", raising=False)
     new = deepinfer_ops.mqa_logits(q, w, k, n, **kw)
-    monkeypatch.setenv("DEEPINFER_MQA_LOGITS_IMPL", "1")
-    old = deepinfer_ops.mqa_logits(q, w, k, n, **kw)
-    monkeypatch.delenv("DEEPINFER_MQA_LOGITS_IMPL")
     ref = refs.mqa_logits_ref(q, w, k, n, **kw)
     assert_close(new, ref, FP32, "logits (tensor cores)")
-    assert_close(old, ref, FP32, "logits (round one)")
-    assert torch.equal(torch.isinf(new).cpu(), torch.isinf(old).cpu())
+    assert torch.equal(torch.isinf(new).cpu(), torch.isinf(ref).cpu())
 
 
 # ---- topk -------------------------------------------------------------------------------------------------------
@@ -328,6 +371,51 @@ def _topk_inputs(rows, n, g):
     return s
 
 
+def _topk_hard_rows(rows, n, k, g):
+    """[rows, n] fp32 scores whose row r follows pattern r % 8: 0 ReLU-like zeros (ties at the boundary), 1 -0.0 /
+    NaN / -inf mix, 2 all equal, 3 fewer finite entries than k (the rest -inf), 4 a tie value at the threshold spread
+    thinly over the whole row (the lowest-index ties win, across every part of the row), 5 the same with the whole row
+    in the tie value's top-11-bit radix bin (CUDA: the four-pass path, not the compact one), 6 small integers (ties
+    everywhere), 7 all -inf."""
+    s = torch.randn(rows, n, generator=g)
+    for r in range(rows):
+        kind = r % 8
+        if kind == 0:
+            s[r].clamp_(min=0)
+        elif kind == 1:
+            s[r, : n // 2] = -0.0
+            s[r, 5::7] = float("nan")
+            s[r, 3::11] = float("-inf")
+        elif kind == 2:
+            s[r] = 1.5
+        elif kind == 3:
+            s[r] = float("-inf")
+            pos = torch.randperm(n, generator=g)[: max(0, k // 3)]
+            s[r, pos] = torch.randn(pos.numel(), generator=g)
+        elif kind == 4:
+            s[r] = -1.0 - torch.rand(n, generator=g)
+            s[r, :: max(1, n // (2 * max(k, 1)))] = 0.5  # ~2k ties: about half of them are taken
+            top = torch.randperm(n, generator=g)[: k // 4]
+            s[r, top] = 1.0 + torch.rand(top.numel(), generator=g)
+        elif kind == 5:
+            s[r] = 1.0 + 0.05 * torch.rand(n, generator=g)  # below the tie value 1.1, in its bin [1, 1.25)
+            s[r, 1:: max(1, n // (2 * max(k, 1)))] = 1.1
+            top = torch.randperm(n, generator=g)[: k // 4]
+            s[r, top] = 1.125 + 0.1 * torch.rand(top.numel(), generator=g)
+        elif kind == 6:
+            s[r] = torch.randint(0, 50, (n,), generator=g).float()
+        elif kind == 7:
+            s[r] = float("-inf")
+    return s
+
+
+def _assert_topk_equal(v, i, rv, ri):
+    assert torch.equal(i.cpu(), ri.cpu()), "indices differ from the reference"
+    assert torch.equal(torch.isnan(v).cpu(), torch.isnan(rv).cpu())
+    assert torch.equal(v.cpu().nan_to_num(), rv.cpu().nan_to_num()), "values differ from the reference"
+    assert torch.equal(torch.signbit(v).cpu(), torch.signbit(rv).cpu()), "values must be the scores' own bits"
+
+
 @pytest.mark.parametrize("rows,n,k", [(1, 1, 1), (3, 100, 0), (4, 100, 100), (5, 1000, 37), (3, 5125, 512),
                                      (3, 3000, 1025), (3, 40000, 2048)])  # sort sizes just past / at a power of two
 def test_topk_matches_ref_exactly(device, rows, n, k):
@@ -337,6 +425,12 @@ def test_topk_matches_ref_exactly(device, rows, n, k):
     assert torch.equal(i.cpu(), ri.cpu())
     assert torch.equal(torch.isnan(v).cpu(), torch.isnan(rv).cpu())
     assert torch.equal(v.cpu().nan_to_num(), rv.cpu().nan_to_num())
+
+
+@pytest.mark.parametrize("rows,n,k", [(16, 777, 1), (16, 777, 100), (8, 4099, 777), (9, 50, 50)])
+def test_topk_matches_ref_hard_rows(device, rows, n, k):
+    s = _topk_hard_rows(rows, n, k, _gen(n + k)).to(device)
+    _assert_topk_equal(*deepinfer_ops.topk(s, k), *refs.topk_ref(s, k))
 
 
 def test_topk_native_op_poisoned_and_bf16(device):
@@ -353,20 +447,41 @@ def test_topk_native_op_poisoned_and_bf16(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("rows,n,k,relu", [(4, 32768, 512, True), (3, 65536, 2048, False), (5, 5000, 1000, False),
-                                          (2, 1, 1, False), (3, 2048, 2048, True)])
-def test_cuda_topk_kernel_equals_round_one(monkeypatch, rows, n, k, relu):
-    # Default kernel (bitonic sort, aggregated histogram) against DEEPINFER_TOPK_IMPL=1 (round one) and the reference.
-    s = _topk_inputs(rows, n, _gen(n + k + 1))
-    s = (s.clamp_min(0) if relu else s).to("cuda")  # relu: half the row ties at 0 (the bench's case)
-    monkeypatch.delenv("DEEPINFER_TOPK_IMPL", raising=False)
-    v2, i2 = deepinfer_ops.topk(s, k)
-    monkeypatch.setenv("DEEPINFER_TOPK_IMPL", "1")
-    v1, i1 = deepinfer_ops.topk(s, k)
-    monkeypatch.delenv("DEEPINFER_TOPK_IMPL")
-    rv, ri = refs.topk_ref(s, k)
-    assert torch.equal(i2.cpu(), ri.cpu()) and torch.equal(v2.cpu().nan_to_num(), rv.cpu().nan_to_num())
-    assert torch.equal(i1.cpu(), i2.cpu()) and torch.equal(v1.cpu().nan_to_num(), v2.cpu().nan_to_num())
+@pytest.mark.parametrize("rows,n,k", [
+    (1, 262144, 2048), (2, 262144, 512), (64, 262144, 2048), (8, 131072, 2048), (4, 32768, 512), (64, 32768, 512),
+    (3, 65536, 2048), (7, 100003, 1000), (16, 4097, 2048), (33, 777, 13), (5, 5000, 1000), (2, 1, 1), (3, 2048, 2048),
+    (9, 3, 2), (8, 65537, 1), (8, 40000, 2047)])
+def test_cuda_topk_matches_ref_hard_rows(rows, n, k):
+    # Every row pattern of _topk_hard_rows at rows 1..64 and n up to 262144 (prime and odd n included), against the
+    # stable-sort reference: indices and value bits equal.
+    s = _topk_hard_rows(rows, n, k, _gen(n * 7 + k + rows)).to("cuda")
+    v, i = deepinfer_ops.topk(s, k)
+    _assert_topk_equal(v, i, *refs.topk_ref(s, k))
+    v2, i2 = deepinfer_ops.topk(s, k)  # reruns: the same bits
+    assert torch.equal(i, i2) and torch.equal(v.nan_to_num(), v2.nan_to_num())
+    for r in (0, rows - 1):  # one row alone (another grid shape) gives that row's result
+        v1, i1 = deepinfer_ops.topk(s[r:r + 1].contiguous(), k)
+        assert torch.equal(i1, i[r:r + 1]) and torch.equal(v1.nan_to_num(), v[r:r + 1].nan_to_num())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows,n,k,offset", [(5, 70001, 2048, 1), (3, 262143, 777, 3), (4, 9, 9, 2)])
+def test_cuda_topk_row_strided_unaligned(rows, n, k, offset):
+    # A row-strided view whose rows start off 16-byte alignment (no vector loads) gives the reference's result.
+    base = _topk_hard_rows(rows, n + 5, k, _gen(n + offset)).to("cuda")
+    s = base[:, offset:offset + n]
+    v = poison_(torch.empty(rows, k, device="cuda"))
+    i = poison_(torch.empty(rows, k, dtype=torch.int64, device="cuda"))
+    torch.ops.deepinfer_ops.topk_rows(v, i, s)
+    _assert_topk_equal(v, i, *refs.topk_ref(s, k))
+
+
+@pytest.mark.cuda
+def test_cuda_topk_many_rows():
+    # More rows than the launcher's row group (and the GPU's SMs): every group gets its own workspace pass.
+    s = _topk_hard_rows(1100, 3001, 300, _gen(700)).to("cuda")
+    v, i = deepinfer_ops.topk(s, 300)
+    _assert_topk_equal(v, i, *refs.topk_ref(s, 300))
 
 
 def test_topk_rejects_bad_k():
@@ -566,8 +681,9 @@ def _decode_weight_magnitude(q, cache, idx, scale, topk_length=None, extra_kv_ca
 @pytest.mark.parametrize("seed", [585, 586, 587])
 def test_decode_fp8_cache_equals_decoded_bf16_cache(device, seed):
     # Wide-range rows (1e-3 .. 1e3, times 0.05): outputs are sums of large values that cancel, so the reference check
-    # allows for the bf16-rounded softmax weights (round one: one element off by 0.016 at |v| ~ 64, exactly the value
-    # a CPU emulation of bf16 weights gives). The FP8 path must equal the bf16 path bit for bit, run after run.
+    # allows for the bf16-rounded softmax weights (seen on the H200: one element off by 0.016 at |v| ~ 64, exactly
+    # the value a CPU emulation of bf16 weights gives). The FP8 path must equal the bf16 path bit for bit, run after
+    # run.
     g = _gen(seed)
     b, s_q, h, topk, block_size = 3, 2, 16, 40, 16
     kv = _fp8_rows(8 * block_size, g, device) * 0.05
@@ -617,19 +733,24 @@ def test_cuda_decode_batch_invariant_across_cta_shapes(fp8):
     (100, 64, 512, True), (8, 64, 512, True),  # FP8: register path (32 heads per CTA), staged path (16)
     (3, 16, 128, False), (2, 5, 64, False), (1, 20, 256, False),
 ])
-def test_cuda_decode_v2_kernel_equals_round_one_kernel(monkeypatch, rows, h, dim, fp8):
-    # DEEPINFER_SPARSE_MQA_IMPL=1 selects the round-one kernel; the default (v2) must give the same bits.
+def test_cuda_decode_cta_shapes_match_ref(rows, h, dim, fp8):
+    # Every heads-per-CTA variant of the kernel (and both FP8 gather paths) against the reference; reruns give the
+    # same bits.
     q, comp, idx, kw = _decode_case("cuda", rows, 1, h, dim, 150, 40, 16, 900 + rows)
     if fp8:
         g = _gen(901)
         comp = _fp8_cache(comp.shape[0], 16, "cuda")
         deepinfer_ops.kv_cache_write_fp8(comp, _fp8_rows(comp.shape[0] * 16, g, "cuda") * 0.05,
                                          torch.arange(comp.shape[0] * 16, device="cuda"))
-    monkeypatch.delenv("DEEPINFER_SPARSE_MQA_IMPL", raising=False)
     out2, lse2 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
-    monkeypatch.setenv("DEEPINFER_SPARSE_MQA_IMPL", "1")
     out1, lse1 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
     assert torch.equal(out1.cpu(), out2.cpu()) and torch.equal(lse1.cpu(), lse2.cpu())
-    monkeypatch.delenv("DEEPINFER_SPARSE_MQA_IMPL")
-    if not fp8:  # (FP8 against the reference: test_decode_fp8_cache_equals_decoded_bf16_cache)
+    if fp8:  # FP8 entries decode exactly to bf16: the same bits as the decoded bf16 cache at this CTA shape
+        out16, lse16 = _run_decode(q, refs.fp8_entry_decode_ref(comp).contiguous(), idx, dim ** -0.5, **kw)
+        assert torch.equal(out2.cpu(), out16.cpu()) and torch.equal(lse2.cpu(), lse16.cpu())
+        mag = _decode_weight_magnitude(q, comp, idx, dim ** -0.5, **kw)  # wide-range FP8 rows: see the test above
+        ref_out, ref_lse = refs.sparse_mqa_decode_ref(q, comp, idx, dim ** -0.5, **kw)
+        assert_close(out2, ref_out, BF16, "out", extra_atol=BF16_WEIGHTS_REL * mag)
+        assert_close(lse2, ref_lse, BF16, "lse")
+    else:
         _check(out2, lse2, *refs.sparse_mqa_decode_ref(q, comp, idx, dim ** -0.5, **kw))

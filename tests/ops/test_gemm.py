@@ -15,7 +15,7 @@ import torch
 
 import deepinfer_ops
 from deepinfer_ops.testing import refs
-from deepinfer_ops.testing.compare import CALC_DIFF_MAX, calc_diff, poison_
+from deepinfer_ops.testing.compare import CALC_DIFF_MAX, calc_diff, poison_, poison_cuda_scratch_
 
 FP8 = torch.float8_e4m3fn
 
@@ -175,6 +175,8 @@ def test_fp8_gemm_nt_split_k(device, split_k):
     out = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, split_k=split_k)
     assert torch.equal(out.cpu(), refs.fp8_gemm_nt_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), torch.bfloat16))
     a, sa, b, sb = _to(device, *_dense_inputs(64, 4096 if device == "cuda" else 256, 2048, gen))
+    if device == "cuda":
+        poison_cuda_scratch_()  # the split-K partial sums and flags live in the workspace
     out = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, split_k=split_k)
     assert calc_diff(out.cpu().float(), refs.fp8_gemm_nt_ref(a.cpu(), sa.cpu(), b.cpu(), sb.cpu(), torch.float32)) \
         < CALC_DIFF_MAX["fp8"]
@@ -240,11 +242,12 @@ def test_fp8_gemm_nt_integer_bitwise_cuda_large(nk):
 
 @pytest.mark.cuda
 def test_fp8_gemm_nt_batch_invariant_cuda():
-    """A row's result does not depend on M or on the other rows (no split-K; fixed tiles), and reruns are equal."""
+    """A row's result does not depend on M or on the other rows (no split-K; fixed tiles; the tile visiting order
+    changes at M = 1024 but never the arithmetic), and reruns are equal."""
     a, sa, b, sb = _dense_inputs(4096, 4096, 7168, _cuda_gen(3))
     full = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb)
     assert torch.equal(full, deepinfer_ops.fp8_gemm_nt(a, sa, b, sb))
-    for m in (1, 7, 83, 4096):
+    for m in (1, 7, 83, 1023, 1024, 1500, 4096):
         part = deepinfer_ops.fp8_gemm_nt(a[:m].contiguous(), sa[:m].contiguous(), b, sb)
         assert torch.equal(part, full[:m]), f"rows differ when computed in a batch of {m}"
 
@@ -335,7 +338,9 @@ def test_m_grouped_contiguous_expert_shapes_cuda(num_groups, nk):
     sa = _rand_scales((m, -(-k // 128)), gen)
     b, sb = _grouped_b(num_groups, n, k, gen)
     out = poison_(torch.empty(m, n, dtype=torch.bfloat16, device="cuda"))
-    deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a, _col_major(sa), b, sb, m_idx, out=out)
+    sa_col = _col_major(sa)
+    poison_cuda_scratch_()  # the workspace (per-group sizes, pointers, packed scales) starts as 0xFF garbage
+    deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a, sa_col, b, sb, m_idx, out=out)
     ref = refs.m_grouped_fp8_gemm_nt_contiguous_ref(a, sa, b, sb, m_idx, out_init=torch.full_like(out, float("nan")))
     pad = m_idx == -1
     assert torch.isnan(out[pad]).all() and not torch.isnan(out[~pad]).any()
@@ -405,6 +410,7 @@ def test_m_grouped_masked_expert_shapes_cuda(num_groups, max_m):
     sa = _rand_scales((num_groups, max_m, k // 128), gen)
     b, sb = _grouped_b(num_groups, n, k, gen)
     out = poison_(torch.empty(num_groups, max_m, n, dtype=torch.bfloat16, device="cuda"))
+    poison_cuda_scratch_()  # the workspace starts as 0xFF garbage: every field the kernels read must be written
     deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked_d, out=out)
     ref = refs.m_grouped_fp8_gemm_nt_masked_ref(a, sa, b, sb, masked, torch.full_like(out, float("nan")))
     valid = torch.arange(max_m, device="cuda")[None, :] < masked_d[:, None]

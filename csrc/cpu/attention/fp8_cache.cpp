@@ -7,7 +7,7 @@
 namespace deepinfer {
 
 void kv_cache_write_fp8_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping) {
-  check_fp8_cache("kv_cache_write_fp8", kv_cache, kv, "kv", slot_mapping);
+  check_fp8_cache("kv_cache_write_fp8", kv_cache, kv, "kv", slot_mapping, /*writes_cache=*/true);
   const int64_t t = kv.size(0), block_size = kv_cache.size(1), num_slots = kv_cache.size(0) * block_size;
   if (t == 0 || num_slots == 0) return;
   auto* cache = kv_cache.mutable_data_ptr<uint8_t>();
@@ -22,7 +22,7 @@ void kv_cache_write_fp8_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at
 }
 
 void kv_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
-  check_fp8_cache("kv_cache_dequant_fp8", kv_cache, out, "out", slot_mapping);
+  check_fp8_cache("kv_cache_dequant_fp8", kv_cache, out, "out", slot_mapping, /*writes_cache=*/false);
   const int64_t t = out.size(0), block_size = kv_cache.size(1), num_slots = kv_cache.size(0) * block_size;
   if (t == 0) return;
   const auto* cache = kv_cache.const_data_ptr<uint8_t>();

@@ -1,7 +1,5 @@
 // Torch-facing CUDA entry points of the attention domain: shared checks, CUDA-only limits, params, launch on the
 // current stream.
-#include <cstdlib>
-
 #include "cuda/torch_utils.h"
 #include "common/attention_checks.h"
 #include "deepinfer/attention/sparse_mqa.cuh"
@@ -33,9 +31,6 @@ void run_sparse_mqa_cuda(const char* op, const SparseMqaArgs& a) {
   DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a.q.device().index()));
   p.heads_per_cta = 64;
   while (p.heads_per_cta > 16 && rows * ((h + p.heads_per_cta - 1) / p.heads_per_cta) < num_sms) p.heads_per_cta /= 2;
-  // DEEPINFER_SPARSE_MQA_IMPL=1: the round-one kernel (a fallback while the v2 kernel is new; same bits).
-  const char* impl = std::getenv("DEEPINFER_SPARSE_MQA_IMPL");
-  p.impl = impl != nullptr && impl[0] == '1' && impl[1] == '\0' ? 1 : 2;
   p.softmax_scale = static_cast<float>(a.softmax_scale);
   p.num_lists = static_cast<int>(a.lists.size());
   for (size_t l = 0; l < a.lists.size(); ++l) {
@@ -100,7 +95,6 @@ void mqa_logits_cuda(at::Tensor& logits, const at::Tensor& q, const at::Tensor& 
   const int64_t t = q.size(0), n = logits.size(1);
   if (t == 0 || n == 0) return;
   DEEPINFER_CHECK(q.size(1) <= 128, op, "num_heads must be <= 128 on CUDA, got ", q.size(1));
-  DEEPINFER_CHECK((n + 127) / 128 <= 65535, op, "num_candidates = ", n, " exceeds 65535 * 128");
   DEEPINFER_CHECK(k_cache.numel() == 0 || (is_aligned(k_cache.const_data_ptr(), 16) && k_cache.stride(0) % 8 == 0 &&
                                             k_cache.stride(1) % 8 == 0),
                   op, "k_cache must be 16-byte aligned with strides that are multiples of 8 elements");
@@ -122,9 +116,6 @@ void mqa_logits_cuda(at::Tensor& logits, const at::Tensor& q, const at::Tensor& 
   p.num_candidates = n;
   p.num_heads = static_cast<int>(q.size(1));
   p.head_dim = static_cast<int>(q.size(2));
-  // DEEPINFER_MQA_LOGITS_IMPL=1: the round-one CUDA-core kernel (a fallback while the tensor-core one is new).
-  const char* impl = std::getenv("DEEPINFER_MQA_LOGITS_IMPL");
-  p.impl = impl != nullptr && impl[0] == '1' && impl[1] == '\0' ? 1 : 2;
   attention::launch_mqa_logits(p, current_stream());
 }
 
@@ -134,6 +125,7 @@ void topk_rows_cuda(at::Tensor& values, at::Tensor& indices, const at::Tensor& s
   const int64_t rows = scores.size(0), k = values.size(1);
   if (rows == 0 || k == 0) return;
   DEEPINFER_CHECK(k <= kTopkMaxK, op, "k = ", k, " exceeds the CUDA limit ", kTopkMaxK);
+  DEEPINFER_CHECK(scores.size(1) < (int64_t(1) << 30), op, "n = ", scores.size(1), " must be < 2^30 on CUDA");
   const c10::cuda::CUDAGuard guard(scores.device());
   attention::TopkParams p{};
   p.scores = scores.const_data_ptr<float>();
@@ -143,9 +135,11 @@ void topk_rows_cuda(at::Tensor& values, at::Tensor& indices, const at::Tensor& s
   p.rows = rows;
   p.n = static_cast<int>(scores.size(1));
   p.k = static_cast<int>(k);
-  // DEEPINFER_TOPK_IMPL=1: the round-one kernel (a fallback while the new one is new; same output).
-  const char* impl = std::getenv("DEEPINFER_TOPK_IMPL");
-  p.impl = impl != nullptr && impl[0] == '1' && impl[1] == '\0' ? 1 : 2;
+  DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&p.num_sms, cudaDevAttrMultiProcessorCount, scores.device().index()));
+  const int64_t ws_bytes = attention::topk_rows_workspace_bytes(p);
+  const at::Tensor workspace = at::empty({ws_bytes}, scores.options().dtype(at::kByte));  // stream-ordered reuse
+  p.workspace = workspace.mutable_data_ptr();
+  p.workspace_bytes = ws_bytes;
   attention::launch_topk_rows(p, current_stream());
 }
 
@@ -188,14 +182,14 @@ attention::Fp8CacheParams fp8_params(const at::Tensor& kv_cache, const at::Tenso
 }  // namespace
 
 void kv_cache_write_fp8_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping) {
-  check_fp8_cache("kv_cache_write_fp8", kv_cache, kv, "kv", slot_mapping);
+  check_fp8_cache("kv_cache_write_fp8", kv_cache, kv, "kv", slot_mapping, /*writes_cache=*/true);
   if (kv.size(0) == 0 || kv_cache.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   attention::launch_kv_cache_write_fp8(fp8_params(kv_cache, kv, slot_mapping), current_stream());
 }
 
 void kv_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping) {
-  check_fp8_cache("kv_cache_dequant_fp8", kv_cache, out, "out", slot_mapping);
+  check_fp8_cache("kv_cache_dequant_fp8", kv_cache, out, "out", slot_mapping, /*writes_cache=*/false);
   if (out.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   attention::launch_kv_cache_dequant_fp8(fp8_params(kv_cache, out, slot_mapping), current_stream());

@@ -1,5 +1,5 @@
-// Lightning-indexer kernels: mqa_logits (CUDA cores, fp32), topk_rows (radix select + ordered tie compaction + bitonic
-// sort, one CTA per row) and kv_cache_write (one warp per token, 16-byte copies when aligned).
+// Lightning-indexer kernels: mqa_logits (tensor cores, fp32 accumulation) and kv_cache_write (one warp per token,
+// 16-byte copies when aligned). topk_rows lives in topk.cu.
 #include <math_constants.h>
 
 #include "deepinfer/attention/sparse_mqa.cuh"
@@ -7,80 +7,16 @@
 namespace deepinfer::attention {
 namespace {
 
-// ---- mqa_logits: one thread per candidate, one CTA per (token, 128 candidates); the token's q and weights sit in
-// shared memory as fp32 (every thread reads the same address: broadcast). Heads are summed in index order.
+// ---- mqa_logits: tensor cores. One CTA of 4 warps per (token, 64 candidates) (a CTA loops over candidate blocks
+// when there are more than the grid's y extent holds): the candidates' K rows (cp.async) and the token's Q (heads
+// padded to 8, zero rows) sit in shared memory; warp w computes S = K Q^T for candidates [16 w, +16) x all heads with
+// mma.sync m16n8k16 (bf16 in, fp32 accumulate), then sum_h w_h relu(S) per candidate (each lane 2 heads per n-tile,
+// a 4-lane shuffle sum). A candidate's logit depends only on its own row and the token: batch-invariant. Heads are
+// not summed in index order (fp32 rounding differs from a sequential sum in the last bits; the reference is fp32).
 constexpr int kLogitsThreads = 128;
-
-template <int kDim>
-__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid_constant__ MqaLogitsParams p) {
-  extern __shared__ __align__(16) float sq[];  // [H][kDim] then w[H]
-  const int H = p.num_heads;
-  float* sw = sq + H * kDim;
-  const int64_t i = blockIdx.x;
-  for (int e = threadIdx.x; e < H * kDim; e += kLogitsThreads) sq[e] = __bfloat162float(p.q[i * H * kDim + e]);
-  for (int e = threadIdx.x; e < H; e += kLogitsThreads) sw[e] = p.weights[i * H + e];
-  __syncthreads();
-  const int64_t c = static_cast<int64_t>(blockIdx.y) * kLogitsThreads + threadIdx.x;
-  if (c >= p.num_candidates) return;
-  const int64_t lo = p.k_start != nullptr ? p.k_start[i] : 0;
-  const int64_t hi = p.k_end != nullptr ? p.k_end[i] : p.num_candidates;
-  int64_t block = c / p.block_size;
-  if (p.block_table != nullptr) block = block < p.max_blocks ? p.block_table[i * p.max_blocks + block] : -1;
-  float* out = p.logits + i * p.num_candidates + c;
-  if (c < lo || c >= hi || block < 0 || block >= p.num_blocks) {
-    *out = -CUDART_INF_F;
-    return;
-  }
-  const __nv_bfloat16* k = p.k_cache + block * p.block_stride + (c % p.block_size) * p.token_stride;
-  float kf[kDim];
-#pragma unroll
-  for (int e = 0; e < kDim; e += 8) {
-    const uint4 v = __ldg(reinterpret_cast<const uint4*>(k + e));
-    const __nv_bfloat162* v2 = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(v2[j]);
-      kf[e + 2 * j] = f.x;
-      kf[e + 2 * j + 1] = f.y;
-    }
-  }
-  float acc = 0.f;
-  for (int h = 0; h < H; ++h) {
-    const float4* qh = reinterpret_cast<const float4*>(sq + h * kDim);
-    float s = 0.f;
-#pragma unroll
-    for (int e = 0; e < kDim / 4; ++e) {
-      const float4 qv = qh[e];
-      s = fmaf(qv.x, kf[4 * e], s);
-      s = fmaf(qv.y, kf[4 * e + 1], s);
-      s = fmaf(qv.z, kf[4 * e + 2], s);
-      s = fmaf(qv.w, kf[4 * e + 3], s);
-    }
-    acc = fmaf(sw[h], fmaxf(s, 0.f), acc);
-  }
-  *out = acc;
-}
-
-template <int kDim>
-void launch_logits_dim(const MqaLogitsParams& p, cudaStream_t stream) {
-  const size_t smem = (static_cast<size_t>(p.num_heads) * kDim + p.num_heads) * sizeof(float);
-  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(mqa_logits_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>(p.t),
-                  static_cast<unsigned>((p.num_candidates + kLogitsThreads - 1) / kLogitsThreads));
-  mqa_logits_kernel<kDim><<<grid, kLogitsThreads, smem, stream>>>(p);
-  DEEPINFER_CHECK_LAUNCH("mqa_logits_kernel");
-}
-
-// ---- mqa_logits v2 (default; DEEPINFER_MQA_LOGITS_IMPL=1 runs the kernel above): tensor cores. One CTA of 4 warps
-// per (token, 64 candidates): the candidates' K rows (cp.async) and the token's Q (heads padded to 8, zero rows) sit
-// in shared memory; warp w computes S = K Q^T for candidates [16 w, +16) x all heads with mma.sync m16n8k16 (bf16 in,
-// fp32 accumulate), then sum_h w_h relu(S) per candidate (each lane 2 heads per n-tile, a 4-lane shuffle sum).
-// A candidate's logit depends only on its own row and the token: batch-invariant. Heads are not summed in index order
-// (fp32 rounding differs from v1 in the last bits).
-constexpr int kMmaLogitsThreads = 128;
-constexpr int kMmaLogitsCands = 64;
-constexpr int kMmaLogitsMaxNT = 16;  // 128 heads
+constexpr int kLogitsCands = 64;
+constexpr int kLogitsMaxNT = 16;  // 128 heads
+constexpr int64_t kMaxGridY = 65535;
 
 __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
@@ -107,18 +43,18 @@ __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a
 }
 
 template <int kDim>
-struct MmaLogitsSmem {
+struct LogitsSmem {
   static constexpr int kStride = kDim + 8;  // bf16 per row (+16 B: conflict-free ldmatrix)
   static constexpr size_t k_off = 0;
-  static constexpr size_t q_off = k_off + size_t(kMmaLogitsCands) * kStride * 2;
-  static constexpr size_t w_off = q_off + size_t(kMmaLogitsMaxNT) * 8 * kStride * 2;
-  static constexpr size_t ptr_off = w_off + kMmaLogitsMaxNT * 8 * 4;
-  static constexpr size_t bytes = ptr_off + kMmaLogitsCands * sizeof(void*);
+  static constexpr size_t q_off = k_off + size_t(kLogitsCands) * kStride * 2;
+  static constexpr size_t w_off = q_off + size_t(kLogitsMaxNT) * 8 * kStride * 2;
+  static constexpr size_t ptr_off = w_off + kLogitsMaxNT * 8 * 4;
+  static constexpr size_t bytes = ptr_off + kLogitsCands * sizeof(void*);
 };
 
 template <int kDim>
-__global__ void __launch_bounds__(kMmaLogitsThreads) mqa_logits_mma_kernel(const __grid_constant__ MqaLogitsParams p) {
-  using L = MmaLogitsSmem<kDim>;
+__global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid_constant__ MqaLogitsParams p) {
+  using L = LogitsSmem<kDim>;
   constexpr int kStride = L::kStride, kVec = kDim / 8;
   extern __shared__ __align__(16) char smem[];
   __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem + L::k_off);
@@ -127,25 +63,9 @@ __global__ void __launch_bounds__(kMmaLogitsThreads) mqa_logits_mma_kernel(const
   const __nv_bfloat16** sRow = reinterpret_cast<const __nv_bfloat16**>(smem + L::ptr_off);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int H = p.num_heads, num_nt = (H + 7) / 8;
-  const int64_t i = blockIdx.x, c0 = static_cast<int64_t>(blockIdx.y) * kMmaLogitsCands;
-
-  // Candidate rows -> K row pointers (nullptr: outside [k_start, k_end), past n, or an invalid block).
-  if (tid < kMmaLogitsCands) {
-    const int64_t c = c0 + tid;
-    const int64_t lo = p.k_start != nullptr ? p.k_start[i] : 0;
-    const int64_t hi = p.k_end != nullptr ? p.k_end[i] : p.num_candidates;
-    const __nv_bfloat16* ptr = nullptr;
-    if (c < p.num_candidates && c >= lo && c < hi) {
-      int64_t block = c / p.block_size;
-      if (p.block_table != nullptr) block = block < p.max_blocks ? p.block_table[i * p.max_blocks + block] : -1;
-      if (block >= 0 && block < p.num_blocks) {
-        ptr = p.k_cache + block * p.block_stride + (c % p.block_size) * p.token_stride;
-      }
-    }
-    sRow[tid] = ptr;
-  }
+  const int64_t i = blockIdx.x;
   const bool q_vec = (reinterpret_cast<uintptr_t>(p.q) & 15u) == 0u;
-  for (int v = tid; v < num_nt * 8 * kVec; v += kMmaLogitsThreads) {
+  for (int v = tid; v < num_nt * 8 * kVec; v += kLogitsThreads) {
     const int h = v / kVec, col = (v % kVec) * 8;
     uint4 val = make_uint4(0u, 0u, 0u, 0u);
     if (h < H) {
@@ -160,350 +80,98 @@ __global__ void __launch_bounds__(kMmaLogitsThreads) mqa_logits_mma_kernel(const
     }
     *reinterpret_cast<uint4*>(sQ + h * kStride + col) = val;
   }
-  for (int h = tid; h < num_nt * 8; h += kMmaLogitsThreads) sW[h] = h < H ? p.weights[i * H + h] : 0.f;
-  __syncthreads();
-  for (int v = tid; v < kMmaLogitsCands * kVec; v += kMmaLogitsThreads) {
-    const int r = v / kVec, col = (v % kVec) * 8;
-    const __nv_bfloat16* src = sRow[r];
-    if (src != nullptr) {
-      cp_async_16(sK + r * kStride + col, src + col);
-    } else {
-      *reinterpret_cast<uint4*>(sK + r * kStride + col) = make_uint4(0u, 0u, 0u, 0u);
+  for (int h = tid; h < num_nt * 8; h += kLogitsThreads) sW[h] = h < H ? p.weights[i * H + h] : 0.f;
+  const int64_t num_cb = (p.num_candidates + kLogitsCands - 1) / kLogitsCands;
+  for (int64_t cb = blockIdx.y; cb < num_cb; cb += gridDim.y) {
+    const int64_t c0 = cb * kLogitsCands;
+    // Candidate rows -> K row pointers (nullptr: outside [k_start, k_end), past n, or an invalid block).
+    if (tid < kLogitsCands) {
+      const int64_t c = c0 + tid;
+      const int64_t lo = p.k_start != nullptr ? p.k_start[i] : 0;
+      const int64_t hi = p.k_end != nullptr ? p.k_end[i] : p.num_candidates;
+      const __nv_bfloat16* ptr = nullptr;
+      if (c < p.num_candidates && c >= lo && c < hi) {
+        int64_t block = c / p.block_size;
+        if (p.block_table != nullptr) block = block < p.max_blocks ? p.block_table[i * p.max_blocks + block] : -1;
+        if (block >= 0 && block < p.num_blocks) {
+          ptr = p.k_cache + block * p.block_stride + (c % p.block_size) * p.token_stride;
+        }
+      }
+      sRow[tid] = ptr;
     }
-  }
-  asm volatile("cp.async.wait_all;\n" ::: "memory");
-  __syncthreads();
+    __syncthreads();  // sRow (and, the first time, sQ / sW) written
+    for (int v = tid; v < kLogitsCands * kVec; v += kLogitsThreads) {
+      const int r = v / kVec, col = (v % kVec) * 8;
+      const __nv_bfloat16* src = sRow[r];
+      if (src != nullptr) {
+        cp_async_16(sK + r * kStride + col, src + col);
+      } else {
+        *reinterpret_cast<uint4*>(sK + r * kStride + col) = make_uint4(0u, 0u, 0u, 0u);
+      }
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+    __syncthreads();
 
-  float acc[kMmaLogitsMaxNT][4];
+    float acc[kLogitsMaxNT][4];
 #pragma unroll
-  for (int nt = 0; nt < kMmaLogitsMaxNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  const uint32_t ka = static_cast<uint32_t>(__cvta_generic_to_shared(
-      sK + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8));
-  const uint32_t qb =
-      static_cast<uint32_t>(__cvta_generic_to_shared(sQ + (lane & 7) * kStride + ((lane >> 3) & 1) * 8));
+    for (int nt = 0; nt < kLogitsMaxNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+    const uint32_t ka = static_cast<uint32_t>(__cvta_generic_to_shared(
+        sK + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8));
+    const uint32_t qb =
+        static_cast<uint32_t>(__cvta_generic_to_shared(sQ + (lane & 7) * kStride + ((lane >> 3) & 1) * 8));
 #pragma unroll
-  for (int kk = 0; kk < kDim; kk += 16) {
-    uint32_t a0, a1, a2, a3;
-    ldsm_x4(a0, a1, a2, a3, ka + kk * 2);
+    for (int kk = 0; kk < kDim; kk += 16) {
+      uint32_t a0, a1, a2, a3;
+      ldsm_x4(a0, a1, a2, a3, ka + kk * 2);
 #pragma unroll
-    for (int nt = 0; nt < kMmaLogitsMaxNT; ++nt) {
+      for (int nt = 0; nt < kLogitsMaxNT; ++nt) {
+        if (nt < num_nt) {
+          uint32_t b0, b1;
+          ldsm_x2(b0, b1, qb + (nt * 8 * kStride + kk) * 2);
+          mma_16816(acc[nt], a0, a1, a2, a3, b0, b1);
+        }
+      }
+    }
+    // acc[nt]: rows (candidates) g / g + 8 of this warp's 16, columns (heads) nt * 8 + 2 t4, + 1.
+    float sum0 = 0.f, sum1 = 0.f;
+#pragma unroll
+    for (int nt = 0; nt < kLogitsMaxNT; ++nt) {
       if (nt < num_nt) {
-        uint32_t b0, b1;
-        ldsm_x2(b0, b1, qb + (nt * 8 * kStride + kk) * 2);
-        mma_16816(acc[nt], a0, a1, a2, a3, b0, b1);
+        const float w0 = sW[nt * 8 + 2 * t4], w1 = sW[nt * 8 + 2 * t4 + 1];
+        sum0 = fmaf(w0, fmaxf(acc[nt][0], 0.f), sum0);
+        sum0 = fmaf(w1, fmaxf(acc[nt][1], 0.f), sum0);
+        sum1 = fmaf(w0, fmaxf(acc[nt][2], 0.f), sum1);
+        sum1 = fmaf(w1, fmaxf(acc[nt][3], 0.f), sum1);
       }
     }
-  }
-  // acc[nt]: rows (candidates) g / g + 8 of this warp's 16, columns (heads) nt * 8 + 2 t4, + 1.
-  float sum0 = 0.f, sum1 = 0.f;
+    sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+    sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+    sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+    sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+    if (t4 == 0) {
 #pragma unroll
-  for (int nt = 0; nt < kMmaLogitsMaxNT; ++nt) {
-    if (nt < num_nt) {
-      const float w0 = sW[nt * 8 + 2 * t4], w1 = sW[nt * 8 + 2 * t4 + 1];
-      sum0 = fmaf(w0, fmaxf(acc[nt][0], 0.f), sum0);
-      sum0 = fmaf(w1, fmaxf(acc[nt][1], 0.f), sum0);
-      sum1 = fmaf(w0, fmaxf(acc[nt][2], 0.f), sum1);
-      sum1 = fmaf(w1, fmaxf(acc[nt][3], 0.f), sum1);
-    }
-  }
-  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
-  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
-  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
-  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
-  if (t4 == 0) {
-#pragma unroll
-    for (int rr = 0; rr < 2; ++rr) {
-      const int r = warp * 16 + g + rr * 8;
-      const int64_t c = c0 + r;
-      if (c < p.num_candidates) {
-        p.logits[i * p.num_candidates + c] = sRow[r] != nullptr ? (rr ? sum1 : sum0) : -CUDART_INF_F;
+      for (int rr = 0; rr < 2; ++rr) {
+        const int r = warp * 16 + g + rr * 8;
+        const int64_t c = c0 + r;
+        if (c < p.num_candidates) {
+          p.logits[i * p.num_candidates + c] = sRow[r] != nullptr ? (rr ? sum1 : sum0) : -CUDART_INF_F;
+        }
       }
     }
+    __syncthreads();  // sRow / sK read before the next candidate block overwrites them
   }
 }
 
 template <int kDim>
-void launch_logits_mma_dim(const MqaLogitsParams& p, cudaStream_t stream) {
-  constexpr size_t smem = MmaLogitsSmem<kDim>::bytes;
-  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(mqa_logits_mma_kernel<kDim>,
+void launch_logits_dim(const MqaLogitsParams& p, cudaStream_t stream) {
+  constexpr size_t smem = LogitsSmem<kDim>::bytes;
+  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(mqa_logits_kernel<kDim>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  const dim3 grid(static_cast<unsigned>(p.t),
-                  static_cast<unsigned>((p.num_candidates + kMmaLogitsCands - 1) / kMmaLogitsCands));
-  mqa_logits_mma_kernel<kDim><<<grid, kMmaLogitsThreads, smem, stream>>>(p);
-  DEEPINFER_CHECK_LAUNCH("mqa_logits_mma_kernel");
+  const int64_t num_cb = (p.num_candidates + kLogitsCands - 1) / kLogitsCands;
+  const dim3 grid(static_cast<unsigned>(p.t), static_cast<unsigned>(num_cb < kMaxGridY ? num_cb : kMaxGridY));
+  mqa_logits_kernel<kDim><<<grid, kLogitsThreads, smem, stream>>>(p);
+  DEEPINFER_CHECK_LAUNCH("mqa_logits_kernel");
 }
-
-// ---- topk_rows: the project's tie rule (higher score first, then lower index).
-constexpr int kTopkThreads = 1024;
-constexpr int kTopkUnroll = 8;  // row elements loaded per thread before use (loads in flight)
-
-// Order-preserving map of a float to uint32 (larger float -> larger key); NaN is the largest, -0.0 == +0.0.
-__device__ __forceinline__ uint32_t topk_key(float x) {
-  if (isnan(x)) return 0xffffffffu;
-  if (x == 0.f) x = 0.f;
-  const uint32_t b = __float_as_uint(x);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-__device__ __forceinline__ uint64_t sel_entry(uint32_t key, int index) {
-  return (static_cast<uint64_t>(key) << 32) | static_cast<uint64_t>(~static_cast<uint32_t>(index));
-}
-
-__global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel(const __grid_constant__ TopkParams p) {
-  __shared__ int hist[256];
-  __shared__ int warp_count[kTopkThreads / 32];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_remaining, s_count_gt, s_base;
-  extern __shared__ __align__(16) char dyn[];
-  // The k selected as (key << 32 | ~index): descending order of this 64-bit value is (key desc, index asc). Padded
-  // with zeros (below every real entry: keys of real elements are >= topk_key(-inf) > 0) to a power of two.
-  uint64_t* sel = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int64_t row = blockIdx.x;
-  const float* s = p.scores + row * p.score_row_stride;
-  const int n = p.n, k = p.k;
-  int npow2 = 1;
-  while (npow2 < k) npow2 <<= 1;
-  for (int i = k + tid; i < npow2; i += kTopkThreads) sel[i] = 0ull;
-
-  // 1. Radix select (8 bits per pass, most significant first): the key of the k-th largest element, and how many
-  //    elements equal to it belong to the top k.
-  if (tid == 0) {
-    s_prefix = 0u;
-    s_remaining = k;
-  }
-  uint32_t mask = 0u;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    if (tid < 256) hist[tid] = 0;
-    __syncthreads();
-    const uint32_t prefix = s_prefix;
-    // Warp-aggregated counts: scores crowd into few bins (the first pass sees little more than the exponent), so
-    // lanes with the same bin add once through their leader instead of contending on one shared address.
-    // kTopkUnroll independent loads per thread are issued before any is counted (latency paid once per group).
-    for (int start = 0; start < n; start += kTopkThreads * kTopkUnroll) {  // uniform trip count per warp
-      uint32_t us[kTopkUnroll];
-#pragma unroll
-      for (int j = 0; j < kTopkUnroll; ++j) {
-        const int i = start + j * kTopkThreads + tid;
-        us[j] = i < n ? topk_key(s[i]) : 0u;
-      }
-#pragma unroll
-      for (int j = 0; j < kTopkUnroll; ++j) {
-        const int i = start + j * kTopkThreads + tid;
-        const bool take = i < n && (us[j] & mask) == prefix;
-        const unsigned active = __ballot_sync(0xffffffffu, take);
-        if (take) {
-          const uint32_t bin = (us[j] >> shift) & 0xffu;
-          const unsigned peers = __match_any_sync(active, bin);
-          if (__ffs(peers) - 1 == lane) atomicAdd(&hist[bin], __popc(peers));
-        }
-      }
-    }
-    __syncthreads();
-    // The bin holding the rem-th largest: the first bin, from 255 down, where the running count reaches rem (bin 0
-    // if none does -- not reached: rem never exceeds the count under the prefix). Warp 0: lane l owns bins
-    // 255 - 8l .. 248 - 8l; a shuffle scan over lanes, then the owning lane walks its 8 bins.
-    if (warp == 0) {
-      const int rem = s_remaining;
-      int c[8], lane_sum = 0;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        c[j] = hist[255 - 8 * lane - j];
-        lane_sum += c[j];
-      }
-      int incl = lane_sum;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, incl, off);
-        if (lane >= off) incl += y;
-      }
-      const unsigned hit = __ballot_sync(0xffffffffu, incl >= rem);
-      if (lane == (hit != 0u ? __ffs(hit) - 1 : 31)) {
-        int cum = incl - lane_sum, d = 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          d = 255 - 8 * lane - j;
-          if (cum + c[j] >= rem || d == 0) break;
-          cum += c[j];
-        }
-        s_remaining = rem - cum;
-        s_prefix = prefix | (static_cast<uint32_t>(d) << shift);
-      }
-    }
-    __syncthreads();
-    mask |= 0xffu << shift;
-  }
-  const uint32_t thr = s_prefix;
-  const int need_eq = s_remaining;  // >= 1
-  if (tid == 0) {
-    s_count_gt = 0;
-    s_base = 0;
-  }
-  __syncthreads();
-
-  // 2. Collect: every element above the threshold (slots [0, k - need_eq), any order), and the need_eq lowest-index
-  //    elements equal to it (slots [k - need_eq, k), by a block-wide ordered scan).
-  //    Values are loaded kTopkUnroll per thread ahead; chunks without an element equal to the threshold (most of
-  //    them) skip the ordered scan after one barrier.
-  for (int start = 0; start < n; start += kTopkThreads * kTopkUnroll) {
-    uint32_t us[kTopkUnroll];
-#pragma unroll
-    for (int j = 0; j < kTopkUnroll; ++j) {
-      const int i = start + j * kTopkThreads + tid;
-      us[j] = i < n ? topk_key(s[i]) : 0u;
-    }
-#pragma unroll 1
-    for (int j = 0; j < kTopkUnroll; ++j) {  // sub-chunks in index order: ties keep ascending indices
-      const int i = start + j * kTopkThreads + tid;
-      const uint32_t u = us[j];
-      const bool gt = i < n && u > thr, eq = i < n && u == thr;
-      if (gt) {
-        const int pos = atomicAdd(&s_count_gt, 1);
-        sel[pos] = sel_entry(u, i);
-      }
-      if (!__syncthreads_or(eq)) continue;  // the same answer in every thread: uniform
-      const unsigned ballot = __ballot_sync(0xffffffffu, eq);
-      if (lane == 0) warp_count[warp] = __popc(ballot);
-      __syncthreads();
-      int before = 0, total = 0;
-      for (int w = 0; w < kTopkThreads / 32; ++w) {
-        const int cnt = warp_count[w];
-        before += w < warp ? cnt : 0;
-        total += cnt;
-      }
-      const int base = s_base;
-      if (eq) {
-        const int r = base + before + __popc(ballot & ((1u << lane) - 1u));
-        if (r < need_eq) sel[k - need_eq + r] = sel_entry(u, i);
-      }
-      __syncthreads();
-      if (tid == 0) s_base = base + total;
-      __syncthreads();
-    }
-  }
-
-  // 3. Sort the k selected by (key desc, index asc): bitonic sort of the npow2 64-bit entries in shared memory
-  //    (O(k log^2 k); the round-one rank sort was O(k^2) per row, slow at k = 2048).
-  for (int size = 2; size <= npow2; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      __syncthreads();
-      for (int t = tid; t < npow2 / 2; t += kTopkThreads) {
-        const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;  // lo: the t-th index with bit `stride` clear
-        const bool desc = (lo & size) == 0;  // direction of this run (the last merge, size = npow2, is descending)
-        const uint64_t a = sel[lo], b = sel[hi];
-        if ((a < b) == desc) {
-          sel[lo] = b;
-          sel[hi] = a;
-        }
-      }
-    }
-  }
-  __syncthreads();
-  for (int r = tid; r < k; r += kTopkThreads) {
-    const int ia = static_cast<int>(~static_cast<uint32_t>(sel[r]));
-    p.values[row * k + r] = s[ia];
-    p.indices[row * k + r] = ia;
-  }
-}
-
-// Round one's topk_rows (DEEPINFER_TOPK_IMPL=1): serial bin walk, contended atomics, O(k^2) rank sort. Same output.
-__global__ void __launch_bounds__(kTopkThreads) topk_rows_kernel_v1(const __grid_constant__ TopkParams p) {
-  __shared__ int hist[256];
-  __shared__ int warp_count[kTopkThreads / 32];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_remaining, s_count_gt, s_base;
-  extern __shared__ __align__(16) char dyn[];
-  uint32_t* sel_key = reinterpret_cast<uint32_t*>(dyn);   // [k]
-  int* sel_idx = reinterpret_cast<int*>(dyn) + p.k;       // [k]
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int64_t row = blockIdx.x;
-  const float* s = p.scores + row * p.score_row_stride;
-  const int n = p.n, k = p.k;
-
-  // 1. Radix select (8 bits per pass, most significant first): the key of the k-th largest element, and how many
-  //    elements equal to it belong to the top k.
-  if (tid == 0) {
-    s_prefix = 0u;
-    s_remaining = k;
-  }
-  uint32_t mask = 0u;
-  for (int shift = 24; shift >= 0; shift -= 8) {
-    if (tid < 256) hist[tid] = 0;
-    __syncthreads();
-    const uint32_t prefix = s_prefix;
-    for (int i = tid; i < n; i += kTopkThreads) {
-      const uint32_t u = topk_key(s[i]);
-      if ((u & mask) == prefix) atomicAdd(&hist[(u >> shift) & 0xffu], 1);
-    }
-    __syncthreads();
-    if (tid == 0) {
-      const int rem = s_remaining;
-      int cum = 0, d = 255;
-      for (; d > 0; --d) {
-        if (cum + hist[d] >= rem) break;
-        cum += hist[d];
-      }
-      s_remaining = rem - cum;
-      s_prefix = prefix | (static_cast<uint32_t>(d) << shift);
-    }
-    __syncthreads();
-    mask |= 0xffu << shift;
-  }
-  const uint32_t thr = s_prefix;
-  const int need_eq = s_remaining;  // >= 1
-  if (tid == 0) {
-    s_count_gt = 0;
-    s_base = 0;
-  }
-  __syncthreads();
-
-  // 2. Collect: every element above the threshold (slots [0, k - need_eq), any order), and the need_eq lowest-index
-  //    elements equal to it (slots [k - need_eq, k), by a block-wide ordered scan).
-  for (int start = 0; start < n; start += kTopkThreads) {
-    const int i = start + tid;
-    const uint32_t u = i < n ? topk_key(s[i]) : 0u;
-    const bool gt = i < n && u > thr, eq = i < n && u == thr;
-    if (gt) {
-      const int pos = atomicAdd(&s_count_gt, 1);
-      sel_key[pos] = u;
-      sel_idx[pos] = i;
-    }
-    const unsigned ballot = __ballot_sync(0xffffffffu, eq);
-    if (lane == 0) warp_count[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0, total = 0;
-    for (int w = 0; w < kTopkThreads / 32; ++w) {
-      const int cnt = warp_count[w];
-      before += w < warp ? cnt : 0;
-      total += cnt;
-    }
-    const int base = s_base;
-    if (eq) {
-      const int r = base + before + __popc(ballot & ((1u << lane) - 1u));
-      if (r < need_eq) {
-        sel_key[k - need_eq + r] = u;
-        sel_idx[k - need_eq + r] = i;
-      }
-    }
-    __syncthreads();
-    if (tid == 0) s_base = base + total;
-    __syncthreads();
-  }
-
-  // 3. Sort the k selected by (key desc, index asc): each element's rank is the number of elements before it.
-  for (int a = tid; a < k; a += kTopkThreads) {
-    const uint32_t ua = sel_key[a];
-    const int ia = sel_idx[a];
-    int rank = 0;
-    for (int b = 0; b < k; ++b) {
-      const uint32_t ub = sel_key[b];
-      rank += (ub > ua) || (ub == ua && sel_idx[b] < ia);
-    }
-    p.values[row * k + rank] = s[ia];
-    p.indices[row * k + rank] = ia;
-  }
-}
-
 
 // ---- kv_cache_write
 constexpr int kWriteWarps = 4;
@@ -531,32 +199,19 @@ __global__ void __launch_bounds__(kWriteWarps * 32)
 
 void launch_mqa_logits(const MqaLogitsParams& p, cudaStream_t stream) {
   if (p.t == 0 || p.num_candidates == 0) return;
-  // v2 (tensor cores) unless DEEPINFER_MQA_LOGITS_IMPL=1 or the grid's y extent (64 candidates per CTA) is too large.
-  const bool v2 = p.impl != 1 && p.num_heads <= kMmaLogitsMaxNT * 8 &&
-                  (p.num_candidates + kMmaLogitsCands - 1) / kMmaLogitsCands <= 65535;
+  if (p.num_heads < 1 || p.num_heads > kLogitsMaxNT * 8) {
+    throw std::runtime_error("deepinfer mqa_logits: num_heads must be in [1, 128], got " +
+                             std::to_string(p.num_heads));
+  }
   if (p.head_dim == 128) {
-    v2 ? launch_logits_mma_dim<128>(p, stream) : launch_logits_dim<128>(p, stream);
+    launch_logits_dim<128>(p, stream);
   } else if (p.head_dim == 64) {
-    v2 ? launch_logits_mma_dim<64>(p, stream) : launch_logits_dim<64>(p, stream);
-  } else if (p.head_dim == 48) {  // the tiny test preset's index_head_dim: the round-one kernel (CUDA cores)
+    launch_logits_dim<64>(p, stream);
+  } else if (p.head_dim == 48) {  // the tiny test preset's index_head_dim
     launch_logits_dim<48>(p, stream);
   } else {
     throw std::runtime_error("deepinfer mqa_logits: unsupported head_dim " + std::to_string(p.head_dim));
   }
-}
-
-void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
-  if (p.rows == 0 || p.k == 0) return;
-  if (p.impl == 1) {
-    topk_rows_kernel_v1<<<static_cast<unsigned>(p.rows), kTopkThreads, static_cast<size_t>(p.k) * 8, stream>>>(p);
-    DEEPINFER_CHECK_LAUNCH("topk_rows_kernel_v1");
-    return;
-  }
-  size_t npow2 = 1;
-  while (npow2 < static_cast<size_t>(p.k)) npow2 <<= 1;
-  const size_t smem = npow2 * sizeof(uint64_t);  // <= 16 KiB for k <= 2048
-  topk_rows_kernel<<<static_cast<unsigned>(p.rows), kTopkThreads, smem, stream>>>(p);
-  DEEPINFER_CHECK_LAUNCH("topk_rows_kernel");
 }
 
 void launch_kv_cache_write(const KvCacheWriteParams& p, cudaStream_t stream) {

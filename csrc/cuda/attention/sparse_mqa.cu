@@ -1,13 +1,16 @@
-// Sparse MQA kernel (decode and prefill). One CTA of 8 warps per (query row, tile of 64 heads):
-//   Q tile [64 heads x D] stays in shared memory; the row's KV entries are gathered by index, 64 at a time, into
-//   shared memory (cp.async for bf16 rows, decoded in registers for FP8 entries; invalid entries are zero rows with
-//   score -inf); S = Q K^T and O += P V run on tensor cores
-//   (mma.sync m16n8k16 bf16 -> fp32) with an online softmax in fp32; the sink logit joins the denominator at the end.
-// Warp w: QK^T for heads [16 (w%4), +16) x keys [32 (w/4), +32); PV for heads [16 (w%4), +16) x dims [D/2 (w/4), +D/2).
-// The gather of tile i + 1 (two K buffers) overlaps the math of tile i. Few query rows: fewer heads per CTA (more
-// CTAs, each gathering the same rows) -- a head's result does not depend on which heads share its CTA (mma rows are
-// independent), so this choice keeps results batch-invariant. No split-KV yet: the work of a row never depends on
-// the batch, so results are batch-invariant by construction.
+// Sparse MQA kernel (decode and prefill). One CTA of 8 warps per (query row, tile of heads_per_cta = 16, 32 or 64
+// heads):
+//   the Q tile stays in shared memory; the row's KV entries are gathered by index, 64 at a time, into shared memory
+//   (cp.async for bf16 rows; FP8 MODEL1 entries decoded to bf16 -- in registers, or, with 16 heads per CTA and
+//   head_dim 512, staged raw by cp.async in the unused Q rows and decoded in shared memory; invalid entries are zero
+//   rows with score -inf); S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16 bf16 -> fp32, ldmatrix
+//   fragments) with an online softmax in fp32; the sink logit joins the denominator at the end.
+// Warps split by the heads the CTA computes: heads_per_cta / 16 warps along heads, the rest along keys (QK^T) and
+// dims (PV). The gather of tile i + 1 (two K buffers; its indices fetched one tile ahead) overlaps the math of
+// tile i. Few query rows: fewer heads per CTA (more CTAs, each gathering the same rows) -- a head's result does not
+// depend on which heads share its CTA (mma rows are independent, the softmax always reduces 4 threads x 16 entries
+// per head row), so this choice keeps results batch-invariant. No split-KV: the work of a row never depends on the
+// batch, so results are batch-invariant by construction.
 #include <cuda_fp8.h>
 #include <math_constants.h>
 
@@ -16,7 +19,7 @@
 namespace deepinfer::attention {
 namespace {
 
-constexpr int kBlockH = 64;   // heads per CTA
+constexpr int kBlockH = 64;   // most heads per CTA (shared memory is sized for it)
 constexpr int kBlockN = 64;   // KV entries per tile
 constexpr int kThreads = 256;
 
@@ -38,12 +41,6 @@ struct SmemLayout {
   static constexpr size_t bytes = fp8_off + 2 * kBlockN;
 };
 
-__device__ __forceinline__ uint32_t ld_u32(const __nv_bfloat16* p) { return *reinterpret_cast<const uint32_t*>(p); }
-
-__device__ __forceinline__ uint32_t pack_u16(uint16_t lo, uint16_t hi) {
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-}
-
 // D[16x8] += A[16x16] (row) * B[16x8] (col), bf16 inputs, fp32 accumulators.
 __device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                           uint32_t b0, uint32_t b1) {
@@ -61,272 +58,6 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 
-// Dims [c, c + 8) of a MODEL1 FP8 entry as 8 bf16 (exact: e4m3 x power of two fits bf16). 8-byte aligned entries.
-__device__ __forceinline__ uint4 load_fp8_entry8(const uint8_t* e, int c) {
-  uint4 out;
-  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
-  if (c < kFp8NopeDims) {
-    const uint2 codes = __ldg(reinterpret_cast<const uint2*>(e + c));
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(&codes);
-    const uint32_t ex = e[kFp8ScaleOffset + c / 64];
-    const float sc = ex == 0xffu ? CUDART_NAN_F : __uint_as_float(ex << 23);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      __nv_fp8_e4m3 lo, hi;
-      lo.__x = b[2 * j];
-      hi.__x = b[2 * j + 1];
-      const __nv_bfloat162 v = __floats2bfloat162_rn(static_cast<float>(lo) * sc, static_cast<float>(hi) * sc);
-      o[j] = *reinterpret_cast<const uint32_t*>(&v);
-    }
-  } else {
-    const uint2* rope = reinterpret_cast<const uint2*>(e + kFp8NopeDims + (c - kFp8NopeDims) * 2);
-    const uint2 a = __ldg(rope), b = __ldg(rope + 1);
-    o[0] = a.x;
-    o[1] = a.y;
-    o[2] = b.x;
-    o[3] = b.y;
-  }
-  return out;
-}
-
-template <int kDim>
-__global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v1(const __grid_constant__ SparseMqaParams p) {
-  using L = SmemLayout<kDim>;
-  constexpr int kStride = L::kStride, kSStride = L::kSStride, kPStride = L::kPStride;
-  constexpr int kVecPerRow = kDim / 8;
-  constexpr int kNT = kDim / 16;  // PV n-tiles (8 dims each) per warp: D/2 dims
-  extern __shared__ __align__(16) char smem[];
-  __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem + L::q_off);
-  __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem + L::k_off);
-  float* sS = reinterpret_cast<float*>(smem + L::s_off);
-  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + L::p_off);
-  float* sM = reinterpret_cast<float*>(smem + L::m_off);
-  float* sL = reinterpret_cast<float*>(smem + L::l_off);
-  float* sA = reinterpret_cast<float*>(smem + L::a_off);
-  const uint8_t** sPtr = reinterpret_cast<const uint8_t**>(smem + L::ptr_off);
-  bool* sFp8 = reinterpret_cast<bool*>(smem + L::fp8_off);
-
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int64_t row = blockIdx.x;
-  const int heads_per_cta = p.heads_per_cta;  // 16, 32 or 64: rows past it stay zero and are not written
-  const int h0 = blockIdx.y * heads_per_cta;
-  const int num_heads = p.num_heads;
-
-  for (int v = tid; v < kBlockH * kVecPerRow; v += kThreads) {
-    const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (r < heads_per_cta && h0 + r < num_heads) {
-      val = *reinterpret_cast<const uint4*>(p.q + (row * num_heads + h0 + r) * kDim + c);
-    }
-    *reinterpret_cast<uint4*>(sQ + r * kStride + c) = val;
-  }
-  if (tid < kBlockH) {
-    sM[tid] = -CUDART_INF_F;
-    sL[tid] = 0.f;
-  }
-  int len0 = 0, len1 = 0;
-  {
-    const SparseKvListParams& l0 = p.lists[0];
-    len0 = l0.topk;
-    if (l0.topk_length != nullptr) len0 = min(max(l0.topk_length[row / p.rows_per_length], 0), l0.topk);
-    if (p.num_lists > 1) {
-      const SparseKvListParams& l1 = p.lists[1];
-      len1 = l1.topk;
-      if (l1.topk_length != nullptr) len1 = min(max(l1.topk_length[row / p.rows_per_length], 0), l1.topk);
-    }
-  }
-  const int total = len0 + len1;
-  const float scale = p.softmax_scale;
-  const int hw = warp % 4, half = warp / 4;
-  const int r0 = hw * 16 + g, r1 = r0 + 8;
-
-  float acc[kNT][4];
-#pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  __syncthreads();
-
-  // Entries of tile `tile` -> row pointers (nullptr = invalid) in slot `buf` of sPtr / sFp8 (threads < kBlockN).
-  auto resolve = [&](int tile, int buf) {
-    if (tid < kBlockN) {
-      const int kp = tile * kBlockN + tid;
-      const uint8_t* ptr = nullptr;
-      bool fp8 = false;
-      if (kp < total) {
-        const bool first = kp < len0;
-        const SparseKvListParams& kl = first ? p.lists[0] : p.lists[1];
-        const int j = first ? kp : kp - len0;
-        const int64_t s = kl.indices[row * kl.topk + j];
-        fp8 = kl.is_fp8;
-        if (s >= 0 && s < kl.num_blocks * kl.block_size) {
-          const int64_t elem = (s / kl.block_size) * kl.block_stride + (s % kl.block_size) * kl.token_stride;
-          ptr = static_cast<const uint8_t*>(kl.cache) + elem * (fp8 ? 1 : 2);
-        }
-      }
-      sPtr[buf * kBlockN + tid] = ptr;
-      sFp8[buf * kBlockN + tid] = fp8;
-    }
-  };
-  // Gather the resolved rows into K buffer `buf`: cp.async for bf16 rows (all in flight at once), FP8 entries
-  // decoded in registers, zero rows for invalid entries.
-  auto issue = [&](int buf) {
-    __nv_bfloat16* kbuf = sK + buf * kBlockN * kStride;
-    for (int v = tid; v < kBlockN * kVecPerRow; v += kThreads) {
-      const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
-      const uint8_t* ptr = sPtr[buf * kBlockN + r];
-      __nv_bfloat16* dst = kbuf + r * kStride + c;
-      if (ptr != nullptr && !sFp8[buf * kBlockN + r]) {
-        cp_async_16(dst, ptr + 2 * c);
-      } else {
-        *reinterpret_cast<uint4*>(dst) = ptr != nullptr ? load_fp8_entry8(ptr, c) : make_uint4(0u, 0u, 0u, 0u);
-      }
-    }
-  };
-
-  const int num_tiles = (total + kBlockN - 1) / kBlockN;
-  if (num_tiles > 0) {
-    resolve(0, 0);
-    __syncthreads();
-    issue(0);
-  }
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int buf = tile & 1;
-    // 1. Wait for this tile's rows, then start gathering the next tile into the other buffer (its last readers,
-    //    tile - 1's QK^T and PV, finished before the previous iteration's final barrier).
-    cp_async_wait_all();
-    __syncthreads();
-    if (tile + 1 < num_tiles) {
-      resolve(tile + 1, buf ^ 1);
-      __syncthreads();
-      issue(buf ^ 1);
-    }
-    const __nv_bfloat16* sKt = sK + buf * kBlockN * kStride;
-    const uint8_t* const* sPtrT = sPtr + buf * kBlockN;
-
-    // 2. S = scale * Q K^T for this warp's 16 heads x 32 entries; invalid entries -> -inf.
-    {
-      float s[4][4];
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      const __nv_bfloat16* qa = sQ + r0 * kStride + 2 * t4;
-      const __nv_bfloat16* qb = sQ + r1 * kStride + 2 * t4;
-      const __nv_bfloat16* kb = sKt + (half * 32 + g) * kStride + 2 * t4;
-#pragma unroll 4
-      for (int kk = 0; kk < kDim; kk += 16) {
-        const uint32_t a0 = ld_u32(qa + kk), a1 = ld_u32(qb + kk), a2 = ld_u32(qa + kk + 8), a3 = ld_u32(qb + kk + 8);
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const __nv_bfloat16* kr = kb + nt * 8 * kStride + kk;
-          mma_16816(s[nt], a0, a1, a2, a3, ld_u32(kr), ld_u32(kr + 8));
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {
-        const int col = half * 32 + nt * 8 + 2 * t4;
-        const bool v0 = sPtrT[col] != nullptr, v1 = sPtrT[col + 1] != nullptr;
-        sS[r0 * kSStride + col] = v0 ? s[nt][0] * scale : -CUDART_INF_F;
-        sS[r0 * kSStride + col + 1] = v1 ? s[nt][1] * scale : -CUDART_INF_F;
-        sS[r1 * kSStride + col] = v0 ? s[nt][2] * scale : -CUDART_INF_F;
-        sS[r1 * kSStride + col + 1] = v1 ? s[nt][3] * scale : -CUDART_INF_F;
-      }
-    }
-    __syncthreads();
-
-    // 3. Online softmax: 4 threads per head row, 16 entries each.
-    {
-      const int r = tid / 4, part = tid % 4;
-      const float* srow = sS + r * kSStride + part * 16;
-      __nv_bfloat16* prow = sP + r * kPStride + part * 16;
-      float mx = -CUDART_INF_F;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, srow[i]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_old = sM[r];
-      const float m_new = fmaxf(m_old, mx);
-      float alpha = 1.f, sum = 0.f;
-      if (m_new == -CUDART_INF_F) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) prow[i] = __float2bfloat16_rn(0.f);
-      } else {
-        alpha = expf(m_old - m_new);  // 0 when m_old is -inf
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const __nv_bfloat16 e = __float2bfloat16_rn(expf(srow[i] - m_new));
-          prow[i] = e;
-          sum += __bfloat162float(e);  // normalise with the same rounded weights the PV product uses
-        }
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      if (part == 0) {
-        sM[r] = m_new;
-        sL[r] = sL[r] * alpha + sum;
-        sA[r] = alpha;
-      }
-    }
-    __syncthreads();
-
-    // 4. O = alpha O + P V for this warp's 16 heads x D/2 dims.
-    {
-      const float al0 = sA[r0], al1 = sA[r1];
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        acc[nt][0] *= al0;
-        acc[nt][1] *= al0;
-        acc[nt][2] *= al1;
-        acc[nt][3] *= al1;
-      }
-      const __nv_bfloat16* pa = sP + r0 * kPStride + 2 * t4;
-      const __nv_bfloat16* pb = sP + r1 * kPStride + 2 * t4;
-      const uint16_t* vk = reinterpret_cast<const uint16_t*>(sKt);
-#pragma unroll
-      for (int kk = 0; kk < kBlockN; kk += 16) {
-        const uint32_t a0 = ld_u32(pa + kk), a1 = ld_u32(pb + kk), a2 = ld_u32(pa + kk + 8), a3 = ld_u32(pb + kk + 8);
-        const uint16_t* v0 = vk + (kk + 2 * t4) * kStride + half * (kDim / 2) + g;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          const uint16_t* vp = v0 + nt * 8;
-          const uint32_t b0 = pack_u16(vp[0], vp[kStride]);
-          const uint32_t b1 = pack_u16(vp[8 * kStride], vp[9 * kStride]);
-          mma_16816(acc[nt], a0, a1, a2, a3, b0, b1);
-        }
-      }
-    }
-    __syncthreads();
-  }
-
-  // Epilogue: out = O / (l + exp(sink - m)); lse = m + log(l) (without the sink), -inf when nothing was valid.
-#pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int r = rr == 0 ? r0 : r1;
-    const int head = h0 + r;
-    if (r >= heads_per_cta || head >= num_heads) continue;
-    const float m = sM[r], l = sL[r];
-    float inv = 0.f;
-    if (m != -CUDART_INF_F) {
-      float den = l;
-      if (p.attn_sink != nullptr) den += expf(p.attn_sink[head] - m);
-      inv = 1.f / den;
-    }
-    __nv_bfloat16* o = p.out + (row * num_heads + head) * kDim + half * (kDim / 2) + 2 * t4;
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      *reinterpret_cast<__nv_bfloat162*>(o + nt * 8) =
-          __floats2bfloat162_rn(acc[nt][2 * rr] * inv, acc[nt][2 * rr + 1] * inv);
-    }
-    if (half == 0 && t4 == 0) p.lse[row * num_heads + head] = m == -CUDART_INF_F ? -CUDART_INF_F : m + logf(l);
-  }
-}
-
-// ---- v2 (default; DEEPINFER_SPARSE_MQA_IMPL=1 selects the round-one kernel above). Same arithmetic, bit for bit:
-// every mma sees the same fragments in the same k order, and the softmax keeps v1's 4 threads x 16 entries per head
-// row. What changes:
-//   * warps split by the heads the CTA really computes: kWarpsH = heads_per_cta / 16 warps along heads and
-//     8 / kWarpsH along keys (QK^T) and dims (PV), so a 16-head CTA does a quarter of v1's tensor-core work (v1
-//     always computed 64 rows, zero rows included);
-//   * fragments come from ldmatrix (x4 for Q and P, x2 for K, x2.trans for V) instead of 32- and 16-bit loads;
-//   * the next tile's indices are loaded one tile ahead into a register (v1 waited for them every tile);
-//   * FP8 entries are fetched in batches of independent loads before any is decoded (v1 decoded load by load).
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -360,7 +91,8 @@ __device__ __forceinline__ uint4 fetch_fp8_entry8(const uint8_t* e, int c) {
   return make_uint4(a.x, a.y, b.x, b.y);
 }
 
-// fetch_fp8_entry8's raw bytes -> 8 bf16, exactly as load_fp8_entry8.
+// fetch_fp8_entry8's raw bytes -> 8 bf16 (exact: e4m3 x a power of two fits bf16; the recipe of fp8_cache.cu's
+// dequant and the CPU reference).
 __device__ __forceinline__ uint4 decode_fp8_entry8(uint4 raw, int c) {
   if (c >= kFp8NopeDims) return raw;
   uint4 out;
@@ -381,7 +113,7 @@ __device__ __forceinline__ uint4 decode_fp8_entry8(uint4 raw, int c) {
 }
 
 template <int kDim, int kWarpsH>
-__global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v2(const __grid_constant__ SparseMqaParams p) {
+__global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_constant__ SparseMqaParams p) {
   using L = SmemLayout<kDim>;
   constexpr int kStride = L::kStride, kSStride = L::kSStride, kPStride = L::kPStride;
   constexpr int kVecPerRow = kDim / 8;
@@ -546,8 +278,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v2(const __grid
     cp_async_wait_all();
     __syncthreads();
     if constexpr (kStageFp8) {
-      // Staged FP8 entries of this tile -> bf16 rows of K buffer `buf` (the bits load_fp8_entry8 gives); the
-      // staging is free again before the next issue() below.
+      // Staged FP8 entries of this tile -> bf16 rows of K buffer `buf` (decode_fp8_entry8's bits, as the register
+      // path); the staging is free again before the next issue() below.
       const uint8_t* const* ptrs = sPtr + buf * kBlockN;
       const bool* fp8s = sFp8 + buf * kBlockN;
       __nv_bfloat16* kbuf = sK + buf * kBlockN * kStride;
@@ -607,7 +339,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel_v2(const __grid
     }
     __syncthreads();
 
-    // 3. Online softmax: 4 threads per head row, 16 entries each (v1's reduction order: same bits for any kHeads).
+    // 3. Online softmax: 4 threads per head row, 16 entries each (the same reduction order for any kHeads:
+    //    same bits).
     if (tid < kHeads * 4) {  // whole warps (kHeads * 4 is a multiple of 64)
       const int r = tid / 4, part = tid % 4;
       const float* srow = sS + r * kSStride + part * 16;
@@ -704,14 +437,12 @@ void launch_dim(const SparseMqaParams& p, cudaStream_t stream) {
     kernel<<<grid, kThreads, smem, stream>>>(p);
     DEEPINFER_CHECK_LAUNCH(name);
   };
-  if (p.impl == 1) {
-    go(sparse_mqa_kernel_v1<kDim>, "sparse_mqa_kernel_v1");
-  } else if (p.heads_per_cta == 16) {
-    go(sparse_mqa_kernel_v2<kDim, 1>, "sparse_mqa_kernel_v2");
+  if (p.heads_per_cta == 16) {
+    go(sparse_mqa_kernel<kDim, 1>, "sparse_mqa_kernel<16 heads>");
   } else if (p.heads_per_cta == 32) {
-    go(sparse_mqa_kernel_v2<kDim, 2>, "sparse_mqa_kernel_v2");
+    go(sparse_mqa_kernel<kDim, 2>, "sparse_mqa_kernel<32 heads>");
   } else {
-    go(sparse_mqa_kernel_v2<kDim, 4>, "sparse_mqa_kernel_v2");
+    go(sparse_mqa_kernel<kDim, 4>, "sparse_mqa_kernel<64 heads>");
   }
 }
 

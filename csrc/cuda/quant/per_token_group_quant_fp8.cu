@@ -65,15 +65,15 @@ __global__ void __launch_bounds__(kWarpsPerBlock * 32) per_token_group_quant_fp8
   }
 }
 
-// Fast path: each thread holds kVecsPerThread consecutive 16-byte vectors of one group in registers (one HBM
-// read); kThreadsPerGroup = group_size / (kVec * kVecsPerThread) lanes share a group (a power of two <= 32);
-// grid-stride over groups with kUnroll groups per thread in flight.
-template <typename T, int kThreadsPerGroup, int kVecsPerThread, typename IdxT>
+// Fast path: each thread holds kVecsPerThread 16-byte vectors of one group in registers (one HBM read);
+// kThreadsPerGroup = group_size / (kVec * kVecsPerThread) lanes share a group (a power of two <= 32). Vector j of
+// lane `sub` is the group's vector j * kThreadsPerGroup + sub, so each load (and each e4m3 store) of the group's
+// lanes covers one contiguous span (full sectors per instruction). Grid-stride over groups with kUnroll groups per
+// thread in flight.
+template <typename T, int kThreadsPerGroup, int kVecsPerThread, typename IdxT, int kUnroll>
 __global__ void __launch_bounds__(256) per_token_group_quant_fp8_vec_kernel(PerTokenGroupQuantParams p) {
   constexpr int kVec = 16 / sizeof(T);
-  constexpr int kElems = kVec * kVecsPerThread;
   constexpr int kGroupsPerBlock = 256 / kThreadsPerGroup;
-  constexpr int kUnroll = 2;
   using V = Vec<T, kVec>;
   const int sub = threadIdx.x % kThreadsPerGroup;
   const IdxT num_groups = static_cast<IdxT>(p.num_groups);
@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(256) per_token_group_quant_fp8_vec_kernel(PerT
       const T* row = static_cast<const T*>(p.input) + static_cast<int64_t>(r[u]) * p.input_row_stride;
 #pragma unroll
       for (int j = 0; j < kVecsPerThread; ++j) {
-        const int64_t k = static_cast<int64_t>(g[u]) * p.group_size + sub * kElems + j * kVec;
+        const int64_t k = static_cast<int64_t>(g[u]) * p.group_size + (j * kThreadsPerGroup + sub) * kVec;
         active[u][j] = item < items && k < p.K;  // K % kVec == 0 on this path
         if (active[u][j]) v[u][j] = *reinterpret_cast<const V*>(row + k);
       }
@@ -124,12 +124,14 @@ __global__ void __launch_bounds__(256) per_token_group_quant_fp8_vec_kernel(PerT
           for (int e = 0; e < kVec / 2; ++e) {
             o.v[e] = to_e4m3x2(to_float(v[u][j].v[2 * e]), to_float(v[u][j].v[2 * e + 1]), inv_scale);
           }
-          *reinterpret_cast<Vec<uint16_t, kVec / 2>*>(qrow + sub * kElems + j * kVec) = o;
+          *reinterpret_cast<Vec<uint16_t, kVec / 2>*>(qrow + (j * kThreadsPerGroup + sub) * kVec) = o;
         }
       }
     }
   }
 }
+
+
 
 int num_sms() {
   static int count = [] {
@@ -141,9 +143,9 @@ int num_sms() {
   return count;
 }
 
-template <typename T, int kThreadsPerGroup, int kVecsPerThread>
-void launch_vec(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
-  constexpr int kGroupsPerIter = 256 / kThreadsPerGroup * 2;
+template <typename T, int kThreadsPerGroup, int kVecsPerThread, int kUnroll>
+void launch_flat(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
+  constexpr int kGroupsPerIter = 256 / kThreadsPerGroup * kUnroll;
   const int64_t items = p.rows * p.num_groups;
   const int64_t needed = (items + kGroupsPerIter - 1) / kGroupsPerIter;
   // Up to 64 CTAs per SM: typical sizes get one pass per CTA and the hardware balances the tail; only huge
@@ -152,10 +154,15 @@ void launch_vec(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
   const int64_t grid = needed < cap ? needed : cap;
   // 32-bit index arithmetic (row/group division) whenever the item count allows it: it is most of the work.
   if (items + cap * kGroupsPerIter < (int64_t{1} << 32)) {
-    per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, kVecsPerThread, uint32_t><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
+    per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, kVecsPerThread, uint32_t, kUnroll><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
   } else {
-    per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, kVecsPerThread, int64_t><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
+    per_token_group_quant_fp8_vec_kernel<T, kThreadsPerGroup, kVecsPerThread, int64_t, kUnroll><<<static_cast<unsigned>(grid), 256, 0, stream>>>(p);
   }
+}
+
+template <typename T, int kThreadsPerGroup, int kVecsPerThread>
+void launch_vec(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
+  launch_flat<T, kThreadsPerGroup, kVecsPerThread, 2>(p, stream);
 }
 
 template <typename T>

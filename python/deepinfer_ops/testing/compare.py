@@ -82,6 +82,21 @@ def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     return float(1 - 2 * (x * y).sum() / denom)
 
 
+def poison_cuda_scratch_(device: torch.device | str = "cuda", block_bytes: tuple[int, ...] = (
+        256 << 10, 256 << 10, 256 << 10, 256 << 10, 4 << 20, 32 << 20, 256 << 20)) -> None:
+    """Poison the memory an op's next scratch buffers (``at::empty`` workspaces) will get: blocks of the given sizes
+    are allocated from torch's CUDA caching allocator, filled with 0xFF bytes (NaN in every float format, -1 in
+    every signed integer, huge pointers) and freed again, so the allocator hands those cached blocks out next.
+    Anything an op reads from its workspace without having written it first then shows (NaN results, or a crash
+    on a garbage pointer) instead of silently reading the zeros of fresh memory. Call it right before the op.
+    """
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    blocks = [torch.full((n,), 0xFF, dtype=torch.uint8, device=device) for n in block_bytes]
+    torch.cuda.synchronize(device)
+    del blocks
+
+
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill ``t`` with NaN (floats, including fp8) or the max value (integers) so unwritten elements show."""
     if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):

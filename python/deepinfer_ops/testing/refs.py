@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import torch
 
-FP8_E4M3_MAX = 448.0
+from .. import formats
+from ..formats import FP8_E4M3_MAX, E2M1_VALUES  # noqa: F401  (re-exported)
+
 QUANT_AMAX_EPS = 1e-10
 
 
@@ -21,12 +23,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     return y.to(x.dtype)
 
 
-def round_up_pow2_ref(s: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two >= s for positive normal float32 s, exactly (exponent bits; UE8M0 scales)."""
-    bits = s.float().contiguous().view(torch.int32)
-    exp = (bits >> 23) & 0xFF
-    exp = exp + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return (exp << 23).view(torch.float32)
+#: Smallest power of two >= s (UE8M0 scales), exactly: ``formats.round_up_pow2``.
+round_up_pow2_ref = formats.round_up_pow2
 
 
 def per_token_group_quant_fp8_ref(
@@ -96,16 +94,13 @@ def rotary_embedding_ref(
 
 # ---- gemm ----
 GEMM_SCALE_BLOCK = 128
-FP4_SCALE_GROUP = 32
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+FP4_SCALE_GROUP = formats.FP4_GROUP
 
 
 def dequant_block_fp8_ref(q: torch.Tensor, scale: torch.Tensor, block: int = GEMM_SCALE_BLOCK) -> torch.Tensor:
-    """float32 ``q * scale`` with one scale per ``block x block`` tile. q ``[..., N, K]``, scale
-    ``[..., ceil(N/block), ceil(K/block)]`` (partial last tiles use their own scale)."""
-    n, k = q.shape[-2], q.shape[-1]
-    s = scale.float().repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(block, dim=-1)[..., :k]
-    return q.float() * s
+    """float32 ``q * scale`` with one scale per ``block x block`` tile (``formats.dequant_fp8_block``). q ``[..., N, K]``
+    e4m3, scale ``[..., ceil(N/block), ceil(K/block)]`` fp32 or UE8M0 (partial last tiles use their own scale)."""
+    return formats.dequant_fp8_block(q, scale, block)
 
 
 def fp8_gemm_nt_ref(
@@ -152,21 +147,15 @@ def m_grouped_fp8_gemm_nt_masked_ref(
     return out
 
 
-def e8m0_to_exponent_ref(s: torch.Tensor) -> torch.Tensor:
-    """UE8M0 scale bytes (uint8 or float8_e8m0fnu) as int32 biased exponents (value = 2^(e - 127), 255 = NaN)."""
-    return s.view(torch.uint8).to(torch.int32)
+#: UE8M0 scale bytes (uint8 or float8_e8m0fnu) as int32 biased exponents: ``formats.ue8m0_to_exponent``.
+e8m0_to_exponent_ref = formats.ue8m0_to_exponent
 
 
 def dequant_fp4_ref(w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """float32 values of an FP4 e2m1 weight: w ``[N, K/2]`` int8/uint8 with element 2i in the low nibble and
-    2i+1 in the high nibble; w_scale ``[N, ceil(K/32)]`` UE8M0, one per 32 elements along K. Returns ``[N, K]``."""
-    b = w.view(torch.uint8).to(torch.int64)
-    codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)  # [N, K]
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)
-    v = lut[codes]
-    e = e8m0_to_exponent_ref(w_scale).repeat_interleave(FP4_SCALE_GROUP, dim=-1)[:, : v.shape[1]]
-    s = torch.where(e == 255, torch.full_like(v, float("nan")), torch.ldexp(torch.ones_like(v), (e - 127).float()))
-    return v * s
+    """float32 values of an FP4 e2m1 weight (``formats.dequant_fp4``): w ``[..., N, K/2]`` int8/uint8 with element 2i
+    in the low nibble and 2i+1 in the high nibble; w_scale ``[..., N, ceil(K/32)]`` UE8M0, one per 32 elements along
+    K (byte 255 gives NaN). Returns ``[..., N, K]``."""
+    return formats.dequant_fp4(w, w_scale)
 
 
 def fp4_to_fp8_blockscaled_ref(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,9 +172,7 @@ def fp4_to_fp8_blockscaled_ref(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[
     emax = pad.view(nb, blk, kb, blk).amax(dim=(1, 3))  # [nb, kb]
     scale = torch.ldexp(torch.ones(nb, kb, device=w.device), (emax - 133).float())
     emax_full = emax.repeat_interleave(blk, 0)[:n].repeat_interleave(blk, 1)[:, :k]
-    b = w.view(torch.uint8).to(torch.int64)
-    codes = torch.stack([b & 0xF, b >> 4], dim=-1).flatten(-2)
-    v = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=w.device)[codes]
+    v = formats.unpack_fp4(w)
     q = torch.ldexp(v, (e - emax_full + 6).float())
     q = torch.where(e == 255, torch.full_like(q, float("nan")), q)
     return q.to(torch.float8_e4m3fn), scale

@@ -34,7 +34,6 @@ struct SparseMqaParams {
   int num_heads, head_dim;  // head_dim in {64, 128, 256, 512} (V4: 512)
   int rows_per_length;      // query rows per topk_length entry (s_q for decode, 1 for prefill)
   int heads_per_cta;        // 16, 32 or 64 (the host picks fewer when rows are few; results do not depend on it)
-  int impl;                 // 2 (default): ldmatrix kernel sized to heads_per_cta; 1: the round-one kernel (same bits)
   float softmax_scale;
   int num_lists;
   SparseKvListParams lists[kMaxKvLists];
@@ -54,8 +53,7 @@ struct MqaLogitsParams {
   const int32_t* k_end;    // [t] or nullptr
   float* logits;           // [t, num_candidates] contiguous
   int64_t t, num_candidates;
-  int num_heads, head_dim;  // head_dim 64 or 128
-  int impl;                 // 2 (default): tensor-core kernel; 1: the round-one CUDA-core kernel
+  int num_heads, head_dim;  // num_heads <= 128; head_dim 48, 64 or 128
 };
 
 void launch_mqa_logits(const MqaLogitsParams& p, cudaStream_t stream);
@@ -66,10 +64,15 @@ struct TopkParams {
   float* values;        // [rows, k]
   int64_t* indices;     // [rows, k]
   int64_t rows;
-  int n, k;             // k <= 2048
-  int impl;             // 2 (default): bitonic sort, aggregated histogram; 1: the round-one kernel (same output)
+  int n, k;             // k <= min(n, 2048), n < 2^30
+  int num_sms;          // of the device (sizes the number of CTAs per row; results do not depend on it)
+  void* workspace;      // topk_rows_workspace_bytes(*this) bytes, 16-byte aligned, on the device (contents ignored)
+  int64_t workspace_bytes;
 };
 
+// Workspace bytes launch_topk_rows needs for p (rows, n, k and num_sms set).
+int64_t topk_rows_workspace_bytes(const TopkParams& p);
+// Radix select over several CTAs per row, then a bitonic sort of the k selected (topk.cu).
 void launch_topk_rows(const TopkParams& p, cudaStream_t stream);
 
 struct KvCacheWriteParams {
