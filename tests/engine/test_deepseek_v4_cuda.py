@@ -1,6 +1,9 @@
 """DeepSeek-V4 on CUDA: the tiny model in bf16 on the GPU (sparse MQA, cache writes, top-k: the native CUDA ops)
 against the same checkpoint's float32 forward on the CPU (the ops' CPU implementations), and chunked prefill plus
-token-by-token decode on CUDA against the full forward.
+token-by-token decode on CUDA against the full forward -- on both GEMM paths: ``gemm="dequant"`` (bf16 weights,
+torch GEMMs; the bounds below) and ``gemm="fp8"`` (what ``LLM`` loads on CUDA: FP8 weights, CUTLASS FP8 GEMMs, the
+fused FP8 MoE; held to the CPU dequant forward with the FP8 bounds of fp8_check.py, since the activation
+quantisation dominates the bf16 error).
 
 Routing flips. The MoE router's top-k is a discrete choice: where two experts' ``score + bias`` are closer than the
 bf16 error, bf16 may pick the other expert, and that token's logits then differ by tens of per cent of the largest
@@ -32,6 +35,7 @@ import torch
 from deepinfer.checkpoint import make_checkpoint
 from deepinfer.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from fp8_check import check_fp8_close
 
 MAX_FLIP_SHARE = 0.05
 MIN_COSINE = 0.9995
@@ -44,11 +48,24 @@ pytestmark = pytest.mark.cuda
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    path = make_checkpoint("tiny", tmp_path_factory.mktemp("tiny-ckpt"), seed=0)
-    cpu = DeepseekV4ForCausalLM.from_checkpoint(path, dtype=torch.float32, device="cpu")
-    gpu = DeepseekV4ForCausalLM.from_checkpoint(path, dtype=torch.bfloat16, device="cuda")
+def tiny_path(tmp_path_factory):
+    return make_checkpoint("tiny", tmp_path_factory.mktemp("tiny-ckpt"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def models(tiny_path):
+    cpu = DeepseekV4ForCausalLM.from_checkpoint(tiny_path, dtype=torch.float32, device="cpu")
+    gpu = DeepseekV4ForCausalLM.from_checkpoint(tiny_path, dtype=torch.bfloat16, device="cuda", gemm="dequant")
+    assert cpu.gemm == "dequant" and gpu.gemm == "dequant"
     return cpu, gpu
+
+
+@pytest.fixture(scope="module")
+def fp8_gpu(tiny_path):
+    model = DeepseekV4ForCausalLM.from_checkpoint(tiny_path, dtype=torch.bfloat16, device="cuda")  # auto -> fp8
+    assert model.gemm == "fp8" and model.layers[0].ffn.is_fp8 and model.layers[0].attn.wq_a.is_fp8
+    assert model.layers[0].ffn.w13.is_cuda and model.layers[0].ffn.w13.dtype == torch.float8_e4m3fn
+    return model
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -143,3 +160,42 @@ def test_cuda_chunked_prefill_and_decode_match_full(models):
     _check(chunked, full, chunked_routes, full_routes, "chunked prefill + decode vs full forward, CUDA bf16")
     ref, ref_routes = _full(cpu, ids, "cpu")
     _check(chunked, ref, chunked_routes, ref_routes, "chunked prefill + decode on CUDA bf16 vs CPU fp32")
+
+
+# ---------------------------------------------------------------------------------------------------- GEMM path fp8
+@pytest.mark.parametrize("n", PROMPT_LENS[1:])
+def test_cuda_fp8_matches_cpu_dequant(models, fp8_gpu, n):
+    """The FP8 path on CUDA (CUTLASS FP8 GEMMs, fused FP8 MoE, bf16 activations) against the float32 dequantised
+    forward on the CPU: the FP8 bounds (activation quantisation error, routing flips counted and bounded). Not the
+    1-token prompt: about one token in ten routes differently under FP8, and a share bound needs rows (single-token
+    steps are covered by the decode steps of the chunked test)."""
+    cpu, _ = models
+    ids = _ids(n, 100 + n)
+    ref, ref_routes = _full(cpu, ids, "cpu")
+    got, got_routes = _full(fp8_gpu, ids, "cuda")
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    check_fp8_close(got, ref, got_routes, ref_routes, f"{n} tokens, CUDA fp8 vs CPU fp32 dequant")
+
+
+def test_cuda_fp8_chunked_prefill_and_decode_match_full(models, fp8_gpu):
+    """Chunked prefill + decode on the FP8 path against its own full forward and against the CPU dequant forward.
+    The FP8 GEMMs are batch-invariant, but the remaining torch GEMMs (router, mHC, compressor) may round
+    differently for other M, and a changed bf16 input can move an activation across an e4m3 rounding boundary
+    downstream: the FP8 bounds."""
+    cpu, _ = models
+    ids = _ids(sum(CHUNKS) + DECODE, 5)
+    full, full_routes = _full(fp8_gpu, ids, "cuda")
+    chunked, chunked_routes = _chunked(fp8_gpu, ids)
+    check_fp8_close(chunked, full, chunked_routes, full_routes, "chunked prefill + decode vs full forward, CUDA fp8")
+    ref, ref_routes = _full(cpu, ids, "cpu")
+    check_fp8_close(chunked, ref, chunked_routes, ref_routes, "chunked prefill + decode on CUDA fp8 vs CPU dequant")
+
+
+def test_cuda_llm_loads_fp8_by_default():
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM("tiny", device="cuda", num_blocks=8, max_num_batched_tokens=64)
+    assert llm.model.gemm == "fp8" and llm.model.layers[1].ffn.is_fp8
+    out = llm.generate([_ids(30, 9).tolist()], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+    assert LLM("tiny", device="cuda", gemm="dequant", num_blocks=8).model.gemm == "dequant"

@@ -5,8 +5,9 @@ Interface (for the engine and the checkpoint code):
 * :class:`DeepseekV4Config` (``config.py``) -- ``DeepseekV4Config.from_dict(config_json)`` / ``from_json_file(dir)``;
   ``TINY_CONFIG`` the built-in preset.
 * ``expected_parameters(config) -> {native name: (shape, kind)}`` and ``init_parameters(config, seed)``
-  (``params.py``); :class:`DeepseekV4ForCausalLM` ``.state_dict()`` has exactly these names, so
-  ``model.load_state_dict(tensors)`` loads a native checkpoint 1:1.
+  (``params.py``); a freshly built :class:`DeepseekV4ForCausalLM` ``.state_dict()`` has exactly these names, so
+  ``model.load_native(tensors)`` loads a native checkpoint 1:1 (after an FP8 load the names change, see below).
+* ``DeepseekV4ForCausalLM(config, dtype, gemm="auto")``: the GEMM path / weight format (see "GEMM paths").
 * ``CacheSpec`` / ``allocate_cache(config, num_blocks, device, dtype)`` (``cache.py``): the paged decoding state
   (window KV, compressed entries, indexer keys, partial-window compressor state) addressed through block tables.
 * ``DeepseekV4ForCausalLM.forward(batch: ForwardBatch, cache) -> logits [num_logits, vocab] float32`` runs one engine
@@ -47,27 +48,71 @@ Architecture (all names are the native checkpoint's):
 
 Tie rule (indexer and router): higher score first, then lower index (``deepinfer_ops.topk``).
 
+GEMM paths (``gemm``, chosen when the model is built, resolved when its weights are loaded; ``model.gemm`` is the
+path in use):
+
+* ``"fp8"`` -- DeepSeek's own inference recipe. Every ``dense_linear`` and ``expert_linear`` weight (see
+  ``params.py``) is held as float8_e4m3fn ``[out, in]`` with float32 128x128 block scales (``<module>.scale``
+  ``[ceil(out/128), ceil(in/128)]``): FP8 checkpoint weights with 128x128 blocks as stored (UE8M0 scales become
+  float32, exactly), FP4 routed experts converted once by :func:`deepinfer_ops.fp4_to_fp8_blockscaled` (exact while
+  a block's per-32 exponents lie within 14 binades, see ``deepinfer_ops/moe.py``), anything else (unquantised
+  weights, other block sizes, FP4 with float32 scales) quantised at load to FP8 with ``amax / 448`` block scales. A
+  linear runs :func:`fp8_linear`: ``per_token_group_quant_fp8(x, 128)`` (1x128 activation scales) then
+  ``fp8_gemm_nt`` (float32 accumulation, output in the activation dtype: bf16 on CUDA). The routed experts of a MoE
+  layer are stacked once at load into ``ffn.w13 [E, 2I', hidden]`` (gate rows ``[:I]``, up rows ``[I':I'+I]``) and
+  ``ffn.w2 [E, hidden, I']`` with ``ffn.w13_scale`` / ``ffn.w2_scale`` (``I'`` = ``I`` rounded up to 128 with zero
+  rows / columns, so the gate and up halves keep their own block scales; exact: the padded SwiGLU columns are 0)
+  and run :func:`deepinfer_ops.fused_moe_fp8` (permute by expert, grouped gate/up GEMM, clamped SwiGLU fused with
+  the FP8 re-quantisation, grouped down GEMM, weighted combine in slot order). The shared expert runs its three
+  FP8 linears with the same fused SwiGLU + quantisation; ``wo_a`` runs one FP8 GEMM per group (it stays dequantised
+  in a config whose groups straddle 128-row scale blocks). ``"other"`` weights (embedding, router ``gate``,
+  compressor / indexer BF16 projections, LM head) and the float32 mHC mixes stay in their dtype on torch GEMMs.
+  Error vs ``"dequant"``: the activation quantisation (e4m3 has 3 mantissa bits) plus bf16 rounding of the expert
+  GEMM outputs: on the tiny model, logits ``calc_diff`` <= 4.2e-3 (7e-4 .. 1.1e-3 over the rows routed alike;
+  routing flips in <= 11 % of the rows), stated bounds in tests/engine/fp8_check.py.
+* ``"dequant"`` -- every quantised weight dequantised exactly at load to ``dtype``; plain torch GEMMs
+  (``F.linear``) and a per-expert loop. The transformers-parity path (CPU tests) and the reference for ``"fp8"``.
+* ``"auto"`` (default) -- ``"fp8"`` when the weights are loaded onto a CUDA device, ``"dequant"`` elsewhere (the
+  CPU FP8 ops are reference implementations: correct, row by row, slow). The CPU runs ``"fp8"`` when asked.
+
+No dequantised copy is ever held next to an FP8 one: an FP8 load keeps only the FP8 bytes and scales (the stacked
+expert tensors are filled expert by expert), a dequant load only the dequantised weights.
+
 Batch-invariant mode (``ForwardBatch.batch_invariant``, set by ``LLM(batch_invariant=True)`` / ``--batch-invariant``;
 an explicit per-step argument, no global state): every token's row is computed with a reduction order that depends
 neither on the number of tokens in the step nor on the other sequences, nor on how its prompt was chunked:
 
-* GEMMs (every linear, ``wo_a``'s groups, router, experts, mHC mixes, LM head): the token dimension is zero-padded
-  once per step to a multiple of ``BI_GEMM_ROWS`` (128 on CUDA, 16 on the CPU) and every ``torch.mm`` has that many
-  rows (:func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed
-  shape is the only way to get one kernel for every row. Experts pad their gathered tokens the same way.
+* FP8 GEMMs (path ``"fp8"``: every dense linear, ``wo_a``'s groups, shared and routed experts) are batch-invariant
+  by construction and run unpadded, as in the default mode: the activation quantisation is per row (one scale per
+  1x128 group of that row), the CUDA dense GEMM is one CUTLASS kernel with one fixed 128x128x128 tile, no split-K
+  (``split_k=1``) and data-parallel output tiles, each computed over all of K in one fixed order; the grouped GEMMs
+  likewise (a row's tile depends on its expert's rows only through which rows share the tile, not its arithmetic);
+  the fused SwiGLU quantises row by row; the MoE combine adds a token's ``top_k`` slots in slot order in float32;
+  the CPU implementations compute every output element on its own in a fixed order.
+* The remaining torch GEMMs (router ``gate``, mHC mixes, compressor / indexer BF16 projections, LM head, and on
+  path ``"dequant"`` every linear, ``wo_a``'s groups and the experts): every ``torch.mm`` has exactly
+  ``BI_GEMM_ROWS`` rows (128 on CUDA, 16 on the CPU; :func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL
+  takes other code paths for small M, so a fixed shape is the only way to get one kernel for every row. Path
+  ``"dequant"`` zero-pads the token dimension once per step to whole chunks (every GEMM then takes them without a
+  copy; experts pad their gathered tokens the same way); path ``"fp8"`` does not pad the step (its FP8 GEMMs would
+  only do the extra rows' work) and :func:`linear_rows` copies just the last partial chunk of each input.
 * Attention: ``sparse_mqa_prefill`` computes every query row on its own from its own index lists (window by
   position, entries by id, -1 padding; the kernels are batch-invariant by construction); the indexer's
   ``mqa_logits`` and top-k are row-wise too (masked candidates score -inf, the tie rule fixes the selection) and the
   selected entries are passed in entry order. Padding rows get no entries (output 0).
 * Compressor pooling: softmax sum and pooled sum as explicit float32 adds in slot order. mHC stream sums: explicit
-  float32 adds in stream order (no batched matmul whose batch count is the number of tokens).
+  float32 adds in stream order (no batched matmul whose batch count is the number of tokens). Router weights: the
+  renormalisation sum is explicit adds in slot order.
 * Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
-  rule; MoE combine: a token's experts added in ascending expert id (as in the default mode).
+  rule; MoE combine: a token's experts added in ascending expert id (path ``"dequant"``, as in the default mode)
+  or in slot order (path ``"fp8"``, ``fused_moe_fp8``, both modes).
 * CPU only: transcendental elementwise ops go through :func:`pointwise` (torch's SIMD loops compute tails with
-  scalar libm, so a value would depend on its position).
+  scalar libm, so a value would depend on its position); the FP8 ops' CPU kernels use scalar libm everywhere.
 
-Cost: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a decode step of <= 128 tokens on
-the GPU) and one GEMM launch per 128 tokens in prefill.
+Cost: path ``"fp8"``: one ``torch.mm`` launch per 128 tokens for each remaining torch GEMM (small N: mHC 24,
+router, compressor) and a copy of each input's last partial chunk; the FP8 GEMMs and the MoE cost the same as with
+the mode off. Path ``"dequant"``: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a
+decode step of <= 128 tokens on the GPU) and one GEMM launch per 128 tokens for every GEMM in prefill.
 
 Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported);
 /work/shared/reference/architecture.md; DeepSeek-V4 paper.
@@ -163,7 +208,8 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int = 0) -> torch.T
             whoever shares its chunk.
     Returns:
         ``[..., out]`` in ``x.dtype``.
-    Cost: ``ceil(M / rows)`` GEMM launches instead of one and up to ``rows - 1`` padded rows; with ``rows`` = 128 on
+    Cost: ``ceil(M / rows)`` GEMM launches instead of one and up to ``rows - 1`` padded rows (copied: a copy of the
+    last partial chunk, or of all of ``x`` when it is not contiguous / aligned / 16-wide); with ``rows`` = 128 on
     CUDA a decode batch of <= 128 tokens is still one launch (bandwidth-bound on the weight, the padding is free).
     """
     if rows <= 0:
@@ -181,16 +227,25 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor, rows: int = 0) -> torch.T
         weight = w
     chunks = -(-m // rows)
     align = 256 if x2.is_cuda else 64  # what fresh allocations guarantee (CUDA caching allocator / c10 CPU)
-    if m % rows or kp != k or not x2.is_contiguous() or x2.data_ptr() % align:
-        # a fresh zero-padded copy; every chunk start then keeps the base alignment, as rows * kp * itemsize is a
-        # multiple of 256 for rows >= 8 (and of 64 for any rows)
+    # whole chunks are read in place when x is laid out like a fresh allocation (every chunk start then keeps the
+    # base alignment, as rows * kp * itemsize is a multiple of 256 for rows >= 8, and of 64 for any rows); the last
+    # partial chunk (or everything, for another layout) goes through a fresh zero-padded copy of the same shape
+    in_place = kp == k and x2.is_contiguous() and x2.data_ptr() % align == 0
+    full = m // rows if in_place else 0
+    if not in_place:
         xp = x2.new_zeros(chunks * rows, kp)
         xp[:m, :k] = x2
         x2 = xp
+        full = chunks
     out = x2.new_empty(chunks * rows, np_)
     wt = weight.t()
-    for c in range(chunks):
+    for c in range(full):
         torch.mm(x2[c * rows:(c + 1) * rows], wt, out=out[c * rows:(c + 1) * rows])
+    if full < chunks:  # padding rows: uninitialised on CUDA (a GEMM row depends on its own row only; dropped),
+        #                zeros on the CPU (no slow denormal arithmetic), as in pad_rows_buffer
+        tail = x2.new_empty(rows, kp) if x2.is_cuda else x2.new_zeros(rows, kp)
+        tail[:m - full * rows] = x2[full * rows:]
+        torch.mm(tail, wt, out=out[full * rows:])
     return out[:m, :n].reshape(*lead, n)
 
 
@@ -232,15 +287,124 @@ def pointwise(fn, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
     return fn(spread)
 
 
+FP8_BLOCK = 128  # block of the FP8 weight scales (128 x 128) and group of the activation scales (1 x 128)
+GEMM_PATHS = ("auto", "fp8", "dequant")
+
+
+def resolve_gemm(gemm: str, device: torch.device | str | None) -> str:
+    """The GEMM path ``"fp8"`` or ``"dequant"`` for the requested ``gemm`` (``"auto"``: ``"fp8"`` on a CUDA
+    ``device``, ``"dequant"`` elsewhere). Raises ValueError naming ``gemm`` for another value."""
+    if gemm not in GEMM_PATHS:
+        raise ValueError(f"gemm: expected one of {GEMM_PATHS}, got {gemm!r}")
+    if gemm != "auto":
+        return gemm
+    return "fp8" if device is not None and torch.device(device).type == "cuda" else "dequant"
+
+
+def _fp8_out_dtype(x: torch.Tensor) -> torch.dtype:
+    return x.dtype if x.dtype in (torch.bfloat16, torch.float32) else torch.bfloat16
+
+
+def quant_act_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (float8_e4m3fn ``[M, K]``, float32 ``[M, ceil(K/128)]`` 1x128 scales) in the layout the FP8
+    GEMMs read on ``x``'s device (column-major scales on CUDA)."""
+    return deepinfer_ops.per_token_group_quant_fp8(x.contiguous(), FP8_BLOCK, column_major_scales=x.is_cuda)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``y = x @ (weight * scale).T`` the DeepSeek-V3/V4 way: the activations quantised per 1x128 group
+    (:func:`deepinfer_ops.per_token_group_quant_fp8`), then the FP8 block-scaled GEMM
+    (:func:`deepinfer_ops.fp8_gemm_nt`, float32 accumulation, ``split_k=1``: batch-invariant).
+
+    Args:
+        x: ``[..., in]`` float32 / bfloat16 activations.
+        weight: ``[out, in]`` float8_e4m3fn.
+        scale: ``[ceil(out/128), ceil(in/128)]`` float32 block scales.
+    Returns:
+        ``[..., out]`` in ``x.dtype`` (bfloat16 for other input dtypes).
+    Raises:
+        RuntimeError from the ops naming the tensor at fault (dtype, shape, CUDA alignment: in % 16, out % 8).
+    """
+    k, n = x.shape[-1], weight.shape[0]
+    lead = x.shape[:-1]
+    xq, xs = quant_act_fp8(x.reshape(-1, k))
+    return deepinfer_ops.fp8_gemm_nt(xq, xs, weight, scale, out_dtype=_fp8_out_dtype(x)).view(*lead, n)
+
+
+def fp8_block_weight(t, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One linear weight as FP8 e4m3 with float32 128x128 block scales, on ``device`` (default: where it is).
+
+    Args:
+        t: a ``deepinfer.checkpoint.QuantizedWeight`` (``"fp8"`` with 128x128 blocks: kept as stored, UE8M0 scales
+            converted to float32 exactly; ``"fp4"`` with UE8M0 scales: :func:`deepinfer_ops.fp4_to_fp8_blockscaled`;
+            other block sizes / float32 FP4 scales: dequantised, then quantised as below) or a float ``[out, in]``
+            tensor (quantised: scale ``amax / 448`` per block, round to nearest even, see
+            ``deepinfer.quantization.quantize_fp8_block``).
+    Returns:
+        (``[out, in]`` float8_e4m3fn contiguous, ``[ceil(out/128), ceil(in/128)]`` float32 contiguous).
+    Raises:
+        ValueError for non-finite float weights.
+    """
+    from deepinfer import quantization as Q
+    from deepinfer.checkpoint import QuantizedWeight
+
+    if isinstance(t, QuantizedWeight):
+        dev = device if device is not None else t.data.device
+        if t.fmt == "fp8" and tuple(t.block) == (FP8_BLOCK, FP8_BLOCK):  # UE8M0 -> float32 where the scale is
+            return t.data.to(dev).contiguous(), Q.scale_to_float(t.scale).to(dev).contiguous()
+        if t.fmt == "fp4" and t.scale.dtype != torch.float32:
+            return deepinfer_ops.fp4_to_fp8_blockscaled(t.data.to(dev).contiguous(),
+                                                        t.scale.view(torch.uint8).to(dev).contiguous())
+        t = t.dequantize()
+    w = t.detach().to(device=device if device is not None else t.device)
+    with torch.device(w.device):
+        q, s = Q.quantize_fp8_block(w, (FP8_BLOCK, FP8_BLOCK), scale_fmt="float")
+    return q.contiguous(), s.contiguous()
+
+
 class Linear(nn.Module):
-    """``y = x @ weight.T`` on a dequantised ``[out, in]`` weight (FP8/FP4 GEMMs replace this later).
-    ``forward(x, rows)``: see :func:`linear_rows` (``rows > 0``: fixed-shape, batch-invariant GEMM chunks)."""
+    """``y = x @ weight.T``. Two weight formats (chosen at load, see the module docstring's GEMM paths):
+
+    * dequantised: ``weight [out, in]`` in the model dtype, ``scale`` None; ``forward(x, rows)`` =
+      :func:`linear_rows` (``rows > 0``: fixed-shape, batch-invariant GEMM chunks);
+    * FP8: ``weight [out, in]`` float8_e4m3fn and ``scale [ceil(out/128), ceil(in/128)]`` float32 block scales;
+      ``forward`` = :func:`fp8_linear` (batch-invariant by construction: ``rows`` is ignored).
+    """
 
     def __init__(self, out_features: int, in_features: int, dtype: torch.dtype):
         super().__init__()
         self.weight = _param(out_features, in_features, dtype=dtype)
+        self.register_parameter("scale", None)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.scale is not None
+
+    def set_fp8(self, weight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold ``weight`` (float8_e4m3fn ``[out, in]``) and its float32 block ``scale`` (taken over, not copied)."""
+        out, inp = self.weight.shape
+        want = (-(-out // FP8_BLOCK), -(-inp // FP8_BLOCK))
+        if weight.dtype != torch.float8_e4m3fn or tuple(weight.shape) != (out, inp):
+            raise ValueError(f"Linear.set_fp8: weight must be float8_e4m3fn {[out, inp]}, got {weight.dtype} "
+                             f"{list(weight.shape)}")
+        if scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            raise ValueError(f"Linear.set_fp8: scale must be float32 {list(want)}, got {scale.dtype} "
+                             f"{list(scale.shape)}")
+        self._parameters["weight"] = nn.Parameter(weight, requires_grad=False)
+        self._parameters["scale"] = nn.Parameter(scale, requires_grad=False)
+
+    def fp8_rows(self, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Output rows ``[r0, r1)`` of an FP8 weight as a block-scaled weight of its own: (``weight[r0:r1]``, its
+        ``[ceil((r1-r0)/128), ceil(in/128)]`` scales). Needs ``r0 % 128 == 0`` or the rows inside one 128-row block
+        (else ValueError: their blocks straddle the stored ones)."""
+        b0 = r0 // FP8_BLOCK
+        if r0 % FP8_BLOCK and b0 != (r1 - 1) // FP8_BLOCK:
+            raise ValueError(f"Linear.fp8_rows: rows [{r0}, {r1}) straddle the 128-row scale blocks")
+        return self.weight[r0:r1], self.scale[b0:b0 + -(-(r1 - r0) // FP8_BLOCK)]
 
     def forward(self, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
+        if self.scale is not None:
+            return fp8_linear(x, self.weight, self.scale)
         return linear_rows(x, self.weight, rows)
 
 
@@ -316,6 +480,16 @@ class Expert(nn.Module):
         self.w3 = Linear(inter, dim, dtype)  # up
 
     def forward(self, x: torch.Tensor, limit: float, rows: int = 0) -> torch.Tensor:
+        """``w2(silu(min(w1 x, limit)) * clamp(w3 x, -limit, limit))`` for ``x [M, dim]``. FP8 weights: ``x`` is
+        quantised once, the gate / up GEMMs write one ``[M, 2 inter]`` tensor, the clamped SwiGLU is fused with the
+        re-quantisation for ``w2`` (:func:`deepinfer_ops.swiglu_clamp_quant_fp8`, the routed experts' recipe)."""
+        if self.w1.is_fp8:
+            xq, xs = quant_act_fp8(x)
+            dt = _fp8_out_dtype(x)
+            gate_up = torch.cat([deepinfer_ops.fp8_gemm_nt(xq, xs, self.w1.weight, self.w1.scale, out_dtype=dt),
+                                 deepinfer_ops.fp8_gemm_nt(xq, xs, self.w3.weight, self.w3.scale, out_dtype=dt)], dim=1)
+            hq, hs = deepinfer_ops.swiglu_clamp_quant_fp8(gate_up, limit, column_major_scales=x.is_cuda)
+            return deepinfer_ops.fp8_gemm_nt(hq, hs, self.w2.weight, self.w2.scale, out_dtype=dt)
         m = x.shape[0]
         x = pad_rows(x, rows)  # batch-invariant mode: pad once, the three GEMMs then take whole chunks
         gate = self.w1(x, rows).clamp(max=limit)
@@ -335,6 +509,10 @@ class Gate(nn.Module):
 
 
 class MoE(nn.Module):
+    """Router ``gate``, routed ``experts`` (one :class:`Expert` each: path ``"dequant"``) or their stacked FP8 form
+    ``w13 [E, 2I', hidden]``, ``w13_scale``, ``w2 [E, hidden, I']``, ``w2_scale`` (path ``"fp8"``, set by
+    :meth:`set_fp8_experts`; ``experts`` is then empty), and the ``shared_experts``."""
+
     def __init__(self, cfg: DeepseekV4Config, mlp_type: str, dtype: torch.dtype):
         super().__init__()
         self.gate = Gate(cfg, mlp_type == HASH_MOE, dtype)
@@ -342,6 +520,20 @@ class MoE(nn.Module):
             Expert(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_shared, dtype)
+        for name in ("w13", "w13_scale", "w2", "w2_scale"):
+            self.register_parameter(name, None)
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.w13 is not None
+
+    def set_fp8_experts(self, w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
+                        w2_scale: torch.Tensor) -> None:
+        """Take over the stacked FP8 experts (layout of :func:`deepinfer_ops.fused_moe_fp8`) and drop the per-expert
+        modules."""
+        for name, t in (("w13", w13), ("w13_scale", w13_scale), ("w2", w2), ("w2_scale", w2_scale)):
+            self._parameters[name] = nn.Parameter(t, requires_grad=False)
+        self.experts = nn.ModuleList()
 
 
 class Block(nn.Module):
@@ -483,19 +675,28 @@ class DeepseekV4ForCausalLM(nn.Module):
         dtype: parameter / activation dtype of matmul weights and norms (float32 for CPU tests, bfloat16 else); mHC
             parameters, sinks, ``ape`` and router biases stay float32 as in the checkpoints; mHC and softmax math
             run in float32.
+        gemm: ``"auto"`` (default), ``"fp8"`` or ``"dequant"``: the GEMM path / weight format the weights take when
+            loaded (module docstring, "GEMM paths"); ``"auto"`` is resolved on the device the weights are loaded to.
+            ``model.gemm`` is the path in use (``"dequant"`` until an FP8 load).
+    Raises:
+        ValueError naming ``gemm`` for an unknown value.
     """
 
     QUERY_CHUNK = 512  # queries per lightning-indexer score chunk (bounds the [queries, entries] scores)
-    # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape GEMM call (see ``linear_rows``),
-    # per device type. The costs: up to rows - 1 padded GEMM rows per call (free while a call is bandwidth-bound on
-    # its weight, as a decode step of <= 128 tokens is on the GPU) and one launch per ``rows`` tokens.
+    # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape torch GEMM call (see
+    # ``linear_rows``; the FP8 GEMMs of path "fp8" need none), per device type. The costs: up to rows - 1 padded GEMM
+    # rows per call (free while a call is bandwidth-bound on its weight, as a decode step of <= 128 tokens is on the
+    # GPU) and one launch per ``rows`` tokens.
     BI_GEMM_ROWS = {"cuda": 128, "cpu": 16}
     BI_GEMM_ROWS_DEFAULT = 128
 
-    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32):
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, gemm: str = "auto"):
         super().__init__()
         cfg = self.config = config
         self.dtype = dtype
+        resolve_gemm(gemm, None)  # validates
+        self.requested_gemm = gemm
+        self.gemm = "dequant"  # the path of the weights held now; load_native sets it
         D, hc = cfg.hidden_size, cfg.hc_mult
         self.embed = Embedding(cfg.vocab_size, D, dtype)
         self.layers = nn.ModuleList(
@@ -516,47 +717,123 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ---- construction helpers ---------------------------------------------------------------------------------
     @classmethod
-    def from_parameters(cls, config: DeepseekV4Config, tensors: dict[str, torch.Tensor],
-                        dtype: torch.dtype = torch.float32) -> "DeepseekV4ForCausalLM":
-        """Build and load ``tensors`` (native names, dequantised) strictly: every expected name, no extra. The model is
-        built on the meta device and takes the tensors over (cast to its dtype where needed, on their device), so
+    def from_parameters(cls, config: DeepseekV4Config, tensors: dict, dtype: torch.dtype = torch.float32,
+                        gemm: str = "auto", device: torch.device | str | None = None) -> "DeepseekV4ForCausalLM":
+        """Build and load ``tensors`` (native names; float tensors or ``deepinfer.checkpoint.QuantizedWeight``)
+        strictly: every expected name, no extra. The model is built on the meta device and takes the tensors over
+        (see :meth:`load_native`: cast / converted to its format where needed, on ``device`` or where they are), so
         no second copy of the weights is ever allocated."""
         with torch.device("meta"):
-            model = cls(config, dtype)
-        model.load_native(tensors)
+            model = cls(config, dtype, gemm)
+        model.load_native(tensors, device=device)
         return model
 
     @classmethod
-    def from_checkpoint(cls, path=None, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu") -> "DeepseekV4ForCausalLM":
-        """Load a native checkpoint folder (``None`` = the built-in tiny one) with :mod:`deepinfer.checkpoint`
-        (quantised weights dequantised exactly, then cast to ``dtype``). Raises CheckpointError naming the tensor/file."""
+    def from_checkpoint(cls, path=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                        gemm: str = "auto") -> "DeepseekV4ForCausalLM":
+        """Load a native checkpoint folder (``None`` = the built-in tiny one) with :mod:`deepinfer.checkpoint` onto
+        ``device``. Path ``"dequant"``: quantised weights dequantised exactly, then cast to ``dtype``; path ``"fp8"``
+        (``gemm="auto"`` on CUDA): read in their stored format and converted on ``device`` (module docstring).
+        Raises CheckpointError naming the tensor/file."""
         from deepinfer.checkpoint import load_checkpoint
 
+        if resolve_gemm(gemm, device) == "fp8":
+            ckpt = load_checkpoint(path, dequantize=False, dtype=dtype, device="cpu")
+            return cls.from_parameters(ckpt.config, ckpt.params, dtype, "fp8", device=device)
         ckpt = load_checkpoint(path, dtype=dtype, device=device)
-        return cls.from_parameters(ckpt.config, ckpt.params, dtype).to(device)
+        return cls.from_parameters(ckpt.config, ckpt.params, dtype, "dequant").to(device)
 
-    def load_native(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Take over dequantised native tensors as the parameters (strict: missing / unexpected names and shape
-        mismatches raise ValueError naming the tensor). Integer ``tid2eid`` becomes int64, float32-kind tensors stay
-        float32, the rest is cast to the model dtype."""
-        own = self.state_dict()
-        missing = [k for k in own if k not in tensors]
-        extra = [k for k in tensors if k not in own]
+    def load_native(self, tensors: dict, device: torch.device | str | None = None) -> None:
+        """Take over native tensors as the parameters of a freshly built model.
+
+        Args:
+            tensors: every name of ``expected_parameters(config)`` (strict: missing / unexpected names and shape
+                mismatches raise ValueError naming the tensor); values are float tensors or, for quantised linears,
+                ``deepinfer.checkpoint.QuantizedWeight`` (logical shape checked).
+            device: where the parameters go (default: where each tensor is; ``"auto"`` resolves on the device of
+                ``embed.weight``).
+        Path ``"dequant"``: quantised weights are dequantised exactly, integer ``tid2eid`` becomes int64,
+        float32-kind tensors stay float32, the rest is cast to the model dtype. Path ``"fp8"``: every
+        ``dense_linear`` / ``expert_linear`` weight becomes FP8 with float32 128x128 block scales
+        (:func:`fp8_block_weight`), the routed experts of each MoE stacked (:meth:`MoE.set_fp8_experts`), the other
+        tensors as in path ``"dequant"``. ``wo_a`` stays dequantised when its groups straddle 128-row scale blocks.
+        """
+        from deepinfer.checkpoint import QuantizedWeight
+
+        cfg = self.config
+        spec = expected_parameters(cfg)
+        missing = [k for k in spec if k not in tensors]
+        extra = [k for k in tensors if k not in spec]
         if missing or extra:
             raise ValueError(f"load_native: missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}; "
                              f"unexpected tensors {extra[:8]}{'...' if len(extra) > 8 else ''}")
         for k, t in tensors.items():
-            if tuple(t.shape) != tuple(own[k].shape):
-                raise ValueError(f"load_native: tensor {k} has shape {tuple(t.shape)}, expected {tuple(own[k].shape)}")
-        for k, ref in own.items():
+            if tuple(t.shape) != tuple(spec[k][0]):
+                raise ValueError(f"load_native: tensor {k} has shape {tuple(t.shape)}, expected {tuple(spec[k][0])}")
+        if self.gemm == "fp8":
+            raise ValueError("load_native: the model already holds FP8 weights; build a new model to load again")
+
+        def where(t):
+            return (t.data if isinstance(t, QuantizedWeight) else t).device
+
+        dev = torch.device(device) if device is not None else None
+        gemm = resolve_gemm(self.requested_gemm, dev if dev is not None else where(tensors["embed.weight"]))
+        olr, G = cfg.o_lora_rank, cfg.o_groups
+        wo_a_ok = all((g * olr) % FP8_BLOCK == 0 or (g * olr) // FP8_BLOCK == ((g + 1) * olr - 1) // FP8_BLOCK
+                      for g in range(G))
+        moes: dict[str, None] = {}  # MoE modules whose experts are stacked after the loop (insertion-ordered)
+        for k, (_, kind) in spec.items():
             mod_name, _, leaf = k.rpartition(".")
+            t = tensors[k]
+            if gemm == "fp8" and kind == "expert_linear":
+                moes[mod_name.split(".experts.")[0]] = None
+                continue
             mod = self.get_submodule(mod_name) if mod_name else self
-            t = tensors[k].detach().to(dtype=ref.dtype)
+            if gemm == "fp8" and kind == "dense_linear" and (wo_a_ok or not k.endswith("attn.wo_a.weight")):
+                mod.set_fp8(*fp8_block_weight(t, dev))
+                continue
+            if isinstance(t, QuantizedWeight):  # exact float32 where it is stored, then cast and moved
+                t = t.dequantize()
+            t = t.detach()
+            if not t.is_floating_point():
+                t = t.to(device=dev, dtype=torch.int64)
+            else:
+                t = t.to(device=dev, dtype=torch.float32 if kind == "fp32" else self.dtype)
             if leaf in mod._parameters:
                 mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
             else:
                 mod._buffers[leaf] = t
+        for moe_name in moes:
+            self._load_fp8_experts(self.get_submodule(moe_name), moe_name, tensors, dev)
+        self.gemm = gemm
+
+    def _load_fp8_experts(self, moe: MoE, prefix: str, tensors: dict, dev: torch.device | None) -> None:
+        """Stack the routed experts ``{prefix}.experts.E.w{1,2,3}.weight`` into FP8 ``w13`` / ``w2`` (+ scales),
+        filled expert by expert (no second copy of the experts). ``I`` is padded to ``I'`` = a multiple of 128 with
+        zero rows (``w13``) / columns (``w2``) so that the gate and up halves keep their own scale blocks; padded
+        gate / up outputs are 0, their SwiGLU is 0 and meets zero ``w2`` columns: the result is unchanged."""
+        cfg = self.config
+        E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        nb_i = -(-I // FP8_BLOCK)
+        Ip, kb_d = nb_i * FP8_BLOCK, -(-D // FP8_BLOCK)
+        from deepinfer.checkpoint import QuantizedWeight
+
+        first = tensors[f"{prefix}.experts.0.w1.weight"]
+        d = dev if dev is not None else (first.data if isinstance(first, QuantizedWeight) else first).device
+        # FP8 bytes handled as uint8 (zero byte = +0.0 in e4m3): plain fills and copies on every backend
+        w13 = torch.zeros(E, 2 * Ip, D, dtype=torch.uint8, device=d)
+        w13_scale = torch.ones(E, 2 * nb_i, kb_d, dtype=torch.float32, device=d)
+        w2 = torch.zeros(E, D, Ip, dtype=torch.uint8, device=d)
+        w2_scale = torch.ones(E, kb_d, nb_i, dtype=torch.float32, device=d)
+        for e in range(E):
+            name = f"{prefix}.experts.{e}."
+            q, s = fp8_block_weight(tensors[name + "w1.weight"], d)
+            w13[e, :I], w13_scale[e, :nb_i] = q.view(torch.uint8), s
+            q, s = fp8_block_weight(tensors[name + "w3.weight"], d)
+            w13[e, Ip:Ip + I], w13_scale[e, nb_i:] = q.view(torch.uint8), s
+            q, s = fp8_block_weight(tensors[name + "w2.weight"], d)
+            w2[e, :, :I], w2_scale[e] = q.view(torch.uint8), s
+        moe.set_fp8_experts(w13.view(torch.float8_e4m3fn), w13_scale, w2.view(torch.float8_e4m3fn), w2_scale)
 
     def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None) -> DeepseekV4Cache:
         return allocate_cache(self.config, num_blocks, device or self.embed.weight.device, self.dtype)
@@ -582,9 +859,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         in stream order, float32)."""
         if not rows:
             return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        acc = pre[:, 0, None] * streams[:, 0].float()
+        sf = streams.float()  # one cast (exact), then the same float32 products and adds as before
+        acc = pre[:, 0, None] * sf[:, 0]
         for i in range(1, streams.shape[1]):
-            acc = acc + pre[:, i, None] * streams[:, i].float()
+            acc.add_(pre[:, i, None] * sf[:, i])
         return acc.to(streams.dtype)
 
     def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rows: int = 0):
@@ -617,9 +895,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         dt = streams.dtype
         if not rows:
             return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
-        mixed = comb[:, 0, :, None] * streams[:, 0, None, :].float()
+        sf = streams.float()
+        mixed = comb[:, 0, :, None] * sf[:, 0, None, :]
         for i in range(1, streams.shape[1]):
-            mixed = mixed + comb[:, i, :, None] * streams[:, i, None, :].float()
+            mixed.add_(comb[:, i, :, None] * sf[:, i, None, :])
         return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + mixed.to(dt)
 
     def _hc_head(self, streams: torch.Tensor, fn, base, scale, rows: int = 0) -> torch.Tensor:
@@ -805,8 +1084,13 @@ class DeepseekV4ForCausalLM(nn.Module):
             extra_kv_cache=comp_cache, extra_indices=comp_idx, attn_sink=attn.attn_sink.float().contiguous())
         out = out.to(x.dtype)
         deepinfer_ops.rotary_embedding(out, positions, table, inverse=True)
-        G = cfg.o_groups
-        wa = attn.wo_a.weight.view(G, cfg.o_lora_rank, -1)
+        G, olr = cfg.o_groups, cfg.o_lora_rank
+        if attn.wo_a.is_fp8:  # one FP8 GEMM per group (batch-invariant by construction, any mode)
+            per_group = out.view(T, G, -1).transpose(0, 1).contiguous()
+            o = torch.cat([fp8_linear(per_group[g], *attn.wo_a.fp8_rows(g * olr, (g + 1) * olr)) for g in range(G)],
+                          dim=1)
+            return attn.wo_b(o, rows)
+        wa = attn.wo_a.weight.view(G, olr, -1)
         if rows:  # one fixed-shape GEMM chain per group (the einsum below is a bmm whose kernel depends on T)
             per_group = out.view(T, G, -1).transpose(0, 1).contiguous()
             o = torch.stack([linear_rows(per_group[g], wa[g], rows) for g in range(G)], dim=1)
@@ -834,20 +1118,36 @@ class DeepseekV4ForCausalLM(nn.Module):
         else:
             _, indices = deepinfer_ops.topk(scores + moe.gate.bias.float(), cfg.num_experts_per_tok)
         weights = scores.gather(1, indices)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * cfg.routed_scaling_factor
+        if rows:  # batch-invariant mode: the sum as explicit adds in slot order (no reduction kernel chosen by T)
+            total = weights[:, 0]
+            for j in range(1, weights.shape[1]):
+                total = total + weights[:, j]
+            total = total.unsqueeze(1)
+        else:
+            total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total + 1e-20) * cfg.routed_scaling_factor
         return weights, indices
 
     def _moe(self, moe: MoE, x: torch.Tensor, input_ids: torch.Tensor, rows: int = 0,
              num_tokens: int | None = None) -> torch.Tensor:
-        """Routed experts + shared expert. The combine is in a fixed order in both modes: a token's expert outputs
-        are added to it in ascending expert id (one ``index_add_`` per expert, each token at most once per call, so
-        no atomics race), then the shared expert. ``rows > 0``: every expert GEMM runs in fixed-shape chunks."""
+        """Routed experts + shared expert. The combine is in a fixed order in both modes. FP8 experts
+        (:func:`deepinfer_ops.fused_moe_fp8`): a token's ``top_k`` slots added in slot order in float32. Dequantised
+        experts: a token's expert outputs added to it in ascending expert id (one ``index_add_`` per expert, each
+        token at most once per call, so no atomics race); ``rows > 0``: every expert GEMM runs in fixed-shape
+        chunks. Then the shared expert."""
         cfg = self.config
         weights, indices = self._route(moe, x, input_ids, rows)
         if num_tokens is not None:  # batch-invariant mode: rows past num_tokens are padding, never dispatched
             weights, indices = weights[:num_tokens], indices[:num_tokens]
-        y = torch.zeros_like(x)
         limit = cfg.swiglu_limit
+        if moe.is_fp8:
+            n = indices.shape[0]
+            routed = deepinfer_ops.fused_moe_fp8(x[:n], indices, weights, moe.w13, moe.w13_scale, moe.w2,
+                                                 moe.w2_scale, limit, out_dtype=x.dtype)
+            if n < x.shape[0]:
+                routed = torch.cat([routed, routed.new_zeros(x.shape[0] - n, x.shape[1])])
+            return routed + moe.shared_experts(x, limit, rows)
+        y = torch.zeros_like(x)
         for e in torch.unique(indices).tolist():
             tok, slot = torch.where(indices == e)
             if rows:  # gather straight into a buffer of whole GEMM chunks (the expert then copies nothing)
@@ -861,13 +1161,18 @@ class DeepseekV4ForCausalLM(nn.Module):
         return y + moe.shared_experts(x, limit, rows)
 
     # ---- blocks -----------------------------------------------------------------------------------------------------
+    def _step_pad(self, rows: int) -> int:
+        """Rows the step's token dimension is padded to a multiple of: ``rows`` on path ``"dequant"`` in
+        batch-invariant mode, else 0 (no padding)."""
+        return 0 if self.gemm == "fp8" else rows
+
     def _block(self, blk: Block, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-               seqs: list[_Seq], pools: dict[str, torch.Tensor], rows: int = 0) -> torch.Tensor:
+               seqs: list[_Seq], pools: dict[str, torch.Tensor], rows: int = 0, pad: int = 0) -> torch.Tensor:
         post, comb, collapsed = self._hc_pre(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, rows)
         a = self._attention(blk.attn, blk.attn_norm(collapsed), positions, seqs, pools, rows)
         streams = self._hc_post(streams, a, post, comb, rows)
         post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, rows)
-        f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids, rows, seqs[-1].b if rows else None)
+        f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids, rows, seqs[-1].b if pad else None)
         return self._hc_post(streams, f, post, comb, rows)
 
     # ---- public forward --------------------------------------------------------------------------------------------
@@ -900,14 +1205,16 @@ class DeepseekV4ForCausalLM(nn.Module):
             return (logits, streams) if return_hidden else logits
         rows = self.batch_invariant_rows(dev) if batch.batch_invariant else 0
         T = batch.num_tokens
-        # batch-invariant mode: the token dimension is zero-padded to whole GEMM chunks for the whole step (token 0
-        # at position 0); the padding rows are never attended to, routed, cached or returned
-        ids = pad_rows(batch.input_ids.long(), rows)
-        positions = pad_rows(batch.positions.long(), rows)
+        # batch-invariant mode, path "dequant": the token dimension is zero-padded to whole GEMM chunks for the whole
+        # step (token 0 at position 0); the padding rows are never attended to, routed, cached or returned. Path
+        # "fp8" runs the step's rows as they are (the FP8 GEMMs need no padding; linear_rows pads its own inputs).
+        pad = self._step_pad(rows)
+        ids = pad_rows(batch.input_ids.long(), pad)
+        positions = pad_rows(batch.positions.long(), pad)
         emb = self.embed(ids)
         streams = emb.unsqueeze(1).expand(-1, self.config.hc_mult, -1).contiguous()
         for i, blk in enumerate(self.layers):
-            streams = self._block(blk, streams, ids, positions, seqs, cache.layers[i], rows)
+            streams = self._block(blk, streams, ids, positions, seqs, cache.layers[i], rows, pad)
         streams = streams[:T]
         li = batch.logits_indices.long()
         sel = streams[li]
@@ -939,13 +1246,14 @@ class DeepseekV4ForCausalLM(nn.Module):
             return (logits, hidden_streams[:0].to(self.dtype)) if return_hidden else logits
         blk = self.mtp[mtp_idx]
         rows = self.batch_invariant_rows(hidden_streams.device) if batch.batch_invariant else 0
-        ids = pad_rows(batch.input_ids.long(), rows)  # batch-invariant mode: whole GEMM chunks, see forward
-        positions = pad_rows(batch.positions.long(), rows)
+        pad = self._step_pad(rows)  # batch-invariant mode: whole GEMM chunks (path "dequant"), see forward
+        ids = pad_rows(batch.input_ids.long(), pad)
+        positions = pad_rows(batch.positions.long(), pad)
         e = blk.e_proj(blk.enorm(self.embed(ids)), rows)
-        h = blk.h_proj(blk.hnorm(pad_rows(hidden_streams.to(self.dtype).contiguous(), rows)), rows)
+        h = blk.h_proj(blk.hnorm(pad_rows(hidden_streams.to(self.dtype).contiguous(), pad)), rows)
         streams = e.unsqueeze(1) + h
         streams = self._block(blk, streams, ids, positions, seqs,
-                              cache.layers[self.config.num_hidden_layers + mtp_idx], rows)[:T]
+                              cache.layers[self.config.num_hidden_layers + mtp_idx], rows, pad)[:T]
         sel = streams[batch.logits_indices.long()]
         x = blk.norm(self._hc_head(sel, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, rows))
         logits = self.head(x, rows).float()
