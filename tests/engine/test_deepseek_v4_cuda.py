@@ -27,7 +27,6 @@ bitwise equal: the sparse ops are batch-invariant). The incremental run is also 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -35,7 +34,7 @@ import torch
 from deepinfer.checkpoint import make_checkpoint
 from deepinfer.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
-from fp8_check import check_fp8_close
+from fp8_check import check_fp8_close, per_position, record_routes
 
 MAX_FLIP_SHARE = 0.05
 MIN_COSINE = 0.9995
@@ -72,29 +71,6 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 129280, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@contextmanager
-def _routes(model: DeepseekV4ForCausalLM):
-    """Record the expert choice of every router call: yields a list that receives ``[T, top_k]`` sorted ids."""
-    calls: list[torch.Tensor] = []
-    orig = model._route
-
-    def route(*args, **kwargs):
-        w, idx = orig(*args, **kwargs)
-        calls.append(idx.sort(dim=-1).values.cpu())
-        return w, idx
-
-    model._route = route
-    try:
-        yield calls
-    finally:
-        del model._route
-
-
-def _per_position(calls: list[torch.Tensor], num_layers: int) -> list[torch.Tensor]:
-    """Router calls of one sequence's steps (layer order within each step) -> per layer ``[positions, top_k]``."""
-    return [torch.cat(calls[layer::num_layers]) for layer in range(num_layers)]
-
-
 def _check(got: torch.Tensor, ref: torch.Tensor, got_routes, ref_routes, what: str) -> None:
     got, ref = got.double().cpu(), ref.double().cpu()
     assert got.shape == ref.shape and torch.isfinite(got).all(), what
@@ -118,9 +94,9 @@ def _check(got: torch.Tensor, ref: torch.Tensor, got_routes, ref_routes, what: s
 
 
 def _full(model: DeepseekV4ForCausalLM, ids: torch.Tensor, device: str):
-    with _routes(model) as calls:
+    with record_routes(model) as calls:
         logits = model.forward_full(ids.to(device))
-    return logits, _per_position(calls, model.config.num_hidden_layers)
+    return logits, per_position(calls, model.config.num_hidden_layers)
 
 
 @pytest.mark.parametrize("n", PROMPT_LENS)
@@ -143,13 +119,13 @@ def _chunked(model: DeepseekV4ForCausalLM, ids: torch.Tensor):
         t.fill_(float("nan"))  # a read of a slot no step wrote shows up as NaN logits
     steps = list(CHUNKS) + [1] * (n - sum(CHUNKS))
     pos, out = 0, []
-    with _routes(model) as calls:
+    with record_routes(model) as calls:
         for q in steps:
             batch = ForwardBatch(ids[pos:pos + q].to(dev), torch.arange(pos, pos + q, device=dev), [q], [pos + q], bt,
                                  torch.arange(q, device=dev))
             out.append(model.forward(batch, cache))
             pos += q
-    return torch.cat(out), _per_position(calls, model.config.num_hidden_layers)
+    return torch.cat(out), per_position(calls, model.config.num_hidden_layers)
 
 
 def test_cuda_chunked_prefill_and_decode_match_full(models):
