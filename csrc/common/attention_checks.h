@@ -236,6 +236,7 @@ inline void check_kv_cache_write(const at::Tensor& kv_cache, const at::Tensor& k
   DEEPINFER_CHECK(kv.scalar_type() == kv_cache.scalar_type(), op, "kv dtype ", dtype_name(kv.scalar_type()),
                   " != kv_cache dtype ", dtype_name(kv_cache.scalar_type()));
   check_same_device(op, kv, "kv", kv_cache, "kv_cache");
+  check_no_partial_overlap(op, kv_cache, "kv_cache", kv, "kv", /*allow_in_place=*/false);
   check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
   check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");
   DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == kv.size(0) && slot_mapping.is_contiguous(), op,
@@ -259,6 +260,9 @@ inline void check_fp8_cache(const char* op, const at::Tensor& kv_cache, const at
   DEEPINFER_CHECK(rows.dim() == 2 && rows.size(1) == kFp8HeadDim && (rows.numel() == 0 || rows.stride(1) == 1), op,
                   rows_name, " must be [num_tokens, ", kFp8HeadDim, "] with a contiguous last dim, got ", rows.sizes());
   check_same_device(op, rows, rows_name, kv_cache, "kv_cache");
+  check_no_partial_overlap(op, writes_cache ? kv_cache : rows, writes_cache ? "kv_cache" : rows_name,
+                           writes_cache ? rows : kv_cache, writes_cache ? rows_name : "kv_cache",
+                           /*allow_in_place=*/false);
   check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
   check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");
   DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows.size(0) && slot_mapping.is_contiguous(), op,

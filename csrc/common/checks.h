@@ -51,6 +51,18 @@ inline void check_writable(const char* op, const at::Tensor& t, const char* name
                   "tensor with its own storage per element");
 }
 
+// `out` (written) must not share memory with `in` (read) partially: the op would read elements it has already
+// overwritten. Exactly the same elements (in place) are allowed where `allow_in_place`. Layouts ATen cannot
+// decide about (non-dense views) pass.
+inline void check_no_partial_overlap(const char* op, const at::Tensor& out, const char* out_name, const at::Tensor& in,
+                                     const char* in_name, bool allow_in_place) {
+  const auto s = at::get_overlap_status(out, in);
+  DEEPINFER_CHECK(s != at::MemOverlapStatus::Partial && (allow_in_place || s != at::MemOverlapStatus::Full), op,
+                  out_name, " and ", in_name, " share memory",
+                  allow_in_place ? " partially (only the exact same elements, in place, are allowed)"
+                                 : "; pass separate tensors");
+}
+
 inline bool is_float_activation(at::ScalarType t) {
   return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf;
 }

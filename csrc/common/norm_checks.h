@@ -16,6 +16,7 @@ inline std::pair<at::Tensor, at::Tensor> check_rms_norm(const at::Tensor& out, c
                   dtype_name(input.scalar_type()));
   check_same_device(op, out, "out", input, "input");
   check_writable(op, out, "out");
+  check_no_partial_overlap(op, out, "out", input, "input", /*allow_in_place=*/true);
   DEEPINFER_CHECK(eps >= 0.0, op, "eps must be >= 0, got ", eps);
   if (weight.has_value()) {
     const auto& w = *weight;

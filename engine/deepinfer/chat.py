@@ -94,8 +94,8 @@ def is_error_record(result: dict) -> bool:
 
 
 def chat_logit_options(body: dict, thinking: bool = False) -> dict:
-    """``frequency_penalty``, ``presence_penalty`` and ``logit_bias`` of a Chat Completions body as ``SamplingParams``
-    keyword arguments (absent or null fields are left out; ranges are checked by ``SamplingParams.validate``).
+    """``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and ``top_k`` of a Chat Completions body as
+    ``SamplingParams`` keyword arguments (absent or null fields are left out; ranges are checked by ``SamplingParams.validate``).
 
     ``thinking``: the request runs in thinking mode. There, as in DeepSeek's API (whose rule the recipe applies to
     ``temperature`` and ``top_p``), the two penalties are checked but have no effect; ``logit_bias`` applies in both
@@ -122,16 +122,45 @@ def chat_logit_options(body: dict, thinking: bool = False) -> dict:
         parsed: dict[int, float] = {}
         for k, v in lb.items():
             key = k.strip() if isinstance(k, str) else k
-            if isinstance(key, str) and key.isdecimal():
+            if isinstance(key, str) and key.isascii() and key.isdigit():  # ASCII digits only ("٣" is not 3)
                 key = int(key)
             if isinstance(key, bool) or not isinstance(key, int):
                 raise RequestError(f"logit_bias keys must be token ids (decimal strings), got {k!r}",
                                    param="logit_bias")
+            if key in parsed:
+                raise RequestError(f"logit_bias names token {key} twice ({k!r})", param="logit_bias")
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}", param="logit_bias")
             parsed[key] = float(v)
         out["logit_bias"] = parsed
+    top_k = body.get("top_k")  # not OpenAI's, but DeepSeek-style servers (vLLM, SGLang) accept it
+    if top_k is not None:
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or not -1 <= top_k < 2 ** 31:
+            raise RequestError(f"top_k must be an integer: -1 or 0 (all tokens) or positive, got {top_k!r}",
+                               param="top_k")
+        out["top_k"] = top_k
     return out
+
+
+# Content-part types that carry images or files in the Chat Completions, Messages and Responses bodies.
+MEDIA_PART_TYPES = frozenset({"image_url", "image", "input_image", "file", "input_file", "document"})
+
+
+def find_media_part(body: dict) -> str | None:
+    """The ``type`` of the first image / file content part in a request body's ``messages`` / ``input`` /
+    ``system`` (any depth, iteratively), or None. The recipe drops some of them silently; the models are
+    text-only, so the engine refuses such requests instead of answering without the attachment."""
+    stack = [body.get(k) for k in ("messages", "input", "system")]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            t = node.get("type")
+            if isinstance(t, str) and t in MEDIA_PART_TYPES:
+                return t
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
 
 
 def public_address_only(host: str, address: str) -> bool:
@@ -246,8 +275,9 @@ class ChatFrontend:
 
     Args:
         tokenizer_json: path of the checkpoint's ``tokenizer.json``.
-        served_model_name: accepted in the request's ``model`` field (besides the recipe's own names) and filled in
-            when a body has none.
+        served_model_name: accepted in the request's ``model`` field (besides the recipe's own names of the same
+            model family; another family's name is refused: its prompt format differs), filled in when a body has
+            none, and the ``model`` of every response.
         aliases: more accepted names for the same model.
         model_version: ``"v4"`` (``DeepseekV4Encoding``) or ``"v4.1"``: the encoding the served name maps to.
         max_model_len: the model's context limit (``resolve_max_tokens`` lowers the default to what is left).
@@ -261,7 +291,10 @@ class ChatFrontend:
                  model_version: str = "v4", enable_image_fetch: bool = False,
                  image_max_bytes: int = 20 * 1024 * 1024, created: int | None = None,
                  aliases: tuple[str, ...] = (), vocab_size: int | None = None) -> None:
-        self.tokenizer = R.Tokenizer.from_file(str(tokenizer_json))
+        try:
+            self.tokenizer = R.Tokenizer.from_file(str(tokenizer_json))
+        except Exception as e:  # noqa: BLE001 - the recipe raises RuntimeError / OSError / its own types
+            raise ValueError(f"tokenizer {tokenizer_json}: not a usable tokenizer.json ({e})") from None
         self.vocab_size = vocab_size
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -270,6 +303,7 @@ class ChatFrontend:
         version = {"v4": R.ModelVersion.DeepseekV4Pro, "v4.1": R.ModelVersion.DeepseekV41Flash}.get(model_version)
         if version is None:
             raise ValueError(f"model_version must be 'v4' or 'v4.1', got {model_version!r}")
+        self.model_version = version
         self.options = R.ConversionOptions()
         for name in (served_model_name, *aliases):
             self.options = self.options.with_model_alias(name, version)
@@ -302,6 +336,17 @@ class ChatFrontend:
             raise RequestError(f"a request body must be a JSON object, got {type(body).__name__}")
         body = dict(body)
         body.setdefault("model", self.served_model_name)
+        if api == "chat" and body.get("max_completion_tokens") is not None:
+            # OpenAI's current name of max_tokens (the recipe reads max_tokens only)
+            mct = body.pop("max_completion_tokens")
+            if body.get("max_tokens") is not None and body["max_tokens"] != mct:
+                raise RequestError(f"max_completion_tokens ({mct!r}) and max_tokens ({body['max_tokens']!r}) "
+                                   "disagree; send one", param="max_completion_tokens")
+            body["max_tokens"] = mct
+        media = find_media_part(body)
+        if media is not None:
+            raise RequestError(f"this engine's models take no image or file input (a {media!r} content part)",
+                               code="images_unsupported", param="messages" if "messages" in body else "input")
         canonical = _digest(body)
         req_cls = {"chat": R.ChatCompletionRequest, "messages": R.MessagesRequest, "responses": R.ResponsesRequest}[api]
         try:
@@ -311,6 +356,14 @@ class ChatFrontend:
             conv = req.convert(self.options)
         except (R.ConversionError, ValueError, TypeError) as e:
             raise _conversion_error(e) from None
+        if conv.model_version != self.model_version:
+            # a recipe name of another model family would render the prompt in that family's format
+            family = {R.ModelVersion.DeepseekV4Pro: "DeepSeek-V4", R.ModelVersion.DeepseekV41Flash: "DeepSeek-V4.1"}
+            raise RequestError(f"model: {model_name!r} is a {family.get(conv.model_version, conv.model_version)} "
+                               f"model; this engine serves {self.served_model_name!r} "
+                               f"({family.get(self.model_version, self.model_version)})", code="model_not_found",
+                               param="model")
+        model_name = self.served_model_name  # the response names the model that answered
         encoding = self.encodings[conv.model_version]
         try:
             rendered = encoding.render_conversation(conv.conversation)
@@ -322,6 +375,11 @@ class ChatFrontend:
             ids = list(encoding.encode(conv.conversation))
         except RuntimeError as e:
             raise RequestError(f"prompt encoding failed: {e}", code="encoding_failed") from None
+        if self.vocab_size:  # a tokenizer that does not fit the model must not reach the embedding
+            bad = sorted({t for t in ids if not 0 <= t < self.vocab_size})
+            if bad:
+                raise RequestError(f"the tokenizer produced token ids outside the model's vocabulary [0, "
+                                   f"{self.vocab_size}): {bad[:5]}", code="encoding_failed")
         try:
             max_tokens = conv.resolve_max_tokens(len(ids), self.max_model_len)
         except R.ConversionError as e:

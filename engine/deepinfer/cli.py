@@ -14,7 +14,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import sys
+from pathlib import Path
 
 
 def _read_lines(path: str) -> list[bytes]:
@@ -39,21 +41,67 @@ def _line_error(line_no: int, message: str, code: str = "invalid_json") -> dict:
                                        "param": None, "status_code": 400}}
 
 
+class _ReplaceOnSuccess:
+    """The output file of ``generate``: a temporary file beside ``path`` is created at once (a bad ``--output``
+    fails before the model loads) and renamed over ``path`` only when the run completes, so a failed or
+    interrupted run never truncates an existing file. ``discard()`` removes the temporary file."""
+
+    def __init__(self, path: str) -> None:
+        import tempfile
+
+        target = Path(path)
+        if target.is_dir():
+            raise IsADirectoryError(f"--output {path}: is a directory")
+        self.path = target
+        try:
+            fd, self.tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        except OSError as e:
+            raise type(e)(e.errno, f"--output {path}: cannot write in {target.parent}: {e.strerror}") from None
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(self.tmp, 0o666 & ~umask)  # the permissions open(path, "w") would give, not mkstemp's 0600
+        self.file = os.fdopen(fd, "w", encoding="utf-8")
+
+    def __enter__(self):
+        return self.file
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.file.close()
+        if exc_type is None:
+            os.replace(self.tmp, self.path)
+        else:
+            self.discard()
+
+    def discard(self) -> None:
+        self.file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.tmp)
+
+
 def _open_out(path: str):
-    return contextlib.nullcontext(sys.stdout) if path == "-" else open(path, "w", encoding="utf-8")
+    return contextlib.nullcontext(sys.stdout) if path == "-" else _ReplaceOnSuccess(path)
 
 
 def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     """Run ``generate``; ``model_obj`` replaces ``--model`` with a built model (tests)."""
-    from deepinfer.chat import is_error_record
     from deepinfer.config import EngineConfig
-    from deepinfer.llm import LLM
 
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
                        seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm)
     lines = _read_lines(args.input)
     out_file = _open_out(args.output)  # opened before the model runs: a bad --output fails fast, losing nothing
+    try:
+        return _generate_into(args, model_obj, cfg, lines, out_file)
+    finally:
+        if isinstance(out_file, _ReplaceOnSuccess):
+            out_file.discard()  # no-op after a successful rename
+
+
+def _generate_into(args: argparse.Namespace, model_obj, cfg, lines: list[bytes], out_file) -> int:
+    from deepinfer.chat import is_error_record
+    from deepinfer.llm import LLM
+
     llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg,
               batch_invariant=args.batch_invariant, served_model_name=args.served_model_name,
               tokenizer=args.tokenizer, created=args.created)

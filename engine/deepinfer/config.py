@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -56,7 +57,24 @@ class EngineConfig:
     gemm: str = "auto"
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming the field when a setting is out of range."""
+        """Raise ``ValueError`` naming the field when a setting has the wrong type or is out of range."""
+        for name in ("block_size", "max_cache_blocks", "max_num_batched_tokens", "max_num_seqs", "image_max_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"EngineConfig.{name} must be an integer, got {v!r}")
+        for name in ("num_blocks", "max_model_len", "prefill_chunk_align", "seed"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ValueError(f"EngineConfig.{name} must be an integer or None, got {v!r}")
+        for name in ("batch_invariant", "enable_image_fetch"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        for name in ("gpu_memory_utilization", "cpu_cache_gib"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ValueError(f"EngineConfig.{name} must be a finite number, got {v!r}")
+        if self.cpu_cache_gib <= 0:
+            raise ValueError(f"EngineConfig.cpu_cache_gib must be positive, got {self.cpu_cache_gib}")
         if self.block_size <= 0:
             raise ValueError(f"EngineConfig.block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

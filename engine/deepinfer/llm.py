@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
 import os
 import random
 import time
@@ -152,11 +153,22 @@ class LLM:
             if not hasattr(cfg, k):
                 raise TypeError(f"LLM got an unknown setting {k!r}")
             setattr(cfg, k, v)
-        cfg.batch_invariant = bool(batch_invariant or cfg.batch_invariant)
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
+        cfg.batch_invariant = batch_invariant or cfg.batch_invariant
         cfg.validate()
         self.config = cfg
         if cfg.device is not None:
-            self.device = torch.device(cfg.device)
+            try:
+                self.device = torch.device(cfg.device)
+            except RuntimeError as e:
+                raise ValueError(f"device: {cfg.device!r} is not a torch device ({e})") from None
+            if self.device.type == "cuda" and not (deepinfer_ops.BUILT_WITH_CUDA and torch.cuda.is_available()):
+                raise deepinfer_ops.BackendUnavailableError(
+                    f"device {cfg.device!r}: " + ("no CUDA device is visible" if deepinfer_ops.BUILT_WITH_CUDA
+                                                  else "deepinfer_ops was built without CUDA"))
+            if self.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"device: {cfg.device!r}: this engine runs on 'cpu' or 'cuda'")
         elif not isinstance(model, (str, os.PathLike)):  # a built model: run where its parameters are
             params = getattr(model, "parameters", None)
             first = next(iter(params()), None) if callable(params) else None
@@ -344,16 +356,27 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"generate: {len(params_list)} sampling_params for {len(prompts)} prompts")
         seqs = []
-        for p, sp in zip(prompts, params_list):
-            ids = self.encode(p) if isinstance(p, str) else [int(t) for t in p]
-            seq = self._new_seq(ids, sp)
-            try:
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            ids: list[int] = []
+            try:  # a bad prompt or parameter set becomes that request's error; the others run
+                if isinstance(p, str):
+                    ids = self.encode(p)
+                else:
+                    for t in p:
+                        if isinstance(t, bool):
+                            raise TypeError("bool")
+                        ids.append(operator.index(t))  # ints, numpy / 0-dim torch integers; never floats
+                if not isinstance(sp, SamplingParams):
+                    raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
                 sp.validate(self.vocab_size or None)
                 bad = [t for t in ids if not 0 <= t < self.vocab_size] if self.vocab_size else []
                 if bad:
                     raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-            except ValueError as e:
-                seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": str(e)}
+                seq = self._new_seq(ids, sp)
+            except (ValueError, TypeError) as e:
+                msg = str(e) if isinstance(e, ValueError) else f"prompts[{i}] must be a string or a list of integer token ids"
+                seq = self._new_seq(ids, SamplingParams())
+                seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": msg}
                 seq.status = SequenceStatus.FINISHED
             seqs.append(seq)
         self._run(seqs, use_tqdm, "generate")

@@ -178,6 +178,11 @@ def adjust_logits(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Ten
     return out
 
 
+# Temperatures below this are greedy: ``logits / T`` would overflow float32 for tiny T (1e-40 turned every logit into
+# +-inf, and argmax then picked token 0); at 1e-5 the Gumbel noise can only decide between logits closer than ~1e-4.
+MIN_SAMPLING_TEMPERATURE = 1e-5
+
+
 def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  seeds: torch.Tensor, counters: torch.Tensor,
                  raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,7 +190,7 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     vocab = logits.shape[-1]
     logprobs_all = torch.log_softmax((logits if raw_logits is None else raw_logits).float(), dim=-1)
     sampled = torch.argmax(logits, dim=-1)  # greedy rows keep this
-    do_sample = temperature > 0
+    do_sample = temperature >= MIN_SAMPLING_TEMPERATURE
     if bool(do_sample.any()):
         k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
         filtered = do_sample & ((k < vocab) | (top_p < 1.0))
@@ -210,7 +215,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
     Args:
         logits: ``[n, V]`` float32 (other float dtypes are upcast), the model's next-token logits.
-        temperature: ``[n]`` float32; 0 = greedy (argmax, ties to the lower id).
+        temperature: ``[n]`` float32; 0 (or below ``MIN_SAMPLING_TEMPERATURE`` = 1e-5) = greedy (argmax, ties to the
+            lower id).
         top_k: ``[n]`` int64; <= 0 keeps all tokens.
         top_p: ``[n]`` float32 in (0, 1]; 1 keeps all tokens.
         seeds: ``[n]`` int64 in ``[0, 2**63)``.

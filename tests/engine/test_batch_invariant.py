@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.forward_batch import ForwardBatch
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, linear_rows, pointwise
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, linear_rows, pointwise, tree_sum_dim1
 
 BATCH_SIZES = (1, 7, 33, 64)
 VOCAB_HI = 129000
@@ -114,6 +114,24 @@ def test_linear_mode_off_rows_depend_on_m(device):
     fixed = linear_rows(x, w, rows)
     for m in differ:  # the same rows through fixed-shape chunks agree
         assert torch.equal(linear_rows(x[:m], w, rows), fixed[:m]), f"M={m}"
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8, 128])
+def test_tree_sum_and_window_pooling_row_invariant(device, slots):
+    """The batch-invariant compressor pooling: a window's pooled entry is bitwise the same whatever the number of
+    windows pooled with it (the tree sum is elementwise adds in an order fixed by the slot count), and it is the
+    softmax-weighted sum of the slots."""
+    g = torch.Generator().manual_seed(slots)
+    kv = torch.randn(37, slots, 64, generator=g).to(device, torch.bfloat16)
+    gate = (torch.randn(37, slots, 64, generator=g) * 4).to(device)
+    full = tree_sum_dim1(gate)
+    torch.testing.assert_close(full, gate.sum(dim=1), rtol=1e-5, atol=1e-5)
+    pooled = DeepseekV4ForCausalLM._pool_bi(kv, gate)
+    ref = (kv.float() * gate.softmax(dim=1)).sum(dim=1)
+    torch.testing.assert_close(pooled.float(), ref, rtol=2e-2, atol=2e-2)
+    for lo, hi in ((0, 1), (5, 6), (3, 20), (36, 37)):
+        assert torch.equal(tree_sum_dim1(gate[lo:hi]), full[lo:hi])
+        assert torch.equal(DeepseekV4ForCausalLM._pool_bi(kv[lo:hi], gate[lo:hi]), pooled[lo:hi]), (lo, hi)
 
 
 def test_pointwise_cpu_position_invariant():

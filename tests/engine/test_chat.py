@@ -164,3 +164,50 @@ def test_llm_chat_logprobs():
     content = res["choices"][0]["logprobs"]["content"]
     assert content and all(len(c["top_logprobs"]) == 2 and c["logprob"] <= 0 for c in content)
     assert all(c["top_logprobs"][0]["logprob"] >= c["logprob"] for c in content)
+
+
+def test_model_field_same_family_served_name_other_family_refused(fe):
+    """A recipe name of the served family is accepted and the response names the model that answered; a name of
+    another family (its prompt format differs) is an error record naming the field."""
+    p = fe.prepare({"model": "DeepSeek-V4-Pro", "messages": [USER], "max_tokens": 4})
+    assert p.model_name == "tiny-test"
+    assert fe.prepare({"model": "tiny-test", "messages": [USER], "max_tokens": 4}).model_name == "tiny-test"
+    with pytest.raises(RequestError) as e:
+        fe.prepare({"model": "DeepSeek-V4.1-Flash", "messages": [USER], "max_tokens": 4})
+    assert e.value.record["param"] == "model" and e.value.record["code"] == "model_not_found"
+    assert "DeepSeek-V4.1" in str(e.value) and "tiny-test" in str(e.value)
+
+
+def test_max_completion_tokens_top_k_and_logit_bias_keys(fe):
+    """max_completion_tokens (OpenAI's current name) sets the budget; top_k reaches the sampler; logit_bias keys are
+    ASCII decimal token ids, each named once."""
+    body = {"messages": [USER], "thinking": {"type": "disabled"}}
+    assert fe.prepare({**body, "max_completion_tokens": 2}).params.max_tokens == 2
+    assert fe.prepare({**body, "max_completion_tokens": 3, "max_tokens": 3}).params.max_tokens == 3
+    with pytest.raises(RequestError) as e:
+        fe.prepare({**body, "max_completion_tokens": 2, "max_tokens": 5})
+    assert e.value.record["param"] == "max_completion_tokens"
+    assert fe.prepare({**body, "max_tokens": 4, "top_k": 1}).params.top_k == 1
+    for bad in (1.5, "2", True, -2, 2 ** 40):
+        with pytest.raises(RequestError) as e:
+            fe.prepare({**body, "max_tokens": 4, "top_k": bad})
+        assert e.value.record["param"] == "top_k", bad
+    for bias in ({"\u0663": 5}, {"5": 1, "05": -1}):
+        with pytest.raises(RequestError) as e:
+            fe.prepare({**body, "max_tokens": 4, "logit_bias": bias})
+        assert e.value.record["param"] == "logit_bias", bias
+
+
+@pytest.mark.parametrize("api,body", [
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this"},
+                                                         {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "file", "file": {"file_id": "f"}}]}]}),
+    ("messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}),
+    ("responses", {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]}),
+])
+def test_image_and_file_parts_are_refused(fe, api, body):
+    """The models are text-only: a request with an image or file part is refused, never answered without it."""
+    with pytest.raises(RequestError) as e:
+        fe.prepare(body, api=api)
+    assert e.value.record["code"] == "images_unsupported"

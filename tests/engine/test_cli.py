@@ -150,6 +150,28 @@ def test_bad_output_folder_fails_before_the_model_runs(tmp_path):
     assert not calls, "the model ran although the output could not be written"
 
 
+def test_failed_run_keeps_the_previous_output_and_a_good_run_replaces_it(tmp_path):
+    """The output is written to a temporary file and renamed only when the run completes: a run that fails (here: the
+    model raises mid-run) leaves an existing file as it was and no temporary file behind."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}) + "\n")
+    out = tmp_path / "o.jsonl"
+    out.write_text("previous\n")
+
+    class Boom(FakeModel):
+        def forward(self, *a, **k):
+            raise RuntimeError("boom")
+
+    args = build_parser().parse_args(["generate", "--input", str(inp), "--output", str(out), "--no-progress"])
+    with pytest.raises(RuntimeError, match="boom"):
+        run_generate(args, model_obj=Boom(FakeConfig(max_position_embeddings=1024)))
+    assert out.read_text() == "previous\n" and sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "o.jsonl"]
+    assert run_generate(args, model_obj=FakeModel(FakeConfig(max_position_embeddings=1024))) == 0
+    lines = out.read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["object"] == "chat.completion"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "o.jsonl"]
+
+
 def test_cli_errors_are_one_line(tmp_path, capsys):
     rc = main(["generate", "--input", str(tmp_path / "nope.jsonl"), "--output", "-"])
     assert rc == 2

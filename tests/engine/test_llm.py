@@ -134,3 +134,44 @@ def test_accelerator_env_is_honoured(monkeypatch):
     monkeypatch.setenv("DEEPINFER_ACCELERATOR", "bogus")
     with pytest.raises(ValueError, match="DEEPINFER_ACCELERATOR"):
         LLM("tiny")
+
+
+def test_explicit_device_is_checked_before_loading():
+    """``device=`` (CLI ``--device``): an unparsable or unsupported device is a ValueError naming it, CUDA without a
+    CUDA build or device a BackendUnavailableError saying which (one-line CLI errors, no traceback)."""
+    import deepinfer_ops
+    import torch
+    from deepinfer import LLM
+
+    with pytest.raises(ValueError, match="device: 'tpu' is not a torch device"):
+        LLM("tiny", device="tpu")
+    with pytest.raises(ValueError, match="device: 'xpu': this engine runs on 'cpu' or 'cuda'"):
+        LLM("tiny", device="xpu")
+    if not (deepinfer_ops.BUILT_WITH_CUDA and torch.cuda.is_available()):
+        with pytest.raises(deepinfer_ops.BackendUnavailableError, match="device 'cuda'"):
+            LLM("tiny", device="cuda")
+
+
+def test_bad_request_in_generate_is_its_own_error():
+    """LLM.generate: a bad prompt or SamplingParams becomes that request's error; the good requests still run."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), num_blocks=16)
+    good = SamplingParams(temperature=0, max_tokens=2)
+    bads = [SamplingParams(top_logprobs=True), SamplingParams(top_k=2 ** 64), SamplingParams(stop_token_ids=None),
+            SamplingParams(temperature="x"), SamplingParams(seed=1.5), None]
+    outs = llm.generate([[5, 6, 7]] * (len(bads) + 1), [good, *bads])
+    assert outs[0].error is None and len(outs[0].token_ids) == 2
+    for o, b in zip(outs[1:], bads):
+        assert o.error is not None and o.token_ids == [], b
+    outs = llm.generate([[5, 6], [0, "a"], [1.5], [True]], good)
+    assert outs[0].error is None and all(o.error and "prompts[" in o.error["message"] for o in outs[1:])
+
+
+def test_engine_config_types_are_checked():
+    from deepinfer import LLM
+
+    for kw in ({"batch_invariant": "no"}, {"max_model_len": float("nan")}, {"cpu_cache_gib": -1},
+               {"num_blocks": 1.5}, {"max_num_seqs": "4"}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), **kw)

@@ -189,3 +189,15 @@ def test_checkpoint_without_tokenizer_json_is_an_error(tmp_path):
     assert resolve_tokenizer_json(None, str(tmp_path)) == str(tmp_path / "tokenizer.json")
     with pytest.raises(ValueError, match=r"tokenizer: '.*nope.json' is not a file"):
         resolve_tokenizer_json(str(tmp_path / "nope.json"), str(tmp_path))
+
+
+def test_tiny_temperature_is_greedy():
+    """logits / T overflows float32 for tiny T: such temperatures are greedy, not a draw among +-inf scores."""
+    from deepinfer.sampler import sample
+
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(0)) * 5
+    n = logits.shape[0]
+    for t in (1e-45, 1e-40, 1e-6):
+        tok, _ = sample(logits, torch.full((n,), t), torch.zeros(n, dtype=torch.int64), torch.ones(n),
+                        torch.arange(n), torch.zeros(n, dtype=torch.int64))
+        assert torch.equal(tok, logits.argmax(dim=-1)), t

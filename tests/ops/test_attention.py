@@ -754,3 +754,11 @@ def test_cuda_decode_cta_shapes_match_ref(rows, h, dim, fp8):
         assert_close(lse2, ref_lse, BF16, "lse")
     else:
         _check(out2, lse2, *refs.sparse_mqa_decode_ref(q, comp, idx, dim ** -0.5, **kw))
+
+
+@pytest.mark.native_errors
+def test_cache_write_from_its_own_cache_refused(device):
+    """Rows taken from the cache being written would be read after they are overwritten: refused by name."""
+    kv = torch.randn(3, 8, 16, device=device)
+    with pytest.raises(RuntimeError, match="kv_cache and kv share memory"):
+        deepinfer_ops.kv_cache_write(kv, kv[0, :4], torch.tensor([1, 2, 3, 4], device=device))

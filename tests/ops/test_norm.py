@@ -80,3 +80,17 @@ def test_rms_norm_opcheck(device):
     w = torch.randn(576, dtype=torch.bfloat16, device=device)
     torch.library.opcheck(torch.ops.deepinfer_ops.rms_norm.default, (torch.empty_like(x), x, w, 1e-6))
     torch.library.opcheck(torch.ops.deepinfer_ops.rms_norm.default, (torch.empty_like(x), x, None, 1e-6))
+
+
+@pytest.mark.native_errors
+def test_rms_norm_partial_overlap_refused_in_place_allowed(device):
+    """out sharing some (not all) elements with input would read rows already overwritten: refused by name; the
+    exact same tensor (in place) is allowed and equals the out-of-place result."""
+    buf = torch.randn(5, 64, device=device)
+    w = torch.ones(64, device=device)
+    with pytest.raises(RuntimeError, match="out and input share memory partially"):
+        deepinfer_ops.rms_norm(buf[:4], w, 1e-6, out=buf[1:5])
+    x = torch.randn(7, 64, device=device)
+    ref = deepinfer_ops.rms_norm(x.clone(), w, 1e-6)
+    deepinfer_ops.rms_norm(x, w, 1e-6, out=x)
+    assert torch.equal(x, ref)

@@ -100,7 +100,8 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
   position, entries by id, -1 padding; the kernels are batch-invariant by construction); the indexer's
   ``mqa_logits`` and top-k are row-wise too (masked candidates score -inf, the tie rule fixes the selection) and the
   selected entries are passed in entry order. Padding rows get no entries (output 0).
-* Compressor pooling: softmax sum and pooled sum as explicit float32 adds in slot order. mHC stream sums: explicit
+* Compressor pooling: softmax sum and pooled sum as float32 pairwise (tree) sums over the slots
+  (:func:`tree_sum_dim1`: a fixed order of elementwise adds, ``log2(slots)`` launches). mHC stream sums: explicit
   float32 adds in stream order (no batched matmul whose batch count is the number of tokens). Router weights: the
   renormalisation sum is explicit adds in slot order.
 * Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
@@ -285,6 +286,21 @@ def pointwise(fn, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
     spread = torch.empty(*x.shape, 2, dtype=x.dtype)[..., 0]
     spread.copy_(x)
     return fn(spread)
+
+
+def tree_sum_dim1(x: torch.Tensor) -> torch.Tensor:
+    """``x [n, s, ...]`` summed over dim 1 by pairwise halving (dim 1 zero-padded to a power of two; ``+ 0`` is
+    exact): ``ceil(log2 s)`` elementwise adds whose order is fixed by ``s`` alone, so every row gets the same bits
+    whatever ``n`` (batch-invariant mode; a torch reduction may split the sum by the number of rows). Returns
+    ``[n, ...]`` in ``x.dtype``."""
+    s = x.shape[1]
+    p = 1 << max(s - 1, 0).bit_length()
+    if p != s:
+        x = torch.cat([x, x.new_zeros(x.shape[0], p - s, *x.shape[2:])], dim=1)
+    while x.shape[1] > 1:
+        h = x.shape[1] // 2
+        x = x[:, :h] + x[:, h:]
+    return x[:, 0]
 
 
 FP8_BLOCK = 128  # block of the FP8 weight scales (128 x 128) and group of the activation scales (1 x 128)
@@ -913,20 +929,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     @staticmethod
     def _pool_bi(slot_kv: torch.Tensor, slot_gate: torch.Tensor) -> torch.Tensor:
         """Batch-invariant window pooling: ``[n_win, slots, hd]`` kv and float32 gates -> ``[n_win, hd]`` in the kv
-        dtype, ``sum_j kv_j * softmax_j(gate)`` with the softmax sum and the pooled sum as explicit float32 adds in
-        slot order (a torch reduction kernel's split of the slots over threads may follow the number of windows
-        closing in the step, i.e. the prefill chunking)."""
-        n_slots = slot_gate.shape[1]
+        dtype, ``sum_j kv_j * softmax_j(gate)`` with the softmax sum and the pooled sum in float32 by
+        :func:`tree_sum_dim1` (a torch reduction kernel's split of the slots over threads may follow the number of
+        windows closing in the step, i.e. the prefill chunking; elementwise adds cannot)."""
         shifted = slot_gate - slot_gate.amax(dim=1, keepdim=True)  # max: exact in any order
         e = pointwise(torch.exp, shifted, 1)
-        denom = e[:, 0]
-        for j in range(1, n_slots):
-            denom = denom + e[:, j]
-        weights = (e / denom.unsqueeze(1)).to(slot_kv.dtype)
-        acc = (slot_kv[:, 0] * weights[:, 0]).float()
-        for j in range(1, n_slots):
-            acc = acc + (slot_kv[:, j] * weights[:, j]).float()
-        return acc.to(slot_kv.dtype)
+        weights = (e / tree_sum_dim1(e).unsqueeze(1)).to(slot_kv.dtype)
+        return tree_sum_dim1((slot_kv * weights).float()).to(slot_kv.dtype)
 
     def _compress_seq(self, comp: Compressor, kv_new: torch.Tensor, gate_new: torch.Tensor, s: _Seq,
                       pool_state_kv: torch.Tensor, pool_state_gate: torch.Tensor, pool_comp: torch.Tensor,
