@@ -274,6 +274,9 @@ def top_logprobs(logits_row: torch.Tensor, n: int) -> list[tuple[int, float]]:
     return list(zip(idx[0].tolist(), vals[0].tolist()))
 
 
+NAN_LOGITS_TOKEN = -1  # Sampler's token for a row whose logits hold a NaN
+
+
 class Sampler:
     """Holds the batch-invariant switch and turns per-sequence parameters into the tensors ``sample`` takes."""
 
@@ -286,7 +289,9 @@ class Sampler:
         The draw counter of a sequence is its number of output tokens so far. Penalties and ``logit_bias`` of the
         sequences' ``SamplingParams`` are applied first (``adjust_logits``; counts over each sequence's output tokens).
         Returns token ids, their log-probabilities, and per row the ``params.top_logprobs`` most likely
-        ``(token_id, logprob)`` (see ``top_logprobs``; empty when not asked), both from the unmodified logits.
+        ``(token_id, logprob)`` (see ``top_logprobs``; empty when not asked), both from the unmodified logits. A row
+        whose logits hold a NaN (a broken checkpoint or kernel) gets token ``NAN_LOGITS_TOKEN`` (-1): the scheduler
+        ends that request with an error instead of emitting whatever argmax makes of NaN.
         """
         dev = logits.device
         raw = None
@@ -300,6 +305,7 @@ class Sampler:
         counters = torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=dev)
         tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant, raw)
         raw = logits if raw is None else raw
+        tokens = torch.where(torch.isnan(raw).any(dim=-1), torch.full_like(tokens, NAN_LOGITS_TOKEN), tokens)
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         for i, s in enumerate(seqs):
             if s.params.top_logprobs > 0:

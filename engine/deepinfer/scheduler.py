@@ -180,6 +180,13 @@ class Scheduler:
             k += 1
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if token < 0:  # the sampler's mark for NaN logits: the request fails, the others go on
+                seq.error = {"type": "server_error", "code": "nan_logits", "status_code": 500,
+                             "message": f"the model produced NaN logits at output token {seq.num_output_tokens} "
+                                        "(broken weights or a kernel error)"}
+                self._finish(seq, "error", now)
+                finished.append(seq)
+                continue
             params = seq.params
             if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
                 seq.stop_token_id = token

@@ -175,3 +175,24 @@ def test_engine_config_types_are_checked():
                {"num_blocks": 1.5}, {"max_num_seqs": "4"}):
         with pytest.raises(ValueError, match=next(iter(kw))):
             LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), **kw)
+
+
+def test_nan_logits_end_that_request_with_an_error():
+    """A request whose logits turn NaN (broken weights or kernel) ends with an error record; the others finish."""
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.forward_batch import ForwardBatch
+
+    class NanForPrompt7(FakeModel):
+        def forward(self, batch: ForwardBatch, cache):
+            logits = super().forward(batch, cache)
+            starts = torch.cumsum(torch.tensor([0, *batch.query_lens[:-1]]), 0)
+            for row, idx in enumerate(batch.logits_indices.tolist()):
+                i = int((starts <= idx).nonzero().max())
+                if batch.positions[int(starts[i])].item() == 0 and batch.input_ids[int(starts[i])].item() == 7:
+                    logits[row, 3] = float("nan")
+            return logits
+
+    llm = LLM(NanForPrompt7(FakeConfig(max_position_embeddings=1024)), num_blocks=16)
+    outs = llm.generate([[5, 6], [7, 8], [9]], SamplingParams(temperature=0, max_tokens=3))
+    assert outs[1].error is not None and outs[1].error["code"] == "nan_logits" and outs[1].token_ids == []
+    assert outs[0].error is None and len(outs[0].token_ids) == 3 and outs[2].error is None
