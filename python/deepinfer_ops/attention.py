@@ -160,6 +160,8 @@ def mqa_logits(
     if num_candidates is None:
         blocks = block_table.shape[1] if block_table is not None else k_cache.shape[0]
         num_candidates = blocks * k_cache.shape[1]
+    if isinstance(num_candidates, bool) or not isinstance(num_candidates, int) or num_candidates < 0:
+        raise ValueError(f"mqa_logits: num_candidates must be an int >= 0, got {num_candidates!r}")
     logits = torch.empty((q.shape[0], num_candidates), dtype=torch.float32, device=q.device)
     torch.ops.deepinfer_ops.mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end)
     return logits

@@ -181,6 +181,9 @@ def fp4_to_fp8_blockscaled(w: torch.Tensor, w_scale: torch.Tensor) -> tuple[torc
         both are bit-identical (tested). FP8 doubles the expert memory relative to FP4 (see moe.py).
     """
     check_same_device("fp4_to_fp8_blockscaled", {"w": w, "w_scale": w_scale})
+    if w.dim() != 2 or w_scale.dim() != 2:
+        raise ValueError(f"fp4_to_fp8_blockscaled: w must be [N, K/2] and w_scale [N, ceil(K/32)], got "
+                         f"{tuple(w.shape)} and {tuple(w_scale.shape)}")
     n, k = w.shape[0], 2 * w.shape[1]
     if w.device.type != "cpu":
         return _refs.fp4_to_fp8_blockscaled_ref(w, w_scale)

@@ -35,6 +35,8 @@ def per_token_group_quant_fp8(
         RuntimeError naming the argument at fault.
     Source: DeepSeek-V3 technical report (fine-grained FP8 quantisation), DeepGEMM's activation layout.
     """
+    if isinstance(group_size, bool) or not isinstance(group_size, int):
+        raise TypeError(f"per_token_group_quant_fp8: group_size must be an int, got {type(group_size).__name__}")
     if group_size <= 0:
         raise ValueError(f"group_size must be > 0, got {group_size}")
     if x.dim() == 0:

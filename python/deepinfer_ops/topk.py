@@ -31,6 +31,10 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ValueError if k is out of range.
     Source: the project's tie rule (architecture.md: indexer top-k ties need the lowest position first).
     """
+    if scores.dim() == 0:
+        raise ValueError("topk: scores must have at least 1 dim (candidates last)")
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"topk: k must be an int, got {type(k).__name__}")
     n = scores.shape[-1]
     if not 0 <= k <= n:
         raise ValueError(f"topk: k={k} is outside [0, {n}]")

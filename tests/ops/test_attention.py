@@ -762,3 +762,14 @@ def test_cache_write_from_its_own_cache_refused(device):
     kv = torch.randn(3, 8, 16, device=device)
     with pytest.raises(RuntimeError, match="kv_cache and kv share memory"):
         deepinfer_ops.kv_cache_write(kv, kv[0, :4], torch.tensor([1, 2, 3, 4], device=device))
+
+
+def test_wrapper_argument_errors():
+    """Python-side argument errors name the op and the argument (before any kernel)."""
+    with pytest.raises(TypeError, match="topk: k must be an int"):
+        deepinfer_ops.topk(torch.randn(3, 10), 2.5)
+    with pytest.raises(ValueError, match="topk: scores must have at least 1 dim"):
+        deepinfer_ops.topk(torch.tensor(1.0), 1)
+    q = torch.randn(2, 4, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="num_candidates must be an int >= 0"):
+        deepinfer_ops.mqa_logits(q, torch.ones(2, 4), torch.randn(1, 16, 64, dtype=torch.bfloat16), num_candidates=-1)

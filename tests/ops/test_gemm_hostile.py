@@ -178,3 +178,8 @@ def test_all_meta_calls_still_trace():
     assert out.device.type == "meta" and out.shape == (5, 200)
     q, s = deepinfer_ops.swiglu_clamp_quant_fp8(torch.empty(4, 512, device="meta"))
     assert q.shape == (4, 256) and s.shape == (4, 2)
+
+
+def test_fp4_conversion_needs_2d_operands():
+    with pytest.raises(ValueError, match="w must be \\[N, K/2\\]"):
+        deepinfer_ops.fp4_to_fp8_blockscaled(torch.zeros(64, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))

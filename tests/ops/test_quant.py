@@ -108,3 +108,8 @@ def test_quant_opcheck(device):
     # test_schema is left out: its checker multiplies the outputs, which torch does not implement for float8.
     torch.library.opcheck(torch.ops.deepinfer_ops.per_token_group_quant_fp8.default, (q, s, x, 128, True),
                           test_utils=("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic"))
+
+
+def test_group_size_must_be_an_int():
+    with pytest.raises(TypeError, match="group_size must be an int"):
+        deepinfer_ops.per_token_group_quant_fp8(torch.randn(2, 128), 2.5)
