@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -140,6 +141,10 @@ def _generate_into(args: argparse.Namespace, model_obj, cfg, lines: list[bytes],
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:
             json.dump(stats.summary(), f, indent=2)
+    if stats.interrupted:
+        print("deepinfer: interrupted: finished requests were written, the others carry an 'interrupted' error "
+              "record", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -319,12 +324,17 @@ def _run_make_checkpoint(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. A bad argument, a missing file or a bad checkpoint ends with one ``deepinfer: error: ...`` line
-    on stderr and exit code 2 (``DEEPINFER_DEBUG=1`` re-raises with the traceback)."""
+    on stderr and exit code 2 (``DEEPINFER_DEBUG=1`` re-raises with the traceback). Ctrl-C or SIGTERM during
+    ``generate`` writes the finished results and an ``interrupted`` error record for every other line, exit 130."""
     args = build_parser().parse_args(argv)
     if not hasattr(args, "func"):
         return 0
     from deepinfer_ops import BackendUnavailableError, envs
 
+    def sigterm(signum, frame):  # SIGTERM (timeout, kill) ends a run like Ctrl-C: finished results are kept
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, sigterm)
     try:
         return int(args.func(args) or 0)
     except (OSError, ValueError, BackendUnavailableError) as e:  # CheckpointError is a ValueError
@@ -332,6 +342,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"deepinfer: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before or after the engine loop (inside it, the run ends with error records)
+        print("deepinfer: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -66,6 +66,7 @@ class EngineStats:
     wall_time: float = 0.0
     num_steps: int = 0
     num_preemptions: int = 0
+    interrupted: bool = False  # KeyboardInterrupt / SIGTERM (CLI) stopped the run: unfinished requests got errors
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
 
@@ -314,13 +315,17 @@ class LLM:
                     bar.update(len(finished))
                     el = time.perf_counter() - t_start
                     bar.set_postfix_str(f"{generated / el:.1f} tok/s", refresh=False)
+        except KeyboardInterrupt:  # finished requests keep their results, the others end with an error record
+            stats.interrupted = True
         finally:
             if bar is not None:
                 bar.close()
             for seq in live:  # after a model error: leave no request (or block) behind for the next call
                 if not seq.is_finished:
-                    self.scheduler.abort(seq, {"type": "server_error", "code": "engine_error",
-                                               "message": "the engine stopped before this request finished"})
+                    self.scheduler.abort(seq, {
+                        "type": "server_error", "code": "interrupted" if stats.interrupted else "engine_error",
+                        "message": "the run was interrupted before this request finished" if stats.interrupted
+                        else "the engine stopped before this request finished"})
         stats.wall_time = time.perf_counter() - t_start
         stats.num_preemptions = sum(s.num_preemptions for s in seqs)
         for seq in seqs:

@@ -191,3 +191,26 @@ def test_unenforced_constraints_are_refused(tmp_path):
     recs = [json.loads(l) for l in out.read_text().splitlines()]
     assert recs[0]["error"]["code"] == "unsupported_constraint" and recs[0]["line"] == 1
     assert recs[1].get("object") == "chat.completion" and recs[2].get("object") == "chat.completion"
+
+
+def test_interrupted_run_keeps_finished_results(tmp_path):
+    """Ctrl-C / SIGTERM mid-run: the requests that finished keep their responses, every other line gets an
+    'interrupted' error record, the output file is complete (one record per line) and the exit code is 130."""
+    inp = tmp_path / "in.jsonl"
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "thinking": {"type": "disabled"}}
+    long = {**short, "max_tokens": 40}
+    inp.write_text("\n".join(json.dumps(b) for b in (short, long, "not an object", long)) + "\n")
+    out = tmp_path / "o.jsonl"
+
+    class StopAfter(FakeModel):
+        def forward(self, *a, **k):
+            if self.num_forward_calls >= 4:
+                raise KeyboardInterrupt
+            return super().forward(*a, **k)
+
+    args = build_parser().parse_args(["generate", "--input", str(inp), "--output", str(out), "--no-progress"])
+    assert run_generate(args, model_obj=StopAfter(FakeConfig(max_position_embeddings=1024))) == 130
+    recs = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(recs) == 4 and recs[0]["object"] == "chat.completion"
+    assert recs[1]["error"]["code"] == "interrupted" and recs[3]["error"]["code"] == "interrupted"
+    assert recs[2]["line"] == 3 and recs[2]["error"]["code"] != "interrupted"
