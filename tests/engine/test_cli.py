@@ -197,7 +197,8 @@ def test_interrupted_run_keeps_finished_results(tmp_path):
     """Ctrl-C / SIGTERM mid-run: the requests that finished keep their responses, every other line gets an
     'interrupted' error record, the output file is complete (one record per line) and the exit code is 130."""
     inp = tmp_path / "in.jsonl"
-    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "thinking": {"type": "disabled"}}
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "thinking": {"type": "disabled"},
+             "temperature": 0}  # greedy: a random draw could end a long request early with EOS
     long = {**short, "max_tokens": 40}
     inp.write_text("\n".join(json.dumps(b) for b in (short, long, "not an object", long)) + "\n")
     out = tmp_path / "o.jsonl"
@@ -209,7 +210,8 @@ def test_interrupted_run_keeps_finished_results(tmp_path):
             return super().forward(*a, **k)
 
     args = build_parser().parse_args(["generate", "--input", str(inp), "--output", str(out), "--no-progress"])
-    assert run_generate(args, model_obj=StopAfter(FakeConfig(max_position_embeddings=1024))) == 130
+    never_eos = FakeConfig(max_position_embeddings=1024, eos_every=10**9)  # the long requests cannot end early
+    assert run_generate(args, model_obj=StopAfter(never_eos)) == 130
     recs = [json.loads(x) for x in out.read_text().splitlines()]
     assert len(recs) == 4 and recs[0]["object"] == "chat.completion"
     assert recs[1]["error"]["code"] == "interrupted" and recs[3]["error"]["code"] == "interrupted"
