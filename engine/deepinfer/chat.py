@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -175,6 +176,28 @@ def public_address_only(host: str, address: str) -> bool:
 def make_image_fetcher(max_bytes: int) -> "R.ReqwestImageFetcher":
     """The recipe's fetcher restricted to public addresses (re-checked on redirects) and ``max_bytes`` per image."""
     return R.ReqwestImageFetcher.with_max_bytes(max_bytes).with_destination_filter(public_address_only)
+
+
+# Top-level numeric fields of the three request bodies: checked for type and finiteness before the recipe sees them,
+# so the error names the field (the recipe's own messages, e.g. "NaN is not a finite JSON number", do not).
+NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "max_output_tokens",
+                  "seed", "n", "top_logprobs", "frequency_penalty", "presence_penalty")
+JSON_INT_LIMIT = 2 ** 63
+
+
+def check_numeric_fields(body: dict) -> None:
+    """Raise RequestError naming the first top-level numeric field (``NUMERIC_FIELDS``) that is not a finite JSON
+    number within the signed 64-bit range. Null / absent fields pass (the recipe applies its defaults)."""
+    for name in NUMERIC_FIELDS:
+        v = body.get(name)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise RequestError(f"{name} must be a number, got {type(v).__name__} {v!r}"[:200], param=name)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise RequestError(f"{name} must be a finite number, got {v}", param=name)
+        if not -JSON_INT_LIMIT <= v < JSON_INT_LIMIT:
+            raise RequestError(f"{name} is out of range: {v!r}"[:200], param=name)
 
 
 def _conversion_error(e: Exception) -> RequestError:
@@ -343,6 +366,7 @@ class ChatFrontend:
                 raise RequestError(f"max_completion_tokens ({mct!r}) and max_tokens ({body['max_tokens']!r}) "
                                    "disagree; send one", param="max_completion_tokens")
             body["max_tokens"] = mct
+        check_numeric_fields(body)
         media = find_media_part(body)
         if media is not None:
             raise RequestError(f"this engine's models take no image or file input (a {media!r} content part)",

@@ -211,3 +211,13 @@ def test_image_and_file_parts_are_refused(fe, api, body):
     with pytest.raises(RequestError) as e:
         fe.prepare(body, api=api)
     assert e.value.record["code"] == "images_unsupported"
+
+
+@pytest.mark.parametrize("field,value", [("temperature", float("nan")), ("top_p", float("inf")), ("max_tokens", "4"),
+                                         ("seed", 2 ** 64), ("frequency_penalty", [1]), ("n", True)])
+def test_numeric_fields_are_named(fe, field, value):
+    """A top-level number that is not a finite JSON number in range is refused with the field named (the recipe's
+    own messages do not name it)."""
+    with pytest.raises(RequestError) as e:
+        fe.prepare({"messages": [USER], "max_tokens": 4, field: value})
+    assert e.value.record["param"] == field and field in str(e.value)
