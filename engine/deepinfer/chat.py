@@ -367,6 +367,12 @@ class ChatFrontend:
                                    "disagree; send one", param="max_completion_tokens")
             body["max_tokens"] = mct
         check_numeric_fields(body)
+        msgs = body.get("messages")
+        if api == "chat" and isinstance(msgs, list) and any(
+                isinstance(m, dict) and m.get("role") == "developer" for m in msgs):
+            # OpenAI's newer name of the system role (the recipe knows only "system")
+            body["messages"] = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
+                                for m in msgs]
         media = find_media_part(body)
         if media is not None:
             raise RequestError(f"this engine's models take no image or file input (a {media!r} content part)",

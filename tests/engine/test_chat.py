@@ -221,3 +221,10 @@ def test_numeric_fields_are_named(fe, field, value):
     with pytest.raises(RequestError) as e:
         fe.prepare({"messages": [USER], "max_tokens": 4, field: value})
     assert e.value.record["param"] == field and field in str(e.value)
+
+
+def test_developer_role_is_the_system_role(fe):
+    sys_msg = {"role": "system", "content": "Be brief."}
+    a = fe.prepare({"messages": [sys_msg, USER], "max_tokens": 4, "seed": 1})
+    b = fe.prepare({"messages": [{**sys_msg, "role": "developer"}, USER], "max_tokens": 4, "seed": 1})
+    assert a.prompt_token_ids == b.prompt_token_ids
