@@ -96,7 +96,8 @@ def is_error_record(result: dict) -> bool:
 
 def chat_logit_options(body: dict, thinking: bool = False) -> dict:
     """``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and ``top_k`` of a Chat Completions body as
-    ``SamplingParams`` keyword arguments (absent or null fields are left out; ranges are checked by ``SamplingParams.validate``).
+    ``SamplingParams`` keyword arguments (absent or null fields are left out; ranges are checked by
+    ``SamplingParams.validate``).
 
     ``thinking``: the request runs in thinking mode. There, as in DeepSeek's API (whose rule the recipe applies to
     ``temperature`` and ``top_p``), the two penalties are checked but have no effect; ``logit_bias`` applies in both
@@ -134,12 +135,8 @@ def chat_logit_options(body: dict, thinking: bool = False) -> dict:
                 raise RequestError(f"logit_bias[{k}] must be a number in [-100, 100], got {v!r}", param="logit_bias")
             parsed[key] = float(v)
         out["logit_bias"] = parsed
-    top_k = body.get("top_k")  # not OpenAI's, but DeepSeek-style servers (vLLM, SGLang) accept it
-    if top_k is not None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or not -1 <= top_k < 2 ** 31:
-            raise RequestError(f"top_k must be an integer: -1 or 0 (all tokens) or positive, got {top_k!r}",
-                               param="top_k")
-        out["top_k"] = top_k
+    if body.get("top_k") is not None:  # not OpenAI's, but DeepSeek-style servers (vLLM, SGLang) accept it
+        out["top_k"] = body["top_k"]  # checked by SamplingParams.validate
     return out
 
 

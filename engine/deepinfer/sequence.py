@@ -56,8 +56,8 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ``ValueError`` naming the field when a parameter is out of range (``SamplingParamError``, with the
-        field in ``.param``, for the penalties and ``logit_bias``). ``vocab_size``: when given, ``logit_bias`` ids
+        """Raise ``SamplingParamError`` (a ValueError; the field in ``.param``) when a parameter has the wrong type or
+        is out of range. ``vocab_size``: when given, ``logit_bias`` ids
         must be below it."""
         def number(v) -> bool:
             return not isinstance(v, bool) and isinstance(v, (int, float))
@@ -66,22 +66,27 @@ class SamplingParams:
             return not isinstance(v, bool) and isinstance(v, int)
 
         if not number(self.temperature) or not (self.temperature >= 0.0) or math.isinf(self.temperature):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise SamplingParamError("temperature",
+                                     f"temperature must be a finite number >= 0, got {self.temperature!r}")
         if not integer(self.top_k) or not -1 <= self.top_k < 2 ** 31:
-            raise ValueError(f"top_k must be an integer: -1, 0 or positive (< 2**31), got {self.top_k!r}")
+            raise SamplingParamError("top_k",
+                                     f"top_k must be an integer: -1, 0 or positive (< 2**31), got {self.top_k!r}")
         if not number(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
+            raise SamplingParamError("top_p", f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not integer(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+            raise SamplingParamError("max_tokens", f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not integer(self.top_logprobs) or not 0 <= self.top_logprobs <= 20:
-            raise ValueError(f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
+            raise SamplingParamError("top_logprobs",
+                                     f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
         if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < SEED_LIMIT):
-            raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
+            raise SamplingParamError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if (isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__")
                 or not all(integer(t) and t >= 0 for t in self.stop_token_ids)):
-            raise ValueError(f"stop_token_ids must be a sequence of token ids >= 0, got {self.stop_token_ids!r}")
+            raise SamplingParamError("stop_token_ids",
+                                     f"stop_token_ids must be a sequence of token ids >= 0, got "
+                                     f"{self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise SamplingParamError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
