@@ -17,7 +17,6 @@ import deepinfer_ops
 
 from deepinfer.block_manager import BlockManager
 from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record, resolve_tokenizer_json
-from deepinfer.chat import packaged_tokenizer_json as _packaged_tokenizer_json  # noqa: F401  (tests import it here)
 from deepinfer.config import EngineConfig
 from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.scheduler import Scheduler
@@ -167,10 +166,8 @@ class LLM:
                 self.device = torch.device(cfg.device)
             except RuntimeError as e:
                 raise ValueError(f"device: {cfg.device!r} is not a torch device ({e})") from None
-            if self.device.type == "cuda" and not (deepinfer_ops.BUILT_WITH_CUDA and torch.cuda.is_available()):
-                raise deepinfer_ops.BackendUnavailableError(
-                    f"device {cfg.device!r}: " + ("no CUDA device is visible" if deepinfer_ops.BUILT_WITH_CUDA
-                                                  else "deepinfer_ops was built without CUDA"))
+            if self.device.type == "cuda":
+                deepinfer_ops.backend.require_cuda(f"device {cfg.device!r}")
             if self.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"device: {cfg.device!r}: this engine runs on 'cpu' or 'cuda'")
         elif not isinstance(model, (str, os.PathLike)):  # a built model: run where its parameters are
@@ -382,7 +379,8 @@ class LLM:
                     raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
                 seq = self._new_seq(ids, sp)
             except (ValueError, TypeError) as e:
-                msg = str(e) if isinstance(e, ValueError) else f"prompts[{i}] must be a string or a list of integer token ids"
+                msg = (str(e) if isinstance(e, ValueError)
+                       else f"prompts[{i}] must be a string or a list of integer token ids")
                 seq = self._new_seq(ids, SamplingParams())
                 seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": msg}
                 seq.status = SequenceStatus.FINISHED

@@ -18,6 +18,16 @@ class BackendUnavailableError(RuntimeError):
     """The requested accelerator was not built into deepinfer_ops or is not present on this machine."""
 
 
+def require_cuda(what: str) -> None:
+    """Raise BackendUnavailableError ``"<what> but <the missing piece>"`` unless the CUDA kernels were built and a
+    CUDA device is visible. ``what``: the request that needs CUDA (an env setting, a device argument)."""
+    if not BUILT_WITH_CUDA:
+        raise BackendUnavailableError(
+            f"{what} but deepinfer_ops was built without CUDA (rebuild with nvcc on PATH and DEEPINFER_BUILD_CUDA=1)")
+    if not torch.cuda.is_available():
+        raise BackendUnavailableError(f"{what} but no CUDA device is visible")
+
+
 def select_accelerator(requested: str | None = None) -> str:
     """Resolve the accelerator to ``"nvidia"`` or ``"cpu"``.
 
@@ -34,12 +44,7 @@ def select_accelerator(requested: str | None = None) -> str:
     if name == "auto":
         return "nvidia" if BUILT_WITH_CUDA and torch.cuda.is_available() else "cpu"
     if name == "nvidia":
-        if not BUILT_WITH_CUDA:
-            raise BackendUnavailableError(
-                "DEEPINFER_ACCELERATOR=nvidia but deepinfer_ops was built without CUDA "
-                "(rebuild with nvcc on PATH and DEEPINFER_BUILD_CUDA=1)")
-        if not torch.cuda.is_available():
-            raise BackendUnavailableError("DEEPINFER_ACCELERATOR=nvidia but no CUDA device is visible")
+        require_cuda("DEEPINFER_ACCELERATOR=nvidia")
         return "nvidia"
     if name == "ascend":
         raise BackendUnavailableError(

@@ -6,11 +6,10 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
 from deepinfer import LLM
-from deepinfer.chat import ChatFrontend, RequestError, is_error_record, public_address_only
-from deepinfer.llm import _packaged_tokenizer_json
+from deepinfer.chat import ChatFrontend, RequestError, is_error_record, packaged_tokenizer_json, public_address_only
 from fake_model import FakeConfig, FakeModel, ScriptedModel
 
-TOK = _packaged_tokenizer_json()
+TOK = packaged_tokenizer_json()
 USER = {"role": "user", "content": "What's the weather in Paris?"}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
