@@ -116,10 +116,7 @@ struct DenseConfig {
         hw};
     args.epilogue.thread.alpha = 1.f;
     args.epilogue.thread.beta = (kWithSource && p.accumulate) ? 1.f : 0.f;
-    using RasterOptions = typename Kernel::TileScheduler::RasterOrderOptions;
     args.scheduler.max_swizzle_size = p.swizzle;
-    args.scheduler.raster_order = p.raster == 1 ? RasterOptions::AlongM
-                                  : p.raster == 2 ? RasterOptions::AlongN : RasterOptions::Heuristic;
     if constexpr (kSplitK) {
       using Decomposition = typename Kernel::TileScheduler::DecompositionMode;
       using Reduction = typename Kernel::TileScheduler::ReductionMode;
@@ -217,7 +214,7 @@ struct GroupedConfig {
     return a;
   }
 
-  static typename Gemm::Arguments make_args(const Arrays& arr, int G, int num_sms, int swizzle = 1, int raster = 0) {
+  static typename Gemm::Arguments make_args(const Arrays& arr, int G, int num_sms) {
     cutlass::KernelHardwareInfo hw{};
     hw.sm_count = num_sms;
     typename Gemm::Arguments args{
@@ -228,10 +225,6 @@ struct GroupedConfig {
         hw};
     args.epilogue.thread.alpha = 1.f;
     args.epilogue.thread.beta = 0.f;
-    using RasterOptions = typename Kernel::TileScheduler::RasterOrderOptions;
-    args.scheduler.max_swizzle_size = swizzle;
-    args.scheduler.raster_order = raster == 1 ? RasterOptions::AlongM
-                                  : raster == 2 ? RasterOptions::AlongN : RasterOptions::Heuristic;
     return args;
   }
 

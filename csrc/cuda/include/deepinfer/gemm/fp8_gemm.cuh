@@ -34,8 +34,8 @@ struct Fp8GemmParams {
   int split_k;        // 1: data-parallel tiles (batch-invariant); > 1 (bf16 only): K split in that many parts,
                       // partial sums reduced in a fixed order (deterministic, but rounding differs from split_k = 1)
   int num_sms;        // SMs of the device (persistent grid size)
-  int swizzle = 1;    // tile scheduler: max swizzle size (1, 2, 4, 8) and raster order (0 heuristic, 1 along M,
-  int raster = 0;     // 2 along N): the order tiles are visited in (L2 reuse); never the arithmetic
+  int swizzle = 1;    // tile scheduler's max swizzle size (1, 2, 4, 8): the order tiles are visited in (L2 reuse),
+                      // never the arithmetic
   void* workspace;    // >= fp8_gemm_nt_*_workspace_size bytes (may be null when that size is 0)
 };
 
@@ -83,7 +83,6 @@ struct GroupedFp8GemmParams {
   int ld_sfb;
   int64_t sfb_group_stride;
   int num_sms;
-  int swizzle = 1, raster = 0;  // tile scheduler order (as in Fp8GemmParams)
   void* workspace;      // >= grouped_fp8_gemm_nt_bf16_workspace_size(...) bytes, 256-byte aligned
 };
 
