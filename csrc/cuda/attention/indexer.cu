@@ -3,6 +3,7 @@
 #include <math_constants.h>
 
 #include "deepinfer/attention/sparse_mqa.cuh"
+#include "deepinfer/ptx.cuh"
 
 namespace deepinfer::attention {
 namespace {
@@ -17,30 +18,6 @@ constexpr int kLogitsThreads = 128;
 constexpr int kLogitsCands = 64;
 constexpr int kLogitsMaxNT = 16;  // 128 heads
 constexpr int64_t kMaxGridY = 65535;
-
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem_src) : "memory");
-}
-
-__device__ __forceinline__ void ldsm_x4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
-__device__ __forceinline__ void ldsm_x2(uint32_t& r0, uint32_t& r1, uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r0), "=r"(r1) : "r"(addr));
-}
-
-__device__ __forceinline__ void mma_16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                          uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 template <int kDim>
 struct LogitsSmem {
@@ -115,10 +92,8 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid
     float acc[kLogitsMaxNT][4];
 #pragma unroll
     for (int nt = 0; nt < kLogitsMaxNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-    const uint32_t ka = static_cast<uint32_t>(__cvta_generic_to_shared(
-        sK + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8));
-    const uint32_t qb =
-        static_cast<uint32_t>(__cvta_generic_to_shared(sQ + (lane & 7) * kStride + ((lane >> 3) & 1) * 8));
+    const uint32_t ka = smem_u32(sK + (warp * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * kStride + (lane >> 4) * 8);
+    const uint32_t qb = smem_u32(sQ + (lane & 7) * kStride + ((lane >> 3) & 1) * 8);
 #pragma unroll
     for (int kk = 0; kk < kDim; kk += 16) {
       uint32_t a0, a1, a2, a3;

@@ -156,20 +156,6 @@ __device__ void bitonic_sort_desc(uint64_t* s, int npow2) {
 }
 
 // Elements of row g in the top-digit bin of the k-th largest key (valid once hist<1> has recorded that digit).
-// Sum of v over the CTA in a fixed order (warp butterflies, then the warps in order); valid in thread 0 only.
-// Every thread must call it (it synchronises).
-__device__ __forceinline__ int block_sum_fixed_order_int(int v, int* s_warp, int lane, int warp, int tid) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  if (lane == 0) s_warp[warp] = v;
-  __syncthreads();
-  int total = 0;
-  if (tid == 0) {
-    for (int w = 0; w < kWarps; ++w) total += s_warp[w];
-  }
-  return total;
-}
-
 __device__ __forceinline__ int top_bin_count(const TopkRun& r, int g, uint32_t prefix0) {
   return r.hist[static_cast<int64_t>(g) * 3 * kBins + (prefix0 >> digit_shift(0))];
 }
@@ -344,7 +330,7 @@ __global__ void __launch_bounds__(kThreads) topk_hist_kernel(const __grid_consta
 
 __global__ void __launch_bounds__(kThreads) topk_collect_kernel(const __grid_constant__ TopkRun r) {
   __shared__ int s_warp[kWarps];
-  const int g = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int g = blockIdx.x, tid = threadIdx.x, lane = tid % 32;
   if (row_is_compact(r, g)) return;  // finished by hist<1> and finish_candidates (uniform)
   uint32_t thr;
   int need_eq;
@@ -364,7 +350,7 @@ __global__ void __launch_bounds__(kThreads) topk_collect_kernel(const __grid_con
     warp_append((ok && u > thr) || (eq && all_eq), sel_entry(u, i), counter, sel, k, lane);
   });
   if (!all_eq) {  // uniform: this chunk's count of elements equal to thr, for collect_ties
-    const int total = block_sum_fixed_order_int(my_eq, s_warp, lane, warp, tid);
+    const int total = block_sum_fixed_order<kThreads>(my_eq, s_warp);
     if (tid == 0) r.ties[static_cast<int64_t>(g) * r.chunks + blockIdx.y] = total;
   }
 }
@@ -373,7 +359,6 @@ __global__ void __launch_bounds__(kThreads) topk_collect_kernel(const __grid_con
 // holds some of them do any work (the rows where every tie is selected return at once).
 __global__ void __launch_bounds__(kThreads) topk_collect_ties_kernel(const __grid_constant__ TopkRun r) {
   __shared__ int s_warp[kWarps];
-  __shared__ int s_before;
   const int g = blockIdx.x, tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   if (row_is_compact(r, g)) return;  // (uniform)
   const int* meta = r.meta + static_cast<int64_t>(g) * kMetaInts;
@@ -387,10 +372,7 @@ __global__ void __launch_bounds__(kThreads) topk_collect_ties_kernel(const __gri
   // Ties in the chunks before this one (a fixed-order block sum).
   int v = 0;
   for (int c = tid; c < chunk_id; c += kThreads) v += ties[c];
-  const int before = block_sum_fixed_order_int(v, s_warp, lane, warp, tid);
-  if (tid == 0) s_before = before;
-  __syncthreads();
-  int base = s_before;  // the same in every thread
+  int base = block_sum_fixed_order<kThreads>(v, s_warp);  // the same in every thread
   if (base >= need_eq) return;
   const int k = r.k;
   uint64_t* sel = r.sel + static_cast<int64_t>(g) * k;

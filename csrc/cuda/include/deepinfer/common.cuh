@@ -82,10 +82,11 @@ struct alignas(sizeof(T) * N) Vec {
   T v[N];
 };
 
-// Sum over a block with a fixed reduction tree: xor-shuffle within warps, then warp 0 adds the
-// warp totals in warp order. The result depends only on blockDim and the inputs, never on gridDim.
-template <int kNumThreads>
-__device__ __forceinline__ float block_sum_fixed_order(float v, float* smem /* [kNumThreads / 32] */) {
+// Sum over a block of kNumThreads threads (every thread calls it; it synchronises) with a fixed reduction tree:
+// xor-shuffle within warps, then warp 0 adds the warp totals. The result, returned to every thread, depends only on
+// blockDim and the inputs, never on gridDim. T: float (rms_norm) or int (exact counts, top-k).
+template <int kNumThreads, typename T = float>
+__device__ __forceinline__ T block_sum_fixed_order(T v, T* smem /* [kNumThreads / 32] */) {
   constexpr int kNumWarps = kNumThreads / 32;
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
@@ -93,13 +94,13 @@ __device__ __forceinline__ float block_sum_fixed_order(float v, float* smem /* [
   if (lane == 0) smem[warp] = v;
   __syncthreads();
   if (warp == 0) {
-    float t = lane < kNumWarps ? smem[lane] : 0.f;
+    T t = lane < kNumWarps ? smem[lane] : T(0);
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) t += __shfl_xor_sync(0xffffffffu, t, m);
     if (lane == 0) smem[0] = t;
   }
   __syncthreads();
-  const float total = smem[0];
+  const T total = smem[0];
   __syncthreads();
   return total;
 }
