@@ -5,4 +5,18 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
+import torch
+
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """Run a module single-threaded and restore the setting after: the tiny model's small CPU ops and GEMMs are far
+    slower with 2 threads on a shared 2-core box (thread hand-off dominates); results hold for any fixed thread
+    count. Use with ``pytestmark = pytest.mark.usefixtures("one_cpu_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -27,14 +27,7 @@ BATCH_SIZES = (1, 7, 33, 64)
 VOCAB_HI = 129000
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_cpu_thread():
-    """Small CPU GEMMs on a loaded 2-core box are ~100x slower with 2 threads (spin/wake); invariance holds for any
-    fixed thread count, so run this module single-threaded and restore the setting after."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 GEMMS = ("dequant", "fp8")

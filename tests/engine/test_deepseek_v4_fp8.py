@@ -33,12 +33,7 @@ from fp8_check import check_fp8_close, per_position, record_routes
 PROMPT_LENS = (1, 37, 160)  # 160: a block boundary, HCA / CSA windows close, the window slides
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,12 +14,7 @@ from deepinfer_ops.testing.compare import TOLERANCES, assert_close
 TOL = TOLERANCES[torch.float32]  # atol 1e-5, rtol 1e-5: incremental == full forward
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops: thread hand-off dominates on a shared 2-core machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")

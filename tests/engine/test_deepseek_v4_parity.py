@@ -29,12 +29,7 @@ PROMPT_LENS = (1, 37, 300, 600)
 GREEDY_PROMPT, GREEDY_NEW = 240, 32  # decode crosses the HCA window / block boundary at 256
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
 
 @pytest.fixture(scope="module")
