@@ -305,7 +305,9 @@ class Sampler:
         counters = torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=dev)
         tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant, raw)
         raw = logits if raw is None else raw
-        tokens = torch.where(torch.isnan(raw).any(dim=-1), torch.full_like(tokens, NAN_LOGITS_TOKEN), tokens)
+        # a NaN logit makes the row's log-softmax NaN everywhere, so the drawn token's logprob shows it (no extra
+        # pass over the vocabulary)
+        tokens = torch.where(torch.isnan(logprobs), torch.full_like(tokens, NAN_LOGITS_TOKEN), tokens)
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         for i, s in enumerate(seqs):
             if s.params.top_logprobs > 0:
