@@ -62,6 +62,8 @@ def run_mode(model, batch_invariant: bool, args, shape_extra: dict) -> dict:
                                   ignore_eos=True, seed=1)
     alone = llm.generate(prompts[:1], alone_params)[0]
     n = len(alone.logprobs)
+    if args.profile:
+        profile_mode(llm, prompts, batch_invariant, args)
     row = {
         "op": "engine_generate",
         "shape": {"num_requests": args.num_requests, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
@@ -81,6 +83,29 @@ def run_mode(model, batch_invariant: bool, args, shape_extra: dict) -> dict:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return row
+
+
+def profile_mode(llm, prompts, batch_invariant: bool, args) -> None:
+    """torch.profiler over one prefill step of ``max_num_batched_tokens`` tokens and 8 decode steps of the whole
+    batch; the per-kernel table (CUDA time, sorted) goes to ``<out-dir>/profile_engine.txt`` (appended per mode)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from deepinfer import SamplingParams
+
+    n_pre = max(1, args.max_num_batched_tokens // args.prompt_len)
+    out = (args.out_dir or ROOT / "bench" / "results") / "profile_engine.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for phase, ps, sp in (("prefill", prompts[:n_pre], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
+                          ("decode", prompts, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(ps, sp)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        with open(out, "a") as f:
+            f.write(f"\n==== batch_invariant={batch_invariant} {phase}: {len(ps)} requests x {args.prompt_len} "
+                    f"tokens, max_tokens={sp.max_tokens}\n{table}\n")
+    print(f"profile -> {out}", flush=True)
 
 
 def overhead_rows(off: dict, on: dict) -> list[dict]:
@@ -124,6 +149,8 @@ def main() -> None:
                    help="GEMM path of the loaded model (default auto: fp8 on CUDA)")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 2 layers, 16 experts, 8 requests of 256 + 16 tokens")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile one prefill step and 8 decode steps per mode (profile_engine.txt in --out-dir)")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args()
     if args.quick:
