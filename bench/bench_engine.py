@@ -62,7 +62,7 @@ def run_mode(model, batch_invariant: bool, args, shape_extra: dict) -> dict:
                                   ignore_eos=True, seed=1)
     alone = llm.generate(prompts[:1], alone_params)[0]
     n = len(alone.logprobs)
-    if args.profile:
+    if getattr(args, "profile", False):
         profile_mode(llm, prompts, batch_invariant, args)
     row = {
         "op": "engine_generate",
@@ -86,8 +86,9 @@ def run_mode(model, batch_invariant: bool, args, shape_extra: dict) -> dict:
 
 
 def profile_mode(llm, prompts, batch_invariant: bool, args) -> None:
-    """torch.profiler over one prefill step of ``max_num_batched_tokens`` tokens and 8 decode steps of the whole
-    batch; the per-kernel table (CUDA time, sorted) goes to ``<out-dir>/profile_engine.txt`` (appended per mode)."""
+    """torch.profiler over one prefill step of ``max_num_batched_tokens`` tokens, then over the requests cut to 64-token
+    prompts (one short prefill step) and 8 decode steps; the per-kernel tables (CUDA time, sorted) go to
+    ``<out-dir>/profile_engine.txt`` (appended per mode)."""
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer import SamplingParams
@@ -96,14 +97,15 @@ def profile_mode(llm, prompts, batch_invariant: bool, args) -> None:
     out = (args.out_dir or ROOT / "bench" / "results") / "profile_engine.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     for phase, ps, sp in (("prefill", prompts[:n_pre], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
-                          ("decode", prompts, SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))):
+                          ("decode", [p[:64] for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate(ps, sp)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
         with open(out, "a") as f:
-            f.write(f"\n==== batch_invariant={batch_invariant} {phase}: {len(ps)} requests x {args.prompt_len} "
+            f.write(f"\n==== batch_invariant={batch_invariant} {phase}: {len(ps)} requests x {len(ps[0])} "
                     f"tokens, max_tokens={sp.max_tokens}\n{table}\n")
     print(f"profile -> {out}", flush=True)
 

@@ -14,6 +14,16 @@ namespace deepinfer {
 void rms_norm_cpu(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& weight, double eps);
 void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const std::optional<at::Tensor>& weight, double eps);
 
+// ---- mhc ----
+void hc_mix_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps);
+void hc_mix_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps);
+void hc_collapse_cpu(at::Tensor& out, const at::Tensor& streams, const at::Tensor& pre);
+void hc_collapse_cuda(at::Tensor& out, const at::Tensor& streams, const at::Tensor& pre);
+void hc_post_cpu(at::Tensor& out, const at::Tensor& streams, const at::Tensor& x, const at::Tensor& post,
+                 const at::Tensor& comb);
+void hc_post_cuda(at::Tensor& out, const at::Tensor& streams, const at::Tensor& x, const at::Tensor& post,
+                  const at::Tensor& comb);
+
 // ---- quant ----
 void per_token_group_quant_fp8_cpu(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& input,
                                    int64_t group_size, bool scale_ue8m0);

@@ -9,6 +9,10 @@
 TORCH_LIBRARY(deepinfer_ops, m) {
   // norm
   m.def("rms_norm(Tensor! out, Tensor input, Tensor? weight, float eps) -> ()");
+  // mhc
+  m.def("hc_mix(Tensor! out, Tensor x, Tensor fn, float eps) -> ()");
+  m.def("hc_collapse(Tensor! out, Tensor streams, Tensor pre) -> ()");
+  m.def("hc_post(Tensor! out, Tensor streams, Tensor x, Tensor post, Tensor comb) -> ()");
   // quant
   m.def(
       "per_token_group_quant_fp8(Tensor! out_q, Tensor! out_scale, Tensor input, int group_size, "
@@ -48,6 +52,9 @@ TORCH_LIBRARY(deepinfer_ops, m) {
 
 TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("rms_norm", &deepinfer::rms_norm_cpu);
+  m.impl("hc_mix", &deepinfer::hc_mix_cpu);
+  m.impl("hc_collapse", &deepinfer::hc_collapse_cpu);
+  m.impl("hc_post", &deepinfer::hc_post_cpu);
   m.impl("per_token_group_quant_fp8", &deepinfer::per_token_group_quant_fp8_cpu);
   m.impl("rotary_embedding", &deepinfer::rotary_embedding_cpu);
   m.impl("fp8_gemm_nt", &deepinfer::fp8_gemm_nt_cpu);
@@ -67,6 +74,9 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
 #ifdef DEEPINFER_WITH_CUDA
 TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("rms_norm", &deepinfer::rms_norm_cuda);
+  m.impl("hc_mix", &deepinfer::hc_mix_cuda);
+  m.impl("hc_collapse", &deepinfer::hc_collapse_cuda);
+  m.impl("hc_post", &deepinfer::hc_post_cuda);
   m.impl("per_token_group_quant_fp8", &deepinfer::per_token_group_quant_fp8_cuda);
   m.impl("rotary_embedding", &deepinfer::rotary_embedding_cuda);
   m.impl("fp8_gemm_nt", &deepinfer::fp8_gemm_nt_cuda);

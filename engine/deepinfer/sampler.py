@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.batch_invariant import logsumexp_rows
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -184,11 +186,10 @@ MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
 def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                 seeds: torch.Tensor, counters: torch.Tensor,
-                 raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 seeds: torch.Tensor, counters: torch.Tensor, raw_logits: torch.Tensor | None = None,
+                 batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     vocab = logits.shape[-1]
-    logprobs_all = torch.log_softmax((logits if raw_logits is None else raw_logits).float(), dim=-1)
     sampled = torch.argmax(logits, dim=-1)  # greedy rows keep this
     do_sample = temperature >= MIN_SAMPLING_TEMPERATURE
     if bool(do_sample.any()):
@@ -202,10 +203,17 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
             sampled[rows] = torch.argmax(score, dim=-1)
         if bool(filtered.any()):
             rows = filtered.nonzero().squeeze(1)
-            sampled[rows] = _draw_filtered(logits[rows] / temp[rows, None], k[rows], top_p[rows], seeds[rows],
-                                           counters[rows])
-    chosen_logprob = logprobs_all.gather(1, sampled[:, None]).squeeze(1)
-    return sampled, chosen_logprob
+            scaled = logits[rows] / temp[rows, None]
+            if batch_invariant:  # sort / cumsum / logsumexp see one row at a time (see ``sample``)
+                sampled[rows] = torch.cat([
+                    _draw_filtered(scaled[i:i + 1], k[r:r + 1], top_p[r:r + 1], seeds[r:r + 1], counters[r:r + 1])
+                    for i, r in enumerate(rows.tolist())])
+            else:
+                sampled[rows] = _draw_filtered(scaled, k[rows], top_p[rows], seeds[rows], counters[rows])
+    raw = (logits if raw_logits is None else raw_logits).float()
+    if batch_invariant:
+        return sampled, raw.gather(1, sampled[:, None]).squeeze(1) - logsumexp_rows(raw)
+    return sampled, torch.log_softmax(raw, dim=-1).gather(1, sampled[:, None]).squeeze(1)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -221,14 +229,15 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
         top_p: ``[n]`` float32 in (0, 1]; 1 keeps all tokens.
         seeds: ``[n]`` int64 in ``[0, 2**63)``.
         counters: ``[n]`` int64, the index of the token being drawn within its request.
-        batch_invariant: compute row by row, so even the reductions (softmax, cumsum, sort) see one row at a time
-            whatever the batch. The vectorised path uses only per-row reductions, but torch picks how it splits a
-            reduction by the tensor's shape, number of rows included (CPU ``parallel_reduce`` splits a lone row across
-            threads; CUDA's ``ReduceConfig`` spreads a row over several blocks when there are few rows; CUDA
-            ``cumsum`` of a single row uses cub's scan; CUDA ``topk`` picks its algorithm by the number of rows), so a
-            row's float reductions may differ in the last bit between n = 1 and n > 1 (measured: ``sum(-1)`` of
-            fp32 rows of 129,280 on a 2-thread CPU, torch 2.14, differs for 5 of 8 rows alone vs batched). Not
-            proven bitwise row-independent for every op on CPU and CUDA, so the loop stays: every call sees n = 1.
+        batch_invariant: a row's token and log-probability do not depend on the other rows. torch picks how it
+            splits a float reduction by the tensor's shape, number of rows included (CPU ``parallel_reduce`` splits a
+            lone row across threads; CUDA's ``ReduceConfig`` spreads a row over several blocks when there are few
+            rows; CUDA ``cumsum`` of a single row uses cub's scan; CUDA ``topk`` picks its algorithm by the number of
+            rows; measured: ``sum(-1)`` of fp32 rows of 129,280 on a 2-thread CPU, torch 2.14, differs for 5 of 8 rows
+            alone vs batched). So: greedy and plain-temperature rows stay vectorised (argmax with the lower-id tie
+            rule and max are exact in any order; the Gumbel noise is elementwise), the log-probability normaliser is
+            :func:`deepinfer.batch_invariant.logsumexp_rows` (a fixed-order tree sum), and only rows filtered by top-k
+            / top-p (sort, cumsum, logsumexp) are drawn one row per call.
         raw_logits: ``[n, V]``, the unmodified logits when ``logits`` holds penalised/biased ones
             (``adjust_logits``); the reported log-probabilities are computed from them. Default: ``logits``.
 
@@ -252,16 +261,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                          f"{tuple(raw_logits.shape)}")
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(0, device=logits.device)
-    if not batch_invariant:
-        return _sample_rows(logits, temperature, top_k, top_p, seeds, counters, raw_logits)
-    toks, lps = [], []
-    for i in range(n):
-        s = slice(i, i + 1)
-        t, lp = _sample_rows(logits[s], temperature[s], top_k[s], top_p[s], seeds[s], counters[s],
-                             None if raw_logits is None else raw_logits[s])
-        toks.append(t)
-        lps.append(lp)
-    return torch.cat(toks), torch.cat(lps)
+    return _sample_rows(logits, temperature, top_k, top_p, seeds, counters, raw_logits, batch_invariant)
 
 
 def top_logprobs(logits_row: torch.Tensor, n: int) -> list[tuple[int, float]]:

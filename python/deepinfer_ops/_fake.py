@@ -62,6 +62,24 @@ def _rms_norm_fake(out, input, weight, eps):
     return None
 
 
+@_register_fake("deepinfer_ops::hc_mix")
+def _hc_mix_fake(out, x, fn, eps):
+    torch._check(out.shape == (x.shape[0], fn.shape[0]), lambda: "hc_mix: out must be [tokens, M]")
+    return None
+
+
+@_register_fake("deepinfer_ops::hc_collapse")
+def _hc_collapse_fake(out, streams, pre):
+    torch._check(out.shape == (streams.shape[0], streams.shape[-1]), lambda: "hc_collapse: out must be [tokens, hidden]")
+    return None
+
+
+@_register_fake("deepinfer_ops::hc_post")
+def _hc_post_fake(out, streams, x, post, comb):
+    torch._check(out.shape == streams.shape, lambda: "hc_post: out shape != streams shape")
+    return None
+
+
 @_register_fake("deepinfer_ops::per_token_group_quant_fp8")
 def _per_token_group_quant_fp8_fake(out_q, out_scale, input, group_size, scale_ue8m0):
     torch._check(out_q.shape == input.shape, lambda: "per_token_group_quant_fp8: out_q shape != input shape")

@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.forward_batch import ForwardBatch
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, linear_rows, pointwise, tree_sum_dim1
+from deepinfer.batch_invariant import logsumexp_rows, pointwise, tree_sum_dim1
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, linear_rows
 
 BATCH_SIZES = (1, 7, 33, 64)
 VOCAB_HI = 129000
@@ -279,3 +280,22 @@ def test_engine_mode_off_differs_where_kernels_depend_on_batch(device, gemm):
     if not differing:
         pytest.skip(f"mode off: logprobs were bitwise equal in every batch / chunking on this {device} machine")
     assert differing
+
+
+def test_logsumexp_rows_row_invariant_and_edge_rows(device):
+    """The sampler's batch-invariant log-probability normaliser: torch.logsumexp's value, bitwise the same for a row
+    alone and in any batch; NaN rows stay NaN, +inf rows +inf, all -inf rows -inf."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(70, 129280, generator=g) * 4).to(device)
+    x[5, 77] = float("nan")
+    x[6, 3] = float("inf")
+    x[7] = float("-inf")
+    x[8, :100] = float("-inf")
+    full = logsumexp_rows(x)
+    ok = torch.ones(70, dtype=torch.bool)
+    ok[5:8] = False
+    torch.testing.assert_close(full[ok], torch.logsumexp(x, dim=-1)[ok], rtol=1e-6, atol=1e-5)
+    assert torch.isnan(full[5]) and full[6] == float("inf") and full[7] == float("-inf")
+    for lo, hi in ((0, 1), (8, 9), (3, 40), (69, 70)):
+        part = logsumexp_rows(x[lo:hi].clone())
+        assert torch.equal(part.view(torch.int32), full[lo:hi].view(torch.int32)), (lo, hi)  # bits (NaN included)

@@ -8,6 +8,7 @@ import torch
 
 from deepinfer.forward_batch import ForwardBatch
 from deepinfer.models import TINY_CONFIG, DeepseekV4Config, init_parameters
+from deepinfer.models.config import CSA
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer_ops.testing.compare import TOLERANCES, assert_close
 
@@ -249,3 +250,29 @@ def test_bfloat16_model_and_cache(model, seq600):
     assert got.dtype == torch.float32 and torch.isfinite(got).all()
     cos = torch.nn.functional.cosine_similarity(got.flatten(), ref.flatten(), dim=0)
     assert cos > 0.99, f"bf16 vs fp32 cosine {cos}"
+
+
+def test_fused_input_projections_follow_weight_changes():
+    """The compressor / indexer input projections run as one concatenated GEMM whose parts are views of it: an
+    in-place weight update and a replaced weight both reach the next forward (it equals a model built with the new
+    weights), and after the first forward the weights are views of one tensor."""
+    c = DeepseekV4Config.from_dict(TINY_CONFIG)
+    params = init_parameters(c, 0)
+    m = DeepseekV4ForCausalLM.from_parameters(c, dict(params))
+    ids = _ids(300, 5)
+    m.forward_full(ids)
+    csa = next(i for i, layer in enumerate(m.layers) if layer.attn.layer_type == CSA)
+    attn = m.layers[csa].attn
+    fused = m._fused_weights[id(attn)]
+    assert attn.compressor.wgate.weight.data_ptr() > fused.data_ptr()  # a view into the concatenation
+    assert attn.indexer.weights_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    g = torch.Generator().manual_seed(9)
+    new_gate = torch.randn(attn.compressor.wgate.weight.shape, generator=g) * 0.1
+    new_wp = torch.randn(attn.indexer.weights_proj.weight.shape, generator=g) * 0.1
+    with torch.no_grad():
+        attn.compressor.wgate.weight.copy_(new_gate)  # in place
+    attn.indexer.weights_proj.weight = torch.nn.Parameter(new_wp, requires_grad=False)  # replaced
+    params[f"layers.{csa}.attn.compressor.wgate.weight"] = new_gate
+    params[f"layers.{csa}.attn.indexer.weights_proj.weight"] = new_wp
+    fresh = DeepseekV4ForCausalLM.from_parameters(c, params)
+    assert_close(m.forward_full(ids), fresh.forward_full(ids), TOL, name="logits after weight changes")

@@ -101,9 +101,9 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
   ``mqa_logits`` and top-k are row-wise too (masked candidates score -inf, the tie rule fixes the selection) and the
   selected entries are passed in entry order. Padding rows get no entries (output 0).
 * Compressor pooling: softmax sum and pooled sum as float32 pairwise (tree) sums over the slots
-  (:func:`tree_sum_dim1`: a fixed order of elementwise adds, ``log2(slots)`` launches). mHC stream sums: explicit
-  float32 adds in stream order (no batched matmul whose batch count is the number of tokens). Router weights: the
-  renormalisation sum is explicit adds in slot order.
+  (:func:`tree_sum_dim1`: a fixed order of elementwise adds, ``log2(slots)`` launches). mHC: the ops
+  ``hc_mix`` / ``hc_collapse`` / ``hc_post`` compute each token on its own in a fixed order (used in both modes).
+  Router weights: the renormalisation sum is explicit adds in slot order.
 * Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
   rule; MoE combine: a token's experts added in ascending expert id (path ``"dequant"``, as in the default mode)
   or in slot order (path ``"fp8"``, ``fused_moe_fp8``, both modes).
@@ -128,6 +128,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import deepinfer_ops
+from deepinfer.batch_invariant import pointwise, tree_sum_dim1
 from deepinfer.forward_batch import ForwardBatch
 
 from .cache import BLOCK_SIZE, CacheSpec, DeepseekV4Cache, allocate_cache
@@ -270,37 +271,6 @@ def pad_rows_buffer(like: torch.Tensor, m: int, rows: int) -> torch.Tensor:
     avoid slow denormal arithmetic."""
     shape = (-(-m // rows) * rows, *like.shape[1:])
     return like.new_empty(shape) if like.is_cuda else like.new_zeros(shape)
-
-
-def pointwise(fn, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
-    """``fn(x)`` for a transcendental elementwise op (sigmoid, silu, softplus, ...).
-
-    Batch-invariant mode (``rows > 0``) on the CPU: torch's vectorised CPU loops compute the tail of each contiguous
-    run (and of each thread's range) with the scalar libm function, whose last bit can differ from the SIMD one,
-    so an element's value would depend on where it sits, i.e. on the batch. The op then runs on a stride-2 copy,
-    which torch always processes with the scalar function, every element the same way. CUDA elementwise kernels
-    apply the same device function to every element, so they run as is.
-    """
-    if rows <= 0 or x.device.type != "cpu":
-        return fn(x)
-    spread = torch.empty(*x.shape, 2, dtype=x.dtype)[..., 0]
-    spread.copy_(x)
-    return fn(spread)
-
-
-def tree_sum_dim1(x: torch.Tensor) -> torch.Tensor:
-    """``x [n, s, ...]`` summed over dim 1 by pairwise halving (dim 1 zero-padded to a power of two; ``+ 0`` is
-    exact): ``ceil(log2 s)`` elementwise adds whose order is fixed by ``s`` alone, so every row gets the same bits
-    whatever ``n`` (batch-invariant mode; a torch reduction may split the sum by the number of rows). Returns
-    ``[n, ...]`` in ``x.dtype``."""
-    s = x.shape[1]
-    p = 1 << max(s - 1, 0).bit_length()
-    if p != s:
-        x = torch.cat([x, x.new_zeros(x.shape[0], p - s, *x.shape[2:])], dim=1)
-    while x.shape[1] > 1:
-        h = x.shape[1] // 2
-        x = x[:, :h] + x[:, h:]
-    return x[:, 0]
 
 
 FP8_BLOCK = 128  # block of the FP8 weight scales (128 x 128) and group of the activation scales (1 x 128)
@@ -727,6 +697,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         with torch.device("cpu"):
             self._inv_freq = {k: rope_inv_freq(cfg, k) for k in ("main", "compress")}
         self._rope_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+        # id(attention module) -> its concatenated compressor / indexer input projections (see _x_projections)
+        self._fused_weights: dict[int, torch.Tensor] = {}
         self._block_size = BLOCK_SIZE  # set from the cache at each forward
         # diagnostics of the last forward: number of indexer rows whose k-th and (k+1)-th best valid scores tie
         self.last_indexer_boundary_ties = 0
@@ -869,27 +841,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Rows per fixed-shape GEMM call in batch-invariant mode on ``device``."""
         return self.BI_GEMM_ROWS.get(torch.device(device).type, self.BI_GEMM_ROWS_DEFAULT)
 
-    @staticmethod
-    def _collapse(pre: torch.Tensor, streams: torch.Tensor, rows: int) -> torch.Tensor:
-        """``sum_i pre[:, i] * streams[:, i]`` -> ``[T, D]`` in ``streams.dtype`` (batch-invariant mode: explicit adds
-        in stream order, float32)."""
-        if not rows:
-            return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        sf = streams.float()  # one cast (exact), then the same float32 products and adds as before
-        acc = pre[:, 0, None] * sf[:, 0]
-        for i in range(1, streams.shape[1]):
-            acc.add_(pre[:, i, None] * sf[:, i])
-        return acc.to(streams.dtype)
-
     def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rows: int = 0):
-        """streams ``[T, hc, D]`` -> (post ``[T, hc]``, comb ``[T, hc, hc]`` float32, collapsed ``[T, D]``).
-        ``rows``: batch-invariant GEMM rows (0 = off)."""
+        """streams ``[T, hc, D]`` -> (post ``[T, hc]``, comb ``[T, hc, hc]`` float32, collapsed ``[T, D]``): the mixing
+        coefficients from :func:`deepinfer_ops.hc_mix` (RMS norm of the concatenated streams fused with the
+        projection on ``fn``), the sublayer input from :func:`deepinfer_ops.hc_collapse` (both per token in a fixed
+        order, any mode). ``rows``: batch-invariant mode (only the CPU's transcendental pointwise ops care)."""
         cfg = self.config
         hc = cfg.hc_mult
         T = streams.shape[0]
-        flat = streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous()
-        flat = deepinfer_ops.rms_norm(flat, None, cfg.rms_norm_eps)
-        mix = linear_rows(flat, fn.float(), rows)
+        mix = deepinfer_ops.hc_mix(streams.view(T, hc * streams.shape[2]), fn.float().contiguous(), cfg.rms_norm_eps)
         pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
         base = base.float()
         scale = scale.float()
@@ -900,30 +860,21 @@ class DeepseekV4ForCausalLM(nn.Module):
         for _ in range(cfg.hc_sinkhorn_iters - 1):
             comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
             comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-        return post, comb, self._collapse(pre, streams, rows)
+        return post.contiguous(), comb.contiguous(), deepinfer_ops.hc_collapse(streams, pre.contiguous())
 
     @staticmethod
-    def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                 rows: int = 0) -> torch.Tensor:
-        """``new[:, j] = post[:, j] * out + sum_i comb[:, i, j] * streams[:, i]``. Batch-invariant mode (``rows > 0``):
-        the mixing sum is explicit float32 adds in stream order instead of a batched matmul whose batch count is
-        the number of tokens (cuBLAS would pick its kernel by it)."""
-        dt = streams.dtype
-        if not rows:
-            return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dt).transpose(-1, -2), streams)
-        sf = streams.float()
-        mixed = comb[:, 0, :, None] * sf[:, 0, None, :]
-        for i in range(1, streams.shape[1]):
-            mixed.add_(comb[:, i, :, None] * sf[:, i, None, :])
-        return post.to(dt).unsqueeze(-1) * out.unsqueeze(-2) + mixed.to(dt)
+    def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+        """``new[:, j] = post[:, j] * out + sum_i comb[:, i, j] * streams[:, i]`` (:func:`deepinfer_ops.hc_post`:
+        float32 in stream order per token, any mode)."""
+        return deepinfer_ops.hc_post(streams, out.contiguous(), post, comb)
 
     def _hc_head(self, streams: torch.Tensor, fn, base, scale, rows: int = 0) -> torch.Tensor:
+        """The final streams ``[T, hc, D]`` collapsed to ``[T, D]`` with the head's mHC parameters."""
         T = streams.shape[0]
-        flat = streams.reshape(T, streams.shape[1] * streams.shape[2]).float().contiguous()
-        flat = deepinfer_ops.rms_norm(flat, None, self.config.rms_norm_eps)
-        mixes = linear_rows(flat, fn.float(), rows)
+        mixes = deepinfer_ops.hc_mix(streams.reshape(T, streams.shape[1] * streams.shape[2]), fn.float().contiguous(),
+                                     self.config.rms_norm_eps)
         pre = pointwise(torch.sigmoid, mixes * scale.float() + base.float(), rows) + self.config.hc_eps
-        return self._collapse(pre, streams, rows)
+        return deepinfer_ops.hc_collapse(streams.contiguous(), pre.contiguous())
 
     # ---- compressor -------------------------------------------------------------------------------------------
     @staticmethod
@@ -1000,6 +951,56 @@ class DeepseekV4ForCausalLM(nn.Module):
                 deepinfer_ops.kv_cache_write(pool_state_gate, all_gate[r0 - s0:E - s0].to(pool_state_gate.dtype), ring)
 
     # ---- attention ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _x_linears(attn: Attention) -> list[Linear]:
+        """The compressor / indexer projections of the attention input, in output order: compressor ``wkv``,
+        ``wgate``, then for CSA the indexer compressor's ``wkv``, ``wgate`` and the indexer ``weights_proj``."""
+        lins = [attn.compressor.wkv, attn.compressor.wgate]
+        if attn.layer_type == CSA:
+            ic = attn.indexer.compressor
+            lins += [ic.wkv, ic.wgate, attn.indexer.weights_proj]
+        return lins
+
+    def _x_projections(self, attn: Attention, x: torch.Tensor, rows: int) -> list[torch.Tensor]:
+        """Outputs of :meth:`_x_linears` for ``x [T, D]``. Their dequantised weights run as ONE GEMM over the
+        concatenated weight (the ``x`` reads and, in batch-invariant mode, the fixed-shape chunk launches are shared
+        instead of repeated five times): the first call concatenates them into one tensor and makes every linear's
+        weight a view of its rows (so in-place weight updates reach it; a linear whose weight was replaced since --
+        another tensor, device or dtype -- is noticed through the views and the concatenation is rebuilt). FP8
+        linears run on their own."""
+        lins = self._x_linears(attn)
+        dense = [lin for lin in lins if not lin.is_fp8]
+        if len(dense) < 2:
+            return [lin(x, rows) for lin in lins]
+        fused = self._fused_weights.get(id(attn))
+        if fused is None or not self._is_fused_view(fused, dense):
+            fused = torch.cat([lin.weight.detach() for lin in dense])
+            r = 0
+            for lin in dense:
+                n = lin.weight.shape[0]
+                lin._parameters["weight"] = nn.Parameter(fused[r:r + n], requires_grad=False)
+                r += n
+            self._fused_weights[id(attn)] = fused
+        y = linear_rows(x, fused, rows)
+        outs, r = {}, 0
+        for lin in dense:
+            n = lin.weight.shape[0]
+            outs[id(lin)] = y[:, r:r + n].contiguous()
+            r += n
+        return [outs[id(lin)] if id(lin) in outs else lin(x, rows) for lin in lins]
+
+    @staticmethod
+    def _is_fused_view(fused: torch.Tensor, dense: list[Linear]) -> bool:
+        """Whether the weights of ``dense`` are still, in order, the row blocks of ``fused``."""
+        r, row_bytes = 0, fused.shape[1] * fused.element_size()
+        for lin in dense:
+            w = lin.weight
+            if (w.device != fused.device or w.dtype != fused.dtype or w.shape[1] != fused.shape[1]
+                    or not w.is_contiguous() or w.data_ptr() != fused.data_ptr() + r * row_bytes):
+                return False
+            r += w.shape[0]
+        return r == fused.shape[0]
+
     def _attention(self, attn: Attention, x: torch.Tensor, positions: torch.Tensor, seqs: list[_Seq],
                    pools: dict[str, torch.Tensor], rows: int = 0) -> torch.Tensor:
         """One attention sublayer over the step's tokens ``x [T, D]``. ``rows > 0``: batch-invariant mode (fixed-shape
@@ -1023,15 +1024,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         if lt != SLIDING:
             m = attn.ratio
             comp = attn.compressor
-            ckv = comp.wkv(x, rows)
-            cgate = comp.wgate(x, rows)
+            idx = attn.indexer if lt == CSA else None
+            proj = self._x_projections(attn, x, rows)
+            ckv, cgate = proj[0], proj[1]
         if lt == CSA:
-            idx = attn.indexer
-            ikv = idx.compressor.wkv(x, rows)
-            igate = idx.compressor.wgate(x, rows)
+            ikv, igate = proj[2], proj[3]
             iq = idx.wq_b(qr, rows).view(T, idx.n_heads, idx.head_dim).contiguous()
             deepinfer_ops.rotary_embedding(iq, positions, table)
-            iw = idx.weights_proj(x, rows).float() * (idx.n_heads ** -0.5)
+            iw = proj[4].float() * (idx.n_heads ** -0.5)
 
         # 1. the step's cache writes: raw K=V of every token, then every window closing in this step (compressed
         #    entries and indexer keys)
@@ -1179,10 +1179,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                seqs: list[_Seq], pools: dict[str, torch.Tensor], rows: int = 0, pad: int = 0) -> torch.Tensor:
         post, comb, collapsed = self._hc_pre(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, rows)
         a = self._attention(blk.attn, blk.attn_norm(collapsed), positions, seqs, pools, rows)
-        streams = self._hc_post(streams, a, post, comb, rows)
+        streams = self._hc_post(streams, a, post, comb)
         post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, rows)
         f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids, rows, seqs[-1].b if pad else None)
-        return self._hc_post(streams, f, post, comb, rows)
+        return self._hc_post(streams, f, post, comb)
 
     # ---- public forward --------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -23,6 +23,23 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     return y.to(x.dtype)
 
 
+def hc_mix_ref(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """``rms_norm(x) @ fn.T`` in float32 (unweighted norm over the last dim): ``[tokens, K]`` -> ``[tokens, M]``."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)) @ fn.float().T
+
+
+def hc_collapse_ref(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """``sum_i pre[:, i] * streams[:, i]`` in float32, rounded once to the streams' dtype."""
+    return (pre.float().unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)
+
+
+def hc_post_ref(streams: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """``post[:, j] * x + sum_i comb[:, i, j] * streams[:, i]`` in float32, rounded once to the streams' dtype."""
+    mixed = torch.einsum("tij,tid->tjd", comb.float(), streams.float())
+    return (post.float().unsqueeze(-1) * x.float().unsqueeze(1) + mixed).to(streams.dtype)
+
+
 #: Smallest power of two >= s (UE8M0 scales), exactly: ``formats.round_up_pow2``.
 round_up_pow2_ref = formats.round_up_pow2
 

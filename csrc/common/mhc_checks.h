@@ -1,0 +1,104 @@
+#pragma once
+
+#include "common/checks.h"
+
+namespace deepinfer {
+
+// Manifold-constrained hyper-connection (mHC) ops of DeepSeek-V4: `hc` residual streams per token.
+inline constexpr int64_t kHcMixMaxM = 32;  // hc_mix: outputs per token (V4: 2 hc + hc^2 = 24, and hc for the head)
+inline constexpr int64_t kHcMaxStreams = 8;  // hc_collapse / hc_post: streams per token (V4: hc_mult = 4)
+
+inline void check_float_tensor(const char* op, const at::Tensor& t, const char* name) {
+  DEEPINFER_CHECK(is_float_activation(t.scalar_type()), op, name, " must be float32, bfloat16 or float16, got ",
+                  dtype_name(t.scalar_type()));
+}
+
+inline void check_contiguous(const char* op, const at::Tensor& t, const char* name) {
+  DEEPINFER_CHECK(t.is_contiguous(), op, name, " must be contiguous, got strides ", t.strides());
+}
+
+// hc_mix(out, x, fn, eps): x [T, K] (last dim contiguous, any row stride), fn [M, K] float32 contiguous,
+// out [T, M] float32 contiguous.
+inline void check_hc_mix(const at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps) {
+  const char* op = "hc_mix";
+  check_float_tensor(op, x, "x");
+  DEEPINFER_CHECK(x.dim() == 2, op, "x must be [tokens, K], got ", x.sizes());
+  DEEPINFER_CHECK(x.size(1) <= 1 || x.stride(1) == 1, op, "x must be contiguous in its last dim, got strides ",
+                  x.strides());
+  check_dtype(op, fn, "fn", at::kFloat);
+  DEEPINFER_CHECK(fn.dim() == 2 && fn.size(1) == x.size(1), op, "fn must be [M, ", x.size(1), "] (K of x), got ",
+                  fn.sizes());
+  DEEPINFER_CHECK(fn.size(0) >= 1 && fn.size(0) <= kHcMixMaxM, op, "fn must have 1 to ", kHcMixMaxM,
+                  " rows (M), got ", fn.size(0));
+  DEEPINFER_CHECK(x.size(1) >= 1, op, "x must have K >= 1 columns");
+  check_contiguous(op, fn, "fn");
+  check_dtype(op, out, "out", at::kFloat);
+  DEEPINFER_CHECK(out.dim() == 2 && out.size(0) == x.size(0) && out.size(1) == fn.size(0), op, "out must be [",
+                  x.size(0), ", ", fn.size(0), "], got ", out.sizes());
+  check_contiguous(op, out, "out");
+  check_same_device(op, x, "x", fn, "fn");
+  check_same_device(op, out, "out", x, "x");
+  check_writable(op, out, "out");
+  check_no_partial_overlap(op, out, "out", x, "x", /*allow_in_place=*/false);
+  DEEPINFER_CHECK(eps >= 0.0, op, "eps must be >= 0, got ", eps);
+}
+
+// The per-token float32 weights of hc_collapse / hc_post: `w` [T, dims...] float32 contiguous.
+inline void check_hc_weights(const char* op, const at::Tensor& w, const char* name, at::IntArrayRef want,
+                             const at::Tensor& streams) {
+  check_dtype(op, w, name, at::kFloat);
+  DEEPINFER_CHECK(w.sizes() == want, op, name, " must be ", want, ", got ", w.sizes());
+  check_contiguous(op, w, name);
+  check_same_device(op, w, name, streams, "streams");
+}
+
+inline void check_hc_streams(const char* op, const at::Tensor& streams) {
+  check_float_tensor(op, streams, "streams");
+  DEEPINFER_CHECK(streams.dim() == 3, op, "streams must be [tokens, hc, hidden], got ", streams.sizes());
+  DEEPINFER_CHECK(streams.size(1) >= 1 && streams.size(1) <= kHcMaxStreams, op, "streams must have 1 to ",
+                  kHcMaxStreams, " streams (dim 1), got ", streams.size(1));
+  check_contiguous(op, streams, "streams");
+}
+
+// hc_collapse(out, streams, pre): streams [T, hc, D] contiguous, pre [T, hc] float32, out [T, D] of the streams' dtype.
+inline void check_hc_collapse(const at::Tensor& out, const at::Tensor& streams, const at::Tensor& pre) {
+  const char* op = "hc_collapse";
+  check_hc_streams(op, streams);
+  const int64_t T = streams.size(0), hc = streams.size(1), D = streams.size(2);
+  check_hc_weights(op, pre, "pre", {T, hc}, streams);
+  DEEPINFER_CHECK(out.scalar_type() == streams.scalar_type(), op, "out dtype ", dtype_name(out.scalar_type()),
+                  " != streams dtype ", dtype_name(streams.scalar_type()));
+  DEEPINFER_CHECK(out.dim() == 2 && out.size(0) == T && out.size(1) == D, op, "out must be [", T, ", ", D, "], got ",
+                  out.sizes());
+  check_contiguous(op, out, "out");
+  check_same_device(op, out, "out", streams, "streams");
+  check_writable(op, out, "out");
+  check_no_partial_overlap(op, out, "out", streams, "streams", /*allow_in_place=*/false);
+}
+
+// hc_post(out, streams, x, post, comb): streams / out [T, hc, D] (out may be streams itself), x [T, D] of the same
+// dtype, post [T, hc] and comb [T, hc, hc] float32.
+inline void check_hc_post(const at::Tensor& out, const at::Tensor& streams, const at::Tensor& x, const at::Tensor& post,
+                          const at::Tensor& comb) {
+  const char* op = "hc_post";
+  check_hc_streams(op, streams);
+  const int64_t T = streams.size(0), hc = streams.size(1), D = streams.size(2);
+  DEEPINFER_CHECK(x.scalar_type() == streams.scalar_type(), op, "x dtype ", dtype_name(x.scalar_type()),
+                  " != streams dtype ", dtype_name(streams.scalar_type()));
+  DEEPINFER_CHECK(x.dim() == 2 && x.size(0) == T && x.size(1) == D, op, "x must be [", T, ", ", D, "], got ",
+                  x.sizes());
+  check_contiguous(op, x, "x");
+  check_same_device(op, x, "x", streams, "streams");
+  check_hc_weights(op, post, "post", {T, hc}, streams);
+  check_hc_weights(op, comb, "comb", {T, hc, hc}, streams);
+  DEEPINFER_CHECK(out.scalar_type() == streams.scalar_type(), op, "out dtype ", dtype_name(out.scalar_type()),
+                  " != streams dtype ", dtype_name(streams.scalar_type()));
+  DEEPINFER_CHECK(out.sizes() == streams.sizes(), op, "out shape ", out.sizes(), " != streams shape ", streams.sizes());
+  check_contiguous(op, out, "out");
+  check_same_device(op, out, "out", streams, "streams");
+  check_writable(op, out, "out");
+  check_no_partial_overlap(op, out, "out", streams, "streams", /*allow_in_place=*/true);
+  check_no_partial_overlap(op, out, "out", x, "x", /*allow_in_place=*/false);
+}
+
+}  // namespace deepinfer

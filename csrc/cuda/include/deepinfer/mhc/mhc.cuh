@@ -1,0 +1,37 @@
+// mHC (manifold-constrained hyper-connection) device code of DeepSeek-V4. Every token is computed on its own with a
+// reduction order fixed by the op's shapes (K, M, hc), never by the number of tokens: batch-invariant by construction.
+#pragma once
+
+#include "deepinfer/common.cuh"
+
+namespace deepinfer::mhc {
+
+inline constexpr int kMaxMix = 32;     // hc_mix outputs per token
+inline constexpr int kMaxStreams = 8;  // streams per token
+
+struct HcMixParams {
+  const void* x;     // [tokens, k], row stride x_row_stride (elements), last dim contiguous
+  const float* fn;   // [m, k] contiguous
+  float* out;        // [tokens, m] contiguous
+  int64_t tokens, k, x_row_stride;
+  int m;
+  float eps;
+  DType dtype;
+};
+
+struct HcStreamParams {
+  const void* streams;  // [tokens, hc, hidden] contiguous
+  const void* x;        // hc_post: [tokens, hidden] contiguous
+  const float* pre;     // hc_collapse: [tokens, hc]; hc_post: post [tokens, hc]
+  const float* comb;    // hc_post: [tokens, hc, hc]
+  void* out;            // hc_collapse: [tokens, hidden]; hc_post: [tokens, hc, hidden] (may be streams)
+  int64_t tokens, hidden;
+  int hc;
+  DType dtype;
+};
+
+void launch_hc_mix(const HcMixParams& p, cudaStream_t stream);
+void launch_hc_collapse(const HcStreamParams& p, cudaStream_t stream);
+void launch_hc_post(const HcStreamParams& p, cudaStream_t stream);
+
+}  // namespace deepinfer::mhc

@@ -1,0 +1,60 @@
+// Torch-facing CUDA entry points of the mHC domain: checks, then launch on the current stream.
+#include "cuda/torch_utils.h"
+#include "common/mhc_checks.h"
+#include "deepinfer/mhc/mhc.cuh"
+#include "ops.h"
+
+namespace deepinfer {
+
+void hc_mix_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps) {
+  check_hc_mix(out, x, fn, eps);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(x.device());
+  mhc::HcMixParams p{};
+  p.x = x.const_data_ptr();
+  p.fn = fn.const_data_ptr<float>();
+  p.out = out.mutable_data_ptr<float>();
+  p.tokens = x.size(0);
+  p.k = x.size(1);
+  p.x_row_stride = x.stride(0);
+  p.m = static_cast<int>(fn.size(0));
+  p.eps = static_cast<float>(eps);
+  p.dtype = to_dtype(x.scalar_type());
+  mhc::launch_hc_mix(p, current_stream());
+}
+
+namespace {
+mhc::HcStreamParams stream_params(const at::Tensor& out, const at::Tensor& streams) {
+  mhc::HcStreamParams p{};
+  p.streams = streams.const_data_ptr();
+  p.out = out.data_ptr();
+  p.tokens = streams.size(0);
+  p.hc = static_cast<int>(streams.size(1));
+  p.hidden = streams.size(2);
+  p.dtype = to_dtype(streams.scalar_type());
+  return p;
+}
+}  // namespace
+
+void hc_collapse_cuda(at::Tensor& out, const at::Tensor& streams, const at::Tensor& pre) {
+  check_hc_collapse(out, streams, pre);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(streams.device());
+  mhc::HcStreamParams p = stream_params(out, streams);
+  p.pre = pre.const_data_ptr<float>();
+  mhc::launch_hc_collapse(p, current_stream());
+}
+
+void hc_post_cuda(at::Tensor& out, const at::Tensor& streams, const at::Tensor& x, const at::Tensor& post,
+                  const at::Tensor& comb) {
+  check_hc_post(out, streams, x, post, comb);
+  if (out.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(streams.device());
+  mhc::HcStreamParams p = stream_params(out, streams);
+  p.x = x.const_data_ptr();
+  p.pre = post.const_data_ptr<float>();
+  p.comb = comb.const_data_ptr<float>();
+  mhc::launch_hc_post(p, current_stream());
+}
+
+}  // namespace deepinfer

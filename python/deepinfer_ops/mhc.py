@@ -1,0 +1,78 @@
+"""mHC (manifold-constrained hyper-connection) ops of DeepSeek-V4.
+
+V4 keeps ``hc`` (``hc_mult`` = 4) residual streams per token. Around every sublayer the model mixes them: the
+streams' RMS-normalised concatenation is projected to a few mixing coefficients (:func:`hc_mix`), their weighted sum
+is the sublayer input (:func:`hc_collapse`), and the sublayer output is written back into every stream together with
+a ``hc x hc`` mix of the old streams (:func:`hc_post`). Every op computes each token on its own in a fixed order
+(batch-invariant by construction) with float32 arithmetic.
+
+Source: DeepSeek-V4 technical report (mHC) and the reference model (transformers ``DeepseekV4ForCausalLM``:
+``hc_pre`` / ``hc_post``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def hc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Mixing coefficients: ``out[t, m] = (x[t] . fn[m]) / sqrt(mean(x[t]^2) + eps)`` -- the RMS norm of a token's
+    concatenated streams fused with the projection onto ``fn`` (V4: ``rms_norm(streams.flatten(1)) @ fn.T``).
+
+    Args:
+        x: ``[tokens, K]`` float32, bfloat16 or float16 (V4: the streams ``[tokens, hc, hidden]`` viewed as
+            ``[tokens, hc * hidden]``); last dim contiguous, any row stride.
+        fn: ``[M, K]`` float32, 1 <= M <= 32 (V4: ``2 hc + hc^2`` = 24 for a sublayer, ``hc`` for the head).
+        eps: added to the mean square (V4: ``rms_norm_eps``).
+        out: optional preallocated ``[tokens, M]`` float32 output.
+    Returns:
+        ``[tokens, M]`` float32. The products, dot products and the mean square accumulate in float32; the norm is
+        applied to the dot product (``dot * rsqrt``), not to the inputs.
+    Raises:
+        RuntimeError naming the tensor at fault (dtype, shape, M out of range, device, layout).
+    """
+    if out is None:
+        out = torch.empty(x.shape[0], fn.shape[0], dtype=torch.float32, device=x.device)
+    torch.ops.deepinfer_ops.hc_mix(out, x, fn, float(eps))
+    return out
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sublayer input: ``out[t] = sum_i pre[t, i] * streams[t, i]`` (float32, added in stream order).
+
+    Args:
+        streams: ``[tokens, hc, hidden]`` float32, bfloat16 or float16, contiguous; 1 <= hc <= 8.
+        pre: ``[tokens, hc]`` float32 contiguous (V4: ``sigmoid(mix * scale + base) + hc_eps``).
+        out: optional preallocated ``[tokens, hidden]`` output of the streams' dtype.
+    Returns:
+        ``[tokens, hidden]`` in the streams' dtype, rounded once.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    """
+    if out is None:
+        out = torch.empty(streams.shape[0], streams.shape[-1], dtype=streams.dtype, device=streams.device)
+    torch.ops.deepinfer_ops.hc_collapse(out, streams, pre)
+    return out
+
+
+def hc_post(streams: torch.Tensor, x: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """New streams after a sublayer: ``out[t, j] = post[t, j] * x[t] + sum_i comb[t, i, j] * streams[t, i]``
+    (float32, the ``post`` term first, then the streams in order; rounded once).
+
+    Args:
+        streams: ``[tokens, hc, hidden]`` float32, bfloat16 or float16, contiguous; 1 <= hc <= 8.
+        x: ``[tokens, hidden]`` sublayer output, the streams' dtype, contiguous.
+        post: ``[tokens, hc]`` float32 contiguous (V4: ``2 sigmoid(...)``).
+        comb: ``[tokens, hc, hc]`` float32 contiguous, ``comb[t, i, j]`` = weight of old stream ``i`` in new stream
+            ``j`` (V4: the Sinkhorn-normalised mix).
+        out: optional preallocated output like ``streams``; may be ``streams`` itself (updated in place).
+    Returns:
+        ``[tokens, hc, hidden]`` in the streams' dtype.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    """
+    if out is None:
+        out = torch.empty_like(streams, memory_format=torch.contiguous_format)
+    torch.ops.deepinfer_ops.hc_post(out, streams, x, post, comb)
+    return out
