@@ -86,9 +86,9 @@ def run_mode(model, batch_invariant: bool, args, shape_extra: dict) -> dict:
 
 
 def profile_mode(llm, prompts, batch_invariant: bool, args) -> None:
-    """torch.profiler over one prefill step of ``max_num_batched_tokens`` tokens, then over the requests cut to 64-token
-    prompts (one short prefill step) and 8 decode steps; the per-kernel tables (CUDA time, sorted) go to
-    ``<out-dir>/profile_engine.txt`` (appended per mode)."""
+    """torch.profiler over one prefill step of ``max_num_batched_tokens`` tokens, then over the whole batch with 16
+    output tokens (its prefill steps, then 16 decode steps at the full context); per phase the op tables sorted by
+    CUDA time and by CPU time go to ``<out-dir>/profile_engine.txt`` (appended per mode)."""
     from torch.profiler import ProfilerActivity, profile
 
     from deepinfer import SamplingParams
@@ -97,16 +97,18 @@ def profile_mode(llm, prompts, batch_invariant: bool, args) -> None:
     out = (args.out_dir or ROOT / "bench" / "results") / "profile_engine.txt"
     out.parent.mkdir(parents=True, exist_ok=True)
     for phase, ps, sp in (("prefill", prompts[:n_pre], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)),
-                          ("decode", [p[:64] for p in prompts],
-                           SamplingParams(temperature=0, max_tokens=9, ignore_eos=True))):
+                          ("prefill+decode", prompts, SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))):
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             llm.generate(ps, sp)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+        stats = llm.last_stats.summary()
+        avg = prof.key_averages()
         with open(out, "a") as f:
-            f.write(f"\n==== batch_invariant={batch_invariant} {phase}: {len(ps)} requests x {len(ps[0])} "
-                    f"tokens, max_tokens={sp.max_tokens}\n{table}\n")
+            f.write(f"\n==== batch_invariant={batch_invariant} {phase}: {len(ps)} requests x {len(ps[0])} tokens, "
+                    f"max_tokens={sp.max_tokens}; {json.dumps(stats)}\n")
+            for key in ("cuda_time_total", "self_cpu_time_total"):
+                f.write(f"-- sorted by {key}\n{avg.table(sort_by=key, row_limit=30, max_name_column_width=90)}\n")
     print(f"profile -> {out}", flush=True)
 
 

@@ -9,7 +9,7 @@
 #   OUT                 where logs and results go (default ./gpu_out)
 #   PYTEST_ARGS         extra pytest arguments (default: the whole tests/ folder)
 #   DEEPINFER_COMMIT    commit id recorded in the results (the tree may travel without .git)
-#   BENCH_ARGS          extra arguments for every benchmark script (e.g. --profile for bench_engine)
+#   BENCH_ARGS_<bench>  extra arguments for one benchmark script (e.g. BENCH_ARGS_bench_engine=--profile)
 #   DEEPINFER_CUDA_ARCHS  default 90a
 # Wheels for packages missing on the GPU machine (nvidia-cutlass, ...) are installed from .whl/ if present:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -55,7 +55,8 @@ fi
 bench_rc=0
 for b in "${benches[@]}"; do
   echo "-- $b" | tee -a "$OUT/bench.log"
-  python3 "bench/$b.py" --out-dir "$OUT/results" ${BENCH_ARGS:-} >>"$OUT/bench.log" 2>&1 || { bench_rc=1; echo "$b FAILED" | tee -a "$OUT/bench.log"; }
+  extra="BENCH_ARGS_$b"
+  python3 "bench/$b.py" --out-dir "$OUT/results" ${!extra:-} >>"$OUT/bench.log" 2>&1 || { bench_rc=1; echo "$b FAILED" | tee -a "$OUT/bench.log"; }
 done
 grep -E "^(--|geomean|wrote)|FAILED|Error" "$OUT/bench.log" | tail -40
 echo "tests rc=$test_rc generate rc=$gen_rc bench rc=$bench_rc"

@@ -3,8 +3,6 @@
 namespace deepinfer::mhc {
 namespace {
 
-constexpr int kMixThreads = 256;
-
 // Four consecutive elements k0 .. k0 + 3 of a row as float (0 past `valid`); one vector load when `vec`.
 template <typename T>
 __device__ __forceinline__ void load4(const T* src, int64_t valid, bool vec, float (&v)[4]) {
@@ -18,93 +16,124 @@ __device__ __forceinline__ void load4(const T* src, int64_t valid, bool vec, flo
   }
 }
 
-// hc_mix: out[t, m] = (x[t] . fn[m]) * rsqrt(mean(x[t]^2) + eps). A CTA of 256 threads takes kTok tokens; thread i
-// owns the 4-element groups i, i + 256, ... of K for every one of them, accumulating in K order (the same order
-// whether the loads are vectors or not); the per-thread partials then go through a fixed xor-shuffle tree and a
-// sequential sum over the 8 warps. kTok only decides how many tokens share the weight reads: a token's arithmetic
-// is the same for any kTok and any number of tokens.
-template <typename T, int kTok, int kMaxM>
-__global__ void __launch_bounds__(kMixThreads) hc_mix_kernel(HcMixParams p, bool vec) {
-  constexpr int kWarps = kMixThreads / 32;
-  constexpr int kVals = kTok * (kMaxM + 1);  // per token: kMaxM dot products, then the sum of squares
-  __shared__ float red[kWarps][kVals];
-  __shared__ float total[kVals];
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kTok;
+// hc_mix: out[t, m] = (x[t] . fn[m]) * rsqrt(mean(x[t]^2) + eps), in two kernels.
+// The reduction order of a token is fixed by K alone: K is cut into parts of kPartK elements (one CTA column each),
+// a part into chunks of kChunk, and a chunk's 4-element groups are dealt to kSlices threads (slice s takes groups
+// s, s + kSlices, ...). A thread accumulates its groups in K order; the kSlices partials go through a fixed
+// xor-shuffle tree; the first kernel writes one partial per (part, token, output), the second adds the parts in
+// order and applies the norm. kTpt (tokens per thread) and the CTA's token count only decide which tokens share the
+// weight reads, never a token's arithmetic: batch-invariant for any number of tokens.
+constexpr int kSlices = 8;
+constexpr int kChunk = 256;
+constexpr int kPartK = 1024;
+constexpr int kGroupsPerSlice = kChunk / 4 / kSlices;
+
+template <typename T, int kTpt, int kMaxM>
+__global__ void __launch_bounds__(128) hc_mix_partial_kernel(HcMixParams p, float* partial, bool vec) {
+  __shared__ float4 w_s[kMaxM][kChunk / 4];
+  const int slice = threadIdx.x % kSlices, group = threadIdx.x / kSlices;
+  const int64_t tile_tokens = static_cast<int64_t>(blockDim.x / kSlices) * kTpt;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * tile_tokens + group * kTpt;
+  const int64_t k_begin = static_cast<int64_t>(blockIdx.y) * kPartK;
+  const int64_t k_end = k_begin + kPartK < p.k ? k_begin + kPartK : p.k;
   const T* x = static_cast<const T*>(p.x);
-  float acc[kTok][kMaxM + 1];
+  float acc[kTpt][kMaxM + 1];
 #pragma unroll
-  for (int t = 0; t < kTok; ++t)
+  for (int t = 0; t < kTpt; ++t)
 #pragma unroll
     for (int m = 0; m <= kMaxM; ++m) acc[t][m] = 0.f;
-  for (int64_t k0 = static_cast<int64_t>(threadIdx.x) * 4; k0 < p.k; k0 += kMixThreads * 4) {
-    const int64_t valid = p.k - k0;
-    float xv[kTok][4];
+  for (int64_t c0 = k_begin; c0 < k_end; c0 += kChunk) {
+    __syncthreads();  // the previous chunk's weights are no longer read
+    for (int i = threadIdx.x; i < p.m * (kChunk / 4); i += blockDim.x) {
+      const int m = i / (kChunk / 4), g = i % (kChunk / 4);
+      const int64_t k = c0 + 4 * g;
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      if (k < p.k) load4(p.fn + static_cast<int64_t>(m) * p.k + k, p.k - k, vec, v);
+      w_s[m][g] = make_float4(v[0], v[1], v[2], v[3]);
+    }
+    __syncthreads();
+#pragma unroll 2
+    for (int j = 0; j < kGroupsPerSlice; ++j) {
+      const int g = slice + kSlices * j;
+      const int64_t k = c0 + 4 * g;
+      float xv[kTpt][4];
 #pragma unroll
-    for (int t = 0; t < kTok; ++t) {
-      if (t0 + t < p.tokens) {
-        load4(x + (t0 + t) * p.x_row_stride + k0, valid, vec, xv[t]);
-      } else {
+      for (int t = 0; t < kTpt; ++t) {
+        if (t0 + t < p.tokens && k < p.k) {
+          load4(x + (t0 + t) * p.x_row_stride + k, p.k - k, vec, xv[t]);
+        } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) xv[t][e] = 0.f;
+          for (int e = 0; e < 4; ++e) xv[t][e] = 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[t][kMaxM] += xv[t][e] * xv[t][e];
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[t][kMaxM] += xv[t][e] * xv[t][e];
-    }
+      for (int m = 0; m < kMaxM; ++m) {
+        if (m < p.m) {
+          const float4 w = w_s[m][g];
 #pragma unroll
-    for (int m = 0; m < kMaxM; ++m) {
-      if (m < p.m) {
-        float w[4];
-        load4(p.fn + static_cast<int64_t>(m) * p.k + k0, valid, vec, w);
-#pragma unroll
-        for (int t = 0; t < kTok; ++t)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[t][m] += xv[t][e] * w[e];
+          for (int t = 0; t < kTpt; ++t) {
+            acc[t][m] += xv[t][0] * w.x;
+            acc[t][m] += xv[t][1] * w.y;
+            acc[t][m] += xv[t][2] * w.z;
+            acc[t][m] += xv[t][3] * w.w;
+          }
+        }
       }
     }
   }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // the kSlices threads of a token are consecutive lanes of one warp
 #pragma unroll
-  for (int t = 0; t < kTok; ++t) {
+  for (int t = 0; t < kTpt; ++t) {
 #pragma unroll
     for (int m = 0; m <= kMaxM; ++m) {
       if (m < p.m || m == kMaxM) {
         float v = acc[t][m];
 #pragma unroll
-        for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
-        if (lane == 0) red[warp][t * (kMaxM + 1) + m] = v;
+        for (int s = kSlices / 2; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+        if (slice == 0 && t0 + t < p.tokens) {
+          partial[(static_cast<int64_t>(blockIdx.y) * p.tokens + t0 + t) * (p.m + 1) + (m == kMaxM ? p.m : m)] = v;
+        }
       }
-    }
-  }
-  __syncthreads();
-  for (int v = threadIdx.x; v < kVals; v += kMixThreads) {
-    float s = red[0][v];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) s += red[w][v];
-    total[v] = s;
-  }
-  __syncthreads();
-  for (int v = threadIdx.x; v < kTok * p.m; v += kMixThreads) {
-    const int t = v / p.m, m = v % p.m;
-    if (t0 + t < p.tokens) {
-      const float inv = rsqrtf(total[t * (kMaxM + 1) + kMaxM] / static_cast<float>(p.k) + p.eps);
-      p.out[(t0 + t) * p.m + m] = total[t * (kMaxM + 1) + m] * inv;
     }
   }
 }
 
-template <typename T, int kTok>
-void launch_mix_tok(const HcMixParams& p, bool vec, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((p.tokens + kTok - 1) / kTok));
+__global__ void __launch_bounds__(256) hc_mix_finish_kernel(HcMixParams p, const float* partial, int parts) {
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= p.tokens * p.m) return;
+  const int64_t t = idx / p.m;
+  const int m = static_cast<int>(idx % p.m);
+  float dot = 0.f, ss = 0.f;
+  for (int q = 0; q < parts; ++q) {
+    const float* row = partial + (static_cast<int64_t>(q) * p.tokens + t) * (p.m + 1);
+    dot += row[m];
+    ss += row[p.m];
+  }
+  p.out[idx] = dot * rsqrtf(ss / static_cast<float>(p.k) + p.eps);
+}
+
+template <typename T, int kTpt, int kMaxM>
+void launch_mix_typed(const HcMixParams& p, float* partial, int parts, bool vec, cudaStream_t stream) {
+  constexpr int kGroups = kTpt == 1 ? 8 : 16;  // token groups per CTA (kSlices threads each)
+  const int64_t tile = static_cast<int64_t>(kGroups) * kTpt;
+  const dim3 grid(static_cast<unsigned>((p.tokens + tile - 1) / tile), static_cast<unsigned>(parts));
+  hc_mix_partial_kernel<T, kTpt, kMaxM><<<grid, kGroups * kSlices, 0, stream>>>(p, partial, vec);
+}
+
+template <typename T, int kTpt>
+void launch_mix_m(const HcMixParams& p, float* partial, int parts, bool vec, cudaStream_t stream) {
   if (p.m <= 4) {
-    hc_mix_kernel<T, kTok, 4><<<grid, kMixThreads, 0, stream>>>(p, vec);
+    launch_mix_typed<T, kTpt, 4>(p, partial, parts, vec, stream);
   } else if (p.m <= 8) {
-    hc_mix_kernel<T, kTok, 8><<<grid, kMixThreads, 0, stream>>>(p, vec);
+    launch_mix_typed<T, kTpt, 8>(p, partial, parts, vec, stream);
   } else if (p.m <= 16) {
-    hc_mix_kernel<T, kTok, 16><<<grid, kMixThreads, 0, stream>>>(p, vec);
+    launch_mix_typed<T, kTpt, 16>(p, partial, parts, vec, stream);
   } else if (p.m <= 24) {
-    hc_mix_kernel<T, kTok, 24><<<grid, kMixThreads, 0, stream>>>(p, vec);
+    launch_mix_typed<T, kTpt, 24>(p, partial, parts, vec, stream);
   } else {
-    hc_mix_kernel<T, kTok, 32><<<grid, kMixThreads, 0, stream>>>(p, vec);
+    launch_mix_typed<T, kTpt, 32>(p, partial, parts, vec, stream);
   }
 }
 
@@ -181,19 +210,27 @@ void launch_stream_typed(const HcStreamParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-void launch_hc_mix(const HcMixParams& p, cudaStream_t stream) {
+int64_t hc_mix_workspace_floats(int64_t tokens, int64_t k, int m) {
+  return (k + kPartK - 1) / kPartK * tokens * (m + 1);
+}
+
+void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream) {
   if (p.tokens == 0) return;
+  const int parts = static_cast<int>((p.k + kPartK - 1) / kPartK);
   DEEPINFER_DISPATCH_FLOAT(p.dtype, [&] {
     const bool vec = p.k % 4 == 0 && p.x_row_stride % 4 == 0 && is_aligned(p.x, 4 * sizeof(scalar_t)) &&
                      is_aligned(p.fn, 16);
-    // 4 tokens per CTA share the weight reads once there are enough tokens to fill the GPU with such CTAs
+    // 4 tokens per thread share the weight reads once there are enough tokens to fill the GPU
     if (p.tokens >= 1024) {
-      launch_mix_tok<scalar_t, 4>(p, vec, stream);
+      launch_mix_m<scalar_t, 4>(p, workspace, parts, vec, stream);
     } else {
-      launch_mix_tok<scalar_t, 1>(p, vec, stream);
+      launch_mix_m<scalar_t, 1>(p, workspace, parts, vec, stream);
     }
   });
-  DEEPINFER_CHECK_LAUNCH("hc_mix_kernel");
+  DEEPINFER_CHECK_LAUNCH("hc_mix_partial_kernel");
+  const int64_t n = p.tokens * p.m;
+  hc_mix_finish_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(p, workspace, parts);
+  DEEPINFER_CHECK_LAUNCH("hc_mix_finish_kernel");
 }
 
 void launch_hc_collapse(const HcStreamParams& p, cudaStream_t stream) {

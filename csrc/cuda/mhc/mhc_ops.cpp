@@ -20,7 +20,9 @@ void hc_mix_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, dou
   p.m = static_cast<int>(fn.size(0));
   p.eps = static_cast<float>(eps);
   p.dtype = to_dtype(x.scalar_type());
-  mhc::launch_hc_mix(p, current_stream());
+  const at::Tensor workspace =
+      at::empty({mhc::hc_mix_workspace_floats(p.tokens, p.k, p.m)}, x.options().dtype(at::kFloat));
+  mhc::launch_hc_mix(p, workspace.mutable_data_ptr<float>(), current_stream());
 }
 
 namespace {

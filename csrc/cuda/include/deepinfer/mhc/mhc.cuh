@@ -30,7 +30,9 @@ struct HcStreamParams {
   DType dtype;
 };
 
-void launch_hc_mix(const HcMixParams& p, cudaStream_t stream);
+// float32 scratch hc_mix needs (one partial per 1024-wide part of K, token and output + 1)
+int64_t hc_mix_workspace_floats(int64_t tokens, int64_t k, int m);
+void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream);
 void launch_hc_collapse(const HcStreamParams& p, cudaStream_t stream);
 void launch_hc_post(const HcStreamParams& p, cudaStream_t stream);
 
