@@ -1,4 +1,5 @@
 #include "deepinfer/mhc/mhc.cuh"
+#include "deepinfer/ptx.cuh"
 
 namespace deepinfer::mhc {
 namespace {
@@ -28,12 +29,18 @@ constexpr int kChunk = 256;
 constexpr int kPartK = 1024;
 constexpr int kGroupsPerSlice = kChunk / 4 / kSlices;
 
+template <int kTpt>
+__host__ __device__ constexpr int mix_threads() {
+  return (kTpt == 1 ? 8 : 16) * kSlices;  // token groups per CTA x kSlices
+}
+
 template <typename T, int kTpt, int kMaxM>
-__global__ void __launch_bounds__(128) hc_mix_partial_kernel(HcMixParams p, float* partial, bool vec) {
+__global__ void __launch_bounds__(mix_threads<kTpt>()) hc_mix_partial_kernel(HcMixParams p, float* partial,
+                                                                              bool vec) {
+  constexpr int kThreads = mix_threads<kTpt>();
   __shared__ float4 w_s[kMaxM][kChunk / 4];
   const int slice = threadIdx.x % kSlices, group = threadIdx.x / kSlices;
-  const int64_t tile_tokens = static_cast<int64_t>(blockDim.x / kSlices) * kTpt;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * tile_tokens + group * kTpt;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * (kThreads / kSlices) * kTpt + group * kTpt;
   const int64_t k_begin = static_cast<int64_t>(blockIdx.y) * kPartK;
   const int64_t k_end = k_begin + kPartK < p.k ? k_begin + kPartK : p.k;
   const T* x = static_cast<const T*>(p.x);
@@ -44,29 +51,47 @@ __global__ void __launch_bounds__(128) hc_mix_partial_kernel(HcMixParams p, floa
     for (int m = 0; m <= kMaxM; ++m) acc[t][m] = 0.f;
   for (int64_t c0 = k_begin; c0 < k_end; c0 += kChunk) {
     __syncthreads();  // the previous chunk's weights are no longer read
-    for (int i = threadIdx.x; i < p.m * (kChunk / 4); i += blockDim.x) {
+    // stage the chunk's weights [m][kChunk] (asynchronous copies, all in flight), then read this thread's x
+    for (int i = threadIdx.x; i < p.m * (kChunk / 4); i += kThreads) {
       const int m = i / (kChunk / 4), g = i % (kChunk / 4);
       const int64_t k = c0 + 4 * g;
-      float v[4] = {0.f, 0.f, 0.f, 0.f};
-      if (k < p.k) load4(p.fn + static_cast<int64_t>(m) * p.k + k, p.k - k, vec, v);
-      w_s[m][g] = make_float4(v[0], v[1], v[2], v[3]);
+      if (vec && k < p.k) {
+        cp_async_16(&w_s[m][g], p.fn + static_cast<int64_t>(m) * p.k + k);
+      } else {
+        float v[4] = {0.f, 0.f, 0.f, 0.f};
+        if (k < p.k) load4(p.fn + static_cast<int64_t>(m) * p.k + k, p.k - k, false, v);
+        w_s[m][g] = make_float4(v[0], v[1], v[2], v[3]);
+      }
     }
+    Vec<T, 4> xr[kTpt][kGroupsPerSlice];
+#pragma unroll
+    for (int t = 0; t < kTpt; ++t) {
+#pragma unroll
+      for (int j = 0; j < kGroupsPerSlice; ++j) {
+        const int64_t k = c0 + 4 * (slice + kSlices * j);
+        const T* src = x + (t0 + t) * p.x_row_stride + k;
+        const bool row_ok = t0 + t < p.tokens && k < p.k;
+        if (vec && row_ok) {
+          xr[t][j] = *reinterpret_cast<const Vec<T, 4>*>(src);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) xr[t][j].v[e] = row_ok && e < p.k - k ? src[e] : from_float<T>(0.f);
+        }
+      }
+    }
+    cp_async_wait_all();
     __syncthreads();
-#pragma unroll 2
+#pragma unroll
     for (int j = 0; j < kGroupsPerSlice; ++j) {
       const int g = slice + kSlices * j;
-      const int64_t k = c0 + 4 * g;
       float xv[kTpt][4];
 #pragma unroll
       for (int t = 0; t < kTpt; ++t) {
-        if (t0 + t < p.tokens && k < p.k) {
-          load4(x + (t0 + t) * p.x_row_stride + k, p.k - k, vec, xv[t]);
-        } else {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) xv[t][e] = 0.f;
+        for (int e = 0; e < 4; ++e) {
+          xv[t][e] = to_float(xr[t][j].v[e]);
+          acc[t][kMaxM] += xv[t][e] * xv[t][e];
         }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[t][kMaxM] += xv[t][e] * xv[t][e];
       }
 #pragma unroll
       for (int m = 0; m < kMaxM; ++m) {
@@ -116,10 +141,10 @@ __global__ void __launch_bounds__(256) hc_mix_finish_kernel(HcMixParams p, const
 
 template <typename T, int kTpt, int kMaxM>
 void launch_mix_typed(const HcMixParams& p, float* partial, int parts, bool vec, cudaStream_t stream) {
-  constexpr int kGroups = kTpt == 1 ? 8 : 16;  // token groups per CTA (kSlices threads each)
-  const int64_t tile = static_cast<int64_t>(kGroups) * kTpt;
+  constexpr int kThreads = mix_threads<kTpt>();
+  const int64_t tile = static_cast<int64_t>(kThreads / kSlices) * kTpt;
   const dim3 grid(static_cast<unsigned>((p.tokens + tile - 1) / tile), static_cast<unsigned>(parts));
-  hc_mix_partial_kernel<T, kTpt, kMaxM><<<grid, kGroups * kSlices, 0, stream>>>(p, partial, vec);
+  hc_mix_partial_kernel<T, kTpt, kMaxM><<<grid, kThreads, 0, stream>>>(p, partial, vec);
 }
 
 template <typename T, int kTpt>
@@ -220,9 +245,9 @@ void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream) 
   DEEPINFER_DISPATCH_FLOAT(p.dtype, [&] {
     const bool vec = p.k % 4 == 0 && p.x_row_stride % 4 == 0 && is_aligned(p.x, 4 * sizeof(scalar_t)) &&
                      is_aligned(p.fn, 16);
-    // 4 tokens per thread share the weight reads once there are enough tokens to fill the GPU
+    // 2 tokens per thread share the weight reads once there are enough tokens to fill the GPU
     if (p.tokens >= 1024) {
-      launch_mix_m<scalar_t, 4>(p, workspace, parts, vec, stream);
+      launch_mix_m<scalar_t, 2>(p, workspace, parts, vec, stream);
     } else {
       launch_mix_m<scalar_t, 1>(p, workspace, parts, vec, stream);
     }

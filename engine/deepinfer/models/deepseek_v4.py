@@ -66,7 +66,8 @@ path in use):
   the FP8 re-quantisation, grouped down GEMM, weighted combine in slot order). The shared expert runs its three
   FP8 linears with the same fused SwiGLU + quantisation; ``wo_a`` runs one FP8 GEMM per group (it stays dequantised
   in a config whose groups straddle 128-row scale blocks). ``"other"`` weights (embedding, router ``gate``,
-  compressor / indexer BF16 projections, LM head) and the float32 mHC mixes stay in their dtype on torch GEMMs.
+  compressor / indexer BF16 projections, LM head) stay in their dtype on torch GEMMs; the float32 mHC mixes run in
+  :func:`deepinfer_ops.hc_mix`.
   Error vs ``"dequant"``: the activation quantisation (e4m3 has 3 mantissa bits) plus bf16 rounding of the expert
   GEMM outputs: on the tiny model, logits ``calc_diff`` <= 4.2e-3 (7e-4 .. 1.1e-3 over the rows routed alike;
   routing flips in <= 11 % of the rows), stated bounds in tests/engine/fp8_check.py.
@@ -89,10 +90,11 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
   likewise (a row's tile depends on its expert's rows only through which rows share the tile, not its arithmetic);
   the fused SwiGLU quantises row by row; the MoE combine adds a token's ``top_k`` slots in slot order in float32;
   the CPU implementations compute every output element on its own in a fixed order.
-* The remaining torch GEMMs (router ``gate``, mHC mixes, compressor / indexer BF16 projections, LM head, and on
-  path ``"dequant"`` every linear, ``wo_a``'s groups and the experts): every ``torch.mm`` has exactly
-  ``BI_GEMM_ROWS`` rows (128 on CUDA, 16 on the CPU; :func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL
-  takes other code paths for small M, so a fixed shape is the only way to get one kernel for every row. Path
+* The remaining torch GEMMs (router ``gate``, compressor / indexer BF16 projections, LM head, and on path
+  ``"dequant"`` every linear, ``wo_a``'s groups and the experts): every ``torch.mm`` has exactly
+  :meth:`batch_invariant_rows` rows (path ``"fp8"`` on CUDA 512, path ``"dequant"`` on CUDA 128, the CPU 16;
+  :func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed shape
+  is the only way to get one kernel for every row. Path
   ``"dequant"`` zero-pads the token dimension once per step to whole chunks (every GEMM then takes them without a
   copy; experts pad their gathered tokens the same way); path ``"fp8"`` does not pad the step (its FP8 GEMMs would
   only do the extra rows' work) and :func:`linear_rows` copies just the last partial chunk of each input.
@@ -671,9 +673,13 @@ class DeepseekV4ForCausalLM(nn.Module):
     QUERY_CHUNK = 512  # queries per lightning-indexer score chunk (bounds the [queries, entries] scores)
     # Batch-invariant mode (``ForwardBatch.batch_invariant``): rows per fixed-shape torch GEMM call (see
     # ``linear_rows``; the FP8 GEMMs of path "fp8" need none), per device type. The costs: up to rows - 1 padded GEMM
-    # rows per call (free while a call is bandwidth-bound on its weight, as a decode step of <= 128 tokens is on the
-    # GPU) and one launch per ``rows`` tokens.
+    # rows per call (about free while a call is bandwidth-bound on its weight, as decode steps are on the GPU) and one
+    # launch per ``rows`` tokens. Path "fp8" on CUDA runs only the few small torch GEMMs (router, compressor / indexer
+    # projections, LM head) in chunks, so they take 512 rows: an 8192-token prefill step is 16 launches per GEMM
+    # instead of 64 (the engine is host-bound there), and a decode step's padding to 512 rows costs about 0.5 ms in the
+    # LM head. Path "dequant" pads every expert's tokens too, so it keeps 128.
     BI_GEMM_ROWS = {"cuda": 128, "cpu": 16}
+    BI_GEMM_ROWS_FP8 = {"cuda": 512}
     BI_GEMM_ROWS_DEFAULT = 128
 
     def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, gemm: str = "auto"):
@@ -838,8 +844,11 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     # ---- mHC ------------------------------------------------------------------------------------------------------
     def batch_invariant_rows(self, device: torch.device) -> int:
-        """Rows per fixed-shape GEMM call in batch-invariant mode on ``device``."""
-        return self.BI_GEMM_ROWS.get(torch.device(device).type, self.BI_GEMM_ROWS_DEFAULT)
+        """Rows per fixed-shape GEMM call in batch-invariant mode on ``device`` for the model's GEMM path."""
+        kind = torch.device(device).type
+        if self.gemm == "fp8" and kind in self.BI_GEMM_ROWS_FP8:
+            return self.BI_GEMM_ROWS_FP8[kind]
+        return self.BI_GEMM_ROWS.get(kind, self.BI_GEMM_ROWS_DEFAULT)
 
     def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rows: int = 0):
         """streams ``[T, hc, D]`` -> (post ``[T, hc]``, comb ``[T, hc, hc]`` float32, collapsed ``[T, D]``): the mixing
