@@ -276,3 +276,40 @@ def test_fused_input_projections_follow_weight_changes():
     params[f"layers.{csa}.attn.indexer.weights_proj.weight"] = new_wp
     fresh = DeepseekV4ForCausalLM.from_parameters(c, params)
     assert_close(m.forward_full(ids), fresh.forward_full(ids), TOL, name="logits after weight changes")
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_batched_decode_equals_each_sequence_alone(model, batch_invariant):
+    """Decode steps of several sequences together (compressor windows and rings handled batched over the
+    sequences) give each sequence what it gets decoding alone: bitwise in batch-invariant mode, within float32
+    tolerance otherwise. The lengths cross window ends (ratios 4 and 128), block ends (128 tokens) and start at
+    one token (window 0 has no previous window)."""
+    lens = [1, 3, 126, 127, 253]
+    steps = 4
+    seqs = [_ids(n + steps, 40 + i) for i, n in enumerate(lens)]
+    width = 3
+    tables = [list(range(width * i, width * i + width)) for i in range(len(lens))]
+
+    def run(members):
+        cache = model.allocate_cache(width * len(lens))
+        bt = torch.tensor([tables[i] for i in members], dtype=torch.int32)
+        pre = ForwardBatch(torch.cat([seqs[i][:lens[i]] for i in members]),
+                           torch.cat([torch.arange(lens[i]) for i in members]), [lens[i] for i in members],
+                           [lens[i] for i in members], bt, torch.tensor([0]), batch_invariant=batch_invariant)
+        model.forward(pre, cache)
+        out = []
+        for k in range(steps):
+            ids = torch.stack([seqs[i][lens[i] + k] for i in members])
+            pos = torch.tensor([lens[i] + k for i in members])
+            b = ForwardBatch(ids, pos, [1] * len(members), [lens[i] + k + 1 for i in members], bt,
+                             torch.arange(len(members)), batch_invariant=batch_invariant)
+            out.append(model.forward(b, cache))
+        return torch.stack(out, dim=1)  # [members, steps, vocab]
+
+    together = run(list(range(len(lens))))
+    for i in range(len(lens)):
+        alone = run([i])[0]
+        if batch_invariant:
+            assert torch.equal(alone, together[i]), f"sequence {i} (length {lens[i]})"
+        else:
+            assert_close(alone, together[i], TOL, name=f"sequence {i} logits")

@@ -920,13 +920,32 @@ class DeepseekV4ForCausalLM(nn.Module):
         weights = (e / tree_sum_dim1(e).unsqueeze(1)).to(slot_kv.dtype)
         return tree_sum_dim1((slot_kv * weights).float()).to(slot_kv.dtype)
 
-    def _pool_entries(self, comp: Compressor, slot_kv: torch.Tensor, slot_gate: torch.Tensor,
-                      rows: int) -> torch.Tensor:
-        """Compressed entries ``[n_win, hd]`` of windows given as slots (``slot_kv [n_win, slots, hd]``, float32
-        ``slot_gate`` with ``ape`` added, -inf = empty slot): the softmax-gated sum over the slots, then the
-        compressor's RMS norm (batch-invariant mode: :meth:`_pool_bi`)."""
+    def _pool_windows(self, comp: Compressor, cur_kv: torch.Tensor, cur_gate: torch.Tensor,
+                      prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, prev_at, rows: int) -> torch.Tensor:
+        """Compressed entries ``[n, hd]`` of ``n`` windows closing in this step.
+
+        ``cur_kv`` / ``cur_gate``: ``[n, m, coff * hd]`` projections of each window's own ``m`` positions (as stored:
+        ``ape`` not added). CSA (``overlap``): a window's slots are the ``Ca`` half of window ``w - 1`` (``prev_kv`` /
+        ``prev_gate [k, m, coff * hd]`` for the windows ``prev_at`` selects; window 0 and any window not selected keeps
+        -inf gates there, i.e. weight 0) followed by the ``Cb`` half of its own. Pooling: the softmax over the slots
+        of the float32 ``gate + ape``, the gated sum, then the compressor's RMS norm (batch-invariant mode:
+        :meth:`_pool_bi`)."""
+        m, hd = comp.ratio, comp.head_dim
+        ape = comp.ape.float()
+        cur_gate = cur_gate.float() + ape
+        if comp.overlap:
+            n = cur_kv.shape[0]
+            slot_kv = cur_kv.new_zeros(n, 2 * m, hd)
+            slot_gate = cur_gate.new_full((n, 2 * m, hd), float("-inf"))
+            slot_kv[:, m:] = cur_kv[..., hd:]
+            slot_gate[:, m:] = cur_gate[..., hd:]
+            if prev_kv is not None:
+                slot_kv[prev_at, :m] = prev_kv[..., :hd]
+                slot_gate[prev_at, :m] = (prev_gate.float() + ape)[..., :hd]
+        else:
+            slot_kv, slot_gate = cur_kv, cur_gate
         if rows:
-            return comp.norm(self._pool_bi(slot_kv, slot_gate.float()).contiguous())
+            return comp.norm(self._pool_bi(slot_kv, slot_gate).contiguous())
         weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
         return comp.norm((slot_kv * weights).sum(dim=1))
 
@@ -973,26 +992,14 @@ class DeepseekV4ForCausalLM(nn.Module):
             ws = [seqs[i].L // m - 1 for i in closing]
             cur = torch.tensor([[pos_row[i][w * m + j] for j in range(m)] for i, w in zip(closing, ws)],
                                dtype=torch.long, device=dev)
-            ape = comp.ape.float()
-            cur_kv = all_kv[cur]  # [n, m, coff * hd]
-            cur_gate = all_gate[cur].float() + ape
-            if overlap:
-                n = len(closing)
-                slot_kv = cur_kv.new_zeros(n, 2 * m, hd)
-                slot_gate = cur_gate.new_full((n, 2 * m, hd), float("-inf"))
-                slot_kv[:, m:] = cur_kv[..., hd:]
-                slot_gate[:, m:] = cur_gate[..., hd:]
-                # Ca half of window w - 1 (windows w >= 1 only; window 0 keeps -inf gates = weight 0)
-                prev = [(k, [pos_row[i][(w - 1) * m + j] for j in range(m)])
-                        for k, (i, w) in enumerate(zip(closing, ws)) if w >= 1]
-                if prev:
-                    at = torch.tensor([k for k, _ in prev], dtype=torch.long, device=dev)
-                    pr = torch.tensor([r for _, r in prev], dtype=torch.long, device=dev)
-                    slot_kv[at, :m] = all_kv[pr][..., :hd]
-                    slot_gate[at, :m] = (all_gate[pr].float() + ape)[..., :hd]
-            else:
-                slot_kv, slot_gate = cur_kv, cur_gate
-            entries = self._pool_entries(comp, slot_kv, slot_gate, rows)
+            prev_kv = prev_gate = prev_at = None
+            prev = [(k, [pos_row[i][(w - 1) * m + j] for j in range(m)])
+                    for k, (i, w) in enumerate(zip(closing, ws)) if w >= 1] if overlap else []
+            if prev:  # window w - 1 of the windows w >= 1
+                prev_at = torch.tensor([k for k, _ in prev], dtype=torch.long, device=dev)
+                pr = torch.tensor([r for _, r in prev], dtype=torch.long, device=dev)
+                prev_kv, prev_gate = all_kv[pr], all_gate[pr]
+            entries = self._pool_windows(comp, all_kv[cur], all_gate[cur], prev_kv, prev_gate, prev_at, rows)
             w_pos = torch.tensor([w * m for w in ws], device=dev)
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             dst = torch.tensor([seqs[i].block_ids[w // per_block] * per_block + w % per_block
@@ -1036,24 +1043,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         n_win = end_w - first_w
         if n_win > 0:
             lo, hi = first_w * m - s0, end_w * m - s0
-            ape = comp.ape.float()  # [m, coff * hd]: slot j of every window is position w m + j
             cur_kv = all_kv[lo:hi].view(n_win, m, -1)
-            cur_gate = all_gate[lo:hi].view(n_win, m, -1).float() + ape
-            if overlap:
-                slot_kv = cur_kv.new_zeros(n_win, 2 * m, hd)
-                slot_gate = cur_gate.new_full((n_win, 2 * m, hd), float("-inf"))
-                slot_kv[:, m:] = cur_kv[..., hd:]
-                slot_gate[:, m:] = cur_gate[..., hd:]
-                # Ca half of window w-1 (windows w >= 1 only; window 0 keeps -inf gates = weight 0)
-                w_from = max(first_w, 1)
-                if end_w > w_from:
-                    plo, phi = (w_from - 1) * m - s0, (end_w - 1) * m - s0
-                    k = end_w - w_from
-                    slot_kv[n_win - k:, :m] = all_kv[plo:phi].view(k, m, -1)[..., :hd]
-                    slot_gate[n_win - k:, :m] = (all_gate[plo:phi].view(k, m, -1).float() + ape)[..., :hd]
-            else:
-                slot_kv, slot_gate = cur_kv, cur_gate
-            entries = self._pool_entries(comp, slot_kv, slot_gate, rows)
+            cur_gate = all_gate[lo:hi].view(n_win, m, -1)
+            prev_kv = prev_gate = prev_at = None
+            w_from = max(first_w, 1)  # windows w >= 1 take the Ca half of window w - 1 (CSA)
+            if overlap and end_w > w_from:
+                plo, phi = (w_from - 1) * m - s0, (end_w - 1) * m - s0
+                k = end_w - w_from
+                prev_kv, prev_gate = all_kv[plo:phi].view(k, m, -1), all_gate[plo:phi].view(k, m, -1)
+                prev_at = slice(n_win - k, n_win)
+            entries = self._pool_windows(comp, cur_kv, cur_gate, prev_kv, prev_gate, prev_at, rows)
             w_pos = torch.arange(first_w, end_w, device=entries.device) * m
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             per_block = pool_comp.shape[1]
