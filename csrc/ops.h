@@ -17,6 +17,10 @@ void rms_norm_cuda(at::Tensor& out, const at::Tensor& input, const std::optional
 // ---- mhc ----
 void hc_mix_cpu(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps);
 void hc_mix_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps);
+void hc_weights_cpu(at::Tensor& pre, at::Tensor& post, at::Tensor& comb, const at::Tensor& mix, const at::Tensor& base,
+                    const at::Tensor& scale, double eps, int64_t sinkhorn_iters);
+void hc_weights_cuda(at::Tensor& pre, at::Tensor& post, at::Tensor& comb, const at::Tensor& mix, const at::Tensor& base,
+                     const at::Tensor& scale, double eps, int64_t sinkhorn_iters);
 void hc_collapse_cpu(at::Tensor& out, const at::Tensor& streams, const at::Tensor& pre);
 void hc_collapse_cuda(at::Tensor& out, const at::Tensor& streams, const at::Tensor& pre);
 void hc_post_cpu(at::Tensor& out, const at::Tensor& streams, const at::Tensor& x, const at::Tensor& post,

@@ -11,6 +11,9 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("rms_norm(Tensor! out, Tensor input, Tensor? weight, float eps) -> ()");
   // mhc
   m.def("hc_mix(Tensor! out, Tensor x, Tensor fn, float eps) -> ()");
+  m.def(
+      "hc_weights(Tensor! pre, Tensor! post, Tensor! comb, Tensor mix, Tensor base, Tensor scale, float eps, "
+      "int sinkhorn_iters) -> ()");
   m.def("hc_collapse(Tensor! out, Tensor streams, Tensor pre) -> ()");
   m.def("hc_post(Tensor! out, Tensor streams, Tensor x, Tensor post, Tensor comb) -> ()");
   // quant
@@ -53,6 +56,7 @@ TORCH_LIBRARY(deepinfer_ops, m) {
 TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("rms_norm", &deepinfer::rms_norm_cpu);
   m.impl("hc_mix", &deepinfer::hc_mix_cpu);
+  m.impl("hc_weights", &deepinfer::hc_weights_cpu);
   m.impl("hc_collapse", &deepinfer::hc_collapse_cpu);
   m.impl("hc_post", &deepinfer::hc_post_cpu);
   m.impl("per_token_group_quant_fp8", &deepinfer::per_token_group_quant_fp8_cpu);
@@ -75,6 +79,7 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
 TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("rms_norm", &deepinfer::rms_norm_cuda);
   m.impl("hc_mix", &deepinfer::hc_mix_cuda);
+  m.impl("hc_weights", &deepinfer::hc_weights_cuda);
   m.impl("hc_collapse", &deepinfer::hc_collapse_cuda);
   m.impl("hc_post", &deepinfer::hc_post_cuda);
   m.impl("per_token_group_quant_fp8", &deepinfer::per_token_group_quant_fp8_cuda);

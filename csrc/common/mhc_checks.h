@@ -2,6 +2,10 @@
 
 #include "common/checks.h"
 
+#include <tuple>
+#include <utility>
+#include <vector>
+
 namespace deepinfer {
 
 // Manifold-constrained hyper-connection (mHC) ops of DeepSeek-V4: `hc` residual streams per token.
@@ -99,6 +103,37 @@ inline void check_hc_post(const at::Tensor& out, const at::Tensor& streams, cons
   check_writable(op, out, "out");
   check_no_partial_overlap(op, out, "out", streams, "streams", /*allow_in_place=*/true);
   check_no_partial_overlap(op, out, "out", x, "x", /*allow_in_place=*/false);
+}
+
+// hc_weights(pre, post, comb, mix, base, scale, eps, sinkhorn_iters): mix [T, 2 hc + hc^2], base [2 hc + hc^2],
+// scale [3], pre / post [T, hc], comb [T, hc, hc]; all float32 contiguous on one device; hc from pre.
+inline void check_hc_weights_op(const at::Tensor& pre, const at::Tensor& post, const at::Tensor& comb,
+                                const at::Tensor& mix, const at::Tensor& base, const at::Tensor& scale, double eps,
+                                int64_t sinkhorn_iters) {
+  const char* op = "hc_weights";
+  check_dtype(op, pre, "pre", at::kFloat);
+  DEEPINFER_CHECK(pre.dim() == 2 && pre.size(1) >= 1 && pre.size(1) <= kHcMaxStreams, op,
+                  "pre must be [tokens, hc] with 1 <= hc <= ", kHcMaxStreams, ", got ", pre.sizes());
+  const int64_t T = pre.size(0), hc = pre.size(1), m = 2 * hc + hc * hc;
+  for (const auto& [t, name, want] : {std::tuple<const at::Tensor&, const char*, std::vector<int64_t>>{mix, "mix", {T, m}},
+                                      {base, "base", {m}}, {scale, "scale", {3}}, {post, "post", {T, hc}},
+                                      {comb, "comb", {T, hc, hc}}}) {
+    check_dtype(op, t, name, at::kFloat);
+    DEEPINFER_CHECK(t.sizes() == at::IntArrayRef(want), op, name, " must be ", at::IntArrayRef(want), ", got ",
+                    t.sizes());
+    check_contiguous(op, t, name);
+    check_same_device(op, t, name, pre, "pre");
+  }
+  check_contiguous(op, pre, "pre");
+  for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{pre, "pre"}, {post, "post"}, {comb, "comb"}}) {
+    check_writable(op, t, name);
+    check_no_partial_overlap(op, t, name, mix, "mix", /*allow_in_place=*/false);
+  }
+  check_no_partial_overlap(op, pre, "pre", post, "post", false);
+  check_no_partial_overlap(op, pre, "pre", comb, "comb", false);
+  check_no_partial_overlap(op, post, "post", comb, "comb", false);
+  DEEPINFER_CHECK(eps >= 0.0, op, "eps must be >= 0, got ", eps);
+  DEEPINFER_CHECK(sinkhorn_iters >= 0, op, "sinkhorn_iters must be >= 0, got ", sinkhorn_iters);
 }
 
 }  // namespace deepinfer

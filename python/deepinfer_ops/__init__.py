@@ -27,7 +27,7 @@ from .gemm import (
     m_grouped_fp8_gemm_nt_masked,
     swiglu_clamp_quant_fp8,
 )
-from .mhc import hc_collapse, hc_mix, hc_post
+from .mhc import hc_collapse, hc_mix, hc_post, hc_weights
 from .moe import fused_moe_fp8
 from .norm import rms_norm
 from .quant import FP8_E4M3_MAX, per_token_group_quant_fp8
@@ -47,6 +47,7 @@ __all__ = [
     "hc_collapse",
     "hc_mix",
     "hc_post",
+    "hc_weights",
     "kv_cache_dequant_fp8",
     "kv_cache_write",
     "kv_cache_write_fp8",

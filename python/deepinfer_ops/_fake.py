@@ -68,6 +68,13 @@ def _hc_mix_fake(out, x, fn, eps):
     return None
 
 
+@_register_fake("deepinfer_ops::hc_weights")
+def _hc_weights_fake(pre, post, comb, mix, base, scale, eps, sinkhorn_iters):
+    hc = pre.shape[1]
+    torch._check(mix.shape == (pre.shape[0], 2 * hc + hc * hc), lambda: "hc_weights: mix must be [tokens, 2 hc + hc^2]")
+    return None
+
+
 @_register_fake("deepinfer_ops::hc_collapse")
 def _hc_collapse_fake(out, streams, pre):
     torch._check(out.shape == (streams.shape[0], streams.shape[-1]), lambda: "hc_collapse: out must be [tokens, hidden]")

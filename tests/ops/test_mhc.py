@@ -141,3 +141,56 @@ def test_hc_ops_opcheck(device):
                           (torch.empty(5, 64, dtype=torch.bfloat16, device=device), streams, pre))
     torch.library.opcheck(torch.ops.deepinfer_ops.hc_post.default,
                           (torch.empty_like(streams), streams, x, pre, comb))
+
+
+@pytest.mark.parametrize("tokens,hc,iters", [(1, 4, 20), (37, 4, 20), (300, 4, 1), (5, 1, 3), (9, 8, 7), (4, 3, 0)])
+def test_hc_weights_matches_reference(device, tokens, hc, iters):
+    g = torch.Generator().manual_seed(tokens * 13 + hc + iters)
+    m = 2 * hc + hc * hc
+    mix = (torch.randn(tokens, m, generator=g) * 3).to(device)
+    base = torch.randn(m, generator=g).to(device)
+    scale = (torch.rand(3, generator=g) + 0.5).to(device)
+    got = deepinfer_ops.hc_weights(mix, base, scale, hc, 1e-6, iters)
+    want = refs.hc_weights_ref(mix, base, scale, hc, 1e-6, iters)
+    for name, a, b in zip(("pre", "post", "comb"), got, want):
+        assert_close(a, b, Tolerance(atol=2e-6, rtol=2e-5, min_cosine=0.999999), name=f"hc_weights {name}")
+    # comb is (close to) doubly stochastic after enough iterations
+    if iters >= 20:
+        torch.testing.assert_close(got[2].sum(dim=-2), torch.ones(tokens, hc, device=device), atol=1e-4, rtol=0)
+
+
+def test_hc_weights_batch_invariant_and_nan(device):
+    g = torch.Generator().manual_seed(1)
+    mix = torch.randn(50, 24, generator=g).to(device)
+    mix[7, 3] = float("nan")
+    base, scale = torch.randn(24, generator=g).to(device), torch.ones(3, device=device)
+    full = deepinfer_ops.hc_weights(mix, base, scale, 4, 1e-6, 20)
+    assert torch.isnan(full[0][7, 3]) and not torch.isnan(full[0][8]).any()
+    for lo, hi in ((0, 1), (6, 9), (49, 50)):
+        part = deepinfer_ops.hc_weights(mix[lo:hi].clone(), base, scale, 4, 1e-6, 20)
+        for a, b in zip(part, full):
+            assert torch.equal(a.view(torch.int32), b[lo:hi].view(torch.int32))
+
+
+@pytest.mark.native_errors
+def test_hc_weights_bad_inputs(device):
+    mix = torch.randn(4, 24, device=device)
+    base, scale = torch.randn(24, device=device), torch.ones(3, device=device)
+    with pytest.raises(RuntimeError, match=r"mix must be \[4, 15\]"):
+        deepinfer_ops.hc_weights(mix, base, scale, 3, 1e-6, 20)
+    with pytest.raises(RuntimeError, match=r"scale must be \[3\]"):
+        deepinfer_ops.hc_weights(mix, base, torch.ones(2, device=device), 4, 1e-6, 20)
+    with pytest.raises(RuntimeError, match="base must be torch.float32"):
+        deepinfer_ops.hc_weights(mix, base.double(), scale, 4, 1e-6, 20)
+    with pytest.raises(RuntimeError, match="sinkhorn_iters must be >= 0"):
+        deepinfer_ops.hc_weights(mix, base, scale, 4, 1e-6, -1)
+    with pytest.raises(RuntimeError, match="hc <= 8"):
+        deepinfer_ops.hc_weights(torch.randn(4, 2 * 9 + 81, device=device), torch.randn(99, device=device), scale, 9,
+                                 1e-6, 20)
+
+
+def test_hc_weights_opcheck(device):
+    mix = torch.randn(5, 24, device=device)
+    args = (torch.empty(5, 4, device=device), torch.empty(5, 4, device=device), torch.empty(5, 4, 4, device=device),
+            mix, torch.randn(24, device=device), torch.ones(3, device=device), 1e-6, 20)
+    torch.library.opcheck(torch.ops.deepinfer_ops.hc_weights.default, args)

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "common/mhc_checks.h"
+#include "common/mhc_math.h"
 #include "ops.h"
 
 namespace deepinfer {
@@ -107,6 +108,27 @@ void hc_post_cpu(at::Tensor& out, const at::Tensor& streams, const at::Tensor& x
   if (out.numel() == 0) return;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, streams.scalar_type(), "hc_post_cpu",
                                   [&] { hc_post_rows<scalar_t>(out, streams, x, post, comb); });
+}
+
+void hc_weights_cpu(at::Tensor& pre, at::Tensor& post, at::Tensor& comb, const at::Tensor& mix, const at::Tensor& base,
+                    const at::Tensor& scale, double eps, int64_t sinkhorn_iters) {
+  check_hc_weights_op(pre, post, comb, mix, base, scale, eps, sinkhorn_iters);
+  const int64_t T_ = pre.size(0);
+  const int hc = static_cast<int>(pre.size(1));
+  if (T_ == 0) return;
+  const float* mx = mix.const_data_ptr<float>();
+  const float* b = base.const_data_ptr<float>();
+  const float* sc = scale.const_data_ptr<float>();
+  float* pr = pre.mutable_data_ptr<float>();
+  float* po = post.mutable_data_ptr<float>();
+  float* cb = comb.mutable_data_ptr<float>();
+  const int m = 2 * hc + hc * hc;
+  at::parallel_for(0, T_, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      mhc_math::hc_weights_token(mx + t * m, b, sc, hc, static_cast<float>(eps), static_cast<int>(sinkhorn_iters),
+                                 pr + t * hc, po + t * hc, cb + t * hc * hc);
+    }
+  });
 }
 
 }  // namespace deepinfer

@@ -1,5 +1,6 @@
 #include "deepinfer/mhc/mhc.cuh"
 #include "deepinfer/ptx.cuh"
+#include "common/mhc_math.h"
 
 namespace deepinfer::mhc {
 namespace {
@@ -233,7 +234,22 @@ void launch_stream_typed(const HcStreamParams& p, cudaStream_t stream) {
   DEEPINFER_CHECK_LAUNCH(kPost ? "hc_post_kernel" : "hc_collapse_kernel");
 }
 
+// One thread per token: the shared per-token math (common/mhc_math.h), as on the CPU.
+__global__ void __launch_bounds__(128) hc_weights_kernel(HcWeightsParams p) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= p.tokens) return;
+  const int m = 2 * p.hc + p.hc * p.hc;
+  mhc_math::hc_weights_token(p.mix + t * m, p.base, p.scale, p.hc, p.eps, p.sinkhorn_iters, p.pre + t * p.hc,
+                             p.post + t * p.hc, p.comb + t * p.hc * p.hc);
+}
+
 }  // namespace
+
+void launch_hc_weights(const HcWeightsParams& p, cudaStream_t stream) {
+  if (p.tokens == 0) return;
+  hc_weights_kernel<<<static_cast<unsigned>((p.tokens + 127) / 128), 128, 0, stream>>>(p);
+  DEEPINFER_CHECK_LAUNCH("hc_weights_kernel");
+}
 
 int64_t hc_mix_workspace_floats(int64_t tokens, int64_t k, int m) {
   return (k + kPartK - 1) / kPartK * tokens * (m + 1);

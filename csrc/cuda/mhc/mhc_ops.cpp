@@ -25,6 +25,25 @@ void hc_mix_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, dou
   mhc::launch_hc_mix(p, workspace.mutable_data_ptr<float>(), current_stream());
 }
 
+void hc_weights_cuda(at::Tensor& pre, at::Tensor& post, at::Tensor& comb, const at::Tensor& mix, const at::Tensor& base,
+                     const at::Tensor& scale, double eps, int64_t sinkhorn_iters) {
+  check_hc_weights_op(pre, post, comb, mix, base, scale, eps, sinkhorn_iters);
+  if (pre.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(mix.device());
+  mhc::HcWeightsParams p{};
+  p.mix = mix.const_data_ptr<float>();
+  p.base = base.const_data_ptr<float>();
+  p.scale = scale.const_data_ptr<float>();
+  p.pre = pre.mutable_data_ptr<float>();
+  p.post = post.mutable_data_ptr<float>();
+  p.comb = comb.mutable_data_ptr<float>();
+  p.tokens = pre.size(0);
+  p.hc = static_cast<int>(pre.size(1));
+  p.sinkhorn_iters = static_cast<int>(sinkhorn_iters);
+  p.eps = static_cast<float>(eps);
+  mhc::launch_hc_weights(p, current_stream());
+}
+
 namespace {
 mhc::HcStreamParams stream_params(const at::Tensor& out, const at::Tensor& streams) {
   mhc::HcStreamParams p{};

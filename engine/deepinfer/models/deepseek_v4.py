@@ -873,26 +873,18 @@ class DeepseekV4ForCausalLM(nn.Module):
             return self.BI_GEMM_ROWS_FP8[kind]
         return self.BI_GEMM_ROWS.get(kind, self.BI_GEMM_ROWS_DEFAULT)
 
-    def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, rows: int = 0):
+    def _hc_pre(self, streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
         """streams ``[T, hc, D]`` -> (post ``[T, hc]``, comb ``[T, hc, hc]`` float32, collapsed ``[T, D]``): the mixing
         coefficients from :func:`deepinfer_ops.hc_mix` (RMS norm of the concatenated streams fused with the
-        projection on ``fn``), the sublayer input from :func:`deepinfer_ops.hc_collapse` (both per token in a fixed
-        order, any mode). ``rows``: batch-invariant mode (only the CPU's transcendental pointwise ops care)."""
+        projection on ``fn``), the gates and the Sinkhorn-normalised mix from :func:`deepinfer_ops.hc_weights`, the
+        sublayer input from :func:`deepinfer_ops.hc_collapse` (each per token in a fixed order, in either mode)."""
         cfg = self.config
         hc = cfg.hc_mult
         T = streams.shape[0]
         mix = deepinfer_ops.hc_mix(streams.view(T, hc * streams.shape[2]), fn.float().contiguous(), cfg.rms_norm_eps)
-        pre_w, post_w, comb_w = mix.split([hc, hc, hc * hc], dim=-1)
-        base = base.float()
-        scale = scale.float()
-        pre = pointwise(torch.sigmoid, pre_w * scale[0] + base[:hc], rows) + cfg.hc_eps
-        post = 2 * pointwise(torch.sigmoid, post_w * scale[1] + base[hc:2 * hc], rows)
-        comb = torch.softmax(comb_w.view(T, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + cfg.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-        for _ in range(cfg.hc_sinkhorn_iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + cfg.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + cfg.hc_eps)
-        return post.contiguous(), comb.contiguous(), deepinfer_ops.hc_collapse(streams, pre.contiguous())
+        pre, post, comb = deepinfer_ops.hc_weights(mix, base.float().contiguous(), scale.float().contiguous(), hc,
+                                                   cfg.hc_eps, cfg.hc_sinkhorn_iters)
+        return post, comb, deepinfer_ops.hc_collapse(streams, pre)
 
     @staticmethod
     def _hc_post(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
@@ -1301,10 +1293,10 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _block(self, blk: Block, streams: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
                step: _Step, pools: dict[str, torch.Tensor], rows: int = 0, pad: int = 0) -> torch.Tensor:
-        post, comb, collapsed = self._hc_pre(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale, rows)
+        post, comb, collapsed = self._hc_pre(streams, blk.hc_attn_fn, blk.hc_attn_base, blk.hc_attn_scale)
         a = self._attention(blk.attn, blk.attn_norm(collapsed), positions, step, pools, rows)
         streams = self._hc_post(streams, a, post, comb)
-        post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale, rows)
+        post, comb, collapsed = self._hc_pre(streams, blk.hc_ffn_fn, blk.hc_ffn_base, blk.hc_ffn_scale)
         f = self._moe(blk.ffn, blk.ffn_norm(collapsed), input_ids, rows, step.seqs[-1].b if pad else None)
         return self._hc_post(streams, f, post, comb)
 

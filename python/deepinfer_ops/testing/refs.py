@@ -29,6 +29,21 @@ def hc_mix_ref(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)) @ fn.float().T
 
 
+def hc_weights_ref(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, eps: float,
+                   sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pre, post, comb) as the V4 reference computes them from the mixing coefficients, in float32 torch ops."""
+    mix, base, scale = mix.float(), base.float(), scale.float()
+    t = mix.shape[0]
+    pre = torch.sigmoid(mix[:, :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mix[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = torch.softmax(mix[:, 2 * hc:].view(t, hc, hc) * scale[2] + base[2 * hc:].view(hc, hc), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
 def hc_collapse_ref(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """``sum_i pre[:, i] * streams[:, i]`` in float32, rounded once to the streams' dtype."""
     return (pre.float().unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype)

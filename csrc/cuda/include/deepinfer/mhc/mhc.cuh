@@ -33,6 +33,19 @@ struct HcStreamParams {
 // float32 scratch hc_mix needs (one partial per 1024-wide part of K, token and output + 1)
 int64_t hc_mix_workspace_floats(int64_t tokens, int64_t k, int m);
 void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream);
+struct HcWeightsParams {
+  const float* mix;    // [tokens, 2 hc + hc^2]
+  const float* base;   // [2 hc + hc^2]
+  const float* scale;  // [3]
+  float* pre;          // [tokens, hc]
+  float* post;         // [tokens, hc]
+  float* comb;         // [tokens, hc, hc]
+  int64_t tokens;
+  int hc, sinkhorn_iters;
+  float eps;
+};
+
+void launch_hc_weights(const HcWeightsParams& p, cudaStream_t stream);
 void launch_hc_collapse(const HcStreamParams& p, cudaStream_t stream);
 void launch_hc_post(const HcStreamParams& p, cudaStream_t stream);
 
