@@ -2,6 +2,8 @@
 
 #include "common/checks.h"
 
+#include <utility>
+
 namespace deepinfer {
 
 // Manifold-constrained hyper-connection (mHC) ops of DeepSeek-V4: `hc` residual streams per token.
@@ -15,6 +17,27 @@ inline void check_float_tensor(const char* op, const at::Tensor& t, const char* 
 
 inline void check_contiguous(const char* op, const at::Tensor& t, const char* name) {
   DEEPINFER_CHECK(t.is_contiguous(), op, name, " must be contiguous, got strides ", t.strides());
+}
+
+// `out` (written) must not share any memory with `in` (read). Unlike check_no_partial_overlap this also decides
+// non-dense layouts (hc_mix's row-strided x): it compares the byte ranges the two tensors span in one storage, so a
+// non-dense `in` whose gaps hold `out` is refused too (pass separate buffers).
+inline void check_disjoint(const char* op, const at::Tensor& out, const char* out_name, const at::Tensor& in,
+                           const char* in_name) {
+  if (out.numel() == 0 || in.numel() == 0 || !out.has_storage() || !in.has_storage()) return;
+  if (!out.storage().is_alias_of(in.storage())) return;
+  const auto span = [](const at::Tensor& t) {
+    const char* p = static_cast<const char*>(t.const_data_ptr());
+    int64_t lo = 0, hi = 0;  // element offsets of the first and the last element
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t ext = (t.size(d) - 1) * t.stride(d);
+      (ext < 0 ? lo : hi) += ext;
+    }
+    return std::make_pair(p + lo * t.element_size(), p + (hi + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(out);
+  const auto [b0, b1] = span(in);
+  DEEPINFER_CHECK(a1 <= b0 || b1 <= a0, op, out_name, " and ", in_name, " share memory; pass separate tensors");
 }
 
 // hc_mix(out, x, fn, eps): x [T, K] (last dim contiguous, any row stride), fn [M, K] float32 contiguous,
@@ -39,7 +62,8 @@ inline void check_hc_mix(const at::Tensor& out, const at::Tensor& x, const at::T
   check_same_device(op, x, "x", fn, "fn");
   check_same_device(op, out, "out", x, "x");
   check_writable(op, out, "out");
-  check_no_partial_overlap(op, out, "out", x, "x", /*allow_in_place=*/false);
+  check_disjoint(op, out, "out", x, "x");
+  check_disjoint(op, out, "out", fn, "fn");
   DEEPINFER_CHECK(eps >= 0.0, op, "eps must be >= 0, got ", eps);
 }
 
@@ -73,7 +97,8 @@ inline void check_hc_collapse(const at::Tensor& out, const at::Tensor& streams, 
   check_contiguous(op, out, "out");
   check_same_device(op, out, "out", streams, "streams");
   check_writable(op, out, "out");
-  check_no_partial_overlap(op, out, "out", streams, "streams", /*allow_in_place=*/false);
+  check_disjoint(op, out, "out", streams, "streams");
+  check_disjoint(op, out, "out", pre, "pre");
 }
 
 // hc_post(out, streams, x, post, comb): streams / out [T, hc, D] (out may be streams itself), x [T, D] of the same
@@ -98,7 +123,9 @@ inline void check_hc_post(const at::Tensor& out, const at::Tensor& streams, cons
   check_same_device(op, out, "out", streams, "streams");
   check_writable(op, out, "out");
   check_no_partial_overlap(op, out, "out", streams, "streams", /*allow_in_place=*/true);
-  check_no_partial_overlap(op, out, "out", x, "x", /*allow_in_place=*/false);
+  check_disjoint(op, out, "out", x, "x");
+  check_disjoint(op, out, "out", post, "post");
+  check_disjoint(op, out, "out", comb, "comb");
 }
 
 }  // namespace deepinfer

@@ -141,3 +141,34 @@ def test_hc_ops_opcheck(device):
                           (torch.empty(5, 64, dtype=torch.bfloat16, device=device), streams, pre))
     torch.library.opcheck(torch.ops.deepinfer_ops.hc_post.default,
                           (torch.empty_like(streams), streams, x, pre, comb))
+
+
+@pytest.mark.native_errors
+def test_hc_ops_out_sharing_memory_with_an_input_is_refused(device):
+    # out over the float32 weights (fn / pre / post / comb), or over a row-strided x (a layout ATen's overlap test
+    # calls "too hard"), would be read after it is written: silently wrong results before the check.
+    w = torch.randn(5, 5, device=device)
+    with pytest.raises(RuntimeError, match="out and fn share memory"):
+        deepinfer_ops.hc_mix(torch.randn(5, 5, device=device), w, 1e-6, out=w)
+    base = torch.randn(5 * 16, device=device)
+    x = base.view(5, 16)[:, :8]  # row stride 16
+    with pytest.raises(RuntimeError, match="out and x share memory"):
+        deepinfer_ops.hc_mix(x, torch.randn(4, 8, device=device), 1e-6, out=base[:20].view(5, 4))
+    pre = torch.rand(3, 4, device=device)
+    with pytest.raises(RuntimeError, match="out and pre share memory"):
+        deepinfer_ops.hc_collapse(torch.randn(3, 4, 4, device=device), pre, out=pre)
+    streams, xo = torch.randn(3, 4, 4, device=device), torch.randn(3, 4, device=device)
+    post, comb = torch.rand(3, 4, device=device), torch.rand(3, 4, 4, device=device)
+    with pytest.raises(RuntimeError, match="out and comb share memory"):
+        deepinfer_ops.hc_post(streams, xo, post, comb, out=comb)
+    buf = torch.rand(48, device=device)
+    with pytest.raises(RuntimeError, match="out and post share memory"):
+        deepinfer_ops.hc_post(streams, xo, buf[:12].view(3, 4), comb, out=buf.view(3, 4, 4))
+    # disjoint parts of one buffer are fine (rows of a row-strided x with out in another part of the storage)
+    out = base.view(5, 16)[:, 8:12]
+    with pytest.raises(RuntimeError, match="out must be contiguous"):
+        deepinfer_ops.hc_mix(x, torch.randn(4, 8, device=device), 1e-6, out=out)
+    big = torch.randn(5 * 16 + 20, device=device)
+    xb = big[:80].view(5, 16)[:, :8]
+    got = deepinfer_ops.hc_mix(xb, w.new_ones(4, 8), 1e-6, out=big[80:].view(5, 4))
+    assert_close(got, refs.hc_mix_ref(xb, w.new_ones(4, 8), 1e-6), MIX_TOL, name="hc_mix")
