@@ -294,8 +294,9 @@ class Sampler:
         sequences' ``SamplingParams`` are applied first (``adjust_logits``; counts over each sequence's output tokens).
         Returns token ids, their log-probabilities, and per row the ``params.top_logprobs`` most likely
         ``(token_id, logprob)`` (see ``top_logprobs``; empty when not asked), both from the unmodified logits. A row
-        whose logits hold a NaN or +inf (a broken checkpoint or kernel; its log-softmax is NaN in both modes) gets token ``NAN_LOGITS_TOKEN`` (-1): the scheduler
-        ends that request with an error instead of emitting whatever argmax makes of NaN.
+        whose logits hold a NaN or +inf (a broken checkpoint or kernel; its log-softmax is NaN in both modes) gets
+        token ``NAN_LOGITS_TOKEN`` (-1): the scheduler ends that request with an error instead of emitting whatever
+        argmax makes of NaN.
         """
         dev = logits.device
         raw = None
