@@ -172,3 +172,19 @@ def test_hc_ops_out_sharing_memory_with_an_input_is_refused(device):
     xb = big[:80].view(5, 16)[:, :8]
     got = deepinfer_ops.hc_mix(xb, w.new_ones(4, 8), 1e-6, out=big[80:].view(5, 4))
     assert_close(got, refs.hc_mix_ref(xb, w.new_ones(4, 8), 1e-6), MIX_TOL, name="hc_mix")
+
+
+@pytest.mark.native_errors
+def test_hc_ops_zero_dim_inputs_name_the_tensor(device):
+    """0-dim tensors (no out given): the op's own error naming the tensor, not an IndexError from the wrapper's
+    output allocation."""
+    s = torch.tensor(1.0, device=device)
+    with pytest.raises(RuntimeError, match=r"hc_mix: x must be \[tokens, K\]"):
+        deepinfer_ops.hc_mix(s, torch.randn(3, 4, device=device), 1e-6)
+    with pytest.raises(RuntimeError, match=r"hc_mix: fn must be \[M, 4\]"):
+        deepinfer_ops.hc_mix(torch.randn(2, 4, device=device), s, 1e-6)
+    with pytest.raises(RuntimeError, match=r"hc_collapse: streams must be \[tokens, hc, hidden\]"):
+        deepinfer_ops.hc_collapse(s, torch.rand(2, 4, device=device))
+    with pytest.raises(RuntimeError, match=r"hc_post: streams must be \[tokens, hc, hidden\]"):
+        deepinfer_ops.hc_post(s, torch.randn(2, device=device), torch.rand(2, 4, device=device),
+                              torch.rand(2, 4, 4, device=device))
