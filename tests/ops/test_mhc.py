@@ -188,3 +188,15 @@ def test_hc_ops_zero_dim_inputs_name_the_tensor(device):
     with pytest.raises(RuntimeError, match=r"hc_post: streams must be \[tokens, hc, hidden\]"):
         deepinfer_ops.hc_post(s, torch.randn(2, device=device), torch.rand(2, 4, device=device),
                               torch.rand(2, 4, 4, device=device))
+
+
+@pytest.mark.cuda
+@pytest.mark.native_errors
+def test_hc_mix_cuda_refuses_k_past_the_grid_limit():
+    """hc_mix's CUDA kernel runs one CTA row per 1024 columns of K (gridDim.y <= 65535): a longer K is refused
+    naming x and the limit instead of a failed launch."""
+    k = 65535 * 1024 + 1
+    x = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
+    fn = torch.zeros(1, k, device="cuda")
+    with pytest.raises(RuntimeError, match=r"hc_mix: x has K = 67107841 columns; the CUDA kernel takes at most"):
+        deepinfer_ops.hc_mix(x, fn, 1e-6)
