@@ -21,6 +21,27 @@ inline void check_contiguous(const char* op, const at::Tensor& t, const char* na
   DEEPINFER_CHECK(t.is_contiguous(), op, name, " must be contiguous, got strides ", t.strides());
 }
 
+// `out` (written) must not share any memory with `in` (read). Unlike check_no_partial_overlap this also decides
+// non-dense layouts (hc_mix's row-strided x): it compares the byte ranges the two tensors span in one storage, so a
+// non-dense `in` whose gaps hold `out` is refused too (pass separate buffers).
+inline void check_disjoint(const char* op, const at::Tensor& out, const char* out_name, const at::Tensor& in,
+                           const char* in_name) {
+  if (out.numel() == 0 || in.numel() == 0 || !out.has_storage() || !in.has_storage()) return;
+  if (!out.storage().is_alias_of(in.storage())) return;
+  const auto span = [](const at::Tensor& t) {
+    const char* p = static_cast<const char*>(t.const_data_ptr());
+    int64_t lo = 0, hi = 0;  // element offsets of the first and the last element
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t ext = (t.size(d) - 1) * t.stride(d);
+      (ext < 0 ? lo : hi) += ext;
+    }
+    return std::make_pair(p + lo * t.element_size(), p + (hi + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(out);
+  const auto [b0, b1] = span(in);
+  DEEPINFER_CHECK(a1 <= b0 || b1 <= a0, op, out_name, " and ", in_name, " share memory; pass separate tensors");
+}
+
 // hc_mix(out, x, fn, eps): x [T, K] (last dim contiguous, any row stride), fn [M, K] float32 contiguous,
 // out [T, M] float32 contiguous.
 inline void check_hc_mix(const at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps) {
@@ -43,7 +64,8 @@ inline void check_hc_mix(const at::Tensor& out, const at::Tensor& x, const at::T
   check_same_device(op, x, "x", fn, "fn");
   check_same_device(op, out, "out", x, "x");
   check_writable(op, out, "out");
-  check_no_partial_overlap(op, out, "out", x, "x", /*allow_in_place=*/false);
+  check_disjoint(op, out, "out", x, "x");
+  check_disjoint(op, out, "out", fn, "fn");
   DEEPINFER_CHECK(eps >= 0.0, op, "eps must be >= 0, got ", eps);
 }
 
@@ -77,7 +99,8 @@ inline void check_hc_collapse(const at::Tensor& out, const at::Tensor& streams, 
   check_contiguous(op, out, "out");
   check_same_device(op, out, "out", streams, "streams");
   check_writable(op, out, "out");
-  check_no_partial_overlap(op, out, "out", streams, "streams", /*allow_in_place=*/false);
+  check_disjoint(op, out, "out", streams, "streams");
+  check_disjoint(op, out, "out", pre, "pre");
 }
 
 // hc_post(out, streams, x, post, comb): streams / out [T, hc, D] (out may be streams itself), x [T, D] of the same
@@ -102,7 +125,9 @@ inline void check_hc_post(const at::Tensor& out, const at::Tensor& streams, cons
   check_same_device(op, out, "out", streams, "streams");
   check_writable(op, out, "out");
   check_no_partial_overlap(op, out, "out", streams, "streams", /*allow_in_place=*/true);
-  check_no_partial_overlap(op, out, "out", x, "x", /*allow_in_place=*/false);
+  check_disjoint(op, out, "out", x, "x");
+  check_disjoint(op, out, "out", post, "post");
+  check_disjoint(op, out, "out", comb, "comb");
 }
 
 // hc_weights(pre, post, comb, mix, base, scale, eps, sinkhorn_iters): mix [T, 2 hc + hc^2], base [2 hc + hc^2],
@@ -127,11 +152,13 @@ inline void check_hc_weights_op(const at::Tensor& pre, const at::Tensor& post, c
   check_contiguous(op, pre, "pre");
   for (const auto& [t, name] : {std::pair<const at::Tensor&, const char*>{pre, "pre"}, {post, "post"}, {comb, "comb"}}) {
     check_writable(op, t, name);
-    check_no_partial_overlap(op, t, name, mix, "mix", /*allow_in_place=*/false);
+    check_disjoint(op, t, name, mix, "mix");
+    check_disjoint(op, t, name, base, "base");
+    check_disjoint(op, t, name, scale, "scale");
   }
-  check_no_partial_overlap(op, pre, "pre", post, "post", false);
-  check_no_partial_overlap(op, pre, "pre", comb, "comb", false);
-  check_no_partial_overlap(op, post, "post", comb, "comb", false);
+  check_disjoint(op, pre, "pre", post, "post");
+  check_disjoint(op, pre, "pre", comb, "comb");
+  check_disjoint(op, post, "post", comb, "comb");
   DEEPINFER_CHECK(eps >= 0.0, op, "eps must be >= 0, got ", eps);
   DEEPINFER_CHECK(sinkhorn_iters >= 0, op, "sinkhorn_iters must be >= 0, got ", sinkhorn_iters);
 }

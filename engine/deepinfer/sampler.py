@@ -212,7 +212,11 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
                 sampled[rows] = _draw_filtered(scaled, k[rows], top_p[rows], seeds[rows], counters[rows])
     raw = (logits if raw_logits is None else raw_logits).float()
     if batch_invariant:
-        return sampled, raw.gather(1, sampled[:, None]).squeeze(1) - logsumexp_rows(raw)
+        # log_softmax semantics: a row holding +inf is NaN everywhere (its finite tokens would otherwise get -inf,
+        # and the Sampler would emit them instead of ending the request with nan_logits as mode off does)
+        lse = logsumexp_rows(raw)
+        lp = raw.gather(1, sampled[:, None]).squeeze(1) - lse
+        return sampled, torch.where(lse == float("inf"), torch.full_like(lp, float("nan")), lp)
     return sampled, torch.log_softmax(raw, dim=-1).gather(1, sampled[:, None]).squeeze(1)
 
 
@@ -290,8 +294,9 @@ class Sampler:
         sequences' ``SamplingParams`` are applied first (``adjust_logits``; counts over each sequence's output tokens).
         Returns token ids, their log-probabilities, and per row the ``params.top_logprobs`` most likely
         ``(token_id, logprob)`` (see ``top_logprobs``; empty when not asked), both from the unmodified logits. A row
-        whose logits hold a NaN (a broken checkpoint or kernel) gets token ``NAN_LOGITS_TOKEN`` (-1): the scheduler
-        ends that request with an error instead of emitting whatever argmax makes of NaN.
+        whose logits hold a NaN or +inf (a broken checkpoint or kernel; its log-softmax is NaN in both modes) gets
+        token ``NAN_LOGITS_TOKEN`` (-1): the scheduler ends that request with an error instead of emitting whatever
+        argmax makes of NaN.
         """
         dev = logits.device
         raw = None

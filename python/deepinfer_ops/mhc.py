@@ -15,6 +15,12 @@ from __future__ import annotations
 import torch
 
 
+def _size(t: torch.Tensor, dim: int) -> int:
+    """``t.shape[dim]``, or 0 for a 0-dim ``t``: the default output is then empty and the op's own check names the
+    tensor (instead of an IndexError here)."""
+    return t.shape[dim] if t.dim() > 0 else 0
+
+
 def hc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Mixing coefficients: ``out[t, m] = (x[t] . fn[m]) / sqrt(mean(x[t]^2) + eps)`` -- the RMS norm of a token's
     concatenated streams fused with the projection onto ``fn`` (V4: ``rms_norm(streams.flatten(1)) @ fn.T``).
@@ -32,7 +38,7 @@ def hc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float, out: torch.Tensor | No
         RuntimeError naming the tensor at fault (dtype, shape, M out of range, device, layout).
     """
     if out is None:
-        out = torch.empty(x.shape[0], fn.shape[0], dtype=torch.float32, device=x.device)
+        out = torch.empty(_size(x, 0), _size(fn, 0), dtype=torch.float32, device=x.device)
     torch.ops.deepinfer_ops.hc_mix(out, x, fn, float(eps))
     return out
 
@@ -84,7 +90,7 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor, out: torch.Tensor | No
         RuntimeError naming the tensor at fault.
     """
     if out is None:
-        out = torch.empty(streams.shape[0], streams.shape[-1], dtype=streams.dtype, device=streams.device)
+        out = torch.empty(_size(streams, 0), _size(streams, -1), dtype=streams.dtype, device=streams.device)
     torch.ops.deepinfer_ops.hc_collapse(out, streams, pre)
     return out
 

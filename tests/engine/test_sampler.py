@@ -158,3 +158,29 @@ def test_shape_errors():
                torch.zeros(2, dtype=torch.int64), torch.zeros(2, dtype=torch.int64))
     tok, lp = sample(torch.zeros(0, 5), *_args(0))
     assert tok.shape == (0,) and lp.shape == (0,)
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, 0, 1.0), (0.5, 0, 1.0), (0.7, 5, 1.0), (0.5, 3, 0.5)])
+def test_batch_invariant_logprobs_follow_log_softmax_on_inf_rows(temperature, top_k, top_p):
+    """Rows holding +inf (or huge logits that overflow once divided by the temperature), NaN, all -inf: the
+    batch-invariant log-probability is NaN exactly where log_softmax's is (so the Sampler ends those requests with
+    nan_logits in both modes), and otherwise equals it."""
+    g = torch.Generator().manual_seed(8)
+    vocab = 1100
+    logits = torch.randn(6, vocab, generator=g)
+    logits[0, 10] = float("inf")
+    logits[1, 5] = 3e38  # finite, but / 0.5 or / 0.7 overflows: ties the +inf token and has the lower id
+    logits[1, 20] = float("inf")
+    logits[2, 30] = float("nan")
+    logits[3] = float("-inf")
+    logits[4, :50] = float("-inf")
+    n = logits.shape[0]
+    args = _args(n, temperature=temperature, top_k=top_k, top_p=top_p)
+    tok, lp = sample(logits, *args, batch_invariant=True)
+    tok_off, lp_off = sample(logits, *args, batch_invariant=False)
+    ref = torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
+    assert torch.equal(torch.isnan(lp), torch.isnan(ref)), (lp, ref)
+    assert torch.equal(torch.isnan(lp), torch.isnan(lp_off)), (lp, lp_off)
+    fin = ~torch.isnan(ref)
+    torch.testing.assert_close(lp[fin], ref[fin], rtol=1e-6, atol=1e-5)
+    assert bool(torch.isnan(lp[:4]).all()) and not bool(torch.isnan(lp[4:]).any())

@@ -194,3 +194,62 @@ def test_hc_weights_opcheck(device):
     args = (torch.empty(5, 4, device=device), torch.empty(5, 4, device=device), torch.empty(5, 4, 4, device=device),
             mix, torch.randn(24, device=device), torch.ones(3, device=device), 1e-6, 20)
     torch.library.opcheck(torch.ops.deepinfer_ops.hc_weights.default, args)
+
+
+@pytest.mark.native_errors
+def test_hc_ops_out_sharing_memory_with_an_input_is_refused(device):
+    # out over the float32 weights (fn / pre / post / comb), or over a row-strided x (a layout ATen's overlap test
+    # calls "too hard"), would be read after it is written: silently wrong results before the check.
+    w = torch.randn(5, 5, device=device)
+    with pytest.raises(RuntimeError, match="out and fn share memory"):
+        deepinfer_ops.hc_mix(torch.randn(5, 5, device=device), w, 1e-6, out=w)
+    base = torch.randn(5 * 16, device=device)
+    x = base.view(5, 16)[:, :8]  # row stride 16
+    with pytest.raises(RuntimeError, match="out and x share memory"):
+        deepinfer_ops.hc_mix(x, torch.randn(4, 8, device=device), 1e-6, out=base[:20].view(5, 4))
+    pre = torch.rand(3, 4, device=device)
+    with pytest.raises(RuntimeError, match="out and pre share memory"):
+        deepinfer_ops.hc_collapse(torch.randn(3, 4, 4, device=device), pre, out=pre)
+    streams, xo = torch.randn(3, 4, 4, device=device), torch.randn(3, 4, device=device)
+    post, comb = torch.rand(3, 4, device=device), torch.rand(3, 4, 4, device=device)
+    with pytest.raises(RuntimeError, match="out and comb share memory"):
+        deepinfer_ops.hc_post(streams, xo, post, comb, out=comb)
+    buf = torch.rand(48, device=device)
+    with pytest.raises(RuntimeError, match="out and post share memory"):
+        deepinfer_ops.hc_post(streams, xo, buf[:12].view(3, 4), comb, out=buf.view(3, 4, 4))
+    # disjoint parts of one buffer are fine (rows of a row-strided x with out in another part of the storage)
+    out = base.view(5, 16)[:, 8:12]
+    with pytest.raises(RuntimeError, match="out must be contiguous"):
+        deepinfer_ops.hc_mix(x, torch.randn(4, 8, device=device), 1e-6, out=out)
+    big = torch.randn(5 * 16 + 20, device=device)
+    xb = big[:80].view(5, 16)[:, :8]
+    got = deepinfer_ops.hc_mix(xb, w.new_ones(4, 8), 1e-6, out=big[80:].view(5, 4))
+    assert_close(got, refs.hc_mix_ref(xb, w.new_ones(4, 8), 1e-6), MIX_TOL, name="hc_mix")
+
+
+@pytest.mark.native_errors
+def test_hc_ops_zero_dim_inputs_name_the_tensor(device):
+    """0-dim tensors (no out given): the op's own error naming the tensor, not an IndexError from the wrapper's
+    output allocation."""
+    s = torch.tensor(1.0, device=device)
+    with pytest.raises(RuntimeError, match=r"hc_mix: x must be \[tokens, K\]"):
+        deepinfer_ops.hc_mix(s, torch.randn(3, 4, device=device), 1e-6)
+    with pytest.raises(RuntimeError, match=r"hc_mix: fn must be \[M, 4\]"):
+        deepinfer_ops.hc_mix(torch.randn(2, 4, device=device), s, 1e-6)
+    with pytest.raises(RuntimeError, match=r"hc_collapse: streams must be \[tokens, hc, hidden\]"):
+        deepinfer_ops.hc_collapse(s, torch.rand(2, 4, device=device))
+    with pytest.raises(RuntimeError, match=r"hc_post: streams must be \[tokens, hc, hidden\]"):
+        deepinfer_ops.hc_post(s, torch.randn(2, device=device), torch.rand(2, 4, device=device),
+                              torch.rand(2, 4, 4, device=device))
+
+
+@pytest.mark.cuda
+@pytest.mark.native_errors
+def test_hc_mix_cuda_refuses_k_past_the_grid_limit():
+    """hc_mix's CUDA kernel runs one CTA row per 1024 columns of K (gridDim.y <= 65535): a longer K is refused
+    naming x and the limit instead of a failed launch."""
+    k = 65535 * 1024 + 1
+    x = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")
+    fn = torch.zeros(1, k, device="cuda")
+    with pytest.raises(RuntimeError, match=r"hc_mix: x has K = 67107841 columns; the CUDA kernel takes at most"):
+        deepinfer_ops.hc_mix(x, fn, 1e-6)

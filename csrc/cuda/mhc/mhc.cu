@@ -27,7 +27,7 @@ __device__ __forceinline__ void load4(const T* src, int64_t valid, bool vec, flo
 // weight reads, never a token's arithmetic: batch-invariant for any number of tokens.
 constexpr int kSlices = 8;
 constexpr int kChunk = 256;
-constexpr int kPartK = 1024;
+constexpr int kPartK = static_cast<int>(kHcMixPartK);
 constexpr int kGroupsPerSlice = kChunk / 4 / kSlices;
 
 template <int kTpt>
