@@ -104,7 +104,8 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
   selected entries are passed in entry order. Padding rows get no entries (output 0).
 * Compressor pooling: softmax sum and pooled sum as float32 pairwise (tree) sums over the slots
   (:func:`tree_sum_dim1`: a fixed order of elementwise adds, ``log2(slots)`` launches). mHC: the ops
-  ``hc_mix`` / ``hc_collapse`` / ``hc_post`` compute each token on its own in a fixed order (used in both modes).
+  ``hc_mix`` / ``hc_weights`` / ``hc_collapse`` / ``hc_post`` compute each token on its own in a fixed order (used
+  in both modes).
   Router weights: the renormalisation sum is explicit adds in slot order.
 * Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
   rule; MoE combine: a token's experts added in ascending expert id (path ``"dequant"``, as in the default mode)
