@@ -584,8 +584,8 @@ class _Step:
         seq_bt = torch.tensor([s.block_ids + [-1] * (max_nb - len(s.block_ids)) for s in seqs], dtype=torch.long,
                               device=dev)
         n = seqs[-1].b
-        seq_of = torch.repeat_interleave(torch.arange(len(seqs), device=dev),
-                                         torch.tensor([s.b - s.a for s in seqs], device=dev), output_size=n)
+        starts = torch.tensor([s.a for s in seqs], dtype=torch.long, device=dev)
+        seq_of = torch.searchsorted(starts, torch.arange(n, device=dev), right=True) - 1  # each token's sequence
         self.tok_bt = torch.full((num_rows, max_nb), -1, dtype=torch.long, device=dev)
         self.tok_bt[:n] = seq_bt[seq_of]
         pos = positions[:n].long()
@@ -608,24 +608,38 @@ def _check_batch(batch: ForwardBatch, cache: DeepseekV4Cache) -> list[_Seq]:
     if bt.dim() != 2 or bt.shape[0] != len(batch.query_lens):
         raise ValueError(f"block_tables: expected [num_seqs={len(batch.query_lens)}, max_blocks], got {tuple(bt.shape)}")
     B = cache.block_size
-    seqs, a = [], 0
     pos_cpu = pos.cpu()
     bt_cpu = bt.cpu().long()
     bt_dev = bt.to(device=cache.device, dtype=torch.long)
-    for i, (q, L) in enumerate(zip(batch.query_lens, batch.context_lens)):
+    starts, c0s, nbs, a = [], [], [], 0
+    for i, (q, L) in enumerate(zip(batch.query_lens, batch.context_lens)):  # Python ints only
         if q < 1 or L < q:
             raise ValueError(f"query_lens[{i}]={q} / context_lens[{i}]={L}: need 1 <= query_len <= context_len")
-        c0 = L - q
-        if not torch.equal(pos_cpu[a:a + q], torch.arange(c0, L, dtype=pos_cpu.dtype)):
-            raise ValueError(f"positions: sequence {i} must hold {c0}..{L - 1} (context_len - query_len .. context_len - 1)")
         nb = (L + B - 1) // B
         if nb > bt.shape[1]:
             raise ValueError(f"block_tables: sequence {i} needs {nb} blocks for {L} tokens, row has {bt.shape[1]}")
-        blocks = bt_cpu[i, :nb]
-        if bool(((blocks < 0) | (blocks >= cache.num_blocks)).any()):
-            raise ValueError(f"block_tables: sequence {i} uses a block id outside [0, {cache.num_blocks}): {blocks.tolist()}")
-        seqs.append(_Seq(a, a + q, c0, L, bt_dev[i, :nb], blocks.tolist()))
+        starts.append(a)
+        c0s.append(L - q)
+        nbs.append(nb)
         a += q
+    # every sequence's positions c0 .. L - 1 and its first nb block ids in range, checked for all sequences at once
+    n = ids.shape[0]
+    seq_of = torch.searchsorted(torch.tensor(starts), torch.arange(n), right=True) - 1
+    expect = torch.tensor(c0s)[seq_of] + torch.arange(n) - torch.tensor(starts)[seq_of]
+    bad_pos = (pos_cpu.long() != expect).nonzero()
+    if bad_pos.numel():
+        i = int(seq_of[bad_pos[0, 0]])
+        c0, L = c0s[i], batch.context_lens[i]
+        raise ValueError(f"positions: sequence {i} must hold {c0}..{L - 1} (context_len - query_len .. context_len - 1)")
+    used = torch.arange(bt.shape[1]).view(1, -1) < torch.tensor(nbs).view(-1, 1)
+    bad_blk = (used & ((bt_cpu < 0) | (bt_cpu >= cache.num_blocks))).any(dim=1).nonzero()
+    if bad_blk.numel():
+        i = int(bad_blk[0, 0])
+        raise ValueError(f"block_tables: sequence {i} uses a block id outside [0, {cache.num_blocks}): "
+                         f"{bt_cpu[i, :nbs[i]].tolist()}")
+    rows = bt_cpu.tolist()
+    seqs = [_Seq(starts[i], starts[i] + q, c0s[i], c0s[i] + q, bt_dev[i, :nbs[i]], rows[i][:nbs[i]])
+            for i, q in enumerate(batch.query_lens)]
     li = batch.logits_indices
     if li.numel() and (int(li.min()) < 0 or int(li.max()) >= ids.shape[0]):
         raise ValueError(f"logits_indices: out of range [0, {ids.shape[0]})")
