@@ -28,6 +28,10 @@ void hc_post_cpu(at::Tensor& out, const at::Tensor& streams, const at::Tensor& x
 void hc_post_cuda(at::Tensor& out, const at::Tensor& streams, const at::Tensor& x, const at::Tensor& post,
                   const at::Tensor& comb);
 
+// ---- moe ----
+void moe_combine_cpu(at::Tensor& out, const at::Tensor& y, const at::Tensor& slot_rows, const at::Tensor& weights);
+void moe_combine_cuda(at::Tensor& out, const at::Tensor& y, const at::Tensor& slot_rows, const at::Tensor& weights);
+
 // ---- quant ----
 void per_token_group_quant_fp8_cpu(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& input,
                                    int64_t group_size, bool scale_ue8m0);

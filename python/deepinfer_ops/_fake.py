@@ -68,6 +68,12 @@ def _hc_mix_fake(out, x, fn, eps):
     return None
 
 
+@_register_fake("deepinfer_ops::moe_combine")
+def _moe_combine_fake(out, y, slot_rows, weights):
+    torch._check(out.shape == (slot_rows.shape[0], y.shape[-1]), lambda: "moe_combine: out must be [tokens, hidden]")
+    return None
+
+
 @_register_fake("deepinfer_ops::hc_weights")
 def _hc_weights_fake(pre, post, comb, mix, base, scale, eps, sinkhorn_iters):
     hc = pre.shape[1]

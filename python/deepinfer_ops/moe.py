@@ -45,8 +45,9 @@ def fused_moe_fp8(
     Steps (no host synchronisation): quantise x per 1x128 (``per_token_group_quant_fp8``); sort the T*k
     (token, slot) pairs by expert with a stable sort (slots with an index outside ``[0, E)``, e.g. -1, sort first
     and are padding rows); gather the quantised rows; grouped gate/up GEMM (``m_grouped_fp8_gemm_nt_contiguous``,
-    bf16 out); ``swiglu_clamp_quant_fp8``; grouped down GEMM (bf16 out); un-permute and add the k slots in slot
-    order j = 0..k-1 in float32 (a fixed order: the result for a token does not depend on the batch).
+    bf16 out); ``swiglu_clamp_quant_fp8``; grouped down GEMM (bf16 out); :func:`moe_combine`: each token's k
+    slots added in slot order j = 0..k-1 in float32 (a fixed order: the result for a token does not depend on the
+    batch).
 
     Args:
         x: ``[T, hidden]`` bfloat16/float32 activations.
@@ -97,11 +98,28 @@ def fused_moe_fp8(
 
     inv = torch.empty_like(order)
     inv[order] = torch.arange(order.numel(), device=order.device)
-    y_slots = y[inv].view(num_tokens, top_k, hidden)
-    valid = valid.view(num_tokens, top_k)
-    weights = topk_weights.float()
-    acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=x.device)
-    for j in range(top_k):
-        contrib = weights[:, j : j + 1] * y_slots[:, j].float()
-        acc += torch.where(valid[:, j : j + 1], contrib, torch.zeros_like(contrib))
-    return acc.to(out_dtype)
+    slot_rows = torch.where(valid, inv, torch.full_like(inv, -1)).view(num_tokens, top_k)
+    return moe_combine(y, slot_rows, topk_weights.float().contiguous(), out_dtype)
+
+
+def moe_combine(y: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor,
+                out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The MoE combine: ``out[t] = sum_j weights[t, j] * y[slot_rows[t, j]]`` over the slots ``j = 0 .. k-1`` in
+    that order, float32 accumulation, rounded once (a token's result does not depend on the batch).
+
+    Args:
+        y: ``[rows, hidden]`` float32 / bfloat16 / float16 expert outputs (last dim contiguous, any row stride).
+        slot_rows: ``[tokens, k]`` int64: the row of ``y`` holding each slot's expert output; -1 (or any value
+            outside ``[0, rows)``) = no expert for that slot: it adds nothing (its ``y`` row is never read, so NaN in
+            padding rows cannot leak).
+        weights: ``[tokens, k]`` float32 routing weights.
+        out_dtype: result dtype, float32 / bfloat16 / float16 (default ``y.dtype``).
+    Returns:
+        ``[tokens, hidden]`` of ``out_dtype``.
+    Raises:
+        RuntimeError naming the tensor at fault (dtype, shape, device, layout).
+    Source: the weighted combine of DeepSeek-V3/V4's MoE (``sum_j w_j * expert_j(x)``), as in DeepEP's combine.
+    """
+    out = torch.empty(slot_rows.shape[0], y.shape[-1], dtype=out_dtype or y.dtype, device=y.device)
+    torch.ops.deepinfer_ops.moe_combine(out, y, slot_rows, weights)
+    return out

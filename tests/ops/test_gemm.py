@@ -15,7 +15,14 @@ import torch
 
 import deepinfer_ops
 from deepinfer_ops.testing import refs
-from deepinfer_ops.testing.compare import CALC_DIFF_MAX, calc_diff, poison_, poison_cuda_scratch_
+from deepinfer_ops.testing.compare import (
+    CALC_DIFF_MAX,
+    TOLERANCES,
+    assert_close,
+    calc_diff,
+    poison_,
+    poison_cuda_scratch_,
+)
 
 FP8 = torch.float8_e4m3fn
 
@@ -581,3 +588,50 @@ def test_ops_opcheck(device):
     e = torch.full((128, 4), 127, dtype=torch.uint8)
     torch.library.opcheck(torch.ops.deepinfer_ops.fp4_to_fp8_blockscaled.default,
                           (torch.empty(128, 128, dtype=FP8), torch.empty(1, 1), w, e), test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.parametrize("tokens,k,hidden,rows", [(1, 6, 4096, 6), (37, 6, 256, 200), (5, 1, 7, 5), (9, 8, 1000, 40)])
+@pytest.mark.parametrize("y_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
+                                               (torch.bfloat16, torch.float32), (torch.float16, torch.bfloat16)])
+def test_moe_combine_matches_reference(device, tokens, k, hidden, rows, y_dtype, out_dtype):
+    """Slots added in order in float32; slots with row -1 or outside [0, rows) add nothing, and their rows of y
+    (NaN here) are never read."""
+    g = torch.Generator().manual_seed(tokens * 7 + k + hidden)
+    y = torch.randn(rows, hidden, generator=g).to(y_dtype).to(device)
+    slot_rows = torch.randint(0, rows, (tokens, k), generator=g)
+    slot_rows[0, 0] = -1
+    slot_rows[-1, -1] = rows + 3  # outside: no expert
+    poisoned = rows - 1
+    slot_rows[slot_rows == poisoned] = -1
+    y[poisoned] = float("nan")
+    slot_rows = slot_rows.to(device)
+    w = torch.rand(tokens, k, generator=g).to(device)
+    got = deepinfer_ops.moe_combine(y, slot_rows, w, out_dtype)
+    want = refs.moe_combine_ref(y, slot_rows, w, out_dtype)
+    assert not torch.isnan(got).any()
+    assert_close(got, want, TOLERANCES[out_dtype], name="moe_combine")
+    for lo, hi in ((0, 1), (tokens - 1, tokens)):  # batch invariance
+        assert torch.equal(deepinfer_ops.moe_combine(y, slot_rows[lo:hi].clone(), w[lo:hi].clone(), out_dtype),
+                           got[lo:hi])
+
+
+@pytest.mark.native_errors
+def test_moe_combine_bad_inputs(device):
+    y = torch.randn(8, 64, device=device)
+    rows = torch.zeros(3, 2, dtype=torch.long, device=device)
+    w = torch.ones(3, 2, device=device)
+    with pytest.raises(RuntimeError, match="slot_rows must be torch.int64"):
+        deepinfer_ops.moe_combine(y, rows.int(), w)
+    with pytest.raises(RuntimeError, match="weights shape"):
+        deepinfer_ops.moe_combine(y, rows, torch.ones(3, 3, device=device))
+    with pytest.raises(RuntimeError, match="weights must be torch.float32"):
+        deepinfer_ops.moe_combine(y, rows, w.bfloat16())
+    with pytest.raises(RuntimeError, match="y must be float32"):
+        deepinfer_ops.moe_combine(y.int(), rows, w)
+
+
+def test_moe_combine_opcheck(device):
+    y = torch.randn(8, 64, dtype=torch.bfloat16, device=device)
+    args = (torch.empty(3, 64, dtype=torch.bfloat16, device=device), y,
+            torch.tensor([[0, 1], [2, -1], [7, 3]], device=device), torch.rand(3, 2, device=device))
+    torch.library.opcheck(torch.ops.deepinfer_ops.moe_combine.default, args)

@@ -29,6 +29,16 @@ def hc_mix_ref(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)) @ fn.float().T
 
 
+def moe_combine_ref(y: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``sum_j weights[t, j] * y[slot_rows[t, j]]`` in float32 over the slots whose row is in ``[0, rows)``."""
+    valid = (slot_rows >= 0) & (slot_rows < y.shape[0])
+    rows = y.float()[slot_rows.clamp(0, max(y.shape[0] - 1, 0))] if y.shape[0] else \
+        torch.zeros(*slot_rows.shape, y.shape[-1], device=y.device)
+    contrib = torch.where(valid.unsqueeze(-1), weights.float().unsqueeze(-1) * rows, torch.zeros((), device=y.device))
+    return contrib.sum(dim=1).to(out_dtype or y.dtype)
+
+
 def hc_weights_ref(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, eps: float,
                    sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre, post, comb) as the V4 reference computes them from the mixing coefficients, in float32 torch ops."""
