@@ -170,12 +170,15 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2,
                    help="runs per mode, modes interleaved; the best prefill / decode throughput of each is reported")
     p.add_argument("--profile", action="store_true",
-                   help="also profile one prefill step and 8 decode steps per mode (profile_engine.txt in --out-dir)")
+                   help="also profile one prefill step and a 16-token generate of the whole batch per mode "
+                        "(profile_engine.txt in --out-dir)")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args()
     if args.quick:
         args.num_layers, args.num_experts = args.num_layers or 2, min(args.num_experts, 16)
         args.num_requests, args.prompt_len, args.max_tokens = 8, 256, 16
+    if args.repeats < 1:
+        p.error(f"--repeats: expected >= 1, got {args.repeats}")
     modes = [m.strip() for m in args.modes.split(",")]
     if not modes or any(m not in ("off", "on") for m in modes):
         p.error(f"--modes: expected off, on or off,on, got {args.modes!r}")
