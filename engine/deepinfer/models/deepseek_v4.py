@@ -959,32 +959,34 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _compress_decode(self, comp: Compressor, kv_rows: torch.Tensor, gate_rows: torch.Tensor, seqs: list[_Seq],
                          pool_state_kv: torch.Tensor, pool_state_gate: torch.Tensor, pool_comp: torch.Tensor,
                          rope_table: torch.Tensor, rows: int = 0) -> None:
-        """:meth:`_compress_seq` for sequences that add one token each (decode), batched over the sequences: the same
-        ring reads, windows, pooling and ring writes, as a few gathers and one pooling call instead of ~20 small ops
-        per sequence. ``kv_rows`` / ``gate_rows``: ``[len(seqs), coff * hd]``, row i = sequence i's new token."""
-        m, hd, overlap = comp.ratio, comp.head_dim, comp.overlap
+        """:meth:`_compress_seq` for sequences that add one token each (decode), batched over the sequences, with the
+        same cache contents as a result. ``kv_rows`` / ``gate_rows``: ``[len(seqs), coff * hd]``, row i = sequence
+        i's new token at position ``c0 = L - 1``.
+
+        A sequence's ring (in the block of ``c0 - 1``) holds positions ``s0 .. c0 - 1`` of its open window(s). They
+        are read only when a window closes (``L % m == 0``: pooled) or when the new token opens a new block (the
+        state moves to that block's ring); otherwise the ring already holds them where the new state needs them and
+        only the new token is written. All reads, the pooling of every closing window and all writes are a few
+        batched ops, not ~20 per sequence."""
+        m, overlap = comp.ratio, comp.overlap
         B = self._block_size
         R = pool_state_kv.shape[1]
-        N = len(seqs)
         dev = kv_rows.device
-        # rows of `all` = [ring rows read (in the order listed), then the N new tokens]
-        ring_src: list[int] = []
-        pos_row: list[dict[int, int]] = []  # per sequence: position -> row of `all`
-        for i, s in enumerate(seqs):
+        ring_src: list[int] = []  # ring slots read; `all` rows = [these, then the N new tokens]
+        base: list[int] = []  # per sequence: the `all` row of position s0 (when its ring is read)
+        s0s: list[int] = []
+        moved: list[bool] = []
+        for s in seqs:
             c0, L = s.c0, s.L
-            first_w = c0 // m
-            s0 = max(0, first_w * m - m) if overlap else first_w * m
-            rows_i = {}
-            if c0 > s0:
+            s0 = max(0, (c0 // m) * m - m) if overlap else (c0 // m) * m
+            mv = c0 > 0 and (c0 - 1) // B != c0 // B
+            base.append(len(ring_src))
+            if c0 > s0 and (L % m == 0 or mv):
                 blk = s.block_ids[(c0 - 1) // B]
-                for p_ in range(s0, c0):
-                    rows_i[p_] = len(ring_src)
-                    ring_src.append(blk * R + p_ % R)
-            rows_i[c0] = -(i + 1)  # resolved below, once the number of ring rows is known
-            pos_row.append(rows_i)
+                ring_src.extend(blk * R + p_ % R for p_ in range(s0, c0))
+            s0s.append(s0)
+            moved.append(mv)
         n_ring = len(ring_src)
-        for i, rows_i in enumerate(pos_row):
-            rows_i[seqs[i].c0] = n_ring + i
         if n_ring:
             src = torch.tensor(ring_src, dtype=torch.long, device=dev)
             all_kv = torch.cat([pool_state_kv.view(-1, pool_state_kv.shape[-1])[src].to(kv_rows.dtype), kv_rows])
@@ -992,19 +994,24 @@ class DeepseekV4ForCausalLM(nn.Module):
                                   gate_rows])
         else:
             all_kv, all_gate = kv_rows, gate_rows
-        # windows closing in this step (L % m == 0): window w = L // m - 1 of each such sequence
+
+        def row(i: int, p_: int) -> int:  # the `all` row of sequence i's position p_ (s0 <= p_ <= c0)
+            return n_ring + i if p_ == seqs[i].c0 else base[i] + p_ - s0s[i]
+
+        # windows closing in this step: window w = L // m - 1 (positions w m .. c0; the last one is the new token)
         closing = [i for i, s in enumerate(seqs) if s.L % m == 0]
         if closing:
             per_block = pool_comp.shape[1]
             ws = [seqs[i].L // m - 1 for i in closing]
-            cur = torch.tensor([[pos_row[i][w * m + j] for j in range(m)] for i, w in zip(closing, ws)],
-                               dtype=torch.long, device=dev)
+            ar = torch.arange(m, device=dev)
+            cur = torch.tensor([base[i] + w * m - s0s[i] for i, w in zip(closing, ws)], device=dev)[:, None] + ar
+            cur[:, -1] = torch.tensor([n_ring + i for i in closing], device=dev)
             prev_kv = prev_gate = prev_at = None
-            prev = [(k, [pos_row[i][(w - 1) * m + j] for j in range(m)])
-                    for k, (i, w) in enumerate(zip(closing, ws)) if w >= 1] if overlap else []
-            if prev:  # window w - 1 of the windows w >= 1
+            prev = [(k, base[i] + (w - 1) * m - s0s[i]) for k, (i, w) in enumerate(zip(closing, ws)) if w >= 1] \
+                if overlap else []
+            if prev:  # the Ca half of window w - 1 (all ring rows: positions below w m <= c0)
                 prev_at = torch.tensor([k for k, _ in prev], dtype=torch.long, device=dev)
-                pr = torch.tensor([r for _, r in prev], dtype=torch.long, device=dev)
+                pr = torch.tensor([r for _, r in prev], device=dev)[:, None] + ar
                 prev_kv, prev_gate = all_kv[pr], all_gate[pr]
             entries = self._pool_windows(comp, all_kv[cur], all_gate[cur], prev_kv, prev_gate, prev_at, rows)
             w_pos = torch.tensor([w * m for w in ws], device=dev)
@@ -1012,14 +1019,15 @@ class DeepseekV4ForCausalLM(nn.Module):
             dst = torch.tensor([seqs[i].block_ids[w // per_block] * per_block + w % per_block
                                 for i, w in zip(closing, ws)], dtype=torch.long, device=dev)
             deepinfer_ops.kv_cache_write(pool_comp, entries.to(pool_comp.dtype), dst)
-        # the state as of L in the ring of the block holding L - 1 (decode crosses no other block end)
+        # the state as of L (positions r0 .. L - 1) in the ring of the block holding L - 1: everything when the token
+        # opened that block, else just the new token (the older positions are there already)
         src_rows, dst_slots = [], []
         for i, s in enumerate(seqs):
-            L = s.L
+            c0, L = s.c0, s.L
             r0 = max(0, (L // m) * m - m) if overlap else (L // m) * m
             blk = s.block_ids[(L - 1) // B]
-            for p_ in range(r0, L):
-                src_rows.append(pos_row[i][p_])
+            for p_ in range(r0 if moved[i] else max(r0, c0), L):
+                src_rows.append(row(i, p_))
                 dst_slots.append(blk * R + p_ % R)
         if src_rows:
             sr = torch.tensor(src_rows, dtype=torch.long, device=dev)
