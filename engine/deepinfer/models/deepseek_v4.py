@@ -611,30 +611,42 @@ def _check_batch(batch: ForwardBatch, cache: DeepseekV4Cache) -> list[_Seq]:
     pos_cpu = pos.cpu()
     bt_cpu = bt.cpu().long()
     bt_dev = bt.to(device=cache.device, dtype=torch.long)
+    # Faults are reported as a per-sequence loop would find them: the first faulty sequence, and for it its lengths,
+    # then its positions, then its row width, then its block ids. The lengths are plain Python ints; positions and
+    # block ids are checked for all the sequences before the first bad length at once.
+    S, width = len(batch.query_lens), bt.shape[1]
     starts, c0s, nbs, a = [], [], [], 0
+    bad_len = first_nb = S
     for i, (q, L) in enumerate(zip(batch.query_lens, batch.context_lens)):  # Python ints only
         if q < 1 or L < q:
-            raise ValueError(f"query_lens[{i}]={q} / context_lens[{i}]={L}: need 1 <= query_len <= context_len")
+            bad_len = i
+            break
         nb = (L + B - 1) // B
-        if nb > bt.shape[1]:
-            raise ValueError(f"block_tables: sequence {i} needs {nb} blocks for {L} tokens, row has {bt.shape[1]}")
+        if nb > width and first_nb == S:
+            first_nb = i
         starts.append(a)
         c0s.append(L - q)
         nbs.append(nb)
         a += q
-    # every sequence's positions c0 .. L - 1 and its first nb block ids in range, checked for all sequences at once
-    n = ids.shape[0]
-    seq_of = torch.searchsorted(torch.tensor(starts), torch.arange(n), right=True) - 1
-    expect = torch.tensor(c0s)[seq_of] + torch.arange(n) - torch.tensor(starts)[seq_of]
-    bad_pos = (pos_cpu.long() != expect).nonzero()
-    if bad_pos.numel():
-        i = int(seq_of[bad_pos[0, 0]])
-        c0, L = c0s[i], batch.context_lens[i]
-        raise ValueError(f"positions: sequence {i} must hold {c0}..{L - 1} (context_len - query_len .. context_len - 1)")
-    used = torch.arange(bt.shape[1]).view(1, -1) < torch.tensor(nbs).view(-1, 1)
-    bad_blk = (used & ((bt_cpu < 0) | (bt_cpu >= cache.num_blocks))).any(dim=1).nonzero()
-    if bad_blk.numel():
-        i = int(bad_blk[0, 0])
+    k = len(starts)  # sequences 0 .. k - 1 have valid lengths and own tokens 0 .. a - 1
+    starts_t = torch.tensor(starts, dtype=torch.long)
+    seq_of = torch.searchsorted(starts_t, torch.arange(a), right=True) - 1
+    expect = torch.tensor(c0s, dtype=torch.long)[seq_of] + torch.arange(a) - starts_t[seq_of]
+    bad_pos = (pos_cpu[:a] != expect).nonzero()  # exact: float positions are not truncated
+    first_pos = int(seq_of[bad_pos[0, 0]]) if bad_pos.numel() else S
+    used = torch.arange(width).view(1, -1) < torch.tensor(nbs, dtype=torch.long).view(-1, 1)
+    bad_blk = (used & ((bt_cpu[:k] < 0) | (bt_cpu[:k] >= cache.num_blocks))).any(dim=1).nonzero()
+    first_blk = int(bad_blk[0, 0]) if bad_blk.numel() else S
+    i, kind = min((bad_len, 0), (first_pos, 1), (first_nb, 2), (first_blk, 3))
+    if i < S:
+        q, L = batch.query_lens[i], batch.context_lens[i]
+        if kind == 0:
+            raise ValueError(f"query_lens[{i}]={q} / context_lens[{i}]={L}: need 1 <= query_len <= context_len")
+        if kind == 1:
+            raise ValueError(f"positions: sequence {i} must hold {L - q}..{L - 1} "
+                             "(context_len - query_len .. context_len - 1)")
+        if kind == 2:
+            raise ValueError(f"block_tables: sequence {i} needs {nbs[i]} blocks for {L} tokens, row has {width}")
         raise ValueError(f"block_tables: sequence {i} uses a block id outside [0, {cache.num_blocks}): "
                          f"{bt_cpu[i, :nbs[i]].tolist()}")
     rows = bt_cpu.tolist()
