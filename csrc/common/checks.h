@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <utility>
 
 #define DEEPINFER_CHECK(cond, op, ...) TORCH_CHECK(cond, "deepinfer_ops.", op, ": ", __VA_ARGS__)
 
@@ -61,6 +62,27 @@ inline void check_no_partial_overlap(const char* op, const at::Tensor& out, cons
                   out_name, " and ", in_name, " share memory",
                   allow_in_place ? " partially (only the exact same elements, in place, are allowed)"
                                  : "; pass separate tensors");
+}
+
+// `out` (written) must not share any memory with `in` (read). Unlike check_no_partial_overlap this also decides
+// non-dense layouts (a row-strided input such as hc_mix's x): it compares the byte ranges the two tensors span in one storage, so a
+// non-dense `in` whose gaps hold `out` is refused too (pass separate buffers).
+inline void check_disjoint(const char* op, const at::Tensor& out, const char* out_name, const at::Tensor& in,
+                           const char* in_name) {
+  if (out.numel() == 0 || in.numel() == 0 || !out.has_storage() || !in.has_storage()) return;
+  if (!out.storage().is_alias_of(in.storage())) return;
+  const auto span = [](const at::Tensor& t) {
+    const char* p = static_cast<const char*>(t.const_data_ptr());
+    int64_t lo = 0, hi = 0;  // element offsets of the first and the last element
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t ext = (t.size(d) - 1) * t.stride(d);
+      (ext < 0 ? lo : hi) += ext;
+    }
+    return std::make_pair(p + lo * t.element_size(), p + (hi + 1) * t.element_size());
+  };
+  const auto [a0, a1] = span(out);
+  const auto [b0, b1] = span(in);
+  DEEPINFER_CHECK(a1 <= b0 || b1 <= a0, op, out_name, " and ", in_name, " share memory; pass separate tensors");
 }
 
 inline bool is_float_activation(at::ScalarType t) {

@@ -21,27 +21,6 @@ inline void check_contiguous(const char* op, const at::Tensor& t, const char* na
   DEEPINFER_CHECK(t.is_contiguous(), op, name, " must be contiguous, got strides ", t.strides());
 }
 
-// `out` (written) must not share any memory with `in` (read). Unlike check_no_partial_overlap this also decides
-// non-dense layouts (hc_mix's row-strided x): it compares the byte ranges the two tensors span in one storage, so a
-// non-dense `in` whose gaps hold `out` is refused too (pass separate buffers).
-inline void check_disjoint(const char* op, const at::Tensor& out, const char* out_name, const at::Tensor& in,
-                           const char* in_name) {
-  if (out.numel() == 0 || in.numel() == 0 || !out.has_storage() || !in.has_storage()) return;
-  if (!out.storage().is_alias_of(in.storage())) return;
-  const auto span = [](const at::Tensor& t) {
-    const char* p = static_cast<const char*>(t.const_data_ptr());
-    int64_t lo = 0, hi = 0;  // element offsets of the first and the last element
-    for (int64_t d = 0; d < t.dim(); ++d) {
-      const int64_t ext = (t.size(d) - 1) * t.stride(d);
-      (ext < 0 ? lo : hi) += ext;
-    }
-    return std::make_pair(p + lo * t.element_size(), p + (hi + 1) * t.element_size());
-  };
-  const auto [a0, a1] = span(out);
-  const auto [b0, b1] = span(in);
-  DEEPINFER_CHECK(a1 <= b0 || b1 <= a0, op, out_name, " and ", in_name, " share memory; pass separate tensors");
-}
-
 // hc_mix(out, x, fn, eps): x [T, K] (last dim contiguous, any row stride), fn [M, K] float32 contiguous,
 // out [T, M] float32 contiguous.
 inline void check_hc_mix(const at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps) {

@@ -31,8 +31,9 @@ inline void check_moe_combine(const at::Tensor& out, const at::Tensor& y, const 
   check_same_device(op, weights, "weights", y, "y");
   check_same_device(op, out, "out", y, "y");
   check_writable(op, out, "out");
-  check_no_partial_overlap(op, out, "out", y, "y", /*allow_in_place=*/false);
-  check_no_partial_overlap(op, out, "out", weights, "weights", /*allow_in_place=*/false);
+  check_disjoint(op, out, "out", y, "y");
+  check_disjoint(op, out, "out", slot_rows, "slot_rows");
+  check_disjoint(op, out, "out", weights, "weights");
 }
 
 }  // namespace deepinfer

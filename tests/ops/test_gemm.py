@@ -635,3 +635,17 @@ def test_moe_combine_opcheck(device):
     args = (torch.empty(3, 64, dtype=torch.bfloat16, device=device), y,
             torch.tensor([[0, 1], [2, -1], [7, 3]], device=device), torch.rand(3, 2, device=device))
     torch.library.opcheck(torch.ops.deepinfer_ops.moe_combine.default, args)
+
+
+@pytest.mark.native_errors
+def test_moe_combine_out_sharing_memory_with_an_input_is_refused(device):
+    """out inside the gaps of a row-strided y (ATen's overlap test cannot decide that layout) or on top of the weights
+    would be read after being written: refused naming both tensors."""
+    buf = torch.randn(8, 128, device=device)
+    y = buf[:, :64]  # rows 128 apart: out below (one 64-wide row) sits in a gap
+    rows = torch.tensor([[0, 1]], device=device)
+    with pytest.raises(RuntimeError, match="out and y share memory"):
+        torch.ops.deepinfer_ops.moe_combine(buf[0:1, 64:128], y, rows, torch.rand(1, 2, device=device))
+    out = torch.empty(1, 64, device=device)
+    with pytest.raises(RuntimeError, match="out and weights share memory"):
+        torch.ops.deepinfer_ops.moe_combine(out, y, rows, out.view(-1)[:2].view(1, 2))

@@ -5,17 +5,12 @@
 namespace deepinfer::mhc {
 namespace {
 
-// Four consecutive elements k0 .. k0 + 3 of a row as float (0 past `valid`); one vector load when `vec`.
+// Four consecutive elements of a row as float, 0 past the first `valid` (the weights' unaligned or partial groups;
+// the aligned ones are copied with cp.async).
 template <typename T>
-__device__ __forceinline__ void load4(const T* src, int64_t valid, bool vec, float (&v)[4]) {
-  if (vec) {
-    const Vec<T, 4> q = *reinterpret_cast<const Vec<T, 4>*>(src);
+__device__ __forceinline__ void load4(const T* src, int64_t valid, float (&v)[4]) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = to_float(q.v[e]);
-  } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = e < valid ? to_float(src[e]) : 0.f;
-  }
+  for (int e = 0; e < 4; ++e) v[e] = e < valid ? to_float(src[e]) : 0.f;
 }
 
 // hc_mix: out[t, m] = (x[t] . fn[m]) * rsqrt(mean(x[t]^2) + eps), in two kernels.
@@ -60,7 +55,7 @@ __global__ void __launch_bounds__(mix_threads<kTpt>()) hc_mix_partial_kernel(HcM
         cp_async_16(&w_s[m][g], p.fn + static_cast<int64_t>(m) * p.k + k);
       } else {
         float v[4] = {0.f, 0.f, 0.f, 0.f};
-        if (k < p.k) load4(p.fn + static_cast<int64_t>(m) * p.k + k, p.k - k, false, v);
+        if (k < p.k) load4(p.fn + static_cast<int64_t>(m) * p.k + k, p.k - k, v);
         w_s[m][g] = make_float4(v[0], v[1], v[2], v[3]);
       }
     }
