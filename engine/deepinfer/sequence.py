@@ -89,18 +89,17 @@ class SamplingParams:
             raise SamplingParamError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("frequency_penalty", "presence_penalty"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
+            if not number(v) or not -PENALTY_LIMIT <= v <= PENALTY_LIMIT:
                 raise SamplingParamError(name, f"{name} must be a number in [-2, 2], got {v!r}")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise SamplingParamError("logit_bias", f"logit_bias must be a dict {{token_id: bias}}, got "
                                                        f"{type(self.logit_bias).__name__}")
             for tok, bias in self.logit_bias.items():
-                if isinstance(tok, bool) or not isinstance(tok, int) or tok < 0 or (vocab_size and tok >= vocab_size):
+                if not integer(tok) or tok < 0 or (vocab_size and tok >= vocab_size):
                     limit = f"[0, {vocab_size})" if vocab_size else ">= 0"
                     raise SamplingParamError("logit_bias", f"logit_bias keys must be token ids {limit}, got {tok!r}")
-                if (isinstance(bias, bool) or not isinstance(bias, (int, float))
-                        or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT):
+                if not number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                     raise SamplingParamError("logit_bias", f"logit_bias[{tok}] must be a number in [-100, 100], "
                                                            f"got {bias!r}")
 

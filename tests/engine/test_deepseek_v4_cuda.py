@@ -155,7 +155,7 @@ def test_cuda_fp8_matches_cpu_dequant(models, fp8_gpu, n):
 
 def test_cuda_fp8_chunked_prefill_and_decode_match_full(models, fp8_gpu):
     """Chunked prefill + decode on the FP8 path against its own full forward and against the CPU dequant forward.
-    The FP8 GEMMs are batch-invariant, but the remaining torch GEMMs (router, mHC, compressor) may round
+    The FP8 GEMMs are batch-invariant, but the remaining torch GEMMs (router, compressor, LM head) may round
     differently for other M, and a changed bf16 input can move an activation across an e4m3 rounding boundary
     downstream: the FP8 bounds."""
     cpu, _ = models
