@@ -32,6 +32,10 @@ void hc_post_cuda(at::Tensor& out, const at::Tensor& streams, const at::Tensor& 
 void moe_combine_cpu(at::Tensor& out, const at::Tensor& y, const at::Tensor& slot_rows, const at::Tensor& weights);
 void moe_combine_cuda(at::Tensor& out, const at::Tensor& y, const at::Tensor& slot_rows, const at::Tensor& weights);
 
+// ---- sampling ----
+void logsumexp_rows_cpu(at::Tensor& out, const at::Tensor& x);
+void logsumexp_rows_cuda(at::Tensor& out, const at::Tensor& x);
+
 // ---- quant ----
 void per_token_group_quant_fp8_cpu(at::Tensor& out_q, at::Tensor& out_scale, const at::Tensor& input,
                                    int64_t group_size, bool scale_ue8m0);
@@ -86,5 +90,7 @@ void kv_cache_write_fp8_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at
 void kv_cache_write_fp8_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
 void kv_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 void kv_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping);
+void compressor_pool_cpu(at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate);
+void compressor_pool_cuda(at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate);
 
 }  // namespace deepinfer

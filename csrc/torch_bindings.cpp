@@ -16,6 +16,8 @@ TORCH_LIBRARY(deepinfer_ops, m) {
       "int sinkhorn_iters) -> ()");
   m.def("hc_collapse(Tensor! out, Tensor streams, Tensor pre) -> ()");
   m.def("hc_post(Tensor! out, Tensor streams, Tensor x, Tensor post, Tensor comb) -> ()");
+  // sampling
+  m.def("logsumexp_rows(Tensor! out, Tensor x) -> ()");
   // quant
   m.def(
       "per_token_group_quant_fp8(Tensor! out_q, Tensor! out_scale, Tensor input, int group_size, "
@@ -52,6 +54,7 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("kv_cache_write(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
   m.def("kv_cache_write_fp8(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
   m.def("kv_cache_dequant_fp8(Tensor! out, Tensor kv_cache, Tensor slot_mapping) -> ()");
+  m.def("compressor_pool(Tensor! out, Tensor kv, Tensor gate) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
@@ -75,6 +78,8 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("kv_cache_write", &deepinfer::kv_cache_write_cpu);
   m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cpu);
   m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cpu);
+  m.impl("compressor_pool", &deepinfer::compressor_pool_cpu);
+  m.impl("logsumexp_rows", &deepinfer::logsumexp_rows_cpu);
 }
 
 #ifdef DEEPINFER_WITH_CUDA
@@ -98,5 +103,7 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("kv_cache_write", &deepinfer::kv_cache_write_cuda);
   m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cuda);
   m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cuda);
+  m.impl("compressor_pool", &deepinfer::compressor_pool_cuda);
+  m.impl("logsumexp_rows", &deepinfer::logsumexp_rows_cuda);
 }
 #endif

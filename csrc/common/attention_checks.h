@@ -269,4 +269,29 @@ inline void check_fp8_cache(const char* op, const at::Tensor& kv_cache, const at
                   "slot_mapping must be a contiguous [", rows.size(0), "], got ", slot_mapping.sizes());
 }
 
+// compressor_pool(out, kv, gate): kv [n, S, hd] float32 / bfloat16 / float16 and gate [n, S, hd] float32, both with
+// a contiguous last dim (any strides for n and S); out [n, hd] contiguous, kv's dtype.
+inline void check_compressor_pool(const at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate) {
+  const char* op = "compressor_pool";
+  DEEPINFER_CHECK(is_float_activation(kv.scalar_type()), op, "kv must be float32, bfloat16 or float16, got ",
+                  dtype_name(kv.scalar_type()));
+  DEEPINFER_CHECK(kv.dim() == 3, op, "kv must be [windows, slots, head_dim], got ", kv.sizes());
+  check_dtype(op, gate, "gate", at::kFloat);
+  DEEPINFER_CHECK(gate.sizes() == kv.sizes(), op, "gate shape ", gate.sizes(), " != kv shape ", kv.sizes());
+  DEEPINFER_CHECK(kv.size(2) <= 1 || kv.stride(2) == 1, op, "kv must be contiguous in its last dim, got strides ",
+                  kv.strides());
+  DEEPINFER_CHECK(gate.size(2) <= 1 || gate.stride(2) == 1, op,
+                  "gate must be contiguous in its last dim, got strides ", gate.strides());
+  DEEPINFER_CHECK(out.scalar_type() == kv.scalar_type(), op, "out must be ", dtype_name(kv.scalar_type()),
+                  " (kv's dtype), got ", dtype_name(out.scalar_type()));
+  DEEPINFER_CHECK(out.dim() == 2 && out.size(0) == kv.size(0) && out.size(1) == kv.size(2), op, "out must be [",
+                  kv.size(0), ", ", kv.size(2), "], got ", out.sizes());
+  DEEPINFER_CHECK(out.is_contiguous(), op, "out must be contiguous, got strides ", out.strides());
+  check_same_device(op, gate, "gate", kv, "kv");
+  check_same_device(op, out, "out", kv, "kv");
+  check_writable(op, out, "out");
+  check_disjoint(op, out, "out", kv, "kv");
+  check_disjoint(op, out, "out", gate, "gate");
+}
+
 }  // namespace deepinfer

@@ -68,16 +68,28 @@ class EngineStats:
     interrupted: bool = False  # KeyboardInterrupt / SIGTERM (CLI) stopped the run: unfinished requests got errors
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
+    # per step: (decode tokens, prefill tokens, seconds); the medians of pure prefill / pure decode steps are
+    # robust to a few steps slowed by the host (GC, other processes), which the means above carry in full
+    steps: list[tuple[int, int, float]] = field(default_factory=list)
 
     def summary(self) -> dict:
         def mean(x: list[float]) -> float:
             return sum(x) / len(x) if x else 0.0
+
+        def median_rate(pure: list[tuple[int, float]]) -> float:
+            rates = sorted(n / dt for n, dt in pure if dt > 0)
+            if not rates:
+                return 0.0
+            h = len(rates) // 2
+            return rates[h] if len(rates) % 2 else (rates[h - 1] + rates[h]) / 2
 
         return {
             "requests": self.num_requests, "errors": self.num_errors,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0,
             "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0,
+            "prefill_tok_s_median": median_rate([(p, dt) for d, p, dt in self.steps if p and not d]),
+            "decode_tok_s_median": median_rate([(d, dt) for d, p, dt in self.steps if d and not p]),
             "ttft_ms": 1000 * mean(self.ttft), "tpot_ms": 1000 * mean(self.tpot),
             "steps": self.num_steps, "preemptions": self.num_preemptions, "wall_s": self.wall_time,
         }
@@ -303,6 +315,7 @@ class LLM:
                 tokens, logprobs, tops, dt = self.runner.step(scheduled)
                 finished = self.scheduler.postprocess(scheduled, tokens, logprobs, tops)
                 stats.num_steps += 1
+                stats.steps.append((n_decode, n_total - n_decode, dt))
                 stats.decode_tokens += n_decode
                 stats.prefill_tokens += n_total - n_decode
                 stats.decode_time += dt * n_decode / n_total

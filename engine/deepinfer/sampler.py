@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.batch_invariant import logsumexp_rows
+import deepinfer_ops
+
 
 _MASK64 = (1 << 64) - 1
 
@@ -211,13 +212,14 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
             else:
                 sampled[rows] = _draw_filtered(scaled, k[rows], top_p[rows], seeds[rows], counters[rows])
     raw = (logits if raw_logits is None else raw_logits).float()
-    if batch_invariant:
-        # log_softmax semantics: a row holding +inf is NaN everywhere (its finite tokens would otherwise get -inf,
-        # and the Sampler would emit them instead of ending the request with nan_logits as mode off does)
-        lse = logsumexp_rows(raw)
-        lp = raw.gather(1, sampled[:, None]).squeeze(1) - lse
-        return sampled, torch.where(lse == float("inf"), torch.full_like(lp, float("nan")), lp)
-    return sampled, torch.log_softmax(raw, dim=-1).gather(1, sampled[:, None]).squeeze(1)
+    if raw.stride(-1) != 1:
+        raw = raw.contiguous()
+    # log_softmax(raw)[token] = raw[token] - logsumexp(raw), the normaliser per row in a fixed order (either mode);
+    # log_softmax semantics: a row holding +inf is NaN everywhere (its finite tokens would otherwise get -inf, and the
+    # Sampler would emit them instead of ending the request with nan_logits)
+    lse = deepinfer_ops.logsumexp_rows(raw)
+    lp = raw.gather(1, sampled[:, None]).squeeze(1) - lse
+    return sampled, torch.where(lse == float("inf"), torch.full_like(lp, float("nan")), lp)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -240,8 +242,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
             rows; measured: ``sum(-1)`` of fp32 rows of 129,280 on a 2-thread CPU, torch 2.14, differs for 5 of 8 rows
             alone vs batched). So: greedy and plain-temperature rows stay vectorised (argmax with the lower-id tie
             rule and max are exact in any order; the Gumbel noise is elementwise), the log-probability normaliser is
-            :func:`deepinfer.batch_invariant.logsumexp_rows` (a fixed-order tree sum), and only rows filtered by top-k
-            / top-p (sort, cumsum, logsumexp) are drawn one row per call.
+            :func:`deepinfer_ops.logsumexp_rows` (each row in a fixed order, in either mode), and only rows filtered
+            by top-k / top-p (sort, cumsum, logsumexp) are drawn one row per call.
         raw_logits: ``[n, V]``, the unmodified logits when ``logits`` holds penalised/biased ones
             (``adjust_logits``); the reported log-probabilities are computed from them. Default: ``logits``.
 
@@ -270,8 +272,11 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
 
 def top_logprobs(logits_row: torch.Tensor, n: int) -> list[tuple[int, float]]:
     """The ``n`` most likely tokens of one ``[V]`` logits row under ``log_softmax`` (unmodified distribution), ranked
-    by log-probability then lower token id: ``[(token_id, logprob), ...]``."""
-    lp = torch.log_softmax(logits_row.float()[None, :], dim=-1)
+    by log-probability then lower token id: ``[(token_id, logprob), ...]``. Same normaliser as the sampled token's
+    log-probability (``deepinfer_ops.logsumexp_rows``), so the chosen token's entry carries the same value."""
+    row = logits_row.float()[None, :].contiguous()
+    lse = deepinfer_ops.logsumexp_rows(row)
+    lp = torch.where(lse == float("inf"), float("nan"), row - lse)  # log_softmax semantics on a +inf row
     n = min(n, lp.shape[-1])
     vals, idx = torch.topk(lp, n, dim=-1)
     vals, idx = _rank_sorted(vals, idx)

@@ -12,6 +12,7 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 from . import _C  # noqa: F401  (registers torch.ops.deepinfer_ops.*)
 from . import _fake  # noqa: F401
 from .attention import (
+    compressor_pool,
     kv_cache_dequant_fp8,
     kv_cache_write,
     kv_cache_write_fp8,
@@ -32,6 +33,7 @@ from .moe import fused_moe_fp8, moe_combine
 from .norm import rms_norm
 from .quant import FP8_E4M3_MAX, per_token_group_quant_fp8
 from .rope import rope_cos_sin_cache, rotary_embedding
+from .sampling import logsumexp_rows
 from .topk import topk
 
 __version__ = "0.1.0"
@@ -40,6 +42,7 @@ __all__ = [
     "BUILT_WITH_CUDA",
     "BackendUnavailableError",
     "FP8_E4M3_MAX",
+    "compressor_pool",
     "device_for",
     "fp4_to_fp8_blockscaled",
     "fp8_gemm_nt",
@@ -51,6 +54,7 @@ __all__ = [
     "kv_cache_dequant_fp8",
     "kv_cache_write",
     "kv_cache_write_fp8",
+    "logsumexp_rows",
     "m_grouped_fp8_gemm_nt_contiguous",
     "m_grouped_fp8_gemm_nt_masked",
     "moe_combine",

@@ -174,3 +174,15 @@ def _kv_cache_write_fp8_fake(kv_cache, kv, slot_mapping):
 @_register_fake("deepinfer_ops::kv_cache_dequant_fp8")
 def _kv_cache_dequant_fp8_fake(out, kv_cache, slot_mapping):
     return None
+
+
+@_register_fake("deepinfer_ops::compressor_pool")
+def _compressor_pool_fake(out, kv, gate):
+    torch._check(out.shape == (kv.shape[0], kv.shape[-1]), lambda: "compressor_pool: out must be [windows, head_dim]")
+    return None
+
+
+@_register_fake("deepinfer_ops::logsumexp_rows")
+def _logsumexp_rows_fake(out, x):
+    torch._check(out.shape == (x.shape[0],), lambda: "logsumexp_rows: out must be [rows]")
+    return None

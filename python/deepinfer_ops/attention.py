@@ -215,3 +215,28 @@ def kv_cache_dequant_fp8(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> 
     out = torch.empty((slot_mapping.shape[0], 512), dtype=torch.bfloat16, device=kv_cache.device)
     torch.ops.deepinfer_ops.kv_cache_dequant_fp8(out, kv_cache, slot_mapping)
     return out
+
+
+def compressor_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The V4 compressor's window pooling: ``out[w, d] = sum_s kv[w, s, d] * softmax_s(gate[w, :, d])``.
+
+    Each ``(window, dim)`` is computed on its own over the window's slots in slot order (max, then the exp-sum and
+    the exp-weighted kv sum in float32, one division, one rounding), so a window's entry does not depend on how many
+    windows close in the call (batch-invariant; the same kernel serves both modes).
+
+    Args:
+        kv: ``[windows, slots, head_dim]`` float32 / bfloat16 / float16, last dim contiguous (any other strides).
+        gate: ``[windows, slots, head_dim]`` float32 gate logits (``gate + ape``); ``-inf`` = slot not used.
+    Returns:
+        ``[windows, head_dim]`` in ``kv.dtype``. A ``(window, dim)`` whose gates are all ``-inf`` (or that has no
+        slots), or hold NaN or +inf, gives NaN (as ``torch.softmax``).
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: DeepSeek-V4 compressor (CSA / HCA): softmax over the window's positions of the gate plus the absolute
+    position embedding, the gated sum of the kv rows (transformers ``modeling_deepseek_v4.py``).
+    """
+    if kv.dim() != 3:
+        raise ValueError(f"compressor_pool: kv must be [windows, slots, head_dim], got shape {tuple(kv.shape)}")
+    out = torch.empty(kv.shape[0], kv.shape[2], dtype=kv.dtype, device=kv.device)
+    torch.ops.deepinfer_ops.compressor_pool(out, kv, gate)
+    return out

@@ -35,13 +35,27 @@ def test_run_mode_both_modes_and_overhead_rows():
         torch.set_num_threads(n)
     for row in (off, on):
         assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+        assert row["prefill_tok_s_median"] > 0 and row["decode_tok_s_median"] > 0
         assert row["us"] == pytest.approx(1e6 / row["decode_tok_s"], rel=1e-3)
     assert on["shape"]["batch_invariant"] and not off["shape"]["batch_invariant"]
     assert on["alone_equals_batched"] and on["alone_max_abs_logprob_diff"] == 0.0
     rows = mod.overhead_rows(off, on)
     assert [r["op"] for r in rows] == ["engine_prefill", "engine_decode"]
     for r, phase in zip(rows, ("prefill", "decode")):
-        assert r["tok_s"] == on[f"{phase}_tok_s"]
-        assert r["peers"]["batch_invariant_off"]["tok_s"] == off[f"{phase}_tok_s"]
-        assert r["overhead_pct"] == pytest.approx(100 * (off[f"{phase}_tok_s"] / on[f"{phase}_tok_s"] - 1), abs=0.01)
+        med, mean = f"{phase}_tok_s_median", f"{phase}_tok_s"
+        assert r["tok_s"] == on[med] and r["tok_s_mean"] == on[mean]
+        assert r["peers"]["batch_invariant_off"]["tok_s"] == off[med]
+        assert r["peers"]["batch_invariant_off"]["tok_s_mean"] == off[mean]
+        assert r["overhead_pct"] == pytest.approx(100 * (off[med] / on[med] - 1), abs=0.01)
+        assert r["overhead_pct_mean"] == pytest.approx(100 * (off[mean] / on[mean] - 1), abs=0.01)
         assert "batch_invariant" not in r["shape"]
+
+
+def test_engine_stats_medians_take_pure_steps_only():
+    from deepinfer.llm import EngineStats
+
+    st = EngineStats(steps=[(0, 100, 0.1), (0, 100, 0.2), (0, 100, 10.0), (4, 0, 0.01), (4, 0, 0.02), (2, 50, 0.5)])
+    s = st.summary()
+    assert s["prefill_tok_s_median"] == pytest.approx(500.0)  # 1000, 500, 10 tok/s: the middle one
+    assert s["decode_tok_s_median"] == pytest.approx(300.0)  # 400 and 200: their mean; the mixed step is left out
+    assert EngineStats().summary()["decode_tok_s_median"] == 0.0

@@ -74,7 +74,8 @@ def test_sampler_applies_adjustments_and_reports_raw_logprobs():
                      torch.tensor([0, 0, 4, 1]))
     assert toks == want.tolist()
     raw_lp = torch.log_softmax(logits, -1)
-    assert lps == raw_lp.gather(1, torch.tensor(toks)[:, None]).squeeze(1).tolist()
+    torch.testing.assert_close(torch.tensor(lps), raw_lp.gather(1, torch.tensor(toks)[:, None]).squeeze(1),
+                               rtol=1e-6, atol=1e-5)  # reported from the raw logits, not the adjusted ones
     assert tops[0][0][0] == top  # top_logprobs come from the model's own distribution
 
 

@@ -2,6 +2,7 @@
 // current stream.
 #include "cuda/torch_utils.h"
 #include "common/attention_checks.h"
+#include "deepinfer/attention/compressor_pool.cuh"
 #include "deepinfer/attention/sparse_mqa.cuh"
 #include "ops.h"
 
@@ -193,6 +194,27 @@ void kv_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& kv_cache, cons
   if (out.size(0) == 0) return;
   const c10::cuda::CUDAGuard guard(kv_cache.device());
   attention::launch_kv_cache_dequant_fp8(fp8_params(kv_cache, out, slot_mapping), current_stream());
+}
+
+void compressor_pool_cuda(at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate) {
+  check_compressor_pool(out, kv, gate);
+  if (out.numel() == 0) return;
+  DEEPINFER_CHECK(out.numel() / 256 < (int64_t(1) << 31), "compressor_pool", "out has ", out.numel(),
+                  " elements, beyond the CUDA grid limit");
+  const c10::cuda::CUDAGuard guard(kv.device());
+  attention::CompressorPoolParams p{};
+  p.kv = kv.const_data_ptr();
+  p.gate = gate.const_data_ptr<float>();
+  p.out = out.mutable_data_ptr();
+  p.n = kv.size(0);
+  p.S = kv.size(1);
+  p.hd = kv.size(2);
+  p.kv_n = kv.stride(0);
+  p.kv_s = kv.stride(1);
+  p.gate_n = gate.stride(0);
+  p.gate_s = gate.stride(1);
+  p.dtype = to_dtype(kv.scalar_type());
+  attention::launch_compressor_pool(p, current_stream());
 }
 
 }  // namespace deepinfer

@@ -92,8 +92,8 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
   the CPU implementations compute every output element on its own in a fixed order.
 * The remaining torch GEMMs (router ``gate``, compressor / indexer BF16 projections, LM head, and on path
   ``"dequant"`` every linear, ``wo_a``'s groups and the experts): every ``torch.mm`` has exactly
-  :meth:`batch_invariant_rows` rows (path ``"fp8"`` on CUDA 512, path ``"dequant"`` on CUDA 128, the CPU 16;
-  :func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed shape
+  :meth:`batch_invariant_rows` rows (path ``"fp8"`` on CUDA 512, path ``"dequant"`` on CUDA 128, the CPU 16; the
+  LM head 128 on CUDA on either path; :func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed shape
   is the only way to get one kernel for every row. Path
   ``"dequant"`` zero-pads the token dimension once per step to whole chunks (every GEMM then takes them without a
   copy; experts pad their gathered tokens the same way); path ``"fp8"`` does not pad the step (its FP8 GEMMs would
@@ -102,10 +102,9 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
   position, entries by id, -1 padding; the kernels are batch-invariant by construction); the indexer's
   ``mqa_logits`` and top-k are row-wise too (masked candidates score -inf, the tie rule fixes the selection) and the
   selected entries are passed in entry order. Padding rows get no entries (output 0).
-* Compressor pooling: softmax sum and pooled sum as float32 pairwise (tree) sums over the slots
-  (:func:`tree_sum_dim1`: a fixed order of elementwise adds, ``log2(slots)`` launches). mHC: the ops
-  ``hc_mix`` / ``hc_weights`` / ``hc_collapse`` / ``hc_post`` compute each token on its own in a fixed order (used
-  in both modes).
+* Compressor pooling: :func:`deepinfer_ops.compressor_pool` pools each window on its own over its slots in slot
+  order (float32). mHC: the ops ``hc_mix`` / ``hc_weights`` / ``hc_collapse`` / ``hc_post`` compute each token on
+  its own in a fixed order. Both are used in either mode.
   Router weights: the renormalisation sum is explicit adds in slot order.
 * Norms: ``deepinfer_ops.rms_norm`` (one row per program); rotary: elementwise; router / indexer top-k: the tie
   rule; MoE combine: a token's experts added in ascending expert id (path ``"dequant"``, as in the default mode)
@@ -113,9 +112,10 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
 * CPU only: transcendental elementwise ops go through :func:`pointwise` (torch's SIMD loops compute tails with
   scalar libm, so a value would depend on its position); the FP8 ops' CPU kernels use scalar libm everywhere.
 
-Cost: path ``"fp8"``: one ``torch.mm`` launch per 128 tokens for each remaining torch GEMM (small N: mHC 24,
-router, compressor) and a copy of each input's last partial chunk; the FP8 GEMMs and the MoE cost the same as with
-the mode off. Path ``"dequant"``: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a
+Cost: path ``"fp8"``: one ``torch.mm`` launch per 512 tokens for each remaining torch GEMM (small N: router,
+compressor / indexer projections; the LM head per 128 logits rows) and a copy of each input's last partial chunk;
+the router's slot-order adds and the sampler's per-row filtered draws; the FP8 GEMMs, the MoE, attention, mHC and
+the compressor pooling cost the same as with the mode off. Path ``"dequant"``: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a
 decode step of <= 128 tokens on the GPU) and one GEMM launch per 128 tokens for every GEMM in prefill.
 
 Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported);
@@ -131,7 +131,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import deepinfer_ops
-from deepinfer.batch_invariant import pointwise, tree_sum_dim1
+from deepinfer.batch_invariant import pointwise
 from deepinfer.forward_batch import ForwardBatch
 
 from .cache import BLOCK_SIZE, CacheSpec, DeepseekV4Cache, allocate_cache
@@ -725,9 +725,10 @@ class DeepseekV4ForCausalLM(nn.Module):
     # ``linear_rows``; the FP8 GEMMs of path "fp8" need none), per device type. The costs: up to rows - 1 padded GEMM
     # rows per call (about free while a call is bandwidth-bound on its weight, as decode steps are on the GPU) and one
     # launch per ``rows`` tokens. Path "fp8" on CUDA runs only the few small torch GEMMs (router, compressor / indexer
-    # projections, LM head) in chunks, so they take 512 rows: an 8192-token prefill step is 16 launches per GEMM
-    # instead of 64 (the engine is host-bound there), and a decode step's padding to 512 rows costs about 0.5 ms in the
-    # LM head. Path "dequant" pads every expert's tokens too, so it keeps 128.
+    # projections) in chunks, so they take 512 rows: an 8192-token prefill step is 16 launches per GEMM instead of 64
+    # (the engine is host-bound there). Path "dequant" pads every expert's tokens too, so it keeps 128. The LM head
+    # takes BI_GEMM_ROWS on either path (``_head_rows``): it only sees the step's logits rows (one per sequence), and
+    # a 64-sequence decode step padded to 512 rows spent 0.7 ms in it on the H200 instead of the weight read's 0.3.
     BI_GEMM_ROWS = {"cuda": 128, "cpu": 16}
     BI_GEMM_ROWS_FP8 = {"cuda": 512}
     BI_GEMM_ROWS_DEFAULT = 128
@@ -928,27 +929,16 @@ class DeepseekV4ForCausalLM(nn.Module):
         return deepinfer_ops.hc_collapse(streams.contiguous(), pre.contiguous())
 
     # ---- compressor -------------------------------------------------------------------------------------------
-    @staticmethod
-    def _pool_bi(slot_kv: torch.Tensor, slot_gate: torch.Tensor) -> torch.Tensor:
-        """Batch-invariant window pooling: ``[n_win, slots, hd]`` kv and float32 gates -> ``[n_win, hd]`` in the kv
-        dtype, ``sum_j kv_j * softmax_j(gate)`` with the softmax sum and the pooled sum in float32 by
-        :func:`tree_sum_dim1` (a torch reduction kernel's split of the slots over threads may follow the number of
-        windows closing in the step, i.e. the prefill chunking; elementwise adds cannot)."""
-        shifted = slot_gate - slot_gate.amax(dim=1, keepdim=True)  # max: exact in any order
-        e = pointwise(torch.exp, shifted, 1)
-        weights = (e / tree_sum_dim1(e).unsqueeze(1)).to(slot_kv.dtype)
-        return tree_sum_dim1((slot_kv * weights).float()).to(slot_kv.dtype)
-
     def _pool_windows(self, comp: Compressor, cur_kv: torch.Tensor, cur_gate: torch.Tensor,
-                      prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, prev_at, rows: int) -> torch.Tensor:
+                      prev_kv: torch.Tensor | None, prev_gate: torch.Tensor | None, prev_at) -> torch.Tensor:
         """Compressed entries ``[n, hd]`` of ``n`` windows closing in this step.
 
         ``cur_kv`` / ``cur_gate``: ``[n, m, coff * hd]`` projections of each window's own ``m`` positions (as stored:
         ``ape`` not added). CSA (``overlap``): a window's slots are the ``Ca`` half of window ``w - 1`` (``prev_kv`` /
         ``prev_gate [k, m, coff * hd]`` for the windows ``prev_at`` selects; window 0 and any window not selected keeps
         -inf gates there, i.e. weight 0) followed by the ``Cb`` half of its own. Pooling: the softmax over the slots
-        of the float32 ``gate + ape``, the gated sum, then the compressor's RMS norm (batch-invariant mode:
-        :meth:`_pool_bi`)."""
+        of the float32 ``gate + ape`` and the gated sum (:func:`deepinfer_ops.compressor_pool`: each window on its
+        own in slot order, float32, in either mode), then the compressor's RMS norm."""
         m, hd = comp.ratio, comp.head_dim
         ape = comp.ape.float()
         cur_gate = cur_gate.float() + ape
@@ -963,14 +953,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                 slot_gate[prev_at, :m] = (prev_gate.float() + ape)[..., :hd]
         else:
             slot_kv, slot_gate = cur_kv, cur_gate
-        if rows:
-            return comp.norm(self._pool_bi(slot_kv, slot_gate).contiguous())
-        weights = slot_gate.softmax(dim=1, dtype=torch.float32).to(slot_kv.dtype)
-        return comp.norm((slot_kv * weights).sum(dim=1))
+        return comp.norm(deepinfer_ops.compressor_pool(slot_kv, slot_gate))
 
     def _compress_decode(self, comp: Compressor, kv_rows: torch.Tensor, gate_rows: torch.Tensor, seqs: list[_Seq],
                          pool_state_kv: torch.Tensor, pool_state_gate: torch.Tensor, pool_comp: torch.Tensor,
-                         rope_table: torch.Tensor, rows: int = 0) -> None:
+                         rope_table: torch.Tensor) -> None:
         """:meth:`_compress_seq` for sequences that add one token each (decode), batched over the sequences, with the
         same cache contents as a result. ``kv_rows`` / ``gate_rows``: ``[len(seqs), coff * hd]``, row i = sequence
         i's new token at position ``c0 = L - 1``.
@@ -1025,7 +1012,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 prev_at = torch.tensor([k for k, _ in prev], dtype=torch.long, device=dev)
                 pr = torch.tensor([r for _, r in prev], device=dev)[:, None] + ar
                 prev_kv, prev_gate = all_kv[pr], all_gate[pr]
-            entries = self._pool_windows(comp, all_kv[cur], all_gate[cur], prev_kv, prev_gate, prev_at, rows)
+            entries = self._pool_windows(comp, all_kv[cur], all_gate[cur], prev_kv, prev_gate, prev_at)
             w_pos = torch.tensor([w * m for w in ws], device=dev)
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             dst = torch.tensor([seqs[i].block_ids[w // per_block] * per_block + w % per_block
@@ -1049,7 +1036,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def _compress_seq(self, comp: Compressor, kv_new: torch.Tensor, gate_new: torch.Tensor, s: _Seq,
                       pool_state_kv: torch.Tensor, pool_state_gate: torch.Tensor, pool_comp: torch.Tensor,
-                      rope_table: torch.Tensor, rows: int = 0) -> None:
+                      rope_table: torch.Tensor) -> None:
         """Emit the entries of every window that closes in this step into ``pool_comp`` and persist the open
         window's (and for CSA the previous window's) projections in the ring of the block of the last token.
         ``kv_new`` / ``gate_new``: ``[q, coff * hd]`` projections of the step's tokens (the rings keep them as
@@ -1079,7 +1066,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 k = end_w - w_from
                 prev_kv, prev_gate = all_kv[plo:phi].view(k, m, -1), all_gate[plo:phi].view(k, m, -1)
                 prev_at = slice(n_win - k, n_win)
-            entries = self._pool_windows(comp, cur_kv, cur_gate, prev_kv, prev_gate, prev_at, rows)
+            entries = self._pool_windows(comp, cur_kv, cur_gate, prev_kv, prev_gate, prev_at)
             w_pos = torch.arange(first_w, end_w, device=entries.device) * m
             deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
             per_block = pool_comp.shape[1]
@@ -1194,12 +1181,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                 at = torch.tensor([s.a for s in decode], dtype=torch.long, device=x.device)
             for c, kv_p, gate_p, sk, sg, out in comps:
                 if decode:  # one token each: batched over the sequences
-                    self._compress_decode(c, kv_p[at], gate_p[at], decode, pools[sk], pools[sg], pools[out], table,
-                                          rows)
+                    self._compress_decode(c, kv_p[at], gate_p[at], decode, pools[sk], pools[sg], pools[out], table)
                 for s in seqs:
                     if s.b - s.a > 1:
                         sl = slice(s.a, s.b)
-                        self._compress_seq(c, kv_p[sl], gate_p[sl], s, pools[sk], pools[sg], pools[out], table, rows)
+                        self._compress_seq(c, kv_p[sl], gate_p[sl], s, pools[sk], pools[sg], pools[out], table)
         # 2. the index lists: window = the last W raw tokens (query included) in position order; compressed = every
         #    closed entry (HCA) or the indexer's top-k closed entries (CSA) in entry order; -1 = no entry. Per-token
         #    block tables; batch-invariant padding rows (past the sequences) get no block, hence no entry (out = 0).
@@ -1321,6 +1307,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         return y + moe.shared_experts(x, limit, rows)
 
     # ---- blocks -----------------------------------------------------------------------------------------------------
+    def _head_rows(self, rows: int, device: torch.device) -> int:
+        """Rows per LM-head GEMM call: 0 with the mode off, else ``BI_GEMM_ROWS`` for ``device`` on either GEMM path
+        (see ``BI_GEMM_ROWS_FP8``)."""
+        return self.BI_GEMM_ROWS.get(torch.device(device).type, self.BI_GEMM_ROWS_DEFAULT) if rows else 0
+
     def _step_pad(self, rows: int) -> int:
         """Rows the step's token dimension is padded to a multiple of: ``rows`` on path ``"dequant"`` in
         batch-invariant mode, else 0 (no padding)."""
@@ -1380,7 +1371,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         li = batch.logits_indices.long()
         sel = streams[li]
         x = self.norm(self._hc_head(sel, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, rows))
-        logits = self.head(x, rows).float()
+        logits = self.head(x, self._head_rows(rows, x.device)).float()
         return (logits, streams) if return_hidden else logits
 
     @torch.no_grad()
@@ -1417,7 +1408,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                               cache.layers[self.config.num_hidden_layers + mtp_idx], rows, pad)[:T]
         sel = streams[batch.logits_indices.long()]
         x = blk.norm(self._hc_head(sel, blk.hc_head_fn, blk.hc_head_base, blk.hc_head_scale, rows))
-        logits = self.head(x, rows).float()
+        logits = self.head(x, self._head_rows(rows, x.device)).float()
         return (logits, streams) if return_hidden else logits
 
     @torch.no_grad()

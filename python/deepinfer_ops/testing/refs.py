@@ -29,6 +29,16 @@ def hc_mix_ref(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)) @ fn.float().T
 
 
+def logsumexp_rows_ref(x: torch.Tensor) -> torch.Tensor:
+    """``torch.logsumexp`` of each row of ``x [rows, V]`` in float64, returned as float32 (``V == 0``: -inf)."""
+    return torch.logsumexp(x.double(), dim=-1).float()
+
+
+def compressor_pool_ref(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``sum_s kv[:, s] * softmax_s(gate)`` in float32 over dim 1, rounded once to ``kv``'s dtype."""
+    return (kv.float() * torch.softmax(gate.float(), dim=1)).sum(dim=1).to(kv.dtype)
+
+
 def moe_combine_ref(y: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * y[slot_rows[t, j]]`` in float32 over the slots whose row is in ``[0, rows)``."""
