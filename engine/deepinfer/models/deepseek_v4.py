@@ -391,6 +391,16 @@ class Linear(nn.Module):
             raise ValueError(f"Linear.fp8_rows: rows [{r0}, {r1}) straddle the 128-row scale blocks")
         return self.weight[r0:r1], self.scale[b0:b0 + -(-(r1 - r0) // FP8_BLOCK)]
 
+    def fp8_groups(self, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An FP8 weight as ``groups`` equal row blocks, the B operand of a grouped GEMM: (``[groups, out / groups,
+        in]`` view of the weight, ``[groups, ceil(out / groups / 128), ceil(in/128)]`` scales: a view when a block
+        is whole 128-row scale blocks, else each block's scale rows gathered, see :meth:`fp8_rows`)."""
+        r = self.weight.shape[0] // groups
+        w = self.weight.view(groups, r, -1)
+        if r % FP8_BLOCK == 0:
+            return w, self.scale.reshape(groups, r // FP8_BLOCK, -1)
+        return w, torch.stack([self.fp8_rows(g * r, (g + 1) * r)[1] for g in range(groups)])
+
     def forward(self, x: torch.Tensor, rows: int = 0) -> torch.Tensor:
         if self.scale is not None:
             return fp8_linear(x, self.weight, self.scale)
@@ -475,8 +485,10 @@ class Expert(nn.Module):
         if self.w1.is_fp8:
             xq, xs = quant_act_fp8(x)
             dt = _fp8_out_dtype(x)
-            gate_up = torch.cat([deepinfer_ops.fp8_gemm_nt(xq, xs, self.w1.weight, self.w1.scale, out_dtype=dt),
-                                 deepinfer_ops.fp8_gemm_nt(xq, xs, self.w3.weight, self.w3.scale, out_dtype=dt)], dim=1)
+            inter = self.w1.weight.shape[0]
+            gate_up = torch.empty(x.shape[0], 2 * inter, dtype=dt, device=x.device)  # each GEMM writes its half
+            deepinfer_ops.fp8_gemm_nt(xq, xs, self.w1.weight, self.w1.scale, out=gate_up[:, :inter])
+            deepinfer_ops.fp8_gemm_nt(xq, xs, self.w3.weight, self.w3.scale, out=gate_up[:, inter:])
             hq, hs = deepinfer_ops.swiglu_clamp_quant_fp8(gate_up, limit, column_major_scales=x.is_cuda)
             return deepinfer_ops.fp8_gemm_nt(hq, hs, self.w2.weight, self.w2.scale, out_dtype=dt)
         m = x.shape[0]
@@ -1231,11 +1243,14 @@ class DeepseekV4ForCausalLM(nn.Module):
         out = out.to(x.dtype)
         deepinfer_ops.rotary_embedding(out, positions, table, inverse=True)
         G, olr = cfg.o_groups, cfg.o_lora_rank
-        if attn.wo_a.is_fp8:  # one FP8 GEMM per group (batch-invariant by construction, any mode)
-            per_group = out.view(T, G, -1).transpose(0, 1).contiguous()
-            o = torch.cat([fp8_linear(per_group[g], *attn.wo_a.fp8_rows(g * olr, (g + 1) * olr)) for g in range(G)],
-                          dim=1)
-            return attn.wo_b(o, rows)
+        if attn.wo_a.is_fp8:  # the G groups as one masked grouped FP8 GEMM, every group all T rows (batch-invariant
+            #                   by construction, any mode; bfloat16 out, which wo_b re-quantises to FP8 anyway)
+            per_group = out.view(T, G, -1).transpose(0, 1).contiguous()  # [G, T, H * hd / G]
+            xq, xs = quant_act_fp8(per_group.view(G * T, -1))
+            w, ws = attn.wo_a.fp8_groups(G)
+            o = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(xq.view(G, T, -1), xs.view(G, T, -1), w, ws,
+                                                           torch.full((G,), T, dtype=torch.int32, device=dev))
+            return attn.wo_b(o.transpose(0, 1).reshape(T, G * olr).to(x.dtype), rows)
         wa = attn.wo_a.weight.view(G, olr, -1)
         if rows:  # one fixed-shape GEMM chain per group (the einsum below is a bmm whose kernel depends on T)
             per_group = out.view(T, G, -1).transpose(0, 1).contiguous()
