@@ -137,7 +137,8 @@ def overhead_rows(off: dict, on: dict) -> list[dict]:
     whole-run means by up to +-20% between identical runs on the GPU machine), with the whole-run means alongside
     (``tok_s_mean``, ``overhead_pct_mean``)."""
     def overhead(t_on: float, t_off: float) -> float | None:
-        return round(100 * (t_off / t_on - 1), 2) if t_on else None
+        # a rate of 0 means "not measured" (no pure step of that phase, or no time): no overhead, not -100%
+        return round(100 * (t_off / t_on - 1), 2) if t_on and t_off else None
 
     rows = []
     for phase in ("prefill", "decode"):

@@ -229,7 +229,9 @@ def compressor_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         gate: ``[windows, slots, head_dim]`` float32 gate logits (``gate + ape``); ``-inf`` = slot not used.
     Returns:
         ``[windows, head_dim]`` in ``kv.dtype``. A ``(window, dim)`` whose gates are all ``-inf`` (or that has no
-        slots), or hold NaN or +inf, gives NaN (as ``torch.softmax``).
+        slots), or hold NaN or +inf, gives NaN (as ``torch.softmax``). A ``(window, dim)`` whose exp-weighted kv sum
+        overflows float32 (``|kv|`` near FLT_MAX / slots) is redone with kv scaled by a power of two, so its finite
+        mean is not reported as inf (other entries keep the one-pass bits).
     Raises:
         RuntimeError naming the tensor at fault.
     Source: DeepSeek-V4 compressor (CSA / HCA): softmax over the window's positions of the gate plus the absolute

@@ -59,3 +59,19 @@ def test_engine_stats_medians_take_pure_steps_only():
     assert s["prefill_tok_s_median"] == pytest.approx(500.0)  # 1000, 500, 10 tok/s: the middle one
     assert s["decode_tok_s_median"] == pytest.approx(300.0)  # 400 and 200: their mean; the mixed step is left out
     assert EngineStats().summary()["decode_tok_s_median"] == 0.0
+
+
+def test_overhead_rows_without_a_measured_rate_report_no_overhead():
+    """A run with no pure decode (or prefill) step has a median rate of 0 (EngineStats: not measured): the overhead
+    is None on either side, not -100% (off side 0) -- and a measured pair still gives its percentage."""
+    mod = _bench_module()
+
+    def row(pre_med, dec_med, bi):
+        return {"shape": {"batch_invariant": bi}, "prefill_tok_s_median": pre_med, "decode_tok_s_median": dec_med,
+                "prefill_tok_s": 100.0, "decode_tok_s": 10.0, "alone_equals_batched": True}
+
+    rows = mod.overhead_rows(row(200.0, 0.0, False), row(100.0, 20.0, True))
+    assert rows[0]["overhead_pct"] == 100.0 and rows[1]["overhead_pct"] is None
+    rows = mod.overhead_rows(row(0.0, 20.0, False), row(0.0, 0.0, True))
+    assert rows[0]["overhead_pct"] is None and rows[1]["overhead_pct"] is None
+    assert rows[0]["overhead_pct_mean"] == 0.0

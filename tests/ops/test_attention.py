@@ -838,3 +838,35 @@ def test_compressor_pool_opcheck(device):
                           (torch.empty(3, 16, dtype=torch.bfloat16, device=device),
                            torch.randn(3, 8, 16, dtype=torch.bfloat16, device=device),
                            torch.randn(3, 8, 16, device=device)))
+
+
+def test_compressor_pool_reference_without_slots_is_nan(device):
+    """S == 0: the op gives NaN (0 / 0, as its docstring says); the reference gave 0 (a sum over no slots)."""
+    kv, gate = torch.empty(2, 0, 5, device=device), torch.empty(2, 0, 5, device=device)
+    assert torch.isnan(refs.compressor_pool_ref(kv, gate)).all()
+    assert torch.isnan(deepinfer_ops.compressor_pool(kv, gate)).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressor_pool_huge_kv_does_not_overflow(device, dtype):
+    """|kv| near FLT_MAX: the exp-weighted sum overflowed (inf) although the weighted mean is finite; those entries
+    are redone scaled by a power of two. A window gives the same bits alone or among others, and an inf kv with
+    weight > 0 still gives inf."""
+    g = torch.Generator().manual_seed(4)
+    n, S, hd = 4, 8, 16
+    kv = torch.randn(n, S, hd, generator=g)
+    kv[0] = 3e38  # every slot huge, same sign: the mean is 3e38
+    kv[1, :, :8] = 3e38
+    kv[1, ::2, 8:] = -3e38  # huge, both signs
+    kv[1, 1::2, 8:] = 3e38
+    kv[2, 3, 5] = float("inf")
+    kv = kv.to(dtype).to(device)
+    gate = (torch.randn(n, S, hd, generator=g) * 2).to(device)
+    gate[1, :, 8:] = 0.5  # equal gates: the +-3e38 slots cancel exactly
+    out = deepinfer_ops.compressor_pool(kv, gate)
+    ref = refs.compressor_pool_ref(kv, gate)
+    assert torch.isfinite(out[:2]).all(), out[:2]
+    assert_close(out[:2].float() / 1e38, ref[:2].float() / 1e38, TOLERANCES[dtype], name="compressor_pool huge")
+    assert out[2, 5] == float("inf")
+    for w in range(n):  # a window's bits do not depend on the windows sharing the call (fallback or not)
+        assert torch.equal(deepinfer_ops.compressor_pool(kv[w:w + 1].clone(), gate[w:w + 1].clone())[0], out[w]), w

@@ -29,6 +29,19 @@ void pool_windows(at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate)
           den += e;
           num += e * static_cast<float>(kp[w * kv_n + s * kv_s + d]);
         }
+        if (!std::isfinite(num) && std::isfinite(den)) {
+          // the exp-weighted sum overflowed (|kv| near FLT_MAX / S) though the weighted mean may be finite: redo it
+          // with kv scaled by 2^-k (exact), 2^k >= 4 S, and scale the mean back; taken only for such windows, so
+          // every other result keeps its bits (and inf / NaN kv still give inf / NaN)
+          const int k = 2 + static_cast<int>(std::ceil(std::log2(static_cast<double>(S))));
+          num = 0.f;
+          for (int64_t s = 0; s < S; ++s) {
+            const float e = std::exp(gp[w * g_n + s * g_s + d] - m);
+            num += e * std::ldexp(static_cast<float>(kp[w * kv_n + s * kv_s + d]), -k);
+          }
+          o[w * hd + d] = static_cast<T>(std::ldexp(num / den, k));
+          continue;
+        }
         o[w * hd + d] = static_cast<T>(num / den);
       }
     }

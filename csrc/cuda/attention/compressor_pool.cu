@@ -21,6 +21,16 @@ __global__ void __launch_bounds__(256) compressor_pool_kernel(CompressorPoolPara
     den += e;
     num += e * to_float(kv[s * p.kv_s]);
   }
+  if (!isfinite(num) && isfinite(den)) {
+    // the exp-weighted sum overflowed (|kv| near FLT_MAX / S) though the weighted mean may be finite: redo it with kv
+    // scaled by 2^-k (exact), 2^k >= 4 S, and scale the mean back; only such windows take this path, so every other
+    // result keeps its bits (and inf / NaN kv still give inf / NaN)
+    const int k = 2 + static_cast<int>(ceil(log2(static_cast<double>(p.S))));
+    num = 0.f;
+    for (int64_t s = 0; s < p.S; ++s) num += expf(g[s * p.gate_s] - m) * ldexpf(to_float(kv[s * p.kv_s]), -k);
+    static_cast<T*>(p.out)[idx] = from_float<T>(ldexpf(num / den, k));
+    return;
+  }
   static_cast<T*>(p.out)[idx] = from_float<T>(num / den);
 }
 

@@ -35,7 +35,10 @@ def logsumexp_rows_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def compressor_pool_ref(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """``sum_s kv[:, s] * softmax_s(gate)`` in float32 over dim 1, rounded once to ``kv``'s dtype."""
+    """``sum_s kv[:, s] * softmax_s(gate)`` in float32 over dim 1, rounded once to ``kv``'s dtype; NaN where a window
+    has no slots (``S == 0``: an empty softmax, as the op's 0 / 0; a plain sum over no slots would give 0)."""
+    if kv.shape[1] == 0:
+        return torch.full((kv.shape[0], kv.shape[2]), float("nan"), dtype=kv.dtype, device=kv.device)
     return (kv.float() * torch.softmax(gate.float(), dim=1)).sum(dim=1).to(kv.dtype)
 
 
