@@ -53,3 +53,17 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.shape[0])
+
+
+def index_tensors(lists: list[list[int]], device: torch.device | str,
+                  dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
+    """Host index lists as 1-D ``dtype`` tensors on ``device``, all from ONE host-to-device copy (consecutive views
+    of one buffer, each contiguous): every ``torch.tensor(list, device="cuda")`` is a copy of its own, 10-20 us of
+    host time each, and the per-step metadata of a decode step is host-bound."""
+    flat = [v for values in lists for v in values]
+    buf = torch.tensor(flat, dtype=dtype, device=device)
+    out, at = [], 0
+    for values in lists:
+        out.append(buf[at:at + len(values)])
+        at += len(values)
+    return out

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from deepinfer.forward_batch import ForwardBatch
+from deepinfer.forward_batch import ForwardBatch, index_tensors
 from deepinfer.sampler import Sampler
 from deepinfer.scheduler import ScheduledSeq
 
@@ -54,26 +54,27 @@ def build_forward_batch(scheduled: list[ScheduledSeq], device: torch.device | st
     context_lens: list[int] = []
     logits_indices: list[int] = []
     max_blocks = max(len(item.seq.block_table) for item in scheduled)
-    tables = torch.full((len(scheduled), max_blocks), -1, dtype=torch.int32)
+    tables: list[list[int]] = []
     offset = 0
-    for i, item in enumerate(scheduled):
+    for item in scheduled:
         seq, n = item.seq, item.num_new_tokens
         start = seq.num_computed_tokens
         input_ids.extend(seq.token_at(start, start + n))
         positions.extend(range(start, start + n))
         query_lens.append(n)
         context_lens.append(start + n)
-        tables[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        tables.append(list(seq.block_table) + [-1] * (max_blocks - len(seq.block_table)))
         offset += n
         if item.needs_logits:
             logits_indices.append(offset - 1)
+    ids_t, pos_t, logits_t = index_tensors([input_ids, positions, logits_indices], device)  # one copy
     return ForwardBatch(
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        input_ids=ids_t,
+        positions=pos_t,
         query_lens=query_lens,
         context_lens=context_lens,
-        block_tables=tables.to(device),
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        logits_indices=logits_t,
         batch_invariant=batch_invariant,
     )
 

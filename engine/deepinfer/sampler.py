@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 import deepinfer_ops
+from deepinfer.forward_batch import index_tensors
 
 
 _MASK64 = (1 << 64) - 1
@@ -308,11 +309,11 @@ class Sampler:
         if any(s.params.adjusts_logits for s in seqs):
             raw = logits
             logits = adjust_logits(logits, *_adjustments(seqs, dev))
-        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev)
-        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
-        counters = torch.tensor([s.num_output_tokens for s in seqs], dtype=torch.int64, device=dev)
+        # two host-to-device copies (float and integer parameters) instead of five
+        temperature, top_p = torch.tensor([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]],
+                                          dtype=torch.float32, device=dev)
+        top_k, seeds, counters = index_tensors([[s.params.top_k for s in seqs], [s.seed for s in seqs],
+                                                [s.num_output_tokens for s in seqs]], dev)
         tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant, raw)
         raw = logits if raw is None else raw
         # a NaN logit makes the row's log-softmax NaN everywhere, so the drawn token's logprob shows it (no extra

@@ -132,7 +132,7 @@ from torch import nn
 
 import deepinfer_ops
 from deepinfer.batch_invariant import pointwise
-from deepinfer.forward_batch import ForwardBatch
+from deepinfer.forward_batch import ForwardBatch, index_tensors
 
 from .cache import BLOCK_SIZE, CacheSpec, DeepseekV4Cache, allocate_cache
 from .config import CSA, HASH_MOE, HCA, MOE, SLIDING, TINY_CONFIG, DeepseekV4Config
@@ -998,38 +998,16 @@ class DeepseekV4ForCausalLM(nn.Module):
             s0s.append(s0)
             moved.append(mv)
         n_ring = len(ring_src)
-        if n_ring:
-            src = torch.tensor(ring_src, dtype=torch.long, device=dev)
-            all_kv = torch.cat([pool_state_kv.view(-1, pool_state_kv.shape[-1])[src].to(kv_rows.dtype), kv_rows])
-            all_gate = torch.cat([pool_state_gate.view(-1, pool_state_gate.shape[-1])[src].to(gate_rows.dtype),
-                                  gate_rows])
-        else:
-            all_kv, all_gate = kv_rows, gate_rows
 
         def row(i: int, p_: int) -> int:  # the `all` row of sequence i's position p_ (s0 <= p_ <= c0)
             return n_ring + i if p_ == seqs[i].c0 else base[i] + p_ - s0s[i]
 
         # windows closing in this step: window w = L // m - 1 (positions w m .. c0; the last one is the new token)
         closing = [i for i, s in enumerate(seqs) if s.L % m == 0]
-        if closing:
-            per_block = pool_comp.shape[1]
-            ws = [seqs[i].L // m - 1 for i in closing]
-            ar = torch.arange(m, device=dev)
-            cur = torch.tensor([base[i] + w * m - s0s[i] for i, w in zip(closing, ws)], device=dev)[:, None] + ar
-            cur[:, -1] = torch.tensor([n_ring + i for i in closing], device=dev)
-            prev_kv = prev_gate = prev_at = None
-            prev = [(k, base[i] + (w - 1) * m - s0s[i]) for k, (i, w) in enumerate(zip(closing, ws)) if w >= 1] \
-                if overlap else []
-            if prev:  # the Ca half of window w - 1 (all ring rows: positions below w m <= c0)
-                prev_at = torch.tensor([k for k, _ in prev], dtype=torch.long, device=dev)
-                pr = torch.tensor([r for _, r in prev], device=dev)[:, None] + ar
-                prev_kv, prev_gate = all_kv[pr], all_gate[pr]
-            entries = self._pool_windows(comp, all_kv[cur], all_gate[cur], prev_kv, prev_gate, prev_at)
-            w_pos = torch.tensor([w * m for w in ws], device=dev)
-            deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
-            dst = torch.tensor([seqs[i].block_ids[w // per_block] * per_block + w % per_block
-                                for i, w in zip(closing, ws)], dtype=torch.long, device=dev)
-            deepinfer_ops.kv_cache_write(pool_comp, entries.to(pool_comp.dtype), dst)
+        ws = [seqs[i].L // m - 1 for i in closing]
+        per_block = pool_comp.shape[1]
+        prev = [(k, base[i] + (w - 1) * m - s0s[i]) for k, (i, w) in enumerate(zip(closing, ws)) if w >= 1] \
+            if overlap else []
         # the state as of L (positions r0 .. L - 1) in the ring of the block holding L - 1: everything when the token
         # opened that block, else just the new token (the older positions are there already)
         src_rows, dst_slots = [], []
@@ -1040,9 +1018,31 @@ class DeepseekV4ForCausalLM(nn.Module):
             for p_ in range(r0 if moved[i] else max(r0, c0), L):
                 src_rows.append(row(i, p_))
                 dst_slots.append(blk * R + p_ % R)
+        # every index list of the call in one host-to-device copy
+        (src, cur_first, cur_last, prev_at, prev_first, w_pos, dst, sr, ds) = index_tensors([
+            ring_src, [base[i] + w * m - s0s[i] for i, w in zip(closing, ws)], [n_ring + i for i in closing],
+            [k for k, _ in prev], [r for _, r in prev], [w * m for w in ws],
+            [seqs[i].block_ids[w // per_block] * per_block + w % per_block for i, w in zip(closing, ws)],
+            src_rows, dst_slots], dev)
+        if n_ring:
+            all_kv = torch.cat([pool_state_kv.view(-1, pool_state_kv.shape[-1])[src].to(kv_rows.dtype), kv_rows])
+            all_gate = torch.cat([pool_state_gate.view(-1, pool_state_gate.shape[-1])[src].to(gate_rows.dtype),
+                                  gate_rows])
+        else:
+            all_kv, all_gate = kv_rows, gate_rows
+        if closing:
+            ar = torch.arange(m, device=dev)
+            cur = cur_first[:, None] + ar
+            cur[:, -1] = cur_last
+            prev_kv = prev_gate = None
+            if prev:  # the Ca half of window w - 1 (all ring rows: positions below w m <= c0)
+                pr = prev_first[:, None] + ar
+                prev_kv, prev_gate = all_kv[pr], all_gate[pr]
+            entries = self._pool_windows(comp, all_kv[cur], all_gate[cur], prev_kv, prev_gate,
+                                         prev_at if prev else None)
+            deepinfer_ops.rotary_embedding(entries, w_pos, rope_table)
+            deepinfer_ops.kv_cache_write(pool_comp, entries.to(pool_comp.dtype), dst)
         if src_rows:
-            sr = torch.tensor(src_rows, dtype=torch.long, device=dev)
-            ds = torch.tensor(dst_slots, dtype=torch.long, device=dev)
             deepinfer_ops.kv_cache_write(pool_state_kv, all_kv[sr].to(pool_state_kv.dtype), ds)
             deepinfer_ops.kv_cache_write(pool_state_gate, all_gate[sr].to(pool_state_gate.dtype), ds)
 
