@@ -811,7 +811,8 @@ def test_compressor_pool_edge_cases(device):
     out = deepinfer_ops.compressor_pool(kv, gate)
     assert torch.isnan(out[0]).all()
     assert_close(out[1], kv[1].mean(dim=0), TOLERANCES[torch.float32], name="compressor_pool")  # equal gates: mean
-    empty_slots = deepinfer_ops.compressor_pool(torch.empty(2, 0, 4, device=device), torch.empty(2, 0, 4, device=device))
+    empty_slots = deepinfer_ops.compressor_pool(torch.empty(2, 0, 4, device=device),
+                                                torch.empty(2, 0, 4, device=device))
     assert torch.isnan(empty_slots).all()
 
 

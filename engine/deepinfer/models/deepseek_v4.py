@@ -93,11 +93,11 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
 * The remaining torch GEMMs (router ``gate``, compressor / indexer BF16 projections, LM head, and on path
   ``"dequant"`` every linear, ``wo_a``'s groups and the experts): every ``torch.mm`` has exactly
   :meth:`batch_invariant_rows` rows (path ``"fp8"`` on CUDA 512, path ``"dequant"`` on CUDA 128, the CPU 16; the
-  LM head 128 on CUDA on either path; :func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code paths for small M, so a fixed shape
-  is the only way to get one kernel for every row. Path
-  ``"dequant"`` zero-pads the token dimension once per step to whole chunks (every GEMM then takes them without a
-  copy; experts pad their gathered tokens the same way); path ``"fp8"`` does not pad the step (its FP8 GEMMs would
-  only do the extra rows' work) and :func:`linear_rows` copies just the last partial chunk of each input.
+  LM head 128 on CUDA on either path; :func:`linear_rows`): cuBLAS picks tiles / split-K by M, MKL takes other code
+  paths for small M, so a fixed shape is the only way to get one kernel for every row. Path ``"dequant"`` zero-pads
+  the token dimension once per step to whole chunks (every GEMM then takes them without a copy; experts pad their
+  gathered tokens the same way); path ``"fp8"`` does not pad the step (its FP8 GEMMs would only do the extra rows'
+  work) and :func:`linear_rows` copies just the last partial chunk of each input.
 * Attention: ``sparse_mqa_prefill`` computes every query row on its own from its own index lists (window by
   position, entries by id, -1 padding; the kernels are batch-invariant by construction); the indexer's
   ``mqa_logits`` and top-k are row-wise too (masked candidates score -inf, the tie rule fixes the selection) and the
@@ -115,8 +115,9 @@ neither on the number of tokens in the step nor on the other sequences, nor on h
 Cost: path ``"fp8"``: one ``torch.mm`` launch per 512 tokens for each remaining torch GEMM (small N: router,
 compressor / indexer projections; the LM head per 128 logits rows) and a copy of each input's last partial chunk;
 the router's slot-order adds and the sampler's per-row filtered draws; the FP8 GEMMs, the MoE, attention, mHC and
-the compressor pooling cost the same as with the mode off. Path ``"dequant"``: padded GEMM rows (free while a GEMM is bandwidth-bound on its weight, i.e. a
-decode step of <= 128 tokens on the GPU) and one GEMM launch per 128 tokens for every GEMM in prefill.
+the compressor pooling cost the same as with the mode off. Path ``"dequant"``: padded GEMM rows (free while a GEMM
+is bandwidth-bound on its weight, i.e. a decode step of <= 128 tokens on the GPU) and one GEMM launch per 128 tokens
+for every GEMM in prefill.
 
 Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported);
 /work/shared/reference/architecture.md; DeepSeek-V4 paper.
