@@ -5,9 +5,9 @@
 // threading.
 #include <ATen/Parallel.h>
 
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include "common/sampling_checks.h"
@@ -34,7 +34,9 @@ inline float exp_nonpositive(float d) {
   p = p * r + 0.5f;
   p = p * r + 1.f;
   p = p * r + 1.f;
-  const float scale = std::bit_cast<float>(static_cast<int32_t>((static_cast<int32_t>(n) + 127) << 23));
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);  // 2^n (no std::bit_cast: torch < 2.12 builds as C++17)
   return d < -87.3f ? 0.f : p * scale;
 }
 
@@ -48,7 +50,9 @@ float logsumexp_row(const float* __restrict x, int64_t V) {
   auto scan = [&](int64_t v, int j) {
     const float t = x[v + j];
     mx[j] = t > mx[j] ? t : mx[j];
-    nan[j] |= (std::bit_cast<uint32_t>(t) & 0x7fffffffu) > 0x7f800000u;
+    uint32_t u;
+    std::memcpy(&u, &t, sizeof u);
+    nan[j] |= (u & 0x7fffffffu) > 0x7f800000u;
   };
   for (int64_t v = 0; v < full; v += kLanes) {
     for (int j = 0; j < kLanes; ++j) scan(v, j);
