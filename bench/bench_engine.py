@@ -21,7 +21,9 @@ times are split between prefill and decode in proportion to their tokens, see `d
 ends with a device synchronisation). Then request 0 runs alone for a few tokens and its logprobs are compared bitwise
 with its logprobs in the batched decode run (`alone_equals_batched`: expected true with the mode on; with the mode off
 it records whether cuBLAS's choice by batch size changed anything).
-Each run also reports the median throughput of its pure prefill and pure decode steps (``*_tok_s_median``).
+Each run also reports the median throughput of its pure prefill and pure decode steps (``*_tok_s_median``), and of
+its pure decode steps the median step time and the median host time until the forward was queued
+(``decode_step_ms_median`` / ``decode_enqueue_ms_median``: close together = host-bound).
 Writes bench/results/<gpu>/bench_engine.json (one row per mode: prefill_tok_s, decode_tok_s, us = 1e6 / decode tok/s,
 the medians) and, when both modes ran, bench_batch_invariant.json (rows engine_prefill / engine_decode, us per token
 with the mode on, the mode-off time as the peer, overhead_pct = off tok/s / on tok/s - 1 in percent from the median
@@ -77,6 +79,8 @@ def run_mode(model, batch_invariant: bool, args, shape_extra: dict, profile: boo
         "us": round(1e6 / decode["decode_tok_s"], 3) if decode["decode_tok_s"] else float("nan"),
         "prefill_tok_s": prefill["prefill_tok_s"], "decode_tok_s": decode["decode_tok_s"],
         "prefill_tok_s_median": prefill["prefill_tok_s_median"], "decode_tok_s_median": decode["decode_tok_s_median"],
+        "decode_step_ms_median": decode["decode_step_ms_median"],
+        "decode_enqueue_ms_median": decode["decode_enqueue_ms_median"],
         "prefill_time_s": prefill["prompt_tokens"] / prefill["prefill_tok_s"] if prefill["prefill_tok_s"] else None,
         "ttft_ms": decode["ttft_ms"], "tpot_ms": decode["tpot_ms"], "wall_s": decode["wall_s"],
         "preemptions": decode["preemptions"],
@@ -127,7 +131,8 @@ def best_of(runs: list[dict]) -> dict:
     row["us"] = round(1e6 / row["decode_tok_s"], 3) if row["decode_tok_s"] else float("nan")
     row["alone_equals_batched"] = all(r["alone_equals_batched"] for r in runs)
     row["runs"] = [{k: r[k] for k in ("prefill_tok_s", "decode_tok_s", "prefill_tok_s_median", "decode_tok_s_median",
-                                      "tpot_ms", "wall_s")} for r in runs]
+                                      "decode_step_ms_median", "decode_enqueue_ms_median", "tpot_ms", "wall_s")}
+                   for r in runs]
     return row
 
 

@@ -68,28 +68,35 @@ class EngineStats:
     interrupted: bool = False  # KeyboardInterrupt / SIGTERM (CLI) stopped the run: unfinished requests got errors
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
-    # per step: (decode tokens, prefill tokens, seconds); the medians of pure prefill / pure decode steps are
-    # robust to a few steps slowed by the host (GC, other processes), which the means above carry in full
-    steps: list[tuple[int, int, float]] = field(default_factory=list)
+    # per step: (decode tokens, prefill tokens, seconds, forward enqueue seconds -- see ModelRunner.step); the
+    # medians of pure prefill / pure decode steps are robust to a few steps slowed by the host (GC, other processes),
+    # which the means above carry in full
+    steps: list[tuple[int, int, float, float]] = field(default_factory=list)
 
     def summary(self) -> dict:
         def mean(x: list[float]) -> float:
             return sum(x) / len(x) if x else 0.0
 
-        def median_rate(pure: list[tuple[int, float]]) -> float:
-            rates = sorted(n / dt for n, dt in pure if dt > 0)
-            if not rates:
+        def median(x: list[float]) -> float:
+            x = sorted(x)
+            if not x:
                 return 0.0
-            h = len(rates) // 2
-            return rates[h] if len(rates) % 2 else (rates[h - 1] + rates[h]) / 2
+            h = len(x) // 2
+            return x[h] if len(x) % 2 else (x[h - 1] + x[h]) / 2
+
+        def median_rate(pure: list[tuple[int, float]]) -> float:
+            return median([n / dt for n, dt in pure if dt > 0])
 
         return {
             "requests": self.num_requests, "errors": self.num_errors,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0,
             "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0,
-            "prefill_tok_s_median": median_rate([(p, dt) for d, p, dt in self.steps if p and not d]),
-            "decode_tok_s_median": median_rate([(d, dt) for d, p, dt in self.steps if d and not p]),
+            "prefill_tok_s_median": median_rate([(p, dt) for d, p, dt, _ in self.steps if p and not d]),
+            "decode_tok_s_median": median_rate([(d, dt) for d, p, dt, _ in self.steps if d and not p]),
+            # a pure decode step's median time and the median host time until its forward was queued
+            "decode_step_ms_median": 1000 * median([dt for d, p, dt, _ in self.steps if d and not p]),
+            "decode_enqueue_ms_median": 1000 * median([eq for d, p, _, eq in self.steps if d and not p]),
             "ttft_ms": 1000 * mean(self.ttft), "tpot_ms": 1000 * mean(self.tpot),
             "steps": self.num_steps, "preemptions": self.num_preemptions, "wall_s": self.wall_time,
         }
@@ -315,7 +322,7 @@ class LLM:
                 tokens, logprobs, tops, dt = self.runner.step(scheduled)
                 finished = self.scheduler.postprocess(scheduled, tokens, logprobs, tops)
                 stats.num_steps += 1
-                stats.steps.append((n_decode, n_total - n_decode, dt))
+                stats.steps.append((n_decode, n_total - n_decode, dt, self.runner.last_enqueue_seconds))
                 stats.decode_tokens += n_decode
                 stats.prefill_tokens += n_total - n_decode
                 stats.decode_time += dt * n_decode / n_total

@@ -88,13 +88,17 @@ class ModelRunner:
         self.device = torch.device(device)
         self.batch_invariant = batch_invariant
         self.sampler = Sampler(batch_invariant=batch_invariant)
+        self.last_enqueue_seconds = 0.0
 
     @torch.inference_mode()
     def step(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float], list, float]:
-        """Returns ``(token_ids, logprobs, top_logprobs, seconds)`` for the sequences with ``needs_logits``, in order."""
+        """Returns ``(token_ids, logprobs, top_logprobs, seconds)`` for the sequences with ``needs_logits``, in order.
+        ``self.last_enqueue_seconds``: the host time until ``model.forward`` returned (batch building included; on
+        CUDA the kernels are queued by then, not finished: a step whose total is close to it is host-bound)."""
         t0 = time.perf_counter()
         batch = build_forward_batch(scheduled, self.device, self.batch_invariant)
         logits = self.model.forward(batch, self.cache)
+        self.last_enqueue_seconds = time.perf_counter() - t0
         n_logits = int(batch.logits_indices.shape[0])
         if logits.dim() != 2 or logits.shape[0] != n_logits:
             raise RuntimeError(f"model.forward returned logits of shape {tuple(logits.shape)}, expected [{n_logits}, vocab]")

@@ -36,6 +36,7 @@ def test_run_mode_both_modes_and_overhead_rows():
     for row in (off, on):
         assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
         assert row["prefill_tok_s_median"] > 0 and row["decode_tok_s_median"] > 0
+        assert 0 < row["decode_enqueue_ms_median"] <= row["decode_step_ms_median"]
         assert row["us"] == pytest.approx(1e6 / row["decode_tok_s"], rel=1e-3)
     assert on["shape"]["batch_invariant"] and not off["shape"]["batch_invariant"]
     assert on["alone_equals_batched"] and on["alone_max_abs_logprob_diff"] == 0.0
@@ -54,11 +55,14 @@ def test_run_mode_both_modes_and_overhead_rows():
 def test_engine_stats_medians_take_pure_steps_only():
     from deepinfer.llm import EngineStats
 
-    st = EngineStats(steps=[(0, 100, 0.1), (0, 100, 0.2), (0, 100, 10.0), (4, 0, 0.01), (4, 0, 0.02), (2, 50, 0.5)])
+    st = EngineStats(steps=[(0, 100, 0.1, 0.05), (0, 100, 0.2, 0.1), (0, 100, 10.0, 0.1), (4, 0, 0.01, 0.008),
+                            (4, 0, 0.02, 0.006), (2, 50, 0.5, 0.4)])
     s = st.summary()
     assert s["prefill_tok_s_median"] == pytest.approx(500.0)  # 1000, 500, 10 tok/s: the middle one
     assert s["decode_tok_s_median"] == pytest.approx(300.0)  # 400 and 200: their mean; the mixed step is left out
-    assert EngineStats().summary()["decode_tok_s_median"] == 0.0
+    assert s["decode_step_ms_median"] == pytest.approx(15.0) and s["decode_enqueue_ms_median"] == pytest.approx(7.0)
+    empty = EngineStats().summary()
+    assert empty["decode_tok_s_median"] == 0.0 and empty["decode_enqueue_ms_median"] == 0.0
 
 
 def test_overhead_rows_without_a_measured_rate_report_no_overhead():
