@@ -213,14 +213,15 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
             else:
                 sampled[rows] = _draw_filtered(scaled, k[rows], top_p[rows], seeds[rows], counters[rows])
     raw = (logits if raw_logits is None else raw_logits).float()
-    if raw.stride(-1) != 1:
-        raw = raw.contiguous()
-    # log_softmax(raw)[token] = raw[token] - logsumexp(raw), the normaliser per row in a fixed order (either mode);
-    # log_softmax semantics: a row holding +inf is NaN everywhere (its finite tokens would otherwise get -inf, and the
-    # Sampler would emit them instead of ending the request with nan_logits)
-    lse = deepinfer_ops.logsumexp_rows(raw)
-    lp = raw.gather(1, sampled[:, None]).squeeze(1) - lse
-    return sampled, torch.where(lse == float("inf"), torch.full_like(lp, float("nan")), lp)
+    return sampled, raw.gather(1, sampled[:, None]).squeeze(1) - _log_softmax_normaliser(raw)
+
+
+def _log_softmax_normaliser(raw: torch.Tensor) -> torch.Tensor:
+    """``[n]`` float32 such that ``log_softmax(raw) = raw - normaliser[:, None]``: :func:`deepinfer_ops.logsumexp_rows`
+    (each row in a fixed order, in either mode), NaN for a row holding +inf (log_softmax semantics: its finite tokens
+    would otherwise get -inf, and the Sampler would emit them instead of ending the request with nan_logits)."""
+    lse = deepinfer_ops.logsumexp_rows(raw if raw.stride(-1) == 1 else raw.contiguous())
+    return torch.where(lse == float("inf"), torch.full_like(lse, float("nan")), lse)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -275,9 +276,8 @@ def top_logprobs(logits_row: torch.Tensor, n: int) -> list[tuple[int, float]]:
     """The ``n`` most likely tokens of one ``[V]`` logits row under ``log_softmax`` (unmodified distribution), ranked
     by log-probability then lower token id: ``[(token_id, logprob), ...]``. Same normaliser as the sampled token's
     log-probability (``deepinfer_ops.logsumexp_rows``), so the chosen token's entry carries the same value."""
-    row = logits_row.float()[None, :].contiguous()
-    lse = deepinfer_ops.logsumexp_rows(row)
-    lp = torch.where(lse == float("inf"), float("nan"), row - lse)  # log_softmax semantics on a +inf row
+    row = logits_row.float()[None, :]
+    lp = row - _log_softmax_normaliser(row)[:, None]
     n = min(n, lp.shape[-1])
     vals, idx = torch.topk(lp, n, dim=-1)
     vals, idx = _rank_sorted(vals, idx)
