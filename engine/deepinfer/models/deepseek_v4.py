@@ -64,8 +64,8 @@ path in use):
   rows / columns, so the gate and up halves keep their own block scales; exact: the padded SwiGLU columns are 0)
   and run :func:`deepinfer_ops.fused_moe_fp8` (permute by expert, grouped gate/up GEMM, clamped SwiGLU fused with
   the FP8 re-quantisation, grouped down GEMM, weighted combine in slot order). The shared expert runs its three
-  FP8 linears with the same fused SwiGLU + quantisation; ``wo_a`` runs one FP8 GEMM per group (it stays dequantised
-  in a config whose groups straddle 128-row scale blocks). ``"other"`` weights (embedding, router ``gate``,
+  FP8 linears with the same fused SwiGLU + quantisation; ``wo_a``'s groups run as one masked grouped FP8 GEMM (it
+  stays dequantised in a config whose groups straddle 128-row scale blocks). ``"other"`` weights (embedding, router ``gate``,
   compressor / indexer BF16 projections, LM head) stay in their dtype on torch GEMMs; the float32 mHC mixes run in
   :func:`deepinfer_ops.hc_mix`.
   Error vs ``"dequant"``: the activation quantisation (e4m3 has 3 mantissa bits) plus bf16 rounding of the expert
@@ -583,21 +583,24 @@ class _Seq:
 
 
 class _Step:
-    """The step's index tables, built once per forward and shared by every layer: ``tok_bt [rows, max_blocks]``
-    int64 (each token row's block table, -1 past its sequence's blocks and on padding rows) and ``token_slots``
-    (the paged-cache slot of every real token's position)."""
+    """The step's index tables, built once per forward (one host-to-device copy) and shared by every layer:
+    ``tok_bt [rows, max_blocks]`` int64 (each token row's block table, -1 past its sequence's blocks and on padding
+    rows), ``token_slots`` (the paged-cache slot of every real token's position), the sequences adding one token
+    (``decode``) and their token rows (``decode_rows``)."""
 
-    __slots__ = ("seqs", "tok_bt", "token_slots", "max_len")
+    __slots__ = ("seqs", "tok_bt", "token_slots", "max_len", "decode", "decode_rows")
 
     def __init__(self, seqs: list[_Seq], positions: torch.Tensor, num_rows: int, block_size: int):
         self.seqs = seqs
         self.max_len = max(s.L for s in seqs)
+        self.decode = [s for s in seqs if s.b - s.a == 1]
         dev = positions.device
         max_nb = max(len(s.block_ids) for s in seqs)
-        seq_bt = torch.tensor([s.block_ids + [-1] * (max_nb - len(s.block_ids)) for s in seqs], dtype=torch.long,
-                              device=dev)
+        seq_bt, starts, self.decode_rows = index_tensors(
+            [[b for s in seqs for b in s.block_ids + [-1] * (max_nb - len(s.block_ids))], [s.a for s in seqs],
+             [s.a for s in self.decode]], dev)
+        seq_bt = seq_bt.view(len(seqs), max_nb)
         n = seqs[-1].b
-        starts = torch.tensor([s.a for s in seqs], dtype=torch.long, device=dev)
         seq_of = torch.searchsorted(starts, torch.arange(n, device=dev), right=True) - 1  # each token's sequence
         self.tok_bt = torch.full((num_rows, max_nb), -1, dtype=torch.long, device=dev)
         self.tok_bt[:n] = seq_bt[seq_of]
@@ -1189,9 +1192,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             comps = [(comp, ckv, cgate, "state_kv", "state_gate", "comp")]
             if lt == CSA:
                 comps.append((idx.compressor, ikv, igate, "idx_state_kv", "idx_state_gate", "idx"))
-            decode = [s for s in seqs if s.b - s.a == 1]
-            if decode:
-                at = torch.tensor([s.a for s in decode], dtype=torch.long, device=x.device)
+            decode, at = step.decode, step.decode_rows
             for c, kv_p, gate_p, sk, sg, out in comps:
                 if decode:  # one token each: batched over the sequences
                     self._compress_decode(c, kv_p[at], gate_p[at], decode, pools[sk], pools[sg], pools[out], table)
