@@ -65,8 +65,8 @@ inline void check_no_partial_overlap(const char* op, const at::Tensor& out, cons
 }
 
 // `out` (written) must not share any memory with `in` (read). Unlike check_no_partial_overlap this also decides
-// non-dense layouts (a row-strided input such as hc_mix's x): it compares the byte ranges the two tensors span in one storage, so a
-// non-dense `in` whose gaps hold `out` is refused too (pass separate buffers).
+// non-dense layouts (a row-strided input such as hc_mix's x): it compares the byte ranges the two tensors span in one
+// storage, so a non-dense `in` whose gaps hold `out` is refused too (pass separate buffers).
 inline void check_disjoint(const char* op, const at::Tensor& out, const char* out_name, const at::Tensor& in,
                            const char* in_name) {
   if (out.numel() == 0 || in.numel() == 0 || !out.has_storage() || !in.has_storage()) return;
