@@ -1,7 +1,9 @@
 """Benchmark the FP8 block-scaled GEMM family against its peers, measured in the same run.
 
 Dense ``fp8_gemm_nt`` vs cuBLASLt block-scaled ``torch._scaled_mm`` (1x128 activation / 128x128 weight scales);
-grouped ``m_grouped_fp8_gemm_nt_contiguous`` / ``_masked`` vs bf16 ``torch._grouped_mm`` over the same rows.
+grouped ``m_grouped_fp8_gemm_nt_contiguous`` / ``_masked`` vs bf16 ``torch._grouped_mm`` over the same rows; and,
+at the issue's reference shapes, DeepGEMM (``deep_gemm``, the ``deepinfer-gemm`` registry package) when it imports
+(it JIT-compiles one kernel per shape on first use, so only those shapes).
 Shapes: V4-Flash projections and experts at M = 1, 64, 128, 512, 4096, 16384, the issue's reference shapes
 (4096x7168x16384 etc.), grouped with 4 to 256 experts; plus the whole ``fused_moe_fp8`` path.
 
@@ -24,6 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.timer import bench_args, metrics, time_cuda, write_results  # noqa: E402
 
 import deepinfer_ops  # noqa: E402
+from deepinfer_ops.quant import scale_buffer  # noqa: E402
+
+try:  # optional peer
+    import deep_gemm  # type: ignore[import-not-found]
+except Exception as e:  # noqa: BLE001 -- any import failure (missing, built for another torch) means "no peer"
+    deep_gemm = None
+    _DEEPGEMM_ERROR = f"deep_gemm does not import: {str(e).splitlines()[0][:120] if str(e) else type(e).__name__}"
 
 FP8 = torch.float8_e4m3fn
 DENSE_NK = {  # V4-Flash FP8 projections (N, K)
@@ -50,42 +59,59 @@ def _dense_bytes(m, n, k):
     return m * k + n * k + 2 * m * n + 4 * m * _cdiv(k, 128) + 4 * _cdiv(n, 128) * _cdiv(k, 128)
 
 
+def _peer(peers, name, fn, flops, nbytes):
+    """Times ``fn`` as peer ``name``; a peer that rejects the shape is recorded as an error instead."""
+    try:
+        fn()
+        peers[name] = metrics(time_cuda(fn), flops, nbytes)
+    except Exception as e:  # noqa: BLE001 -- a peer's failure at one shape must not end the benchmark
+        peers[name] = {"us": float("nan"), "error": (str(e).splitlines() or [type(e).__name__])[0][:160]}
+
+
+def _split_peers(peers):
+    return {"peers": {k: v for k, v in peers.items() if "error" not in v},
+            "peer_errors": {k: v["error"] for k, v in peers.items() if "error" in v}}
+
+
 def bench_dense(m, n, k, name):
     a, b = _fp8((m, k)), _fp8((n, k))
-    sa = _scales((_cdiv(k, 128), m)).t()  # column-major [M, K/128] (what both kernels read)
+    sa = _scales((_cdiv(k, 128), m)).t()  # column-major [M, K/128] (cuBLASLt's layout)
+    sa_ours = scale_buffer(m, _cdiv(k, 128), "cuda", column_major=True).copy_(sa)  # what the quant ops return
     sb = _scales((_cdiv(n, 128), _cdiv(k, 128)))
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     flops, nbytes = 2.0 * m * n * k, _dense_bytes(m, n, k)
-    us = time_cuda(lambda: deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, out=out))
+    us = time_cuda(lambda: deepinfer_ops.fp8_gemm_nt(a, sa_ours, b, sb, out=out))
     peers = {}
     tiles = _cdiv(m, 128) * _cdiv(n, 128)
     split = min(_cdiv(k, 128), max(1, torch.cuda.get_device_properties(0).multi_processor_count // tiles))
     if split > 1:  # our opt-in split-K schedule, reported as a second line-item ("ours_split_k")
-        split_us = time_cuda(lambda: deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, out=out, split_k=split))
+        split_us = time_cuda(lambda: deepinfer_ops.fp8_gemm_nt(a, sa_ours, b, sb, out=out, split_k=split))
         peers[f"ours_split_k{split}"] = metrics(split_us, flops, nbytes)
-    try:
-        fn = lambda: torch._scaled_mm(a, b.t(), sa, sb.t(), out_dtype=torch.bfloat16)  # noqa: E731
-        fn()
-        peers["cublaslt_scaled_mm"] = metrics(time_cuda(fn), flops, nbytes)
-    except (RuntimeError, ValueError) as e:  # shape the peer does not support
-        peers["cublaslt_scaled_mm"] = {"us": float("nan"), "error": str(e).splitlines()[0][:160]}
+    _peer(peers, "cublaslt_scaled_mm", lambda: torch._scaled_mm(a, b.t(), sa, sb.t(), out_dtype=torch.bfloat16),
+          flops, nbytes)
+    _deepgemm_peer(peers, name, lambda: deep_gemm.fp8_gemm_nt((a, sa_ours), (b, sb), out), flops, nbytes)
     return {"op": "fp8_gemm_nt", "shape": {"name": name, "M": m, "N": n, "K": k}, **metrics(us, flops, nbytes),
-            "peers": {k_: v for k_, v in peers.items() if "error" not in v}, "peer_errors":
-            {k_: v["error"] for k_, v in peers.items() if "error" in v}}
+            **_split_peers(peers)}
 
 
-def _grouped_bf16_peer(sizes, n, k, flops, nbytes):
+def _grouped_bf16_peer(peers, sizes, n, k, flops, nbytes):
     """bf16 torch._grouped_mm over the same groups (rows packed, offsets = cumulative group ends)."""
-    try:
-        g = len(sizes)
-        a = torch.randn(sum(sizes), k, device="cuda", dtype=torch.bfloat16)
-        b = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
-        offs = torch.tensor(sizes, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        fn = lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs, out_dtype=torch.bfloat16)  # noqa: E731
-        fn()
-        return {"bf16_grouped_mm": metrics(time_cuda(fn), flops, 2 * nbytes)}, {}
-    except (RuntimeError, ValueError, AttributeError) as e:
-        return {}, {"bf16_grouped_mm": str(e).splitlines()[0][:160]}
+    g = len(sizes)
+    a = torch.randn(sum(sizes), k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(g, n, k, device="cuda", dtype=torch.bfloat16)
+    offs = torch.tensor(sizes, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    _peer(peers, "bf16_grouped_mm", lambda: torch._grouped_mm(a, b.transpose(-2, -1), offs=offs,
+                                                              out_dtype=torch.bfloat16), flops, 2 * nbytes)
+
+
+def _deepgemm_peer(peers, name, fn, flops, nbytes):
+    """DeepGEMM, timed at the reference shapes only (one JIT compile per shape); its absence is recorded there."""
+    if name != "reference":
+        return
+    if deep_gemm is None:
+        peers["deepgemm"] = {"us": float("nan"), "error": _DEEPGEMM_ERROR}
+    else:
+        _peer(peers, "deepgemm", fn, flops, nbytes)
 
 
 def bench_contiguous(sizes, n, k, name):
@@ -102,9 +128,13 @@ def bench_contiguous(sizes, n, k, name):
     flops = 2.0 * m * n * k
     nbytes = m * k + used * n * k + 2 * m * n + 4 * m * _cdiv(k, 128)
     us = time_cuda(lambda: deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, m_idx, out=out))
-    peers, errors = _grouped_bf16_peer(sizes, n, k, flops, nbytes)
+    peers = {}
+    _grouped_bf16_peer(peers, sizes, n, k, flops, nbytes)
+    # DeepGEMM's contiguous layout: a group index per row, each group aligned to its M block (128 rows on sm90)
+    _deepgemm_peer(peers, name, lambda: deep_gemm.m_grouped_fp8_gemm_nt_contiguous((a, sa), (b, sb), out, m_idx),
+                   flops, nbytes)
     return {"op": "m_grouped_fp8_gemm_nt_contiguous", "shape": {"name": name, "G": g, "rows": m, "N": n, "K": k},
-            **metrics(us, flops, nbytes), "peers": peers, "peer_errors": errors}
+            **metrics(us, flops, nbytes), **_split_peers(peers)}
 
 
 def bench_masked(g, max_m, expected_m, n, k, name):
@@ -118,10 +148,14 @@ def bench_masked(g, max_m, expected_m, n, k, name):
     flops = 2.0 * m * n * k
     nbytes = m * k + g * n * k + 2 * m * n + 4 * m * _cdiv(k, 128)
     us = time_cuda(lambda: deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked, out=out))
-    peers, errors = _grouped_bf16_peer([expected_m] * g, n, k, flops, nbytes)
+    peers = {}
+    _grouped_bf16_peer(peers, [expected_m] * g, n, k, flops, nbytes)
+    _deepgemm_peer(peers, name,
+                   lambda: deep_gemm.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), out, masked, expected_m),
+                   flops, nbytes)
     return {"op": "m_grouped_fp8_gemm_nt_masked",
             "shape": {"name": name, "G": g, "max_m": max_m, "masked_m": expected_m, "N": n, "K": k},
-            **metrics(us, flops, nbytes), "peers": peers, "peer_errors": errors}
+            **metrics(us, flops, nbytes), **_split_peers(peers)}
 
 
 def bench_moe(tokens, experts=256, top_k=6, hidden=4096, inter=2048):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from ._fake import check_same_device
+from .quant import scale_buffer
 from .testing import refs as _refs
 
 SCALE_BLOCK = 128
@@ -59,8 +60,9 @@ def fp8_gemm_nt(
     Args:
         a: ``[M, K]`` float8_e4m3fn activations, K contiguous (row stride may be larger than K).
         a_scale: ``[M, ceil(K/128)]`` float32 per-token-group scales, row-major or column-major (strides
-            ``(1, M)``, what ``per_token_group_quant_fp8(..., column_major_scales=True)`` returns; the CUDA
-            kernel reads this layout directly, other layouts are copied into it first).
+            ``(1, ld)`` with ``ld >= M`` a multiple of 4, what ``per_token_group_quant_fp8(...,
+            column_major_scales=True)`` returns; the CUDA kernel reads this layout directly -- also strides
+            ``(1, M)`` when M % 4 == 0 --, other layouts are copied into it first).
         b: ``[N, K]`` float8_e4m3fn weight, K contiguous.
         b_scale: ``[ceil(N/128), ceil(K/128)]`` float32 block scales (row-major is read directly).
         out: optional preallocated ``[M, N]`` bfloat16 or float32 output (N contiguous); mutated.
@@ -209,7 +211,8 @@ def swiglu_clamp_quant_fp8(
         gate_up: ``[rows, 2I]`` float32/bfloat16/float16, gate = ``[:, :I]``, up = ``[:, I:]``, last dim contiguous.
         limit: the SwiGLU clamp (``swiglu_limit``, 10 for V4-Flash), > 0.
         scale_ue8m0: power-of-two scales.
-        column_major_scales: return scales with strides ``(1, rows)`` (the layout the CUDA GEMMs read).
+        column_major_scales: return scales M-major, strides ``(1, ld)`` (``quant.scale_buffer``: the layout the
+            CUDA GEMMs read).
     Returns:
         (q ``[rows, I]`` float8_e4m3fn, scale ``[rows, ceil(I/128)]`` float32).
     Raises:
@@ -219,9 +222,6 @@ def swiglu_clamp_quant_fp8(
     rows, i = gate_up.shape[0], gate_up.shape[-1] // 2
     groups = -(-i // SCALE_BLOCK)
     q = torch.empty((rows, i), dtype=torch.float8_e4m3fn, device=gate_up.device)
-    if column_major_scales:
-        s = torch.empty((groups, rows), dtype=torch.float32, device=gate_up.device).t()
-    else:
-        s = torch.empty((rows, groups), dtype=torch.float32, device=gate_up.device)
+    s = scale_buffer(rows, groups, gate_up.device, column_major_scales)
     torch.ops.deepinfer_ops.swiglu_clamp_quant_fp8(q, s, gate_up, float(limit), scale_ue8m0)
     return q, s

@@ -9,6 +9,20 @@ import torch
 FP8_E4M3_MAX = 448.0
 
 
+def scale_buffer(rows: int, groups: int, device, column_major: bool) -> torch.Tensor:
+    """An uninitialised float32 ``[rows, groups]`` scale tensor for the quantising ops.
+
+    ``column_major``: strides ``(1, ld)`` with ``ld = rows`` rounded up to a multiple of 4 (a transposed
+    ``[groups, ld]`` buffer whose rows are 16-byte aligned: DeepGEMM's "TMA-aligned" activation-scale layout). The
+    CUDA FP8 GEMMs load it with TMA as it is; without the padding they copy it first when ``rows % 4 != 0``.
+    Otherwise row-major ``[rows, groups]``.
+    """
+    if column_major:
+        ld = -(-rows // 4) * 4
+        return torch.empty((groups, ld), dtype=torch.float32, device=device)[:, :rows].t()
+    return torch.empty((rows, groups), dtype=torch.float32, device=device)
+
+
 def per_token_group_quant_fp8(
     x: torch.Tensor,
     group_size: int = 128,
@@ -26,8 +40,8 @@ def per_token_group_quant_fp8(
         x: ``[..., K]`` float32/bfloat16/float16, last dim contiguous.
         group_size: elements per scale, default 128.
         scale_ue8m0: round scales up to powers of two (stored as float32).
-        column_major_scales: return scales with strides ``(1, rows)`` (a transposed ``[G, rows]`` buffer), the
-            layout cuBLASLt's block-scaled ``torch._scaled_mm`` and DeepGEMM read.
+        column_major_scales: return scales M-major, strides ``(1, ld)``, ``ld = rows`` rounded up to a multiple of
+            4 (:func:`scale_buffer`): the layout the CUDA FP8 GEMMs and DeepGEMM read directly.
     Returns:
         ``(q, scale)``: q ``[..., K]`` float8_e4m3fn; scale float32 ``[rows, ceil(K / group_size)]`` where rows is
         the product of the leading dims (0 rows give empty tensors of these shapes).
@@ -45,9 +59,6 @@ def per_token_group_quant_fp8(
     rows = math.prod(x.shape[:-1])
     groups = -(-k // group_size)
     q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    if column_major_scales:
-        scale = torch.empty((groups, rows), dtype=torch.float32, device=x.device).t()
-    else:
-        scale = torch.empty((rows, groups), dtype=torch.float32, device=x.device)
+    scale = scale_buffer(rows, groups, x.device, column_major_scales)
     torch.ops.deepinfer_ops.per_token_group_quant_fp8(q, scale, x, group_size, scale_ue8m0)
     return q, scale

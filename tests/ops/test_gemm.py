@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import deepinfer_ops
+from deepinfer_ops.quant import scale_buffer
 from deepinfer_ops.testing import refs
 from deepinfer_ops.testing.compare import (
     CALC_DIFF_MAX,
@@ -249,14 +250,23 @@ def test_fp8_gemm_nt_integer_bitwise_cuda_large(nk):
 
 @pytest.mark.cuda
 def test_fp8_gemm_nt_batch_invariant_cuda():
-    """A row's result does not depend on M or on the other rows (no split-K; fixed tiles; the tile visiting order
-    changes at M = 1024 but never the arithmetic), and reruns are equal."""
+    """A row's result does not depend on M or on the other rows (no split-K; the kernel configuration -- 64x128
+    ping-pong tiles at M <= 64 or when they fit in one wave, here M <= 128, else 128x128 cooperative ones -- and the
+    tile visiting order, changed at M = 1024, never change the arithmetic), nor on the A-scale layout; reruns are
+    equal."""
     a, sa, b, sb = _dense_inputs(4096, 4096, 7168, _cuda_gen(3))
     full = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb)
     assert torch.equal(full, deepinfer_ops.fp8_gemm_nt(a, sa, b, sb))
-    for m in (1, 7, 83, 1023, 1024, 1500, 4096):
+    for m in (1, 7, 83, 128, 129, 1023, 1024, 1500, 4096):
         part = deepinfer_ops.fp8_gemm_nt(a[:m].contiguous(), sa[:m].contiguous(), b, sb)
         assert torch.equal(part, full[:m]), f"rows differ when computed in a batch of {m}"
+    kb = sa.shape[1]
+    for m in (1, 5, 83, 130):
+        padded = scale_buffer(m, kb, "cuda", column_major=True)  # read in place (ld = round_up(m, 4))
+        tight = torch.empty(kb, m, device="cuda").t()  # copied first when m % 4 != 0 (no padding in storage)
+        for s in (padded, tight):
+            s.copy_(sa[:m])
+            assert torch.equal(deepinfer_ops.fp8_gemm_nt(a[:m], s, b, sb), full[:m]), f"m={m} strides {s.stride()}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -354,6 +364,26 @@ def test_m_grouped_contiguous_expert_shapes_cuda(num_groups, nk):
     assert calc_diff(out[~pad].float(), ref[~pad].float()) < CALC_DIFF_MAX["fp8"]
 
 
+@pytest.mark.cuda
+def test_m_grouped_contiguous_kernel_choice_same_bits_cuda():
+    """<= 64 rows per group on average run the 64x128 ping-pong kernel, more the 128x128 cooperative one: padding
+    rows that push the average over 64 switch kernels but change no bit of the real rows."""
+    n, k, g = 2112, 576, 16
+    gen = torch.Generator().manual_seed(5)
+    sizes = torch.randint(0, 100, (g,), generator=gen).tolist()
+    m_idx = _contiguous_layout(sizes, pad_between=1, gen=gen).cuda()
+    assert m_idx.numel() <= 64 * g
+    extra = torch.full((64 * g,), -1, dtype=torch.int32, device="cuda")
+    gen = _cuda_gen(5)
+    a = _rand_fp8((m_idx.numel() + extra.numel(), k), gen, 30)
+    sa = _col_major(_rand_scales((a.shape[0], -(-k // 128)), gen))
+    b, sb = _grouped_b(g, n, k, gen)
+    few = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a[: m_idx.numel()], sa[: m_idx.numel()], b, sb, m_idx)
+    many = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, torch.cat([m_idx, extra]))
+    real = m_idx != -1
+    assert torch.equal(few[real], many[: m_idx.numel()][real])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # m_grouped_fp8_gemm_nt_masked
 # ---------------------------------------------------------------------------------------------------------------
@@ -423,6 +453,22 @@ def test_m_grouped_masked_expert_shapes_cuda(num_groups, max_m):
     valid = torch.arange(max_m, device="cuda")[None, :] < masked_d[:, None]
     assert torch.isnan(out[~valid]).all() and not torch.isnan(out[valid]).any()
     assert calc_diff(out[valid].float(), ref[valid].float()) < CALC_DIFF_MAX["fp8"]
+
+
+@pytest.mark.cuda
+def test_m_grouped_masked_kernel_choice_same_bits_cuda():
+    """max_m <= 64 runs the 64x128 ping-pong kernel, larger max_m the 128x128 cooperative one: the same rows in a
+    [G, 64, K] and in a [G, 65, K] buffer give the same bits."""
+    g, n, k = 6, 448, 576
+    gen = _cuda_gen(9)
+    a = _rand_fp8((g, 65, k), gen, 30)
+    sa = _rand_scales((g, 65, -(-k // 128)), gen)
+    b, sb = _grouped_b(g, n, k, gen)
+    masked = torch.tensor([0, 1, 17, 33, 64, 64], dtype=torch.int32, device="cuda")
+    small = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a[:, :64].contiguous(), sa[:, :64].contiguous(), b, sb, masked)
+    large = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked)
+    valid = torch.arange(64, device="cuda")[None, :] < masked[:, None]
+    assert torch.equal(small[valid], large[:, :64][valid])
 
 
 @pytest.mark.cuda

@@ -4,9 +4,12 @@
 // Mainloop: CUTLASS's warp-specialized TMA + wgmma mainloop with blockwise scaling ("FP8 block-scaled accum"):
 // each 128-deep K block is accumulated by wgmma, then promoted into an fp32 accumulator after multiplying by
 // sfa[m, kb] * sfb[nb, kb]. Scale granularity (M, N, K) = (1, 128, 128); SFA M-major, SFB K-major.
-// Tiles 128x128x128, cooperative (two consumer warpgroups), cluster 1x1, persistent tile scheduler
-// (data-parallel tiles: no split-K, so results are deterministic and independent of M); an opt-in split-K
-// variant (StreamKScheduler forced to SplitK, deterministic turnstile reduction) serves small M.
+// Default: tiles 128x128x128, cooperative (two consumer warpgroups), cluster 1x1, persistent tile scheduler
+// (data-parallel tiles: no split-K, so results are deterministic and independent of M). For few output tiles
+// (small M): tiles 64x128x128, ping-pong. Both give every output element the same operations in the same order
+// (wgmma over each 128-deep K block, then one promotion), so the same bits (H200: checked at 20 shapes against
+// the other configurations below; clusters 2x1 / 1x2 were slower or no faster and are not built). An opt-in split-K
+// variant (StreamKScheduler forced to SplitK, deterministic turnstile reduction) changes the bits.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -40,6 +43,7 @@ constexpr int kAlignAB = 16;
 using ArchTag = cutlass::arch::Sm90;
 using OpClass = cutlass::arch::OpClassTensorOp;
 using TileShape = Shape<_128, _128, _128>;
+using TileShapeSmallM = Shape<_64, _128, _128>;  // the ping-pong configurations (few output tiles / rows per group)
 using ClusterShape = Shape<_1, _1, _1>;
 using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<1, kScaleBlock, kScaleBlock, cute::GMMA::Major::MN,
                                                               cute::GMMA::Major::K>;
@@ -69,21 +73,37 @@ CUTE_HOST_DEVICE LayoutSFB make_layout_sfb(int N, int K, int ld) {
 // ---------------------------------------------------------------------------------------------------------------
 // Dense
 // ---------------------------------------------------------------------------------------------------------------
-template <class ElementD_, bool kWithSource, class Scheduler = cutlass::gemm::PersistentScheduler>
+// Kernel schedules: cooperative (both consumer warpgroups on one tile, each 64 rows of it) or ping-pong (each
+// consumer warpgroup on its own tile, one's epilogue / scale promotion overlapping the other's wgmma).
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
+  using GroupedKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum;
+  using GroupedEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpongFP8BlockScaledAccum;
+  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
+  using GroupedKernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpongFP8BlockScaledAccum;
+  using GroupedEpilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <class ElementD_, bool kWithSource, class Scheduler = cutlass::gemm::PersistentScheduler,
+          class Tile = TileShape, class Cluster = ClusterShape, class Schedule = Cooperative>
 struct DenseConfig {
   static constexpr bool kSplitK = std::is_same_v<Scheduler, cutlass::gemm::StreamKScheduler>;
   using ElementD = ElementD_;
   using ElementC = std::conditional_t<kWithSource, ElementD, void>;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      ArchTag, OpClass, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, float, float,
-      ElementC, LayoutD, kAlignD, ElementD, LayoutD, kAlignD, cutlass::epilogue::TmaWarpSpecializedCooperative,
+      ArchTag, OpClass, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto, float, float,
+      ElementC, LayoutD, kAlignD, ElementD, LayoutD, kAlignD, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, ElementC, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       ArchTag, OpClass, ElementAB, cute::tuple<LayoutA, LayoutSFA>, kAlignAB, ElementAB,
-      cute::tuple<LayoutB, LayoutSFB>, kAlignAB, float, TileShape, ClusterShape,
+      cute::tuple<LayoutB, LayoutSFB>, kAlignAB, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
+      typename Schedule::Kernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
@@ -146,19 +166,20 @@ struct DenseConfig {
 // (sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp, load_init) ignores layout_SFA/SFB and
 // derives the scale layouts from the group's (M_g, N, K), i.e. SFA kb-stride = M_g and SFB nb-stride = ceil(K/128).
 // ---------------------------------------------------------------------------------------------------------------
+template <class Tile = TileShape, class Cluster = ClusterShape, class Schedule = Cooperative>
 struct GroupedConfig {
   using ElementD = cutlass::bfloat16_t;
   static constexpr int kAlignD = 8;
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      ArchTag, OpClass, TileShape, ClusterShape, cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
-      LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      ArchTag, OpClass, Tile, Cluster, cutlass::epilogue::collective::EpilogueTileAuto, float, float, void,
+      LayoutD*, kAlignD, ElementD, LayoutD*, kAlignD, typename Schedule::GroupedEpilogue,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       ArchTag, OpClass, ElementAB, cute::tuple<LayoutA*, LayoutSFA*>, kAlignAB, ElementAB,
-      cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, TileShape, ClusterShape,
+      cute::tuple<LayoutB*, LayoutSFB*>, kAlignAB, float, Tile, Cluster,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
-      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8BlockScaledAccum>::CollectiveOp;
+      typename Schedule::GroupedKernel>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Gemm::GemmKernel::InternalStrideA;

@@ -39,9 +39,13 @@ struct Fp8GemmParams {
   void* workspace;    // >= fp8_gemm_nt_*_workspace_size bytes (may be null when that size is 0)
 };
 
+// bf16 out: tile 128x128 cooperative, or (_pingpong) tile 64x128 ping-pong for few output tiles (small M). Both
+// compute every output element with the same operations in the same order: the same bits.
 size_t fp8_gemm_nt_bf16_workspace_size(const Fp8GemmParams& p);
+size_t fp8_gemm_nt_bf16_pingpong_workspace_size(const Fp8GemmParams& p);
 size_t fp8_gemm_nt_fp32_workspace_size(const Fp8GemmParams& p);
 void launch_fp8_gemm_nt_bf16(const Fp8GemmParams& p, cudaStream_t stream);
+void launch_fp8_gemm_nt_bf16_pingpong(const Fp8GemmParams& p, cudaStream_t stream);
 void launch_fp8_gemm_nt_fp32(const Fp8GemmParams& p, cudaStream_t stream);
 size_t fp8_gemm_nt_bf16_splitk_workspace_size(const Fp8GemmParams& p);
 void launch_fp8_gemm_nt_bf16_splitk(const Fp8GemmParams& p, cudaStream_t stream);
@@ -88,7 +92,11 @@ struct GroupedFp8GemmParams {
 
 // Workspace bytes: per-group argument arrays, the packed A scales (sfa_rows * ceil(K/128) floats, where sfa_rows =
 // M_total (contiguous) or G * max_m (masked)) and CUTLASS's own workspace.
+// Two configurations with the same bits: tile 128x128 cooperative, or (_pingpong) tile 64x128 ping-pong for groups
+// of few rows.
 size_t grouped_fp8_gemm_nt_bf16_workspace_size(int num_groups, int64_t sfa_rows, int K, int num_sms);
+size_t grouped_fp8_gemm_nt_bf16_pingpong_workspace_size(int num_groups, int64_t sfa_rows, int K, int num_sms);
 void launch_grouped_fp8_gemm_nt_bf16(const GroupedFp8GemmParams& p, cudaStream_t stream);
+void launch_grouped_fp8_gemm_nt_bf16_pingpong(const GroupedFp8GemmParams& p, cudaStream_t stream);
 
 }  // namespace deepinfer::gemm
