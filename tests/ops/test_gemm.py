@@ -366,22 +366,26 @@ def test_m_grouped_contiguous_expert_shapes_cuda(num_groups, nk):
 
 @pytest.mark.cuda
 def test_m_grouped_contiguous_kernel_choice_same_bits_cuda():
-    """<= 64 rows per group on average run the 64x128 ping-pong kernel, more the 128x128 cooperative one: padding
-    rows that push the average over 64 switch kernels but change no bit of the real rows."""
-    n, k, g = 2112, 576, 16
+    """<= 64 rows per group on average run the 64x128 ping-pong kernel, more the 128x128 cooperative one, and more
+    rows per group than N visit the tiles along N: padding rows that move the average across those lines switch
+    kernel and tile order but change no bit of the real rows."""
+    n, k, g = 448, 576, 16
     gen = torch.Generator().manual_seed(5)
     sizes = torch.randint(0, 100, (g,), generator=gen).tolist()
     m_idx = _contiguous_layout(sizes, pad_between=1, gen=gen).cuda()
-    assert m_idx.numel() <= 64 * g
-    extra = torch.full((64 * g,), -1, dtype=torch.int32, device="cuda")
+    m = m_idx.numel()
+    assert m <= 64 * g
     gen = _cuda_gen(5)
-    a = _rand_fp8((m_idx.numel() + extra.numel(), k), gen, 30)
+    a = _rand_fp8((m + 8 * n * g, k), gen, 30)
     sa = _col_major(_rand_scales((a.shape[0], -(-k // 128)), gen))
     b, sb = _grouped_b(g, n, k, gen)
-    few = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a[: m_idx.numel()], sa[: m_idx.numel()], b, sb, m_idx)
-    many = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a, sa, b, sb, torch.cat([m_idx, extra]))
     real = m_idx != -1
-    assert torch.equal(few[real], many[: m_idx.numel()][real])
+    few = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a[:m], sa[:m], b, sb, m_idx)[real]
+    for extra in (64 * g, 8 * n * g):  # cooperative along M, cooperative along N
+        pad = torch.full((extra,), -1, dtype=torch.int32, device="cuda")
+        out = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(a[: m + extra], sa[: m + extra], b, sb,
+                                                             torch.cat([m_idx, pad]))
+        assert torch.equal(out[:m][real], few), f"{extra} padding rows changed the real rows"
 
 
 # ---------------------------------------------------------------------------------------------------------------

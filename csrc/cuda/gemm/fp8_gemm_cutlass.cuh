@@ -235,7 +235,7 @@ struct GroupedConfig {
     return a;
   }
 
-  static typename Gemm::Arguments make_args(const Arrays& arr, int G, int num_sms) {
+  static typename Gemm::Arguments make_args(const Arrays& arr, int G, int num_sms, bool raster_along_n = false) {
     cutlass::KernelHardwareInfo hw{};
     hw.sm_count = num_sms;
     typename Gemm::Arguments args{
@@ -246,6 +246,8 @@ struct GroupedConfig {
         hw};
     args.epilogue.thread.alpha = 1.f;
     args.epilogue.thread.beta = 0.f;
+    using Raster = typename Kernel::TileScheduler::RasterOrderOptions;
+    args.scheduler.raster_order = raster_along_n ? Raster::AlongN : Raster::AlongM;
     return args;
   }
 

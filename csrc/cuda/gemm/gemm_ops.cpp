@@ -145,7 +145,11 @@ void run_grouped(gemm::GroupedFp8GemmParams& p, const at::Tensor& out) {
   p.num_sms = num_sms();
   const bool contiguous = p.layout == gemm::GroupedLayout::kContiguous;
   const int64_t sfa_rows = contiguous ? p.M_total : static_cast<int64_t>(p.num_groups) * p.M_total;
-  const bool pingpong = contiguous ? p.M_total <= 64ll * p.num_groups : p.M_total <= 64;
+  const int64_t rows_per_group = contiguous ? p.M_total / std::max(p.num_groups, 1) : p.M_total;
+  const bool pingpong = rows_per_group <= 64;
+  // Groups with more rows than columns visit their tiles along N, an M row of tiles at a time, so the group's B
+  // stays in L2 (along M, the group's A would have to: 4 x 8192 rows, K = 7168 is 58 MB per group).
+  p.raster_along_n = rows_per_group > p.N;
   const size_t ws = (pingpong ? gemm::grouped_fp8_gemm_nt_bf16_pingpong_workspace_size
                               : gemm::grouped_fp8_gemm_nt_bf16_workspace_size)(p.num_groups, sfa_rows, p.K, p.num_sms);
   auto workspace = at::empty({static_cast<int64_t>(ws)}, out.options().dtype(at::kByte));

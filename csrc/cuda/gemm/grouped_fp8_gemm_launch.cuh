@@ -149,7 +149,7 @@ void run_grouped(const GroupedFp8GemmParams& p, cudaStream_t stream) {
     grouped_masked_pack_sfa_kernel<C><<<pack_blocks, kPackThreads, 0, stream>>>(p, arr);
   }
   DEEPINFER_CHECK_LAUNCH("m_grouped_fp8_gemm_nt pack scales");
-  auto args = C::make_args(arr, G, p.num_sms);
+  auto args = C::make_args(arr, G, p.num_sms, p.raster_along_n);
   typename C::Gemm gemm;
   cutlass_check(gemm.can_implement(args), "m_grouped_fp8_gemm_nt can_implement");
   cutlass_check(gemm.initialize(args, arr.cutlass_workspace, stream), "m_grouped_fp8_gemm_nt initialize");

@@ -87,6 +87,8 @@ struct GroupedFp8GemmParams {
   int ld_sfb;
   int64_t sfb_group_stride;
   int num_sms;
+  bool raster_along_n;  // tile order within a group: along N (an M row of tiles at a time: B stays in L2) or along
+                        // M; visiting order only, never the arithmetic
   void* workspace;      // >= grouped_fp8_gemm_nt_bf16_workspace_size(...) bytes, 256-byte aligned
 };
 
