@@ -16,7 +16,17 @@ def scale_buffer(rows: int, groups: int, device, column_major: bool) -> torch.Te
     ``[groups, ld]`` buffer whose rows are 16-byte aligned: DeepGEMM's "TMA-aligned" activation-scale layout). The
     CUDA FP8 GEMMs load it with TMA as it is; without the padding they copy it first when ``rows % 4 != 0``.
     Otherwise row-major ``[rows, groups]``.
+
+    Raises:
+        TypeError naming ``rows`` / ``groups`` when not an int (a ``torch.SymInt`` under tracing is accepted);
+        ValueError naming it when negative (the padded view would otherwise turn ``rows = -1`` into an empty
+        ``[0, groups]`` tensor).
     """
+    for name, v in (("rows", rows), ("groups", groups)):
+        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
+            raise TypeError(f"scale_buffer: {name} must be an int, got {type(v).__name__}")
+        if isinstance(v, int) and v < 0:
+            raise ValueError(f"scale_buffer: {name} must be >= 0, got {v}")
     if column_major:
         ld = -(-rows // 4) * 4
         return torch.empty((groups, ld), dtype=torch.float32, device=device)[:, :rows].t()

@@ -10,6 +10,7 @@ import torch
 import deepinfer_ops
 from deepinfer_ops import _fake
 from deepinfer_ops.gemm import index_to_int32
+from deepinfer_ops.quant import scale_buffer
 from deepinfer_ops.testing import refs
 
 FP8 = torch.float8_e4m3fn
@@ -183,3 +184,129 @@ def test_all_meta_calls_still_trace():
 def test_fp4_conversion_needs_2d_operands():
     with pytest.raises(ValueError, match="w must be \\[N, K/2\\]"):
         deepinfer_ops.fp4_to_fp8_blockscaled(torch.zeros(64, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))
+
+
+# ------------------------------------------------------------------- M-major padded scales (quant.scale_buffer)
+# per_token_group_quant_fp8 / swiglu_clamp_quant_fp8 with column_major_scales=True return [rows, kb] scales with
+# strides (1, ld), ld = round_up(rows, 4): a view into a [kb, ld] buffer whose padding rows are never written.
+# Every consumer must read them like any other layout (the CPU ops read any strides; the CUDA ones in place or
+# copied, tests/ops/test_gemm.py's *_cuda tests).
+
+
+def test_scale_buffer_refuses_negative_or_non_int_sizes():
+    for column_major in (True, False):
+        with pytest.raises(ValueError, match="scale_buffer: rows must be >= 0, got -1"):
+            scale_buffer(-1, 3, "cpu", column_major)  # column-major used to give a [0, 3] tensor
+        with pytest.raises(ValueError, match="groups must be >= 0"):
+            scale_buffer(4, -2, "cpu", column_major)
+        for bad in (5.0, True, None):
+            with pytest.raises(TypeError, match="scale_buffer: rows must be an int"):
+                scale_buffer(bad, 3, "cpu", column_major)
+    assert scale_buffer(0, 3, "cpu", True).shape == (0, 3) and scale_buffer(5, 0, "cpu", True).shape == (5, 0)
+
+
+def _ld(rows):
+    return -(-rows // 4) * 4
+
+
+@pytest.mark.parametrize("rows", [0, 1, 3, 5, 127, 129])
+@pytest.mark.parametrize("k", [128, 200, 384])
+def test_padded_scales_feed_every_cpu_consumer(rows, k):
+    """The quant ops' padded M-major scales (NaN in the never-written padding rows) give the same bits as their
+    row-major scales in fp8_gemm_nt, both grouped GEMMs (the masked one through ``.view(G, T, kb)``, as the engine's
+    wo_a), and after callers slice them further (``s[:m]``, ``s[1:]``, ``s[:, 1:]``)."""
+    gen = torch.Generator().manual_seed(rows * 31 + k)
+    kb, n = -(-k // 128), 136
+    x = torch.randn(rows, k, generator=gen) * 20
+    b = (torch.randn(n, k, generator=gen) * 30).to(FP8)
+    sb = torch.rand(2, kb, generator=gen) + 0.5
+    q, s = deepinfer_ops.per_token_group_quant_fp8(x, 128, column_major_scales=True)
+    q_row, s_row = deepinfer_ops.per_token_group_quant_fp8(x, 128)
+    if rows:
+        assert s.stride() == (1, _ld(rows))
+        s.t().as_strided((kb, _ld(rows)), (_ld(rows), 1))[:, rows:].fill_(float("nan"))  # the padding rows
+    assert torch.equal(q.float(), q_row.float()) and torch.equal(s, s_row)
+    ref = deepinfer_ops.fp8_gemm_nt(q, s_row, b, sb)
+    assert torch.equal(deepinfer_ops.fp8_gemm_nt(q, s, b, sb), ref)
+    assert not ref.isnan().any()
+    if rows >= 2:
+        assert torch.equal(deepinfer_ops.fp8_gemm_nt(q[: rows - 1], s[: rows - 1], b, sb), ref[: rows - 1])
+        assert torch.equal(deepinfer_ops.fp8_gemm_nt(q[1:], s[1:], b, sb), ref[1:])
+    if kb >= 2:  # K narrowed by one scale block: A, B and both scales sliced together
+        out = deepinfer_ops.fp8_gemm_nt(q[:, 128:], s[:, 1:], b[:, 128:], sb[:, 1:])
+        assert torch.equal(out, deepinfer_ops.fp8_gemm_nt(q[:, 128:], s_row[:, 1:], b[:, 128:], sb[:, 1:]))
+
+    # swiglu_clamp_quant_fp8's padded scales into the contiguous grouped GEMM (the fused MoE's second GEMM)
+    g = 3
+    gate_up = torch.randn(rows, 2 * k, generator=gen) * 4
+    hq, hs = deepinfer_ops.swiglu_clamp_quant_fp8(gate_up, 10.0, column_major_scales=True)
+    _, hs_row = deepinfer_ops.swiglu_clamp_quant_fp8(gate_up, 10.0)
+    if rows:
+        assert hs.stride() == (1, _ld(rows))
+    assert torch.equal(hs, hs_row)
+    bg = (torch.randn(g, n, k, generator=gen) * 30).to(FP8)
+    sbg = torch.rand(g, 2, kb, generator=gen) + 0.5
+    m_idx = torch.sort(torch.randint(-1, g, (rows,), generator=gen)).values.to(torch.int32)
+    init = torch.full((rows, n), 7.0, dtype=torch.bfloat16)
+    got = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(hq, hs, bg, sbg, m_idx, out=init.clone())
+    assert torch.equal(got, deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(hq, hs_row, bg, sbg, m_idx,
+                                                                           out=init.clone()))
+
+    # masked: [G * T, K] quantised at once, viewed as [G, T, kb] (strides (T, 1, ld))
+    if rows % g == 0:
+        t = rows // g
+        s3 = s.view(g, t, kb)
+        assert t <= 1 or s3.stride()[:2] == (t, 1)  # a view, not a copy
+        masked = torch.tensor([t, max(t - 1, 0), 0], dtype=torch.int32)
+        init3 = torch.full((g, t, n), 7.0, dtype=torch.bfloat16)
+        out = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(q.view(g, t, k), s3, bg, sbg, masked, out=init3.clone())
+        ref3 = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(q.view(g, t, k), s_row.view(g, t, kb), bg, sbg, masked,
+                                                          out=init3.clone())
+        assert torch.equal(out, ref3)
+
+
+def test_padded_scales_on_meta_and_under_compile():
+    """Meta tensors and torch.compile (fullgraph, dynamic shapes: ld is a SymInt expression) keep the padded layout:
+    same strides and bits as eager, through quantisation -> GEMM -> fused SwiGLU quantisation -> grouped GEMM."""
+    q, s = deepinfer_ops.per_token_group_quant_fp8(torch.empty(5, 256, device="meta"), 128, column_major_scales=True)
+    assert s.device.type == "meta" and s.shape == (5, 2) and s.stride() == (1, 8)
+    b = torch.empty(136, 256, dtype=FP8, device="meta")
+    assert deepinfer_ops.fp8_gemm_nt(q, s, b, torch.empty(2, 2, device="meta")).shape == (5, 136)
+    _, hs = deepinfer_ops.swiglu_clamp_quant_fp8(torch.empty(3, 512, device="meta"), 10.0, column_major_scales=True)
+    assert hs.stride() == (1, 4)
+
+    gen = torch.Generator().manual_seed(11)
+    b = (torch.randn(256, 256, generator=gen) * 30).to(FP8)
+    sb = torch.rand(2, 2, generator=gen) + 0.5
+    bg = (torch.randn(2, 128, 128, generator=gen) * 30).to(FP8)
+    sbg = torch.rand(2, 1, 1, generator=gen) + 0.5
+
+    def f(x, m_idx):
+        xq, xs = deepinfer_ops.per_token_group_quant_fp8(x, 128, column_major_scales=True)
+        y = deepinfer_ops.fp8_gemm_nt(xq, xs, b, sb)
+        hq, hs = deepinfer_ops.swiglu_clamp_quant_fp8(y, 10.0, column_major_scales=True)
+        return xs, hs[1:], deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(hq, hs, bg, sbg, m_idx)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True, dynamic=True)
+    for rows in (3, 5, 8):
+        x = torch.randn(rows, 256, generator=gen) * 10
+        m_idx = (torch.arange(rows) >= rows // 2).to(torch.int32)
+        for got, exp in zip(compiled(x, m_idx), f(x, m_idx)):
+            assert got.stride() == exp.stride() and torch.equal(got, exp), rows
+
+
+@pytest.mark.native_errors
+def test_padded_scales_with_a_wrong_dtype_shape_or_device_name_a_scale():
+    q, s = deepinfer_ops.per_token_group_quant_fp8(torch.randn(5, 256), 128, column_major_scales=True)
+    b, sb = torch.zeros(128, 256, dtype=FP8), torch.ones(1, 2)
+    with pytest.raises(RuntimeError, match="fp8_gemm_nt.*a_scale.*(Double|float64)"):
+        deepinfer_ops.fp8_gemm_nt(q, s.double(), b, sb)
+    with pytest.raises(RuntimeError, match=r"fp8_gemm_nt.*a_scale must be \[5, 2\]"):
+        deepinfer_ops.fp8_gemm_nt(q, s[:, :1], b, sb)
+    with pytest.raises(RuntimeError, match=r"fp8_gemm_nt.*a_scale must be \[5, 2\]"):
+        deepinfer_ops.fp8_gemm_nt(q, s[:4], b, sb)
+    with pytest.raises(RuntimeError, match="a_scale is on meta"):
+        deepinfer_ops.fp8_gemm_nt(q, s.to("meta"), b, sb)
+    with pytest.raises(RuntimeError, match="out_scale must be"):
+        torch.ops.deepinfer_ops.per_token_group_quant_fp8(torch.empty(5, 256, dtype=FP8), s[:4],
+                                                          torch.randn(5, 256), 128, False)
