@@ -263,3 +263,31 @@ def test_dequant_path_from_quantized_weights_equals_dequantised_load(pair):
     assert model.gemm == "dequant" and not model.layers[0].attn.wq_a.is_fp8 and not model.layers[0].ffn.is_fp8
     ids = _ids(20, 11)
     assert torch.equal(model.forward_full(ids), deq.forward_full(ids))
+
+
+def test_fp8_model_reads_the_cuda_scale_layout_on_cpu(pair, monkeypatch):
+    """On CUDA the engine's FP8 paths quantise into padded M-major scales (strides ``(1, round_up(rows, 4))``,
+    ``column_major_scales=x.is_cuda``) and then view / slice / feed them to the dense and grouped GEMMs (``fp8_linear``,
+    the experts, the fused MoE, wo_a's ``xs.view(G, T, -1)``). Forcing that layout on the CPU must change no bit of the
+    logits, at row counts that are and are not multiples of 4."""
+    _, fp8 = pair
+    ids = _ids(37, 5)
+    ref = fp8.forward_full(ids)
+    seen = []
+
+    def forced(fn):
+        def wrapper(*args, **kwargs):
+            kwargs["column_major_scales"] = True
+            q, s = fn(*args, **kwargs)
+            seen.append((fn.__name__, s.shape[0], s.stride()))
+            return q, s
+        return wrapper
+
+    for mod in (deepinfer_ops, deepinfer_ops.moe):
+        monkeypatch.setattr(mod, "swiglu_clamp_quant_fp8", forced(deepinfer_ops.gemm.swiglu_clamp_quant_fp8))
+    monkeypatch.setattr(deepinfer_ops, "per_token_group_quant_fp8",
+                        forced(deepinfer_ops.quant.per_token_group_quant_fp8))
+    got = fp8.forward_full(ids)
+    for name in ("per_token_group_quant_fp8", "swiglu_clamp_quant_fp8"):  # the padded layout was used
+        assert any(f == name and r % 4 and st == (1, -(-r // 4) * 4) for f, r, st in seen), (name, set(seen))
+    assert torch.equal(got, ref)
