@@ -269,6 +269,118 @@ def test_fp8_gemm_nt_batch_invariant_cuda():
             assert torch.equal(deepinfer_ops.fp8_gemm_nt(a[:m], s, b, sb), full[:m]), f"m={m} strides {s.stride()}"
 
 
+def _cuda_allocations():
+    """Allocation requests served by the CUDA caching allocator so far (skips where the backend does not count)."""
+    n = torch.cuda.memory_stats().get("allocation.all.allocated")
+    if n is None:
+        pytest.skip("this CUDA allocator backend keeps no allocation counts")
+    return n
+
+
+def _m_major_in_storage(sa, storage_floats, offset, ld):
+    """``sa``'s values as an M-major view (strides ``(1, ld)``, storage offset ``offset``) of a NaN-filled storage of
+    exactly ``storage_floats`` floats: the padding rows past the view are NaN where the storage has them."""
+    s = torch.full((storage_floats,), float("nan"), device="cuda").as_strided(sa.shape, (1, ld), offset)
+    return s.copy_(sa)
+
+
+def _gemm_allocations(a, s, b, sb, out, ref):
+    """Runs ``fp8_gemm_nt(a, s, b, sb, out=out)``, checks ``out == ref`` bit for bit, returns the allocations it made
+    (its workspace, if any, plus the A-scale copy when it makes one)."""
+    torch.cuda.synchronize()
+    before = _cuda_allocations()
+    deepinfer_ops.fp8_gemm_nt(a, s, b, sb, out=out)
+    count = _cuda_allocations() - before
+    assert torch.equal(out, ref), f"M={a.shape[0]} a_scale strides {s.stride()} offset {s.storage_offset()}"
+    return count
+
+
+@pytest.mark.cuda
+def test_fp8_gemm_nt_a_scale_padding_outside_the_storage_is_copied_cuda():
+    """The dense kernel reads round_up(M, 4) A-scale rows per K block (TMA). M-major scales whose last K block's
+    padding rows lie inside their storage are read in place; others are copied first -- one more allocation than
+    quant.scale_buffer's layout at the same M. Views ending exactly at / short of the last padding row, with
+    storage_offset 0 / 4 / 8, kb == 1, ld > round_up(M, 4), and views narrowed from a padded buffer (``s[:m - 3]``,
+    ``s[1:]``: unaligned, ``s[4:]``) each take the expected path (a storage check that ignored storage_offset, the
+    last K block or the padding fails here) and give the bits of compact scales (NaN in the padding never reaches a
+    stored row)."""
+    n = 256
+    for m, k in ((5, 384), (3, 128), (6, 256), (1, 384), (8, 256), (129, 256)):
+        a, sa, b, sb = _dense_inputs(m, n, k, _cuda_gen(m + k))
+        kb, need = sa.shape[1], -(-m // 4) * 4
+        ref = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb)  # row-major scales (always copied)
+        out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+
+        def in_place(r0, r1):  # allocations of a call on rows [r0, r1) whose scales are read in place
+            s = scale_buffer(r1 - r0, kb, "cuda", column_major=True).copy_(sa[r0:r1])
+            return _gemm_allocations(a[r0:r1], s, b, sb, out[r0:r1], ref[r0:r1])
+
+        base = in_place(0, m)
+        assert _gemm_allocations(a, torch.empty(kb, m, device="cuda").t().copy_(sa), b, sb, out, ref) == (
+            base if m % 4 == 0 else base + 1), "compact M-major scales: in place iff M % 4 == 0"
+        for ld in (need, need + 4):
+            for off in (0, 4, 8):
+                last = off + (kb - 1) * ld  # first float of the last K block
+                for extra in range(need - m + 1):  # floats of storage past the view's last row
+                    s = _m_major_in_storage(sa, last + m + extra, off, ld)
+                    copies = m + extra < need
+                    got = _gemm_allocations(a, s, b, sb, out, ref)
+                    assert got == base + copies, (
+                        f"m={m} kb={kb} ld={ld} offset={off}: storage ends {need - m - extra} floats before the last "
+                        f"padding row, expected {'a copy' if copies else 'in place'}, {got - base} more allocations")
+        if m >= 8:
+            padded = scale_buffer(m, kb, "cuda", column_major=True).copy_(sa)
+            for r0, r1, copies in ((0, m - 3, False), (1, m, True), (4, m, False)):
+                got = _gemm_allocations(a[r0:r1], padded[r0:r1], b, sb, out[r0:r1], ref[r0:r1])
+                assert got == in_place(r0, r1) + copies, f"padded[{r0}:{r1}]: expected a copy: {copies}"
+
+
+@pytest.mark.cuda
+def test_fp8_gemm_nt_a_scale_leading_dim_beyond_int_is_copied_cuda():
+    """The kernel takes the A-scale leading dim and ld * ceil(K/128) as int: a view into a buffer with ld = 2^30 /
+    2^31 (an 8 GiB storage) is copied, not read with a wrapped ld (illegal address or wrong rows)."""
+    m, n, k = 5, 256, 256  # kb = 2
+    a, sa, b, sb = _dense_inputs(m, n, k, _cuda_gen(17))
+    ref = deepinfer_ops.fp8_gemm_nt(a, sa, b, sb)
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    base = _gemm_allocations(a, scale_buffer(m, 2, "cuda", column_major=True).copy_(sa), b, sb, out, ref)
+    storage = torch.empty(2**31 + 8, device="cuda")
+    for ld in (2**30, 2**31):
+        s = storage.as_strided((m, 2), (1, ld)).copy_(sa)
+        assert _gemm_allocations(a, s, b, sb, out, ref) == base + 1, f"ld={ld}: read in place"
+    del storage, s
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 3, 5, 127, 129])
+def test_quant_op_scales_in_the_grouped_gemms_cuda(rows):
+    """The quant ops' padded M-major scales (never-written padding rows) in both grouped GEMMs -- the fused MoE's
+    swiglu scales in the contiguous one, the engine's wo_a ``xs.view(G, T, kb)`` in the masked one -- give the
+    bits of row-major scales."""
+    g, n, k = 3, 448, 576
+    gen = _cuda_gen(rows)
+    gate_up = torch.randn(rows, 2 * k, generator=gen, device="cuda") * 4
+    hq, hs = deepinfer_ops.swiglu_clamp_quant_fp8(gate_up, 10.0, column_major_scales=True)
+    assert hs.stride() == (1, -(-rows // 4) * 4)
+    b, sb = _grouped_b(g, n, k, gen)
+    m_idx = torch.sort(torch.randint(-1, g, (rows,), generator=gen, device="cuda")).values.to(torch.int32)
+    init = torch.full((rows, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    got = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(hq, hs, b, sb, m_idx, out=init.clone())
+    ref = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(hq, hs.contiguous(), b, sb, m_idx, out=init.clone())
+    assert torch.equal(got, ref)
+
+    x = torch.randn(g * rows, k, generator=gen, device="cuda") * 10
+    xq, xs = deepinfer_ops.per_token_group_quant_fp8(x, 128, column_major_scales=True)
+    masked = torch.tensor([rows, rows // 2, 0], dtype=torch.int32, device="cuda")
+    init = torch.full((g, rows, n), 7.0, dtype=torch.bfloat16, device="cuda")
+    got = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(xq.view(g, rows, k), xs.view(g, rows, -1), b, sb, masked,
+                                                     out=init.clone())
+    ref = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(xq.view(g, rows, k), xs.contiguous().view(g, rows, -1), b, sb,
+                                                     masked, out=init.clone())
+    assert torch.equal(got, ref)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # m_grouped_fp8_gemm_nt_contiguous
 # ---------------------------------------------------------------------------------------------------------------

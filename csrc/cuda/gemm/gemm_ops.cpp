@@ -2,6 +2,7 @@
 // tensors into the layouts the kernels read), workspace allocation, then the launchers in
 // csrc/cuda/gemm/instantiations/ (CUTLASS) and swiglu_clamp_quant_fp8.cu.
 #include <array>
+#include <limits>
 
 #include "common/gemm_checks.h"
 #include "cuda/torch_utils.h"
@@ -53,7 +54,10 @@ std::pair<at::Tensor, int64_t> m_major_scales(const at::Tensor& s, bool tma) {
       rows == need_rows ||
       (s.storage_offset() + (kb - 1) * ld + need_rows) * static_cast<int64_t>(sizeof(float)) <=
           static_cast<int64_t>(s.storage().nbytes());
-  const bool direct = m_major && ld >= need_rows &&
+  // The kernel takes ld and the layout's batch stride ld * kb as int: a larger ld (a view into a buffer of
+  // >= 8 GiB) would wrap, so such a view is copied too.
+  const bool fits_int = ld * std::max<int64_t>(kb, 1) <= std::numeric_limits<int>::max();
+  const bool direct = m_major && ld >= need_rows && fits_int &&
                       (!tma || (holds_padding && ld % 4 == 0 && aligned16(s.const_data_ptr())));
   if (direct) return {s, ld};
   const int64_t ld_new = round_up(std::max<int64_t>(rows, 1), 4);
