@@ -90,7 +90,9 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   check_tma_operand(op, a, "a", a.stride(0), 1);
   check_tma_operand(op, b, "b", b.stride(0), 1);
   check_tma_operand(op, out, "out", out.stride(0), fp32 ? 4 : 2);
-  DEEPINFER_CHECK(M < (1ll << 31) && N < (1ll << 31) && K < (1ll << 31), op, "sizes must be < 2^31");
+  // M < 2^31 - 4: the A-scale layout covers round_up(M, 4) rows in int.
+  DEEPINFER_CHECK(M < (1ll << 31) - 4 && N < (1ll << 31) && K < (1ll << 31), op,
+                  "sizes must be < 2^31 (M < 2^31 - 4)");
   auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/true);
   const auto sfb = k_major_scales(b_scale);
   gemm::Fp8GemmParams p{};
