@@ -4,7 +4,7 @@
 #
 # It also runs the main job (deepinfer generate over examples/requests.jsonl) on the GPU.
 # Usage (from the repository root, on a machine with an NVIDIA GPU):
-#   tools/gpu_check.sh [bench_name ...]        # default: every bench/bench_*.py
+#   tools/gpu_check.sh [bench_name ...]        # default: every bench/bench_*.py; "none": no benchmark
 # Environment:
 #   OUT                 where logs and results go (default ./gpu_out)
 #   PYTEST_ARGS         extra pytest arguments (default: the whole tests/ folder)
@@ -49,7 +49,9 @@ echo "generate rc=$gen_rc: $(wc -l <"$OUT/generate.jsonl" 2>/dev/null || echo 0)
 
 echo "== benchmarks"
 benches=("$@")
-if [ ${#benches[@]} -eq 0 ]; then
+if [ "${benches[*]}" = none ]; then
+  benches=()
+elif [ ${#benches[@]} -eq 0 ]; then
   for f in bench/bench_*.py; do benches+=("$(basename "$f" .py)"); done
 fi
 bench_rc=0
