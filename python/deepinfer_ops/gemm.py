@@ -71,8 +71,9 @@ def fp8_gemm_nt(
         split_k: 1 (default): every output tile is computed by one CTA over all of K -- deterministic and
             batch-invariant (a row's bits do not depend on M). > 1 (bfloat16 out, no accumulate; clamped to
             ceil(K/128)): CUDA splits K into that many parts and reduces the fp32 partial tiles in a fixed order
-            (still deterministic for a given split_k, but not bit-equal to split_k = 1). For small M, where the
-            ceil(N/128) tiles leave SMs idle. The CPU op ignores it.
+            (still deterministic for a given split_k, but not bit-equal to split_k = 1). Meant for small M, where
+            few output tiles leave SMs idle, although on the H200 the default (which takes 64x128 ping-pong tiles
+            at small M) is faster at every benchmarked shape (bench/NOTES-fp8-gemm.md). The CPU op ignores it.
     Returns:
         ``out``. M = 0 or N = 0 returns the empty result; K = 0 gives zeros (or leaves ``out`` with accumulate).
     Raises:

@@ -21,6 +21,7 @@ def scale_buffer(rows: int, groups: int, device, column_major: bool) -> torch.Te
         TypeError naming ``rows`` / ``groups`` when not an int (a ``torch.SymInt`` under tracing is accepted);
         ValueError naming it when negative (the padded view would otherwise turn ``rows = -1`` into an empty
         ``[0, groups]`` tensor).
+    Source: DeepGEMM's sm90 activation-scale layout (M-major, M padded to 16 bytes for the TMA loads).
     """
     for name, v in (("rows", rows), ("groups", groups)):
         if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
