@@ -31,6 +31,10 @@ void hc_post_cuda(at::Tensor& out, const at::Tensor& streams, const at::Tensor& 
 // ---- moe ----
 void moe_combine_cpu(at::Tensor& out, const at::Tensor& y, const at::Tensor& slot_rows, const at::Tensor& weights);
 void moe_combine_cuda(at::Tensor& out, const at::Tensor& y, const at::Tensor& slot_rows, const at::Tensor& weights);
+void moe_permute_cpu(at::Tensor& m_indices, at::Tensor& token_of_row, at::Tensor& slot_rows,
+                     const at::Tensor& topk_idx, int64_t num_experts);
+void moe_permute_cuda(at::Tensor& m_indices, at::Tensor& token_of_row, at::Tensor& slot_rows,
+                      const at::Tensor& topk_idx, int64_t num_experts);
 
 // ---- sampling ----
 void logsumexp_rows_cpu(at::Tensor& out, const at::Tensor& x);

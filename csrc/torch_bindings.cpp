@@ -38,6 +38,9 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def(
       "swiglu_clamp_quant_fp8(Tensor! out_q, Tensor! out_scale, Tensor gate_up, float limit, bool scale_ue8m0) -> ()");
   m.def("moe_combine(Tensor! out, Tensor y, Tensor slot_rows, Tensor weights) -> ()");
+  m.def(
+      "moe_permute(Tensor! m_indices, Tensor! token_of_row, Tensor! slot_rows, Tensor topk_idx, int num_experts) "
+      "-> ()");
   // attention
   m.def(
       "sparse_mqa_decode(Tensor! out, Tensor! lse, Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
@@ -71,6 +74,7 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("fp4_to_fp8_blockscaled", &deepinfer::fp4_to_fp8_blockscaled_cpu);
   m.impl("swiglu_clamp_quant_fp8", &deepinfer::swiglu_clamp_quant_fp8_cpu);
   m.impl("moe_combine", &deepinfer::moe_combine_cpu);
+  m.impl("moe_permute", &deepinfer::moe_permute_cpu);
   m.impl("sparse_mqa_decode", &deepinfer::sparse_mqa_decode_cpu);
   m.impl("sparse_mqa_prefill", &deepinfer::sparse_mqa_prefill_cpu);
   m.impl("mqa_logits", &deepinfer::mqa_logits_cpu);
@@ -96,6 +100,7 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("m_grouped_fp8_gemm_nt_masked", &deepinfer::m_grouped_fp8_gemm_nt_masked_cuda);
   m.impl("swiglu_clamp_quant_fp8", &deepinfer::swiglu_clamp_quant_fp8_cuda);
   m.impl("moe_combine", &deepinfer::moe_combine_cuda);
+  m.impl("moe_permute", &deepinfer::moe_permute_cuda);
   m.impl("sparse_mqa_decode", &deepinfer::sparse_mqa_decode_cuda);
   m.impl("sparse_mqa_prefill", &deepinfer::sparse_mqa_prefill_cuda);
   m.impl("mqa_logits", &deepinfer::mqa_logits_cuda);

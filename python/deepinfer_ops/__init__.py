@@ -29,7 +29,7 @@ from .gemm import (
     swiglu_clamp_quant_fp8,
 )
 from .mhc import hc_collapse, hc_mix, hc_post, hc_weights
-from .moe import fused_moe_fp8, moe_combine
+from .moe import fused_moe_fp8, moe_combine, moe_permute
 from .norm import rms_norm
 from .quant import FP8_E4M3_MAX, per_token_group_quant_fp8
 from .rope import rope_cos_sin_cache, rotary_embedding
@@ -58,6 +58,7 @@ __all__ = [
     "m_grouped_fp8_gemm_nt_contiguous",
     "m_grouped_fp8_gemm_nt_masked",
     "moe_combine",
+    "moe_permute",
     "mqa_logits",
     "per_token_group_quant_fp8",
     "rms_norm",

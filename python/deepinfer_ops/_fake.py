@@ -74,6 +74,14 @@ def _moe_combine_fake(out, y, slot_rows, weights):
     return None
 
 
+@_register_fake("deepinfer_ops::moe_permute")
+def _moe_permute_fake(m_indices, token_of_row, slot_rows, topk_idx, num_experts):
+    torch._check(slot_rows.shape == topk_idx.shape, lambda: "moe_permute: slot_rows must be [tokens, top_k]")
+    torch._check(m_indices.shape == (topk_idx.numel(),) and token_of_row.shape == (topk_idx.numel(),),
+                 lambda: "moe_permute: m_indices and token_of_row must be [tokens * top_k]")
+    return None
+
+
 @_register_fake("deepinfer_ops::hc_weights")
 def _hc_weights_fake(pre, post, comb, mix, base, scale, eps, sinkhorn_iters):
     hc = pre.shape[1]

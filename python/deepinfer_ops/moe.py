@@ -42,9 +42,9 @@ def fused_moe_fp8(
 ) -> torch.Tensor:
     """Routed experts: ``out[t] = sum_j topk_weights[t, j] * down_e(swiglu(gate_up_e(x[t])))``, ``e = topk_idx[t, j]``.
 
-    Steps (no host synchronisation): quantise x per 1x128 (``per_token_group_quant_fp8``); sort the T*k
-    (token, slot) pairs by expert with a stable sort (slots with an index outside ``[0, E)``, e.g. -1, sort first
-    and are padding rows); gather the quantised rows; grouped gate/up GEMM (``m_grouped_fp8_gemm_nt_contiguous``,
+    Steps (no host synchronisation): sort the T*k (token, slot) pairs by expert, stably (:func:`moe_permute`;
+    slots with an index outside ``[0, E)``, e.g. -1, sort first and are padding rows); quantise x per 1x128
+    (``per_token_group_quant_fp8``); gather the quantised rows; grouped gate/up GEMM (``m_grouped_fp8_gemm_nt_contiguous``,
     bf16 out); ``swiglu_clamp_quant_fp8``; grouped down GEMM (bf16 out); :func:`moe_combine`: each token's k
     slots added in slot order j = 0..k-1 in float32 (a fixed order: the result for a token does not depend on the
     batch).
@@ -73,7 +73,7 @@ def fused_moe_fp8(
     if x.dim() != 2 or topk_idx.dim() != 2 or topk_idx.shape != topk_weights.shape or topk_idx.shape[0] != x.shape[0]:
         raise ValueError(f"x must be [T, hidden] and topk_idx/topk_weights [T, k]; got {tuple(x.shape)}, "
                          f"{tuple(topk_idx.shape)}, {tuple(topk_weights.shape)}")
-    num_tokens, top_k = topk_idx.shape
+    num_tokens = topk_idx.shape[0]
     num_experts, two_i, hidden = w13.shape
     if x.shape[1] != hidden or w2.shape[0] != num_experts or w2.shape[1] != hidden or 2 * w2.shape[2] != two_i:
         raise ValueError(f"weight shapes do not match: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, "
@@ -82,24 +82,49 @@ def fused_moe_fp8(
     if num_tokens == 0:
         return torch.zeros((0, hidden), dtype=out_dtype, device=x.device)
 
-    flat = topk_idx.reshape(-1).to(torch.int64)
-    valid = (flat >= 0) & (flat < num_experts)
-    key = torch.where(valid, flat, torch.full_like(flat, -1))
-    order = torch.sort(key, stable=True).indices  # padding first, then experts in ascending order
-    m_indices = key[order].to(torch.int32)
-    token_of_row = order // top_k
-
+    m_indices, token_of_row, slot_rows = moe_permute(topk_idx, num_experts)
     xq, xs = per_token_group_quant_fp8(x, 128, scale_ue8m0)
     a = xq[token_of_row]
     a_scale = xs[token_of_row]
     h = m_grouped_fp8_gemm_nt_contiguous(a, a_scale, w13, w13_scale, m_indices)  # [R, 2I] bf16
     hq, hs = swiglu_clamp_quant_fp8(h, swiglu_limit, scale_ue8m0, column_major_scales=h.is_cuda)
     y = m_grouped_fp8_gemm_nt_contiguous(hq, hs, w2, w2_scale, m_indices)  # [R, hidden] bf16
-
-    inv = torch.empty_like(order)
-    inv[order] = torch.arange(order.numel(), device=order.device)
-    slot_rows = torch.where(valid, inv, torch.full_like(inv, -1)).view(num_tokens, top_k)
     return moe_combine(y, slot_rows, topk_weights.float().contiguous(), out_dtype)
+
+
+def moe_permute(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The row order of the grouped expert GEMMs: the ``T * k`` (token, slot) pairs stably sorted by expert.
+
+    Row ``r`` of the sorted order is slot ``i = t * k + j``; slots whose id is outside ``[0, num_experts)`` (e.g. -1)
+    are padding and come first, then expert 0's slots, expert 1's, ... each in slot order (the stable sort of the
+    ids, so the layout -- hence every result -- depends only on ``topk_idx``). One native op (CPU: a counting sort;
+    CUDA: one CTA, a counting sort with per-warp segments), no host synchronisation.
+
+    Args:
+        topk_idx: ``[T, k]`` integer expert ids (int32 / int64 are read as they are; other integer dtypes are
+            widened to int64 first; compared in int64, never wrapped).
+        num_experts: E, in ``[0, 2^31)`` (CUDA: at most 25000).
+    Returns:
+        ``(m_indices, token_of_row, slot_rows)``: ``m_indices`` ``[T*k]`` int32, the expert of each sorted row (-1 for
+        padding: the grouped GEMMs' contiguous layout); ``token_of_row`` ``[T*k]`` int64, the token each sorted row
+        comes from; ``slot_rows`` ``[T, k]`` int64, the sorted row of each slot, -1 for padding slots
+        (:func:`moe_combine`'s input).
+    Raises:
+        TypeError for a non-integer ``topk_idx``; RuntimeError naming the tensor or argument at fault.
+    Source: the token permutation of MoE expert parallelism (DeepEP's dispatch layout, vLLM's moe_align_block_size),
+    with DeepGEMM's contiguous grouped layout (-1 = padding row).
+    """
+    if topk_idx.dtype.is_floating_point or topk_idx.dtype.is_complex or topk_idx.dtype == torch.bool:
+        raise TypeError(f"deepinfer_ops.moe_permute: topk_idx must be an integer tensor, got {topk_idx.dtype}")
+    if topk_idx.dtype not in (torch.int32, torch.int64):
+        topk_idx = topk_idx.to(torch.int64)
+    topk_idx = topk_idx.contiguous()
+    rows = topk_idx.numel()
+    m_indices = torch.empty(rows, dtype=torch.int32, device=topk_idx.device)
+    token_of_row = torch.empty(rows, dtype=torch.int64, device=topk_idx.device)
+    slot_rows = torch.empty(topk_idx.shape, dtype=torch.int64, device=topk_idx.device)
+    torch.ops.deepinfer_ops.moe_permute(m_indices, token_of_row, slot_rows, topk_idx, num_experts)
+    return m_indices, token_of_row, slot_rows
 
 
 def moe_combine(y: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor,

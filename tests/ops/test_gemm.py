@@ -811,3 +811,85 @@ def test_moe_combine_out_sharing_memory_with_an_input_is_refused(device):
     out = torch.empty(1, 64, device=device)
     with pytest.raises(RuntimeError, match="out and weights share memory"):
         torch.ops.deepinfer_ops.moe_combine(out, y, rows, out.view(-1)[:2].view(1, 2))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# moe_permute
+# ---------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens,k,experts", [(1, 6, 256), (7, 2, 4), (64, 6, 256), (1000, 8, 300), (3, 1, 1),
+                                              (5000, 6, 64), (9, 4, 0)])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64, torch.int16])
+def test_moe_permute_matches_reference(device, tokens, k, experts, idx_dtype):
+    """The stable sort by expert, exactly: padding slots (-1, ids >= E, int64 ids that would wrap to a valid int32
+    expert) first, then each expert's slots in slot order; outputs poisoned first so unwritten entries show."""
+    gen = torch.Generator().manual_seed(tokens * 31 + k + experts)
+    idx = torch.randint(-1, max(experts, 1) + 2, (tokens, k), generator=gen)
+    idx[0, 0] = -1
+    if idx_dtype == torch.int64 and experts > 0:
+        idx[-1, -1] = 2**32 + experts - 1  # padding in int64; would be expert E - 1 if wrapped to int32
+    if idx_dtype == torch.int16:
+        idx = idx.clamp(max=2**15 - 1)
+    idx = idx.to(idx_dtype).to(device)
+    m_indices, token_of_row, slot_rows = deepinfer_ops.moe_permute(idx, experts)
+    want = refs.moe_permute_ref(idx.long(), experts)
+    for got, ref, name in zip((m_indices, token_of_row, slot_rows), want, ("m_indices", "token_of_row", "slot_rows")):
+        assert got.dtype == ref.dtype and got.shape == ref.shape, name
+        assert torch.equal(got.cpu(), ref.cpu()), f"{name} differs from the stable sort"
+    # the layout the grouped GEMMs and moe_combine read: each valid slot's row holds its expert and token
+    valid = slot_rows >= 0
+    rows = slot_rows[valid]
+    assert torch.equal(m_indices[rows].long(), idx.long()[valid])
+    token_of_slot = torch.arange(tokens, device=device).repeat_interleave(k).view(tokens, k)
+    assert torch.equal(token_of_row[rows], token_of_slot[valid])
+
+
+def test_moe_permute_outputs_fully_written(device):
+    idx = torch.tensor([[2, 0, -1], [0, 2, 5]], device=device)
+    m_indices = torch.full((6,), 12345, dtype=torch.int32, device=device)
+    token_of_row = torch.full((6,), -777, dtype=torch.int64, device=device)
+    slot_rows = torch.full((2, 3), -777, dtype=torch.int64, device=device)
+    torch.ops.deepinfer_ops.moe_permute(m_indices, token_of_row, slot_rows, idx, 3)
+    assert m_indices.tolist() == [-1, -1, 0, 0, 2, 2]
+    assert token_of_row.tolist() == [0, 1, 0, 1, 0, 1]
+    assert slot_rows.tolist() == [[4, 2, -1], [3, 5, -1]]
+
+
+def test_moe_permute_empty_and_opcheck(device):
+    m, t, s = deepinfer_ops.moe_permute(torch.empty(0, 6, dtype=torch.int64, device=device), 8)
+    assert m.shape == (0,) and t.shape == (0,) and s.shape == (0, 6)
+    idx = torch.tensor([[3, -1], [0, 3], [7, 0]], device=device)
+    args = (torch.empty(6, dtype=torch.int32, device=device), torch.empty(6, dtype=torch.int64, device=device),
+            torch.empty(3, 2, dtype=torch.int64, device=device), idx, 4)
+    torch.library.opcheck(torch.ops.deepinfer_ops.moe_permute.default, args)
+
+
+@pytest.mark.native_errors
+def test_moe_permute_bad_inputs(device):
+    idx = torch.zeros(3, 2, dtype=torch.int64, device=device)
+    m, t, s = (torch.empty(6, dtype=torch.int32, device=device), torch.empty(6, dtype=torch.int64, device=device),
+               torch.empty(3, 2, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match="topk_idx must be an integer tensor"):
+        deepinfer_ops.moe_permute(idx.float(), 4)
+    with pytest.raises(RuntimeError, match="num_experts must be in"):
+        torch.ops.deepinfer_ops.moe_permute(m, t, s, idx, -1)
+    with pytest.raises(RuntimeError, match="m_indices must be torch.int32"):
+        torch.ops.deepinfer_ops.moe_permute(m.long(), t, s, idx, 4)
+    with pytest.raises(RuntimeError, match="token_of_row must be \\[6\\]"):
+        torch.ops.deepinfer_ops.moe_permute(m, t[:5], s, idx, 4)
+    with pytest.raises(RuntimeError, match="slot_rows shape"):
+        torch.ops.deepinfer_ops.moe_permute(m, t, s.view(2, 3), idx, 4)
+    with pytest.raises(RuntimeError, match="topk_idx must be contiguous"):
+        torch.ops.deepinfer_ops.moe_permute(m, t, s, torch.zeros(2, 3, dtype=torch.int64, device=device).t(), 4)
+    with pytest.raises(RuntimeError, match="slot_rows and topk_idx share memory"):
+        torch.ops.deepinfer_ops.moe_permute(m, t, idx, idx, 4)
+
+
+@pytest.mark.cuda
+def test_moe_permute_cuda_many_experts_and_rows():
+    """Few parallel segments (E = 20000: counters for one segment only) and many rows (32 segments)."""
+    for tokens, k, experts in ((300, 8, 20000), (40000, 6, 256)):
+        idx = torch.randint(-1, experts + 1, (tokens, k), device="cuda")
+        got = deepinfer_ops.moe_permute(idx, experts)
+        want = refs.moe_permute_ref(idx, experts)
+        for g, w in zip(got, want):
+            assert torch.equal(g, w)

@@ -52,6 +52,18 @@ def moe_combine_ref(y: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Ten
     return contrib.sum(dim=1).to(out_dtype or y.dtype)
 
 
+def moe_permute_ref(topk_idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m_indices int32, token_of_row int64, slot_rows int64) from a stable sort of the flattened slots by expert,
+    ids outside ``[0, num_experts)`` mapped to -1 (sorted first)."""
+    flat = topk_idx.reshape(-1).to(torch.int64)
+    key = torch.where((flat >= 0) & (flat < num_experts), flat, torch.full_like(flat, -1))
+    order = torch.sort(key, stable=True).indices
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    slot_rows = torch.where(key >= 0, inv, torch.full_like(inv, -1)).view(topk_idx.shape)
+    return key[order].to(torch.int32), order // max(topk_idx.shape[-1], 1), slot_rows
+
+
 def hc_weights_ref(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc: int, eps: float,
                    sinkhorn_iters: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pre, post, comb) as the V4 reference computes them from the mixing coefficients, in float32 torch ops."""
