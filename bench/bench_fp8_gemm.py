@@ -3,7 +3,8 @@
 Dense ``fp8_gemm_nt`` vs cuBLASLt block-scaled ``torch._scaled_mm`` (1x128 activation / 128x128 weight scales);
 grouped ``m_grouped_fp8_gemm_nt_contiguous`` / ``_masked`` vs bf16 ``torch._grouped_mm`` over the same rows; and,
 at the issue's reference shapes, DeepGEMM (``deep_gemm``, the ``deepinfer-gemm`` registry package) when it imports
-(it JIT-compiles one kernel per shape on first use, so only those shapes).
+(it JIT-compiles one kernel per shape on first use, so only those shapes). The whole ``fused_moe_fp8`` path is
+timed against itself with the torch sort-based token permutation it used before ``moe_permute``.
 Shapes: V4-Flash projections and experts at M = 1, 64, 128, 512, 4096, 16384, the issue's reference shapes
 (4096x7168x16384 etc.), grouped with 4 to 256 experts; plus the whole ``fused_moe_fp8`` path.
 
@@ -26,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.timer import bench_args, metrics, time_cuda, write_results  # noqa: E402
 
 import deepinfer_ops  # noqa: E402
+import deepinfer_ops.moe as moe  # noqa: E402
 from deepinfer_ops.quant import scale_buffer  # noqa: E402
+from deepinfer_ops.testing import refs  # noqa: E402
 
 try:  # optional peer
     import deep_gemm  # type: ignore[import-not-found]
@@ -168,9 +171,16 @@ def bench_moe(tokens, experts=256, top_k=6, hidden=4096, inter=2048):
     used = min(experts, rows)
     flops = 2.0 * rows * (2 * inter * hidden + hidden * inter)
     nbytes = used * 3 * inter * hidden + 2 * tokens * hidden * 2
-    us = time_cuda(lambda: deepinfer_ops.fused_moe_fp8(x, idx, w, w13, s13, w2, s2))
+    fn = lambda: deepinfer_ops.fused_moe_fp8(x, idx, w, w13, s13, w2, s2)  # noqa: E731
+    us = time_cuda(fn)
+    peers = {}
+    try:  # the same path with the torch sort-based permutation (what fused_moe_fp8 ran before moe_permute)
+        moe.moe_permute = refs.moe_permute_ref
+        _peer(peers, "torch_sort_permutation", fn, flops, nbytes)
+    finally:
+        moe.moe_permute = deepinfer_ops.moe_permute
     shape = {"tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "inter": inter}
-    return {"op": "fused_moe_fp8", "shape": shape, **metrics(us, flops, nbytes), "peers": {}}
+    return {"op": "fused_moe_fp8", "shape": shape, **metrics(us, flops, nbytes), **_split_peers(peers)}
 
 
 def main() -> None:
