@@ -10,6 +10,9 @@ CPU cases use small odd shapes; CUDA cases (marker ``cuda``) add every GEMM shap
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -893,3 +896,42 @@ def test_moe_permute_cuda_many_experts_and_rows():
         want = refs.moe_permute_ref(idx, experts)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("tokens,k,experts", [(3, 4, 2**31 - 1), (5, 2, 70000), (20000, 1, 70000), (1, 1, 10**6)])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_moe_permute_cpu_huge_num_experts(tokens, k, experts, idx_dtype):
+    """num_experts far above the rows (the CPU sort's O(rows) path) and at the counting sort's switch-over: the
+    same stable sort, ids at the int32 / int64 limits included."""
+    gen = torch.Generator().manual_seed(tokens + k)
+    idx = torch.randint(-3, min(experts, 2**31 - 1), (tokens, k), generator=gen)
+    hostile = [-1, experts - 1, experts, 2**31 - 1, -(2**31), experts // 2, experts - 1]
+    if idx_dtype == torch.int64:
+        hostile += [2**63 - 1, -(2**63), 2**32 + experts - 1]
+    flat = idx.view(-1)
+    flat[: min(len(hostile), flat.numel())] = torch.tensor(hostile[: flat.numel()])
+    idx = idx.to(idx_dtype)
+    got = deepinfer_ops.moe_permute(idx, experts)
+    want = refs.moe_permute_ref(idx, experts)
+    for g, w, name in zip(got, want, ("m_indices", "token_of_row", "slot_rows")):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
+_PERMUTE_UNDER_MEMORY_LIMIT = """
+import resource, sys, torch, deepinfer_ops
+from deepinfer_ops.testing import refs
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+idx = torch.tensor([[2**31 - 2, 5, -1], [0, 2**31 - 2, 7]])
+got = deepinfer_ops.moe_permute(idx, 2**31 - 1)
+assert all(torch.equal(g, w) for g, w in zip(got, refs.moe_permute_ref(idx, 2**31 - 1)))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and RLIMIT_AS (Linux)")
+def test_moe_permute_cpu_memory_does_not_scale_with_num_experts():
+    """E = 2^31 - 1 is a valid num_experts: 6 slots must not need 8 bytes per expert (16 GiB). Run in a child
+    process whose address space is capped at 1 GiB above what it has mapped after the imports."""
+    proc = subprocess.run([sys.executable, "-c", _PERMUTE_UNDER_MEMORY_LIMIT], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
