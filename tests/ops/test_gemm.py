@@ -935,3 +935,25 @@ def test_moe_permute_cpu_memory_does_not_scale_with_num_experts():
     process whose address space is capped at 1 GiB above what it has mapped after the imports."""
     proc = subprocess.run([sys.executable, "-c", _PERMUTE_UNDER_MEMORY_LIMIT], capture_output=True, text=True)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["3-D topk_idx", "int16 topk_idx", "float topk_idx", "num_experts 2^31",
+                                  "num_experts -1", "m_indices int64", "token_of_row int32", "slot_rows int32"])
+def test_moe_permute_meta_refuses_what_eager_refuses(case):
+    """The fake (meta / trace) kernel checks the arguments as the native op does: a call eager refuses must not
+    pass on meta (it did for a 3-D or float topk_idx, a wrong num_experts or wrong output dtypes)."""
+    shape = (2, 2, 2) if case == "3-D topk_idx" else (3, 2)
+    n = 8 if case == "3-D topk_idx" else 6
+    idx_dtype = {"int16 topk_idx": torch.int16, "float topk_idx": torch.float32}.get(case, torch.int64)
+    experts = {"num_experts 2^31": 2**31, "num_experts -1": -1}.get(case, 4)
+    args = [torch.zeros(n, dtype=torch.int64 if case == "m_indices int64" else torch.int32),
+            torch.zeros(n, dtype=torch.int32 if case == "token_of_row int32" else torch.int64),
+            torch.zeros(shape, dtype=torch.int32 if case == "slot_rows int32" else torch.int64),
+            torch.zeros(shape, dtype=idx_dtype)]
+    with pytest.raises(RuntimeError, match="moe_permute"):
+        torch.ops.deepinfer_ops.moe_permute(*args, experts)  # eager CPU
+    with pytest.raises(RuntimeError, match="moe_permute"):
+        torch.ops.deepinfer_ops.moe_permute(*(t.to("meta") for t in args), experts)
+    good = [torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64),
+            torch.zeros(3, 2, dtype=torch.int64)]
+    torch.ops.deepinfer_ops.moe_permute(*(t.to("meta") for t in good), 4)  # the valid meta call still passes
