@@ -957,3 +957,51 @@ def test_moe_permute_meta_refuses_what_eager_refuses(case):
     good = [torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64),
             torch.zeros(3, 2, dtype=torch.int64)]
     torch.ops.deepinfer_ops.moe_permute(*(t.to("meta") for t in good), 4)  # the valid meta call still passes
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("experts", [0, 1, 31, 1550, 1551, 2000, 12799, 24999, 25000])
+@pytest.mark.parametrize("tokens,k", [(1, 1), (5, 6), (31, 1), (33, 1), (1001, 7), (9000, 8)])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_moe_permute_cuda_segment_counts_and_limits(experts, tokens, k, idx_dtype):
+    """The CUDA kernel against the reference across its shared-memory layouts: segments = min(32, 51200 // (E + 1)
+    - 1) takes 32 (E <= 1550), 31, 24, 3 and 1 (E = 25000, ~200 KB of counters); rows below, at and above the 32
+    segments and not dividing them; runs of one expert across whole warps (__match_any_sync groups of 32), every
+    slot padding, and ids at the int32 / int64 limits."""
+    gen = torch.Generator().manual_seed(experts * 7 + tokens + k)
+    idx = torch.randint(-2, experts + 2, (tokens, k), generator=gen)
+    flat = idx.view(-1)
+    flat[flat.numel() // 3: flat.numel() // 3 + 70] = max(experts - 1, 0)  # a long run of one id
+    hostile = [2**31 - 1, -(2**31), -1, experts, experts - 1, 0]
+    if idx_dtype == torch.int64:
+        hostile += [2**63 - 1, -(2**63), 2**32 + max(experts - 1, 0)]
+    flat[-len(hostile):] = torch.tensor(hostile)[-flat.numel():]
+    idx = idx.to(idx_dtype)
+    want = refs.moe_permute_ref(idx, experts)
+    out = (torch.full((idx.numel(),), 12345, dtype=torch.int32, device="cuda"),
+           torch.full((idx.numel(),), -777, dtype=torch.int64, device="cuda"),
+           torch.full(idx.shape, -777, dtype=torch.int64, device="cuda"))
+    torch.ops.deepinfer_ops.moe_permute(*out, idx.cuda(), experts)
+    for g, w, name in zip(out, want, ("m_indices", "token_of_row", "slot_rows")):
+        assert torch.equal(g.cpu(), w), name
+    # every slot padding
+    got = deepinfer_ops.moe_permute(torch.full((tokens, k), -1, dtype=idx_dtype, device="cuda"), experts)
+    assert torch.equal(got[0].cpu(), torch.full((tokens * k,), -1, dtype=torch.int32))
+    assert torch.equal(got[1].cpu(), torch.arange(tokens).repeat_interleave(k))
+    assert torch.equal(got[2].cpu(), torch.full((tokens, k), -1))
+
+
+@pytest.mark.cuda
+def test_moe_permute_cuda_limits_and_empty():
+    idx = torch.zeros(2, 3, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="num_experts must be <= 25000 on CUDA, got 25001"):
+        deepinfer_ops.moe_permute(idx, 25001)
+    with pytest.raises(RuntimeError, match="num_experts must be in"):
+        deepinfer_ops.moe_permute(idx, 2**31)
+    for shape in ((0, 6), (4, 0), (0, 0)):
+        m, t, s = deepinfer_ops.moe_permute(torch.zeros(shape, dtype=torch.int32, device="cuda"), 8)
+        assert m.shape == (shape[0] * shape[1],) and t.shape == m.shape and s.shape == shape and s.is_cuda
+    x = torch.tensor([[1, 0]], device="cuda")
+    with pytest.raises(RuntimeError, match="m_indices is on cpu but topk_idx is on cuda"):
+        torch.ops.deepinfer_ops.moe_permute(torch.empty(2, dtype=torch.int32), torch.empty(2, dtype=torch.int64,
+                                            device="cuda"), torch.empty(1, 2, dtype=torch.int64, device="cuda"), x, 2)
