@@ -76,6 +76,15 @@ def _moe_combine_fake(out, y, slot_rows, weights):
 
 @_register_fake("deepinfer_ops::moe_permute")
 def _moe_permute_fake(m_indices, token_of_row, slot_rows, topk_idx, num_experts):
+    # the native op's argument checks (moe_checks.h), so meta calls and traces refuse what eager refuses
+    torch._check(topk_idx.dtype in (torch.int32, torch.int64),
+                 lambda: f"moe_permute: topk_idx must be int32 or int64, got {topk_idx.dtype}")
+    torch._check(topk_idx.dim() == 2, lambda: f"moe_permute: topk_idx must be [tokens, top_k], got {topk_idx.shape}")
+    torch._check(0 <= num_experts < 2**31, lambda: f"moe_permute: num_experts must be in [0, 2^31), got {num_experts}")
+    for t, name, dtype in ((m_indices, "m_indices", torch.int32), (token_of_row, "token_of_row", torch.int64),
+                           (slot_rows, "slot_rows", torch.int64)):
+        torch._check(t.dtype == dtype,
+                     lambda t=t, name=name, dtype=dtype: f"moe_permute: {name} must be {dtype}, got {t.dtype}")
     torch._check(slot_rows.shape == topk_idx.shape, lambda: "moe_permute: slot_rows must be [tokens, top_k]")
     torch._check(m_indices.shape == (topk_idx.numel(),) and token_of_row.shape == (topk_idx.numel(),),
                  lambda: "moe_permute: m_indices and token_of_row must be [tokens * top_k]")

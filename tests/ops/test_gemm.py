@@ -10,6 +10,9 @@ CPU cases use small odd shapes; CUDA cases (marker ``cuda``) add every GEMM shap
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -893,3 +896,112 @@ def test_moe_permute_cuda_many_experts_and_rows():
         want = refs.moe_permute_ref(idx, experts)
         for g, w in zip(got, want):
             assert torch.equal(g, w)
+
+
+@pytest.mark.parametrize("tokens,k,experts", [(3, 4, 2**31 - 1), (5, 2, 70000), (20000, 1, 70000), (1, 1, 10**6)])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_moe_permute_cpu_huge_num_experts(tokens, k, experts, idx_dtype):
+    """num_experts far above the rows (the CPU sort's O(rows) path) and at the counting sort's switch-over: the
+    same stable sort, ids at the int32 / int64 limits included."""
+    gen = torch.Generator().manual_seed(tokens + k)
+    idx = torch.randint(-3, min(experts, 2**31 - 1), (tokens, k), generator=gen)
+    hostile = [-1, experts - 1, experts, 2**31 - 1, -(2**31), experts // 2, experts - 1]
+    if idx_dtype == torch.int64:
+        hostile += [2**63 - 1, -(2**63), 2**32 + experts - 1]
+    flat = idx.view(-1)
+    flat[: min(len(hostile), flat.numel())] = torch.tensor(hostile[: flat.numel()])
+    idx = idx.to(idx_dtype)
+    got = deepinfer_ops.moe_permute(idx, experts)
+    want = refs.moe_permute_ref(idx, experts)
+    for g, w, name in zip(got, want, ("m_indices", "token_of_row", "slot_rows")):
+        assert g.dtype == w.dtype and torch.equal(g, w), name
+
+
+_PERMUTE_UNDER_MEMORY_LIMIT = """
+import resource, sys, torch, deepinfer_ops
+from deepinfer_ops.testing import refs
+vm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + (1 << 30), resource.getrlimit(resource.RLIMIT_AS)[1]))
+idx = torch.tensor([[2**31 - 2, 5, -1], [0, 2**31 - 2, 7]])
+got = deepinfer_ops.moe_permute(idx, 2**31 - 1)
+assert all(torch.equal(g, w) for g, w in zip(got, refs.moe_permute_ref(idx, 2**31 - 1)))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs /proc and RLIMIT_AS (Linux)")
+def test_moe_permute_cpu_memory_does_not_scale_with_num_experts():
+    """E = 2^31 - 1 is a valid num_experts: 6 slots must not need 8 bytes per expert (16 GiB). Run in a child
+    process whose address space is capped at 1 GiB above what it has mapped after the imports."""
+    proc = subprocess.run([sys.executable, "-c", _PERMUTE_UNDER_MEMORY_LIMIT], capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("case", ["3-D topk_idx", "int16 topk_idx", "float topk_idx", "num_experts 2^31",
+                                  "num_experts -1", "m_indices int64", "token_of_row int32", "slot_rows int32"])
+def test_moe_permute_meta_refuses_what_eager_refuses(case):
+    """The fake (meta / trace) kernel checks the arguments as the native op does: a call eager refuses must not
+    pass on meta (it did for a 3-D or float topk_idx, a wrong num_experts or wrong output dtypes)."""
+    shape = (2, 2, 2) if case == "3-D topk_idx" else (3, 2)
+    n = 8 if case == "3-D topk_idx" else 6
+    idx_dtype = {"int16 topk_idx": torch.int16, "float topk_idx": torch.float32}.get(case, torch.int64)
+    experts = {"num_experts 2^31": 2**31, "num_experts -1": -1}.get(case, 4)
+    args = [torch.zeros(n, dtype=torch.int64 if case == "m_indices int64" else torch.int32),
+            torch.zeros(n, dtype=torch.int32 if case == "token_of_row int32" else torch.int64),
+            torch.zeros(shape, dtype=torch.int32 if case == "slot_rows int32" else torch.int64),
+            torch.zeros(shape, dtype=idx_dtype)]
+    with pytest.raises(RuntimeError, match="moe_permute"):
+        torch.ops.deepinfer_ops.moe_permute(*args, experts)  # eager CPU
+    with pytest.raises(RuntimeError, match="moe_permute"):
+        torch.ops.deepinfer_ops.moe_permute(*(t.to("meta") for t in args), experts)
+    good = [torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64),
+            torch.zeros(3, 2, dtype=torch.int64)]
+    torch.ops.deepinfer_ops.moe_permute(*(t.to("meta") for t in good), 4)  # the valid meta call still passes
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("experts", [0, 1, 31, 1550, 1551, 2000, 12799, 24999, 25000])
+@pytest.mark.parametrize("tokens,k", [(1, 1), (5, 6), (31, 1), (33, 1), (1001, 7), (9000, 8)])
+@pytest.mark.parametrize("idx_dtype", [torch.int32, torch.int64])
+def test_moe_permute_cuda_segment_counts_and_limits(experts, tokens, k, idx_dtype):
+    """The CUDA kernel against the reference across its shared-memory layouts: segments = min(32, 51200 // (E + 1)
+    - 1) takes 32 (E <= 1550), 31, 24, 3 and 1 (E = 25000, ~200 KB of counters); rows below, at and above the 32
+    segments and not dividing them; runs of one expert across whole warps (__match_any_sync groups of 32), every
+    slot padding, and ids at the int32 / int64 limits."""
+    gen = torch.Generator().manual_seed(experts * 7 + tokens + k)
+    idx = torch.randint(-2, experts + 2, (tokens, k), generator=gen)
+    flat = idx.view(-1)
+    flat[flat.numel() // 3: flat.numel() // 3 + 70] = max(experts - 1, 0)  # a long run of one id
+    hostile = [2**31 - 1, -(2**31), -1, experts, experts - 1, 0]
+    if idx_dtype == torch.int64:
+        hostile += [2**63 - 1, -(2**63), 2**32 + max(experts - 1, 0)]
+    flat[-len(hostile):] = torch.tensor(hostile)[-flat.numel():]
+    idx = idx.to(idx_dtype)
+    want = refs.moe_permute_ref(idx, experts)
+    out = (torch.full((idx.numel(),), 12345, dtype=torch.int32, device="cuda"),
+           torch.full((idx.numel(),), -777, dtype=torch.int64, device="cuda"),
+           torch.full(idx.shape, -777, dtype=torch.int64, device="cuda"))
+    torch.ops.deepinfer_ops.moe_permute(*out, idx.cuda(), experts)
+    for g, w, name in zip(out, want, ("m_indices", "token_of_row", "slot_rows")):
+        assert torch.equal(g.cpu(), w), name
+    # every slot padding
+    got = deepinfer_ops.moe_permute(torch.full((tokens, k), -1, dtype=idx_dtype, device="cuda"), experts)
+    assert torch.equal(got[0].cpu(), torch.full((tokens * k,), -1, dtype=torch.int32))
+    assert torch.equal(got[1].cpu(), torch.arange(tokens).repeat_interleave(k))
+    assert torch.equal(got[2].cpu(), torch.full((tokens, k), -1))
+
+
+@pytest.mark.cuda
+def test_moe_permute_cuda_limits_and_empty():
+    idx = torch.zeros(2, 3, dtype=torch.int64, device="cuda")
+    with pytest.raises(RuntimeError, match="num_experts must be <= 25000 on CUDA, got 25001"):
+        deepinfer_ops.moe_permute(idx, 25001)
+    with pytest.raises(RuntimeError, match="num_experts must be in"):
+        deepinfer_ops.moe_permute(idx, 2**31)
+    for shape in ((0, 6), (4, 0), (0, 0)):
+        m, t, s = deepinfer_ops.moe_permute(torch.zeros(shape, dtype=torch.int32, device="cuda"), 8)
+        assert m.shape == (shape[0] * shape[1],) and t.shape == m.shape and s.shape == shape and s.is_cuda
+    x = torch.tensor([[1, 0]], device="cuda")
+    with pytest.raises(RuntimeError, match="m_indices is on cpu but topk_idx is on cuda"):
+        torch.ops.deepinfer_ops.moe_permute(torch.empty(2, dtype=torch.int32), torch.empty(2, dtype=torch.int64,
+                                            device="cuda"), torch.empty(1, 2, dtype=torch.int64, device="cuda"), x, 2)
