@@ -712,8 +712,8 @@ def test_decode_fp8_cache_equals_decoded_bf16_cache(device, seed):
 @pytest.mark.cuda
 @pytest.mark.parametrize("fp8", [False, True])
 def test_cuda_decode_batch_invariant_across_cta_shapes(fp8):
-    # 160 rows fill the GPU with 64 heads per CTA; one row alone runs with 16 heads per CTA (FP8: register-decoded
-    # entries vs entries staged in shared memory). Same bits.
+    # 160 rows (two waves of CTAs on the H200) and one row alone (one CTA): a row's result does not depend on the
+    # batch around it. Same bits, bf16 and FP8 caches.
     q, comp, idx, kw = _decode_case("cuda", 160, 1, V4_HEADS, V4_DIM, V4_TOPK, V4_WINDOW, 64, 160)
     if fp8:
         rows = comp.reshape(-1, V4_DIM)
@@ -729,12 +729,12 @@ def test_cuda_decode_batch_invariant_across_cta_shapes(fp8):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows,h,dim,fp8", [
-    (1, 64, 512, False), (100, 64, 512, False), (200, 64, 512, False),  # 16 / 32 / 64 heads per CTA
-    (100, 64, 512, True), (8, 64, 512, True),  # FP8: register path (32 heads per CTA), staged path (16)
+    (1, 64, 512, False), (100, 64, 512, False), (200, 64, 512, False),  # one CTA, one wave, two waves
+    (100, 64, 512, True), (8, 64, 512, True),  # FP8 entries decoded by the producer warps
     (3, 16, 128, False), (2, 5, 64, False), (1, 20, 256, False),
 ])
 def test_cuda_decode_cta_shapes_match_ref(rows, h, dim, fp8):
-    # Every heads-per-CTA variant of the kernel (and both FP8 gather paths) against the reference; reruns give the
+    # Grid sizes, head counts below the CTA's 64 rows and every head_dim against the reference; reruns give the
     # same bits.
     q, comp, idx, kw = _decode_case("cuda", rows, 1, h, dim, 150, 40, 16, 900 + rows)
     if fp8:
@@ -745,7 +745,7 @@ def test_cuda_decode_cta_shapes_match_ref(rows, h, dim, fp8):
     out2, lse2 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
     out1, lse1 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
     assert torch.equal(out1.cpu(), out2.cpu()) and torch.equal(lse1.cpu(), lse2.cpu())
-    if fp8:  # FP8 entries decode exactly to bf16: the same bits as the decoded bf16 cache at this CTA shape
+    if fp8:  # FP8 entries decode exactly to bf16: the same bits as the decoded bf16 cache
         out16, lse16 = _run_decode(q, refs.fp8_entry_decode_ref(comp).contiguous(), idx, dim ** -0.5, **kw)
         assert torch.equal(out2.cpu(), out16.cpu()) and torch.equal(lse2.cpu(), lse16.cpu())
         mag = _decode_weight_magnitude(q, comp, idx, dim ** -0.5, **kw)  # wide-range FP8 rows: see the test above

@@ -26,12 +26,6 @@ void run_sparse_mqa_cuda(const char* op, const SparseMqaArgs& a) {
   p.num_heads = static_cast<int>(h);
   p.head_dim = static_cast<int>(d);
   p.rows_per_length = static_cast<int>(a.rows_per_length);
-  // Fill the GPU when query rows are few: 64 heads per CTA, halved (down to 16) while the grid would not cover every
-  // SM once. A head's result is bitwise the same for any heads_per_cta, so this keeps batch invariance.
-  int num_sms = 0;
-  DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&num_sms, cudaDevAttrMultiProcessorCount, a.q.device().index()));
-  p.heads_per_cta = 64;
-  while (p.heads_per_cta > 16 && rows * ((h + p.heads_per_cta - 1) / p.heads_per_cta) < num_sms) p.heads_per_cta /= 2;
   p.softmax_scale = static_cast<float>(a.softmax_scale);
   p.num_lists = static_cast<int>(a.lists.size());
   for (size_t l = 0; l < a.lists.size(); ++l) {

@@ -1,46 +1,28 @@
-// Sparse MQA kernel (decode and prefill). One CTA of 8 warps per (query row, tile of heads_per_cta = 16, 32 or 64
-// heads):
-//   the Q tile stays in shared memory; the row's KV entries are gathered by index, 64 at a time, into shared memory
-//   (cp.async for bf16 rows; FP8 MODEL1 entries decoded to bf16 -- in registers, or, with 16 heads per CTA and
-//   head_dim 512, staged raw by cp.async in the unused Q rows and decoded in shared memory; invalid entries are zero
-//   rows with score -inf); S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16 bf16 -> fp32, ldmatrix
-//   fragments) with an online softmax in fp32; the sink logit joins the denominator at the end.
-// Warps split by the heads the CTA computes: heads_per_cta / 16 warps along heads, the rest along keys (QK^T) and
-// dims (PV). The gather of tile i + 1 (two K buffers; its indices fetched one tile ahead) overlaps the math of
-// tile i. Few query rows: fewer heads per CTA (more CTAs, each gathering the same rows) -- a head's result does not
-// depend on which heads share its CTA (mma rows are independent, the softmax always reduces 4 threads x 16 entries
-// per head row), so this choice keeps results batch-invariant. No split-KV: the work of a row never depends on the
-// batch, so results are batch-invariant by construction.
+// Sparse MQA kernel for Hopper (sm_90a), decode and prefill: warp-specialised, wgmma.
+// One CTA of three warpgroups per (query row, 64 heads): warpgroup 0 gathers (producer), warpgroups 1 and 2 compute
+// (consumers). Shared memory holds the Q tile and two 64-entry K buffers, each as head_dim / 64 column blocks of
+// 64 rows x 128 B in the 128-byte swizzle wgmma reads. Producer: warp w gathers entries [16 w, 16 w + 16) of a tile;
+// their indices are loaded one tile ahead; bf16 rows arrive by cp.async (a warp copies one row's 512 contiguous bytes
+// per instruction), FP8 MODEL1 entries are loaded (four entries' pieces in flight together) and decoded to bf16 in
+// registers, invalid entries become zero rows; it signals the buffer's `full` mbarrier, and the consumers release the
+// buffer through its `empty` mbarrier once their PV product has read it.
+// Per tile, consumer c computes the partial S_c = Q[:, half c] K[:, half c]^T over its half of the dims (wgmma
+// m64n64k16, both operands from shared memory); the two partials are exchanged through shared memory and summed as
+// S_0 + S_1 (the same fp32 bits in both warpgroups), so both run the same online softmax (base-2 exponent, weights
+// rounded to bf16 and summed as rounded) and then O[:, half c] += P V[:, half c] (wgmma with P from registers, V as
+// the MN-major operand); the sink logit joins the denominator at the end. No split-KV: every head row is computed
+// the same way whatever the batch or the heads beside it, so results are batch-invariant by construction.
 #include <cuda_fp8.h>
 #include <math_constants.h>
+
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <utility>
 
 #include "deepinfer/attention/sparse_mqa.cuh"
 #include "deepinfer/ptx.cuh"
 
 namespace deepinfer::attention {
 namespace {
-
-constexpr int kBlockH = 64;   // most heads per CTA (shared memory is sized for it)
-constexpr int kBlockN = 64;   // KV entries per tile
-constexpr int kThreads = 256;
-
-template <int kDim>
-struct SmemLayout {
-  static constexpr int kStride = kDim + 8;        // bf16 elements per Q/K row (+16 B: conflict-free fragments)
-  static constexpr int kSStride = kBlockN + 1;    // fp32 scores
-  static constexpr int kPStride = kBlockN + 8;    // bf16 probabilities
-  static constexpr size_t q_off = 0;
-  static constexpr size_t k_off = q_off + size_t(kBlockH) * kStride * 2;
-  static constexpr size_t k_buf = size_t(kBlockN) * kStride * 2;  // bytes of one K buffer (two: double-buffered)
-  static constexpr size_t s_off = k_off + 2 * k_buf;
-  static constexpr size_t p_off = s_off + size_t(kBlockH) * kSStride * 4;
-  static constexpr size_t m_off = p_off + size_t(kBlockH) * kPStride * 2;
-  static constexpr size_t l_off = m_off + kBlockH * 4;
-  static constexpr size_t a_off = l_off + kBlockH * 4;
-  static constexpr size_t ptr_off = a_off + kBlockH * 4;
-  static constexpr size_t fp8_off = ptr_off + 2 * kBlockN * sizeof(void*);
-  static constexpr size_t bytes = fp8_off + 2 * kBlockN;
-};
 
 // Raw bytes of dims [c, c + 8) of a MODEL1 FP8 entry: no-RoPE dims -> (8 codes, scale byte), RoPE dims -> 8 bf16.
 __device__ __forceinline__ uint4 fetch_fp8_entry8(const uint8_t* e, int c) {
@@ -74,352 +56,381 @@ __device__ __forceinline__ uint4 decode_fp8_entry8(uint4 raw, int c) {
   return out;
 }
 
-template <int kDim, int kWarpsH>
-__global__ void __launch_bounds__(kThreads, 1) sparse_mqa_kernel(const __grid_constant__ SparseMqaParams p) {
-  using L = SmemLayout<kDim>;
-  constexpr int kStride = L::kStride, kSStride = L::kSStride, kPStride = L::kPStride;
-  constexpr int kVecPerRow = kDim / 8;
-  constexpr int kHeads = 16 * kWarpsH;                 // Q rows computed = heads_per_cta
-  constexpr int kWarpsN = (kThreads / 32) / kWarpsH;   // warps along keys (QK^T) and dims (PV)
-  constexpr int kKeysPerWarp = kBlockN / kWarpsN;      // 8, 16 or 32
-  constexpr int kQkNT = kKeysPerWarp / 8;
-  constexpr int kDimsPerWarp = kDim / kWarpsN;
-  constexpr int kNT = kDimsPerWarp / 8;                // PV n-tiles per warp
-  constexpr int kIssueIters = kBlockN * kVecPerRow / kThreads;
-  constexpr int kFp8Batch = kIssueIters < 8 ? kIssueIters : 8;
-  static_assert(kBlockN * kVecPerRow % kThreads == 0 && kIssueIters % kFp8Batch == 0, "gather split");
-  static_assert(kDimsPerWarp % 8 == 0 && kKeysPerWarp % 8 == 0, "warp tiles");
-  // 16 heads per CTA: Q rows [16, 64) are unused, so FP8 entries are staged there raw by cp.async (asynchronous like
-  // the bf16 rows) and decoded in shared memory once they land, instead of register round trips before the math.
-  constexpr bool kStageFp8 = kWarpsH == 1 && kDim == 512;
-  constexpr int kFp8Chunks = kFp8EntryBytes / 8;  // 73 8-byte pieces per entry
-  static_assert(!kStageFp8 || (kFp8EntryBytes % 8 == 0 && (kBlockH - 16) * kStride * 2 >= kBlockN * kFp8EntryBytes),
-                "FP8 staging");
-  extern __shared__ __align__(16) char smem[];
-  __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem + L::q_off);
-  __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem + L::k_off);
-  float* sS = reinterpret_cast<float*>(smem + L::s_off);
-  __nv_bfloat16* sP = reinterpret_cast<__nv_bfloat16*>(smem + L::p_off);
-  float* sM = reinterpret_cast<float*>(smem + L::m_off);
-  float* sL = reinterpret_cast<float*>(smem + L::l_off);
-  float* sA = reinterpret_cast<float*>(smem + L::a_off);
-  const uint8_t** sPtr = reinterpret_cast<const uint8_t**>(smem + L::ptr_off);
-  bool* sFp8 = reinterpret_cast<bool*>(smem + L::fp8_off);
-  uint8_t* sStage = reinterpret_cast<uint8_t*>(sQ + 16 * kStride);  // kStageFp8 only: [kBlockN][584] raw entries
+namespace sm90 {
 
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
-  const int64_t row = blockIdx.x;
-  const int h0 = blockIdx.y * kHeads;
-  const int num_heads = p.num_heads;
+namespace gmma = cute::SM90::GMMA;
 
-  for (int v = tid; v < kHeads * kVecPerRow; v += kThreads) {
-    const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
-    uint4 val = make_uint4(0u, 0u, 0u, 0u);
-    if (h0 + r < num_heads) val = *reinterpret_cast<const uint4*>(p.q + (row * num_heads + h0 + r) * kDim + c);
-    *reinterpret_cast<uint4*>(sQ + r * kStride + c) = val;
-  }
-  if (tid < kHeads) {
-    sM[tid] = -CUDART_INF_F;
-    sL[tid] = 0.f;
-  }
-  int len0 = 0, len1 = 0;
-  {
-    const SparseKvListParams& l0 = p.lists[0];
-    len0 = l0.topk;
-    if (l0.topk_length != nullptr) len0 = min(max(l0.topk_length[row / p.rows_per_length], 0), l0.topk);
-    if (p.num_lists > 1) {
-      const SparseKvListParams& l1 = p.lists[1];
-      len1 = l1.topk;
-      if (l1.topk_length != nullptr) len1 = min(max(l1.topk_length[row / p.rows_per_length], 0), l1.topk);
-    }
-  }
-  const int total = len0 + len1;
-  const float scale = p.softmax_scale;
-  const int wh = warp % kWarpsH, wn = warp / kWarpsH;
-  const int r0 = wh * 16 + g, r1 = r0 + 8;
-  // ldmatrix lane roles: x4 A tiles (rows 0-7 / 8-15 x cols lo / hi), x2 B tiles (two 8x8 halves along k).
-  const int a_row = wh * 16 + (lane & 7) + ((lane >> 3) & 1) * 8, a_col = (lane >> 4) * 8;
-  const int b_row = lane & 7, b_half = ((lane >> 3) & 1) * 8;
+constexpr int kRows = 64;     // heads per CTA (wgmma M)
+constexpr int kEntries = 64;  // KV entries per tile
+constexpr int kThreads = 384;
 
-  float acc[kNT][4];
-#pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
-  __syncthreads();
+template <int kDim>
+struct Layout {
+  static constexpr int kTileBytes = kRows * kDim * 2;  // Q tile or one K buffer
+  static constexpr int q_off = 0;
+  static constexpr int k_off = kTileBytes;                 // two K buffers
+  static constexpr int x_off = k_off + 2 * kTileBytes;     // QK^T partials: per consumer, 8 x 128 float4
+  static constexpr int valid_off = x_off + 2 * kRows * kEntries * 4;  // per buffer a 64-bit mask of valid entries
+  static constexpr int bar_off = valid_off + 2 * 8;                    // full[2], empty[2]
+  static constexpr int bytes = bar_off + 4 * 8;
+  static constexpr int alloc = bytes + 1024;  // the base is aligned up to 1024 B (the swizzle's repeat)
+};
 
-  // Index of entry tile * kBlockN + tid (threads < kBlockN), loaded one tile before resolve() needs it.
-  auto fetch_index = [&](int tile) -> int32_t {
-    const int kp = tile * kBlockN + tid;
-    if (tid >= kBlockN || kp >= total) return -1;
-    return kp < len0 ? p.lists[0].indices[row * p.lists[0].topk + kp]
-                     : p.lists[1].indices[row * p.lists[1].topk + (kp - len0)];
-  };
-  // Entries of tile `tile` (indices already fetched) -> row pointers (nullptr = invalid) in slot `buf`.
-  auto resolve = [&](int tile, int buf, int32_t index) {
-    if (tid < kBlockN) {
-      const int kp = tile * kBlockN + tid;
-      const uint8_t* ptr = nullptr;
-      bool fp8 = false;
-      if (kp < total) {
-        const SparseKvListParams& kl = kp < len0 ? p.lists[0] : p.lists[1];
-        const int64_t s = index;
-        fp8 = kl.is_fp8;
-        if (s >= 0 && s < kl.num_blocks * kl.block_size) {
-          const int64_t elem = (s / kl.block_size) * kl.block_stride + (s % kl.block_size) * kl.token_stride;
-          ptr = static_cast<const uint8_t*>(kl.cache) + elem * (fp8 ? 1 : 2);
-        }
-      }
-      sPtr[buf * kBlockN + tid] = ptr;
-      sFp8[buf * kBlockN + tid] = fp8;
-    }
-  };
-  // Gather into K buffer `buf`: cp.async for bf16 rows; FP8 entries fetched kFp8Batch at a time (independent loads
-  // in flight together), then decoded; zero rows for invalid entries.
-  auto issue = [&](int buf) {
-    __nv_bfloat16* kbuf = sK + buf * kBlockN * kStride;
-    const uint8_t* const* ptrs = sPtr + buf * kBlockN;
-    const bool* fp8s = sFp8 + buf * kBlockN;
-    const int c = (tid % kVecPerRow) * 8;  // the same dims for every row this thread gathers
-    if constexpr (kStageFp8) {
-      // bf16 rows -> K buffer, invalid rows -> zeros, FP8 entries -> staging (decoded at the
-      // top of the tile loop once they land).
-#pragma unroll 4
-      for (int i = 0; i < kIssueIters; ++i) {
-        const int r = (tid + i * kThreads) / kVecPerRow;
-        const uint8_t* ptr = ptrs[r];
-        __nv_bfloat16* dst = kbuf + r * kStride + c;
-        if (ptr == nullptr) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-        } else if (!fp8s[r]) {
-          cp_async_16(dst, ptr + 2 * c);
-        }
-      }
-      for (int v = tid; v < kBlockN * kFp8Chunks; v += kThreads) {
-        const int r = v / kFp8Chunks, j = v % kFp8Chunks;
-        const uint8_t* ptr = ptrs[r];
-        if (ptr != nullptr && fp8s[r]) cp_async_8(sStage + r * kFp8EntryBytes + j * 8, ptr + j * 8);
-      }
-    } else {
-#pragma unroll 1
-      for (int i0 = 0; i0 < kIssueIters; i0 += kFp8Batch) {
-        uint4 raw[kFp8Batch];
-#pragma unroll
-        for (int j = 0; j < kFp8Batch; ++j) {
-          const int r = (tid + (i0 + j) * kThreads) / kVecPerRow;
-          const uint8_t* ptr = ptrs[r];
-          raw[j] = make_uint4(0u, 0u, 0u, 0u);
-          if (ptr != nullptr && fp8s[r]) raw[j] = fetch_fp8_entry8(ptr, c);
-        }
-#pragma unroll
-        for (int j = 0; j < kFp8Batch; ++j) {
-          const int r = (tid + (i0 + j) * kThreads) / kVecPerRow;
-          const uint8_t* ptr = ptrs[r];
-          __nv_bfloat16* dst = kbuf + r * kStride + c;
-          if (ptr != nullptr && !fp8s[r]) {
-            cp_async_16(dst, ptr + 2 * c);
-          } else {
-            *reinterpret_cast<uint4*>(dst) =
-                ptr != nullptr ? decode_fp8_entry8(raw[j], c) : make_uint4(0u, 0u, 0u, 0u);
-          }
-        }
-      }
-    }
-  };
+// Byte offset of 16-byte chunk `c` (dims [8c, 8c + 8)) of row `r` in a swizzled tile of 64 rows.
+__device__ __forceinline__ uint32_t swizzled(int r, int c) {
+  return static_cast<uint32_t>((c >> 3) * (64 * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
 
-  const int num_tiles = (total + kBlockN - 1) / kBlockN;
-  int32_t next_index = 0;
-  if (num_tiles > 0) {
-    resolve(0, 0, fetch_index(0));
-    next_index = fetch_index(1);
-    __syncthreads();
-    issue(0);
-  }
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int buf = tile & 1;
-    // 1. Wait for this tile's rows, then start gathering the next tile into the other buffer (its last readers,
-    //    tile - 1's QK^T and PV, finished before the previous iteration's final barrier).
-    cp_async_wait_all();
-    __syncthreads();
-    if constexpr (kStageFp8) {
-      // Staged FP8 entries of this tile -> bf16 rows of K buffer `buf` (decode_fp8_entry8's bits, as the register
-      // path); the staging is free again before the next issue() below.
-      const uint8_t* const* ptrs = sPtr + buf * kBlockN;
-      const bool* fp8s = sFp8 + buf * kBlockN;
-      __nv_bfloat16* kbuf = sK + buf * kBlockN * kStride;
-      for (int v = tid; v < kBlockN * kVecPerRow; v += kThreads) {
-        const int r = v / kVecPerRow, c = (v % kVecPerRow) * 8;
-        if (ptrs[r] == nullptr || !fp8s[r]) continue;
-        const uint8_t* e = sStage + r * kFp8EntryBytes;
-        uint4 raw;
-        if (c < kFp8NopeDims) {
-          const uint2 codes = *reinterpret_cast<const uint2*>(e + c);
-          raw = make_uint4(codes.x, codes.y, static_cast<uint32_t>(e[kFp8ScaleOffset + c / 64]), 0u);
-        } else {
-          const uint2* rope = reinterpret_cast<const uint2*>(e + kFp8NopeDims + (c - kFp8NopeDims) * 2);
-          const uint2 a = rope[0], b = rope[1];
-          raw = make_uint4(a.x, a.y, b.x, b.y);
-        }
-        *reinterpret_cast<uint4*>(kbuf + r * kStride + c) = decode_fp8_entry8(raw, c);
-      }
-      __syncthreads();  // decoded rows before QK^T; staging reads before the next issue()
-    }
-    if (tile + 1 < num_tiles) {
-      resolve(tile + 1, buf ^ 1, next_index);
-      next_index = fetch_index(tile + 2);
-      __syncthreads();
-      issue(buf ^ 1);
-    }
-    const __nv_bfloat16* sKt = sK + buf * kBlockN * kStride;
-    const uint8_t* const* sPtrT = sPtr + buf * kBlockN;
+// wgmma shared-memory descriptor, 128-byte swizzle. K-major tiles: sbo = 1024 B between 8-row groups (lbo unused);
+// MN-major (V in PV): lbo = 8192 B between 64-dim column blocks, sbo = 1024 B between 8-key groups.
+__device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t(1) << 62) | (uint64_t(sbo >> 4) << 32) | (uint64_t(lbo >> 4) << 16) |
+         static_cast<uint64_t>((saddr & 0x3ffffu) >> 4);
+}
 
-    // 2. S = scale * Q K^T for this warp's 16 heads x kKeysPerWarp entries; invalid entries -> -inf.
-    {
-      float s[kQkNT][4];
-#pragma unroll
-      for (int nt = 0; nt < kQkNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-      const uint32_t qa = smem_u32(sQ + a_row * kStride + a_col);
-      const uint32_t kb = smem_u32(sKt + (wn * kKeysPerWarp + b_row) * kStride + b_half);
-#pragma unroll 4
-      for (int kk = 0; kk < kDim; kk += 16) {
-        uint32_t a0, a1, a2, a3;
-        ldsm_x4(a0, a1, a2, a3, qa + kk * 2);
-#pragma unroll
-        for (int nt = 0; nt < kQkNT; ++nt) {
-          uint32_t b0, b1;
-          ldsm_x2(b0, b1, kb + (nt * 8 * kStride + kk) * 2);
-          mma_16816(s[nt], a0, a1, a2, a3, b0, b1);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < kQkNT; ++nt) {
-        const int col = wn * kKeysPerWarp + nt * 8 + 2 * t4;
-        const bool v0 = sPtrT[col] != nullptr, v1 = sPtrT[col + 1] != nullptr;
-        sS[r0 * kSStride + col] = v0 ? s[nt][0] * scale : -CUDART_INF_F;
-        sS[r0 * kSStride + col + 1] = v1 ? s[nt][1] * scale : -CUDART_INF_F;
-        sS[r1 * kSStride + col] = v0 ? s[nt][2] * scale : -CUDART_INF_F;
-        sS[r1 * kSStride + col + 1] = v1 ? s[nt][3] * scale : -CUDART_INF_F;
-      }
-    }
-    __syncthreads();
+template <class Atom, size_t N, size_t... I>
+__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&d)[N], gmma::ScaleOut sc,
+                                        std::index_sequence<I...>) {
+  Atom::fma(da, db, d[I]..., sc);
+}
 
-    // 3. Online softmax: 4 threads per head row, 16 entries each (the same reduction order for any kHeads:
-    //    same bits).
-    if (tid < kHeads * 4) {  // whole warps (kHeads * 4 is a multiple of 64)
-      const int r = tid / 4, part = tid % 4;
-      const float* srow = sS + r * kSStride + part * 16;
-      __nv_bfloat16* prow = sP + r * kPStride + part * 16;
-      float mx = -CUDART_INF_F;
-#pragma unroll
-      for (int i = 0; i < 16; ++i) mx = fmaxf(mx, srow[i]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_old = sM[r];
-      const float m_new = fmaxf(m_old, mx);
-      float alpha = 1.f, sum = 0.f;
-      if (m_new == -CUDART_INF_F) {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) prow[i] = __float2bfloat16_rn(0.f);
-      } else {
-        alpha = expf(m_old - m_new);  // 0 when m_old is -inf
-#pragma unroll
-        for (int i = 0; i < 16; ++i) {
-          const __nv_bfloat16 e = __float2bfloat16_rn(expf(srow[i] - m_new));
-          prow[i] = e;
-          sum += __bfloat162float(e);  // normalise with the same rounded weights the PV product uses
-        }
-      }
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      if (part == 0) {
-        sM[r] = m_new;
-        sL[r] = sL[r] * alpha + sum;
-        sA[r] = alpha;
-      }
-    }
-    __syncthreads();
+template <class Atom, size_t N, size_t... I>
+__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float (&d)[N],
+                                        std::index_sequence<I...>) {
+  Atom::fma(a[0], a[1], a[2], a[3], db, d[I]..., gmma::ScaleOut::One);
+}
 
-    // 4. O = alpha O + P V for this warp's 16 heads x kDimsPerWarp dims.
-    {
-      const float al0 = sA[r0], al1 = sA[r1];
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        acc[nt][0] *= al0;
-        acc[nt][1] *= al0;
-        acc[nt][2] *= al1;
-        acc[nt][3] *= al1;
-      }
-      const uint32_t pa = smem_u32(sP + a_row * kPStride + a_col);
-      const uint32_t vb = smem_u32(sKt + (b_row + b_half) * kStride + wn * kDimsPerWarp);
-#pragma unroll
-      for (int kk = 0; kk < kBlockN; kk += 16) {
-        uint32_t a0, a1, a2, a3;
-        ldsm_x4(a0, a1, a2, a3, pa + kk * 2);
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          uint32_t b0, b1;
-          ldsm_x2_trans(b0, b1, vb + (kk * kStride + nt * 8) * 2);
-          mma_16816(acc[nt], a0, a1, a2, a3, b0, b1);
-        }
-      }
-    }
-    __syncthreads();
-  }
+template <int N>
+struct PvAtom;
+template <>
+struct PvAtom<64> {
+  using type = gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+};
+template <>
+struct PvAtom<128> {
+  using type = gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+};
+template <>
+struct PvAtom<256> {
+  using type = gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+};
 
-  // Epilogue: out = O / (l + exp(sink - m)); lse = m + log(l) (without the sink), -inf when nothing was valid.
+template <size_t N>
+__device__ __forceinline__ void fence_regs(float (&d)[N]) {
 #pragma unroll
-  for (int rr = 0; rr < 2; ++rr) {
-    const int r = rr == 0 ? r0 : r1;
-    const int head = h0 + r;
-    if (head >= num_heads) continue;
-    const float m = sM[r], l = sL[r];
-    float inv = 0.f;
-    if (m != -CUDART_INF_F) {
-      float den = l;
-      if (p.attn_sink != nullptr) den += expf(p.attn_sink[head] - m);
-      inv = 1.f / den;
-    }
-    __nv_bfloat16* o = p.out + (row * num_heads + head) * kDim + wn * kDimsPerWarp + 2 * t4;
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      *reinterpret_cast<__nv_bfloat162*>(o + nt * 8) =
-          __floats2bfloat162_rn(acc[nt][2 * rr] * inv, acc[nt][2 * rr + 1] * inv);
-    }
-    if (wn == 0 && t4 == 0) p.lse[row * num_heads + head] = m == -CUDART_INF_F ? -CUDART_INF_F : m + logf(l);
-  }
+  for (size_t i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
+}
+
+__device__ __forceinline__ float ex2(float x) {  // 2^x (MUFU; -inf -> 0)
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 template <int kDim>
-void launch_dim(const SparseMqaParams& p, cudaStream_t stream) {
-  constexpr size_t smem = SmemLayout<kDim>::bytes;
-  const dim3 grid(static_cast<unsigned>(p.rows),
-                  static_cast<unsigned>((p.num_heads + p.heads_per_cta - 1) / p.heads_per_cta));
-  // Attributes are set on every launch: they are per device, and the call is a cheap host-side one.
-  auto go = [&](auto kernel, const char* name) {
-    DEEPINFER_CUDA_CHECK(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-    kernel<<<grid, kThreads, smem, stream>>>(p);
-    DEEPINFER_CHECK_LAUNCH(name);
-  };
-  if (p.heads_per_cta == 16) {
-    go(sparse_mqa_kernel<kDim, 1>, "sparse_mqa_kernel<16 heads>");
-  } else if (p.heads_per_cta == 32) {
-    go(sparse_mqa_kernel<kDim, 2>, "sparse_mqa_kernel<32 heads>");
-  } else {
-    go(sparse_mqa_kernel<kDim, 4>, "sparse_mqa_kernel<64 heads>");
+__global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __grid_constant__ SparseMqaParams p) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using L = Layout<kDim>;
+  constexpr int kChunks = kDim / 8;                   // 16-byte chunks per row
+  constexpr int kHalf = kDim / 2;                     // dims of each consumer's QK^T share
+  constexpr int kPvN = kDim >= 128 ? kDim / 2 : kDim;  // dims of each consumer's PV share (head_dim 64: both all)
+  constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
+  extern __shared__ char smem_raw[];
+  char* smem = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  uint64_t* bar_full = reinterpret_cast<uint64_t*>(smem + L::bar_off);
+  uint64_t* bar_empty = bar_full + 2;
+
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, wg = tid / 128;
+  const int64_t row = blockIdx.x;
+  const int h0 = blockIdx.y * kRows;
+  const int num_heads = p.num_heads;
+
+  // Q tile (rows past num_heads zero) -> swizzled shared memory; barriers.
+  for (int v = tid; v < kRows * kChunks; v += kThreads) {
+    const int r = v / kChunks, c = v % kChunks;
+    char* dst = smem + L::q_off + swizzled(r, c);
+    if (h0 + r < num_heads) {
+      cp_async_16(dst, p.q + (row * num_heads + h0 + r) * kDim + c * 8);
+    } else {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+    }
   }
+  cp_async_wait_all();
+  fence_proxy_async_shared();
+  if (tid == 0) {
+    mbar_init(bar_full, 128);
+    mbar_init(bar_full + 1, 128);
+    mbar_init(bar_empty, 256);
+    mbar_init(bar_empty + 1, 256);
+    fence_mbar_init();
+  }
+  int len0 = p.lists[0].topk, len1 = 0;
+  if (p.lists[0].topk_length != nullptr) len0 = min(max(p.lists[0].topk_length[row / p.rows_per_length], 0), len0);
+  if (p.num_lists > 1) {
+    len1 = p.lists[1].topk;
+    if (p.lists[1].topk_length != nullptr) {
+      len1 = min(max(p.lists[1].topk_length[row / p.rows_per_length], 0), len1);
+    }
+  }
+  const int total = len0 + len1;
+  const int num_tiles = (total + kEntries - 1) / kEntries;
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---- producer: warp w gathers entries [16 w, 16 w + 16) of each tile; lane i < 16 resolves entry 16 w + i (its
+    //      index loaded one tile ahead) ----
+    setmaxnreg_dec<72>();
+    constexpr int kLaneChunks = (kChunks + 31) / 32;  // 16-byte chunks of one row per lane
+    constexpr int kFp8Batch = 4;                       // FP8 entries whose loads are in flight together
+    const int my_entry = warp * 16 + (lane & 15);
+    // The entry's index (a slot of list 0 or 1), or -1 past the row's entries.
+    auto load_index = [&](int t) -> int32_t {
+      const int kp = t * kEntries + my_entry;
+      if (lane >= 16 || kp >= total) return -1;
+      return kp < len0 ? p.lists[0].indices[row * p.lists[0].topk + kp]
+                       : p.lists[1].indices[row * p.lists[1].topk + (kp - len0)];
+    };
+    int32_t index = num_tiles > 0 ? load_index(0) : -1;
+    for (int t = 0; t < num_tiles; ++t) {
+      const int b = t & 1;
+      const int kp = t * kEntries + my_entry;
+      const SparseKvListParams& kl = p.lists[kp < len0 ? 0 : 1];
+      const int64_t s = index;
+      const bool valid = lane < 16 && kp < total && s >= 0 && s < kl.num_blocks * kl.block_size;
+      const int fp8 = kl.is_fp8;
+      const uint8_t* ptr = nullptr;
+      if (valid) {
+        ptr = static_cast<const uint8_t*>(kl.cache) +
+              ((s / kl.block_size) * kl.block_stride + (s % kl.block_size) * kl.token_stride) * (fp8 ? 1 : 2);
+      }
+      if (t + 1 < num_tiles) index = load_index(t + 1);  // in flight while this tile is gathered
+      if (t >= 2) mbar_wait(bar_empty + b, ((t >> 1) + 1) & 1);
+      const uint32_t vmask = __ballot_sync(0xffffffffu, valid);  // bit i: entry 16 warp + i
+      if (lane == 0) reinterpret_cast<uint16_t*>(smem + L::valid_off + b * 8)[warp] = static_cast<uint16_t>(vmask);
+      char* kbuf = smem + L::k_off + b * L::kTileBytes;
+#pragma unroll 1
+      for (int i0 = 0; i0 < 16; i0 += kFp8Batch) {
+        const uint8_t* ep[kFp8Batch];
+        int ef[kFp8Batch];
+        uint4 raw[kFp8Batch][kLaneChunks];
+#pragma unroll
+        for (int j = 0; j < kFp8Batch; ++j) {
+          ep[j] = reinterpret_cast<const uint8_t*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(ptr), i0 + j));
+          ef[j] = __shfl_sync(0xffffffffu, fp8, i0 + j);
+#pragma unroll
+          for (int h = 0; h < kLaneChunks; ++h) {
+            const int c = lane + 32 * h;
+            raw[j][h] = make_uint4(0u, 0u, 0u, 0u);
+            if (c < kChunks && ep[j] != nullptr && ef[j]) raw[j][h] = fetch_fp8_entry8(ep[j], c * 8);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < kFp8Batch; ++j) {
+          const int r = warp * 16 + i0 + j;
+#pragma unroll
+          for (int h = 0; h < kLaneChunks; ++h) {
+            const int c = lane + 32 * h;
+            if (c >= kChunks) continue;
+            char* dst = kbuf + swizzled(r, c);
+            if (ep[j] == nullptr) {
+              *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+            } else if (!ef[j]) {
+              cp_async_16(dst, ep[j] + c * 16);
+            } else {
+              *reinterpret_cast<uint4*>(dst) = decode_fp8_entry8(raw[j][h], c * 8);
+            }
+          }
+        }
+      }
+      cp_async_wait_all();
+      fence_proxy_async_shared();  // cp.async rows, zero rows and decoded FP8 rows before the consumers' wgmma
+      mbar_arrive(bar_full + b);
+    }
+    return;
+  }
+
+  // ---- consumers ----
+  setmaxnreg_inc<208>();
+  const int c = wg - 1, ct = tid - 128 * wg, w4 = ct / 32, g = lane / 4, t4 = lane % 4;
+  const int pv_col0 = kDim >= 128 ? c * kPvN : 0;
+  const uint32_t q_s = smem_u32(smem + L::q_off), k_s = smem_u32(smem + L::k_off);
+  float4* xbuf = reinterpret_cast<float4*>(smem + L::x_off);
+  const float sl2 = p.softmax_scale * kLog2e;  // scores in base-2 units
+  float o[kPvN / 2];
+#pragma unroll
+  for (int i = 0; i < kPvN / 2; ++i) o[i] = 0.f;
+  float m0 = -CUDART_INF_F, m1 = -CUDART_INF_F, l0 = 0.f, l1 = 0.f;
+
+#pragma unroll 1
+  for (int t = 0; t < num_tiles; ++t) {
+    const int b = t & 1;
+    mbar_wait(bar_full + b, (t >> 1) & 1);
+    const uint32_t kb = k_s + b * L::kTileBytes;
+
+    // 1. S_c = Q[:, half c] K[:, half c]^T (64 heads x 64 entries, fp32).
+    float s[32];
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < kHalf / 16; ++kk) {
+      const int dim = c * kHalf + kk * 16;
+      const uint32_t off = (dim >> 6) * (64 * 128) + (dim & 63) * 2;
+      gmma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
+          gmma_desc(q_s + off, 16, 1024), gmma_desc(kb + off, 16, 1024), s,
+          kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, std::make_index_sequence<32>{});
+    }
+    cute::warpgroup_commit_batch();
+    const uint64_t vmask = *reinterpret_cast<const uint64_t*>(smem + L::valid_off + b * 8);
+    cute::warpgroup_wait<0>();
+    fence_regs(s);
+
+    // 2. S = S_0 + S_1: exchange the partials (fp32 addition commutes: both consumers hold the same bits).
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      xbuf[c * 1024 + j * 128 + ct] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+    }
+    named_bar_sync(1, 256);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float4 v = xbuf[(1 - c) * 1024 + j * 128 + ct];
+      s[4 * j] += v.x;
+      s[4 * j + 1] += v.y;
+      s[4 * j + 2] += v.z;
+      s[4 * j + 3] += v.w;
+    }
+    named_bar_sync(2, 256);  // both partials read before either is overwritten by the next tile
+
+    // 3. Online softmax over rows r0 = 16 w4 + g (s[4j], s[4j + 1]) and r1 = r0 + 8 (s[4j + 2], s[4j + 3]), columns
+    //    8j + 2 t4 (+1); invalid entries -> -inf.
+    float mx0 = -CUDART_INF_F, mx1 = -CUDART_INF_F;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int col = j * 8 + 2 * t4;
+      const bool v0 = (vmask >> col) & 1u, v1 = (vmask >> (col + 1)) & 1u;
+      s[4 * j] = v0 ? s[4 * j] * sl2 : -CUDART_INF_F;
+      s[4 * j + 1] = v1 ? s[4 * j + 1] * sl2 : -CUDART_INF_F;
+      s[4 * j + 2] = v0 ? s[4 * j + 2] * sl2 : -CUDART_INF_F;
+      s[4 * j + 3] = v1 ? s[4 * j + 3] * sl2 : -CUDART_INF_F;
+      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+    }
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+    const float alpha0 = mn0 == -CUDART_INF_F ? 1.f : ex2(m0 - mn0);  // 0 when m0 is -inf
+    const float alpha1 = mn1 == -CUDART_INF_F ? 1.f : ex2(m1 - mn1);
+    const float base0 = mn0 == -CUDART_INF_F ? 0.f : mn0, base1 = mn1 == -CUDART_INF_F ? 0.f : mn1;
+    uint32_t pa[4][4];
+    float sum0a = 0.f, sum0b = 0.f, sum1a = 0.f, sum1b = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const __nv_bfloat162 e01 = __floats2bfloat162_rn(ex2(s[4 * j] - base0), ex2(s[4 * j + 1] - base0));
+      const __nv_bfloat162 e23 = __floats2bfloat162_rn(ex2(s[4 * j + 2] - base1), ex2(s[4 * j + 3] - base1));
+      // Sums of the rounded weights (the ones PV multiplies), two chains per row, added at the end.
+      const float2 f01 = __bfloat1622float2(e01), f23 = __bfloat1622float2(e23);
+      sum0a += f01.x;
+      sum0b += f01.y;
+      sum1a += f23.x;
+      sum1b += f23.y;
+      // A fragment of k-step j / 2: registers 0 / 1 hold rows r0 / r1 of keys 16 (j/2) + 2 t4 (j even), registers
+      // 2 / 3 the same rows 8 keys on (j odd).
+      pa[j / 2][(j % 2) * 2] = *reinterpret_cast<const uint32_t*>(&e01);
+      pa[j / 2][(j % 2) * 2 + 1] = *reinterpret_cast<const uint32_t*>(&e23);
+    }
+    float sum0 = sum0a + sum0b, sum1 = sum1a + sum1b;
+    sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+    sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+    sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+    sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+    l0 = l0 * alpha0 + sum0;
+    l1 = l1 * alpha1 + sum1;
+    m0 = mn0;
+    m1 = mn1;
+
+    // 4. O = alpha O + P V[:, this consumer's dims] (the rescale skipped when no row of the warp changed its max).
+    if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
+#pragma unroll
+      for (int jn = 0; jn < kPvN / 8; ++jn) {
+        o[4 * jn] *= alpha0;
+        o[4 * jn + 1] *= alpha0;
+        o[4 * jn + 2] *= alpha1;
+        o[4 * jn + 3] *= alpha1;
+      }
+    }
+    fence_regs(o);
+    cute::warpgroup_arrive();
+#pragma unroll
+    for (int kk = 0; kk < kEntries / 16; ++kk) {
+      gmma_rs<typename PvAtom<kPvN>::type>(pa[kk], gmma_desc(kb + (pv_col0 / 64) * (64 * 128) + kk * 2048, 8192, 1024),
+                                           o, std::make_index_sequence<kPvN / 2>{});
+    }
+    cute::warpgroup_commit_batch();
+    cute::warpgroup_wait<0>();
+    fence_regs(o);
+    mbar_arrive(bar_empty + b);
+  }
+
+  // Epilogue: out = O / (l + exp(sink - m)); lse = m + log(l) (natural log, without the sink), -inf when nothing
+  // was valid.
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int r = w4 * 16 + g + 8 * rr;
+    const int head = h0 + r;
+    if (head >= num_heads) continue;
+    const float m = rr == 0 ? m0 : m1, l = rr == 0 ? l0 : l1;
+    float inv = 0.f;
+    if (m != -CUDART_INF_F) {
+      float den = l;
+      if (p.attn_sink != nullptr) den += exp2f(p.attn_sink[head] * kLog2e - m);
+      inv = 1.f / den;
+    }
+    if (kDim >= 128 || c == 0) {
+      __nv_bfloat16* out = p.out + (row * num_heads + head) * kDim + pv_col0 + 2 * t4;
+#pragma unroll
+      for (int jn = 0; jn < kPvN / 8; ++jn) {
+        *reinterpret_cast<__nv_bfloat162*>(out + jn * 8) =
+            __floats2bfloat162_rn(o[4 * jn + 2 * rr] * inv, o[4 * jn + 2 * rr + 1] * inv);
+      }
+    }
+    if (c == 0 && t4 == 0) p.lse[row * num_heads + head] = m == -CUDART_INF_F ? -CUDART_INF_F : m * kLn2 + logf(l);
+  }
+#else
+  __trap();  // built without sm_90a (launch_sparse_mqa refuses other GPUs)
+#endif
 }
+
+template <int kDim>
+void launch(const SparseMqaParams& p, cudaStream_t stream) {
+  constexpr int smem = Layout<kDim>::alloc;
+  static_assert(smem <= 227 * 1024, "shared memory");
+  const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.num_heads + kRows - 1) / kRows));
+  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(sparse_mqa_sm90_kernel<kDim>,
+                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  sparse_mqa_sm90_kernel<kDim><<<grid, kThreads, smem, stream>>>(p);
+  DEEPINFER_CHECK_LAUNCH("sparse_mqa_sm90_kernel");
+}
+
+}  // namespace sm90
+
 
 }  // namespace
 
 void launch_sparse_mqa(const SparseMqaParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.num_heads == 0) return;
-  if (p.heads_per_cta != 16 && p.heads_per_cta != 32 && p.heads_per_cta != 64) {
-    throw std::runtime_error("deepinfer sparse_mqa: heads_per_cta must be 16, 32 or 64");
+  int device = 0, major = 0;
+  DEEPINFER_CUDA_CHECK(cudaGetDevice(&device));
+  DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major != 9) {
+    throw std::runtime_error("deepinfer sparse_mqa: the CUDA kernel needs a Hopper (sm_90a) GPU, got compute capability " +
+                             std::to_string(major) + ".x");
   }
   switch (p.head_dim) {
-    case 64: launch_dim<64>(p, stream); break;
-    case 128: launch_dim<128>(p, stream); break;
-    case 256: launch_dim<256>(p, stream); break;
-    case 512: launch_dim<512>(p, stream); break;
+    case 64: sm90::launch<64>(p, stream); break;
+    case 128: sm90::launch<128>(p, stream); break;
+    case 256: sm90::launch<256>(p, stream); break;
+    case 512: sm90::launch<512>(p, stream); break;
     default: throw std::runtime_error("deepinfer sparse_mqa: unsupported head_dim " + std::to_string(p.head_dim));
   }
 }

@@ -33,7 +33,6 @@ struct SparseMqaParams {
   int64_t rows;
   int num_heads, head_dim;  // head_dim in {64, 128, 256, 512} (V4: 512)
   int rows_per_length;      // query rows per topk_length entry (s_q for decode, 1 for prefill)
-  int heads_per_cta;        // 16, 32 or 64 (the host picks fewer when rows are few; results do not depend on it)
   float softmax_scale;
   int num_lists;
   SparseKvListParams lists[kMaxKvLists];
