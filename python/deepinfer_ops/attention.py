@@ -27,7 +27,10 @@ MODEL1 description as read from public sources; not verified against FlashMLA it
 float32 (CPU only): q, the caches and out may all be float32 instead of bf16 (the model's fp32 CPU path; same math,
 no output rounding). CUDA takes bf16 q only.
 
-Not yet: split-KV (a row's entries are one CTA's work; batch-invariant by construction).
+CUDA kernel: Hopper (sm_90a) only -- other GPUs get a RuntimeError naming their compute capability. One CTA per
+(query row, 64 heads): a producer warpgroup gathers the row's entries into shared memory, two consumer warpgroups run
+QK^T and PV on wgmma with an fp32 online softmax (weights rounded to bf16 before PV, as FlashMLA). Not yet: split-KV
+(a row's entries are one CTA's work, so results are batch-invariant by construction).
 
 Source: DeepSeek-V4 attention (architecture.md); FlashMLA ``flash_mla_with_kvcache`` sparse interface (the
 index convention and sink formula ``out *= exp(lse) / (exp(lse) + exp(sink))``).
