@@ -7,7 +7,8 @@
 #   tools/gpu_check.sh [bench_name ...]        # default: every bench/bench_*.py; "none": no benchmark
 # Environment:
 #   OUT                 where logs and results go (default ./gpu_out)
-#   PYTEST_ARGS         extra pytest arguments (default: the whole tests/ folder)
+#   PYTEST_ARGS         extra pytest arguments (default: the whole tests/ folder); split on spaces, so leave out
+#                       -k expressions with spaces ("not x") and use --deselect NODE_ID instead
 #   DEEPINFER_COMMIT    commit id recorded in the results (the tree may travel without .git)
 #   BENCH_ARGS_<bench>  extra arguments for one benchmark script (e.g. BENCH_ARGS_bench_engine=--profile)
 #   DEEPINFER_CUDA_ARCHS  default 90a
