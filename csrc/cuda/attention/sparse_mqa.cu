@@ -423,8 +423,8 @@ void launch_sparse_mqa(const SparseMqaParams& p, cudaStream_t stream) {
   DEEPINFER_CUDA_CHECK(cudaGetDevice(&device));
   DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   if (major != 9) {
-    throw std::runtime_error("deepinfer sparse_mqa: the CUDA kernel needs a Hopper (sm_90a) GPU, got compute capability " +
-                             std::to_string(major) + ".x");
+    throw std::runtime_error("deepinfer sparse_mqa: the CUDA kernel needs a Hopper (sm_90a) GPU, got compute "
+                             "capability " + std::to_string(major) + ".x");
   }
   switch (p.head_dim) {
     case 64: sm90::launch<64>(p, stream); break;

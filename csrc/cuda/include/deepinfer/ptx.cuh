@@ -64,7 +64,9 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
 }
 
 // Makes mbarrier initialisation visible before other threads use the barrier.
-__device__ __forceinline__ void fence_mbar_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_mbar_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
 
 // Orders this thread's generic-proxy shared-memory writes (st.shared, completed cp.async) before later
 // async-proxy reads (wgmma operands) of that memory.
