@@ -6,7 +6,7 @@ Byte / flop arithmetic (R = query rows = b * s_q or prefill tokens, n = entries 
                       + 2 * R * h * 512 * 2 (q read, out written) + R * n * 4 (indices);
               flops = 4 * R * h * n * 512 (QK^T and PV).
   FP8 decode: the compressed list's rows are 584 B instead of 1024 B (the window stays bf16).
-  mqa_logits  bytes = n * 128 * 2 (keys) + t * n * 4 (logits); flops = 2 * t * H * n * 128.
+  mqa_logits  bytes = n * 128 * 2 (keys; FP8 keys n * 132) + t * n * 4 (logits); flops = 2 * t * H * n * 128.
   top-k       bytes = rows * n * 4 (one read of the scores; the copy ceiling is 4.24 TB/s on H200).
 Targets (issue 6): decode >= 3.4 TB/s effective, prefill >= 500 TFLOPS, top-k >= 70% of the copy ceiling.
 Peers: torch gather + SDPA (the sink as an extra zero-valued key with bias = sink), torch einsum logits, torch.topk.
@@ -122,6 +122,13 @@ def bench_indexer(quick):
             out.append({"op": "mqa_logits", "shape": {"t": t, "H": H, "d": d, "n": n, "dtype": "bf16"},
                         **metrics(time_cuda(lambda: deepinfer_ops.mqa_logits(q, w, k, n)), flops, nbytes),
                         "peers": {"torch_einsum": metrics(time_cuda(peer), flops, nbytes)}})
+            # FP8 keys (d e4m3 codes + a 4-byte scale per key); the peer is the same einsum over bf16 keys
+            k8 = torch.empty(n // BLOCK, BLOCK, d + 4, device="cuda", dtype=torch.uint8)
+            deepinfer_ops.indexer_k_cache_write_fp8(k8, kf, torch.arange(n, device="cuda"))
+            nbytes8 = n * (d + 4) + t * n * 4
+            out.append({"op": "mqa_logits", "shape": {"t": t, "H": H, "d": d, "n": n, "dtype": "fp8_keys"},
+                        **metrics(time_cuda(lambda: deepinfer_ops.mqa_logits(q, w, k8, n)), flops, nbytes8),
+                        "peers": {"torch_einsum_bf16_keys": metrics(time_cuda(peer), flops, nbytes)}})
         for rows in [4, 64]:
             s = torch.randn(rows, n, device="cuda").clamp_min(0)  # ReLU-like: many ties at 0
             for kk in [512, 2048]:

@@ -94,6 +94,10 @@ void kv_cache_write_fp8_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at
 void kv_cache_write_fp8_cuda(at::Tensor& kv_cache, const at::Tensor& kv, const at::Tensor& slot_mapping);
 void kv_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 void kv_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& kv_cache, const at::Tensor& slot_mapping);
+void indexer_k_cache_write_fp8_cpu(at::Tensor& k_cache, const at::Tensor& k, const at::Tensor& slot_mapping);
+void indexer_k_cache_write_fp8_cuda(at::Tensor& k_cache, const at::Tensor& k, const at::Tensor& slot_mapping);
+void indexer_k_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& slot_mapping);
+void indexer_k_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& slot_mapping);
 void compressor_pool_cpu(at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate);
 void compressor_pool_cuda(at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate);
 

@@ -57,6 +57,8 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("kv_cache_write(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
   m.def("kv_cache_write_fp8(Tensor! kv_cache, Tensor kv, Tensor slot_mapping) -> ()");
   m.def("kv_cache_dequant_fp8(Tensor! out, Tensor kv_cache, Tensor slot_mapping) -> ()");
+  m.def("indexer_k_cache_write_fp8(Tensor! k_cache, Tensor k, Tensor slot_mapping) -> ()");
+  m.def("indexer_k_cache_dequant_fp8(Tensor! out, Tensor k_cache, Tensor slot_mapping) -> ()");
   m.def("compressor_pool(Tensor! out, Tensor kv, Tensor gate) -> ()");
 }
 
@@ -82,6 +84,8 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("kv_cache_write", &deepinfer::kv_cache_write_cpu);
   m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cpu);
   m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cpu);
+  m.impl("indexer_k_cache_write_fp8", &deepinfer::indexer_k_cache_write_fp8_cpu);
+  m.impl("indexer_k_cache_dequant_fp8", &deepinfer::indexer_k_cache_dequant_fp8_cpu);
   m.impl("compressor_pool", &deepinfer::compressor_pool_cpu);
   m.impl("logsumexp_rows", &deepinfer::logsumexp_rows_cpu);
 }
@@ -108,6 +112,8 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("kv_cache_write", &deepinfer::kv_cache_write_cuda);
   m.impl("kv_cache_write_fp8", &deepinfer::kv_cache_write_fp8_cuda);
   m.impl("kv_cache_dequant_fp8", &deepinfer::kv_cache_dequant_fp8_cuda);
+  m.impl("indexer_k_cache_write_fp8", &deepinfer::indexer_k_cache_write_fp8_cuda);
+  m.impl("indexer_k_cache_dequant_fp8", &deepinfer::indexer_k_cache_dequant_fp8_cuda);
   m.impl("compressor_pool", &deepinfer::compressor_pool_cuda);
   m.impl("logsumexp_rows", &deepinfer::logsumexp_rows_cuda);
 }

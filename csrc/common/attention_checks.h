@@ -18,6 +18,48 @@ constexpr int64_t kFp8TileDims = 64;
 constexpr int64_t kFp8ScaleOffset = 576;
 constexpr int64_t kFp8HeadDim = kFp8NopeDims + kFp8RopeDims;
 
+// FP8 indexer-key cache (DeepGEMM / vLLM paged layout for the V3.2 / V4 lightning indexer): uint8
+// [num_blocks, block_size, head_dim + 4]; within a block, the block_size x head_dim e4m3 codes of its keys (token
+// after token) and then block_size fp32 scales (one per key, a power of two): key (blk, j) = codes[blk][j * head_dim ..]
+// at byte j * head_dim of the block, its scale at byte block_size * head_dim + 4 j. The block's bytes are one dense
+// [block_size, head_dim + 4] view (stride(1) == head_dim + 4); blocks may be padded (stride(0) >= that, a multiple of 4).
+constexpr int64_t kIndexerFp8ScaleBytes = 4;
+
+inline bool is_indexer_head_dim(int64_t d) { return d == 48 || d == 64 || d == 128; }
+
+// The FP8 indexer-key cache layout above, for keys of head_dim d.
+inline void check_indexer_fp8_cache_layout(const char* op, const at::Tensor& k_cache, const char* name, int64_t d) {
+  check_dtype(op, k_cache, name, at::kByte);
+  DEEPINFER_CHECK(k_cache.dim() == 3 && k_cache.size(2) == d + kIndexerFp8ScaleBytes && k_cache.size(1) > 0, op, name,
+                  " must be uint8 [num_blocks, block_size > 0, ", d + kIndexerFp8ScaleBytes,
+                  "] (head_dim e4m3 codes + a 4-byte fp32 scale per key), got ", k_cache.sizes());
+  DEEPINFER_CHECK(k_cache.numel() == 0 ||
+                      (k_cache.stride(2) == 1 && k_cache.stride(1) == d + kIndexerFp8ScaleBytes &&
+                       k_cache.stride(0) >= k_cache.size(1) * (d + kIndexerFp8ScaleBytes) && k_cache.stride(0) % 4 == 0),
+                  op, name, " must hold each block densely (strides [>= block_size * ", d + kIndexerFp8ScaleBytes,
+                  " and a multiple of 4, ", d + kIndexerFp8ScaleBytes, ", 1]), got strides ", k_cache.strides());
+}
+
+// indexer_k_cache_write_fp8(k_cache!, k [t, d] bf16, slot_mapping [t] int64) and
+// indexer_k_cache_dequant_fp8(out [t, d] bf16!, k_cache, slot_mapping). writes_cache: the op writes k_cache.
+inline void check_indexer_k_cache_fp8(const char* op, const at::Tensor& k_cache, const at::Tensor& rows,
+                                      const char* rows_name, const at::Tensor& slot_mapping, bool writes_cache) {
+  check_dtype(op, rows, rows_name, at::kBFloat16);
+  DEEPINFER_CHECK(rows.dim() == 2 && is_indexer_head_dim(rows.size(1)) && (rows.numel() == 0 || rows.stride(1) == 1),
+                  op, rows_name, " must be [num_tokens, head_dim] with head_dim 48, 64 or 128 and a contiguous last "
+                  "dim, got ", rows.sizes());
+  check_indexer_fp8_cache_layout(op, k_cache, "k_cache", rows.size(1));
+  check_writable(op, writes_cache ? k_cache : rows, writes_cache ? "k_cache" : rows_name);
+  check_same_device(op, rows, rows_name, k_cache, "k_cache");
+  check_no_partial_overlap(op, writes_cache ? k_cache : rows, writes_cache ? "k_cache" : rows_name,
+                           writes_cache ? rows : k_cache, writes_cache ? rows_name : "k_cache",
+                           /*allow_in_place=*/false);
+  check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
+  check_same_device(op, slot_mapping, "slot_mapping", k_cache, "k_cache");
+  DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows.size(0) && slot_mapping.is_contiguous(), op,
+                  "slot_mapping must be a contiguous [", rows.size(0), "], got ", slot_mapping.sizes());
+}
+
 // Largest top-k the native top-k kernels select (the selected set is sorted in shared memory on CUDA).
 constexpr int64_t kTopkMaxK = 2048;
 // Largest candidate count per row of the native top-k (int32 positions; 262,144 is V4's longest context / 4).
@@ -146,8 +188,9 @@ inline SparseMqaArgs check_sparse_mqa(const char* op, bool is_prefill, const at:
   return a;
 }
 
-// mqa_logits(logits [t, n] fp32, q [t, H, d] bf16, weights [t, H] fp32, k_cache [num_blocks, block_size, d] bf16,
-//            block_table [t, max_blocks] int32?, k_start [t] int32?, k_end [t] int32?)
+// mqa_logits(logits [t, n] fp32, q [t, H, d] bf16, weights [t, H] fp32, k_cache [num_blocks, block_size, d] bf16 or
+//            uint8 FP8 keys [num_blocks, block_size, d + 4], block_table [t, max_blocks] int32?, k_start [t] int32?,
+//            k_end [t] int32?)
 // allow_fp32 (CPU only): q and k_cache may instead both be float32 (the model's fp32 CPU path).
 inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights,
                              const at::Tensor& k_cache, const std::optional<at::Tensor>& block_table,
@@ -164,7 +207,7 @@ inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, cons
   DEEPINFER_CHECK(q.dim() == 3 && q.is_contiguous(), op,
                   "q must be a contiguous [num_tokens, num_heads, head_dim], got ", q.sizes(), " strides ", q.strides());
   const int64_t t = q.size(0), H = q.size(1), d = q.size(2);
-  DEEPINFER_CHECK(d == 48 || d == 64 || d == 128, op, "head_dim must be 48, 64 or 128, got ", d);
+  DEEPINFER_CHECK(is_indexer_head_dim(d), op, "head_dim must be 48, 64 or 128, got ", d);
   DEEPINFER_CHECK(H >= 1, op, "num_heads must be >= 1");
   check_dtype(op, weights, "weights", at::kFloat);
   DEEPINFER_CHECK(weights.dim() == 2 && weights.size(0) == t && weights.size(1) == H && weights.is_contiguous(), op,
@@ -174,12 +217,17 @@ inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, cons
     DEEPINFER_CHECK(k_cache.scalar_type() == at::kFloat, op, "k_cache must be torch.float32 with a float32 q, got ",
                     dtype_name(k_cache.scalar_type()));
   } else {
-    check_dtype(op, k_cache, "k_cache", at::kBFloat16);
+    DEEPINFER_CHECK(k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kByte, op,
+                    "k_cache must be torch.bfloat16 (or uint8 FP8 keys), got ", dtype_name(k_cache.scalar_type()));
   }
   check_same_device(op, k_cache, "k_cache", q, "q");
-  DEEPINFER_CHECK(k_cache.dim() == 3 && k_cache.size(2) == d && k_cache.size(1) > 0, op,
-                  "k_cache must be [num_blocks, block_size > 0, ", d, "], got ", k_cache.sizes());
-  DEEPINFER_CHECK(k_cache.numel() == 0 || k_cache.stride(2) == 1, op, "k_cache must be contiguous in head_dim");
+  if (k_cache.scalar_type() == at::kByte) {
+    check_indexer_fp8_cache_layout(op, k_cache, "k_cache", d);
+  } else {
+    DEEPINFER_CHECK(k_cache.dim() == 3 && k_cache.size(2) == d && k_cache.size(1) > 0, op,
+                    "k_cache must be [num_blocks, block_size > 0, ", d, "], got ", k_cache.sizes());
+    DEEPINFER_CHECK(k_cache.numel() == 0 || k_cache.stride(2) == 1, op, "k_cache must be contiguous in head_dim");
+  }
   check_dtype(op, logits, "logits", at::kFloat);
   check_writable(op, logits, "logits");
   check_same_device(op, logits, "logits", q, "q");

@@ -13,6 +13,8 @@ from . import _C  # noqa: F401  (registers torch.ops.deepinfer_ops.*)
 from . import _fake  # noqa: F401
 from .attention import (
     compressor_pool,
+    indexer_k_cache_dequant_fp8,
+    indexer_k_cache_write_fp8,
     kv_cache_dequant_fp8,
     kv_cache_write,
     kv_cache_write_fp8,
@@ -51,6 +53,8 @@ __all__ = [
     "hc_mix",
     "hc_post",
     "hc_weights",
+    "indexer_k_cache_dequant_fp8",
+    "indexer_k_cache_write_fp8",
     "kv_cache_dequant_fp8",
     "kv_cache_write",
     "kv_cache_write_fp8",

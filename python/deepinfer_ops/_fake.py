@@ -193,6 +193,29 @@ def _kv_cache_dequant_fp8_fake(out, kv_cache, slot_mapping):
     return None
 
 
+@_register_fake("deepinfer_ops::indexer_k_cache_write_fp8")
+def _indexer_k_cache_write_fp8_fake(k_cache, k, slot_mapping):
+    _check_indexer_k_cache_fp8("indexer_k_cache_write_fp8", k_cache, k, "k", slot_mapping)
+    return None
+
+
+@_register_fake("deepinfer_ops::indexer_k_cache_dequant_fp8")
+def _indexer_k_cache_dequant_fp8_fake(out, k_cache, slot_mapping):
+    _check_indexer_k_cache_fp8("indexer_k_cache_dequant_fp8", k_cache, out, "out", slot_mapping)
+    return None
+
+
+def _check_indexer_k_cache_fp8(op, k_cache, rows, rows_name, slot_mapping):
+    torch._check(rows.dtype == torch.bfloat16 and rows.dim() == 2 and rows.shape[1] in (48, 64, 128),
+                 lambda: f"deepinfer_ops.{op}: {rows_name} must be bf16 [num_tokens, head_dim in (48, 64, 128)], got "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+    torch._check(k_cache.dtype == torch.uint8 and k_cache.dim() == 3 and k_cache.shape[2] == rows.shape[1] + 4,
+                 lambda: f"deepinfer_ops.{op}: k_cache must be uint8 [num_blocks, block_size, {rows.shape[1] + 4}], "
+                         f"got {k_cache.dtype} {tuple(k_cache.shape)}")
+    torch._check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (rows.shape[0],),
+                 lambda: f"deepinfer_ops.{op}: slot_mapping must be int64 [{rows.shape[0]}]")
+
+
 @_register_fake("deepinfer_ops::compressor_pool")
 def _compressor_pool_fake(out, kv, gate):
     torch._check(out.shape == (kv.shape[0], kv.shape[-1]), lambda: "compressor_pool: out must be [windows, head_dim]")

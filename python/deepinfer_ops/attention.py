@@ -32,6 +32,16 @@ CUDA kernel: Hopper (sm_90a) only -- other GPUs get a RuntimeError naming their 
 QK^T and PV on wgmma with an fp32 online softmax (weights rounded to bf16 before PV, as FlashMLA). Not yet: split-KV
 (a row's entries are one CTA's work, so results are batch-invariant by construction).
 
+FP8 indexer keys (the lightning indexer's key cache; DeepGEMM ``fp8_paged_mqa_logits`` / vLLM
+``indexer_k_quant_and_cache`` paged layout): a uint8 cache ``[num_blocks, block_size, head_dim + 4]`` whose block
+holds the ``block_size x head_dim`` e4m3 codes of its keys (key j at byte ``j * head_dim``) followed by
+``block_size`` fp32 scales (key j's at byte ``block_size * head_dim + 4 j``), so each block must be dense
+(strides ``[>= block_size * (head_dim + 4), head_dim + 4, 1]``). One scale per key, the same recipe with one group of
+``head_dim`` dims: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))`` (vLLM's writer floors amax at 1e-4 instead:
+keys with amax < 1e-4 are coded differently; any power-of-two or fp32 scale written by another engine reads the same).
+Decoding (``bf16(e4m3 * scale)``) is exact, so :func:`mqa_logits` over an FP8 key cache equals it over the decoded
+bf16 cache bit for bit.
+
 Source: DeepSeek-V4 attention (architecture.md); FlashMLA ``flash_mla_with_kvcache`` sparse interface (the
 index convention and sink formula ``out *= exp(lse) / (exp(lse) + exp(sink))``).
 """
@@ -142,14 +152,17 @@ def mqa_logits(
 
     Candidate c of token t is the cache row ``k_cache[blk, c % block_size]`` with ``blk = c // block_size`` (flat
     cache) or ``blk = block_table[t, c // block_size]`` (paged; a block past the table's end or outside
-    ``[0, num_blocks)`` is invalid). ``k_start``/``k_end`` mask candidates outside ``[k_start[t], k_end[t])`` (e.g.
+    ``[0, num_blocks)`` is invalid). FP8 keys (uint8 cache, layout in the module doc) are decoded exactly to bf16
+    first: the logits equal those over the decoded cache bit for bit. ``k_start``/``k_end`` mask candidates outside ``[k_start[t], k_end[t])`` (e.g.
     future entries).
 
     Args:
         q: ``[num_tokens, H, head_dim]`` bf16 (CPU also float32, with a float32 k_cache), contiguous; head_dim 48
             (the tiny test preset), 64 or 128 (V4: H 64, head_dim 128); H <= 128 on CUDA.
         weights: ``[num_tokens, H]`` fp32.
-        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 (or float32, CPU) indexer-key cache.
+        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 (or float32, CPU) indexer-key cache, or FP8 keys
+            ``[num_blocks, block_size, head_dim + 4]`` uint8 (written by :func:`indexer_k_cache_write_fp8`; on CUDA
+            16-byte aligned with a block stride that is a multiple of 16).
         num_candidates: columns of the output; default ``num_blocks * block_size`` (flat) or
             ``max_blocks * block_size`` (with block_table).
         block_table: optional ``[num_tokens, max_blocks]`` int32.
@@ -158,7 +171,8 @@ def mqa_logits(
         ``logits [num_tokens, num_candidates]`` fp32.
     Raises:
         RuntimeError naming the tensor at fault.
-    Source: DeepSeek-V3.2/V4 lightning indexer (DeepGEMM ``fp8_mqa_logits`` semantics, bf16 keys here).
+    Source: DeepSeek-V3.2/V4 lightning indexer (DeepGEMM ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits`` semantics;
+    q stays bf16).
     """
     if num_candidates is None:
         blocks = block_table.shape[1] if block_table is not None else k_cache.shape[0]
@@ -217,6 +231,43 @@ def kv_cache_dequant_fp8(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> 
     """
     out = torch.empty((slot_mapping.shape[0], 512), dtype=torch.bfloat16, device=kv_cache.device)
     torch.ops.deepinfer_ops.kv_cache_dequant_fp8(out, kv_cache, slot_mapping)
+    return out
+
+
+def indexer_k_cache_write_fp8(k_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Quantise bf16 indexer keys into an FP8 indexer-key cache, in place (layout and recipe in the module doc): key
+    ``s = slot_mapping[i]`` of ``k_cache`` encodes ``k[i]``; slots ``< 0`` or past the cache are skipped. A key
+    holding NaN or +-inf gets a NaN scale (all its dims decode to NaN), as in :func:`kv_cache_write_fp8`.
+
+    Args:
+        k_cache: ``[num_blocks, block_size, head_dim + 4]`` uint8 (mutated), each block dense.
+        k: ``[num_tokens, head_dim]`` bf16, head_dim 48, 64 or 128, last dim contiguous.
+        slot_mapping: ``[num_tokens]`` int64.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: vLLM ``indexer_k_quant_and_cache`` (layout, UE8M0 scale format), DeepGEMM ``fp8_paged_mqa_logits``.
+    """
+    torch.ops.deepinfer_ops.indexer_k_cache_write_fp8(k_cache, k, slot_mapping)
+
+
+def indexer_k_cache_dequant_fp8(k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Decode the FP8 indexer keys at ``slot_mapping`` to bf16 ``[num_tokens, head_dim]`` (exact); slots outside the
+    cache give zero rows.
+
+    Args:
+        k_cache: ``[num_blocks, block_size, head_dim + 4]`` uint8, each block dense.
+        slot_mapping: ``[num_tokens]`` int64.
+    Returns:
+        ``[num_tokens, head_dim]`` bf16.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: DeepGEMM ``fp8_paged_mqa_logits`` key layout.
+    """
+    if k_cache.dim() != 3 or k_cache.shape[2] <= 4:
+        raise ValueError(f"indexer_k_cache_dequant_fp8: k_cache must be [num_blocks, block_size, head_dim + 4], got "
+                         f"shape {tuple(k_cache.shape)}")
+    out = torch.empty((slot_mapping.shape[0], k_cache.shape[2] - 4), dtype=torch.bfloat16, device=k_cache.device)
+    torch.ops.deepinfer_ops.indexer_k_cache_dequant_fp8(out, k_cache, slot_mapping)
     return out
 
 

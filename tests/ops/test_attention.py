@@ -662,6 +662,126 @@ def test_fp8_cache_write_and_dequant_bit_exact(device):
     assert torch.all(err.view(-1, 7, 64) <= amax.clamp_min(1e-10) * 2 ** -3)  # half an e4m3 ulp at most
 
 
+# ---- FP8 indexer keys -------------------------------------------------------------------------------------------
+
+
+def _idx_fp8_cache(num_blocks, block_size, d, device, pad=12):
+    """A uint8 FP8 indexer-key cache [num_blocks, block_size, d + 4] filled with 0x7F (e4m3 NaN), blocks padded so the
+    block stride is a multiple of 16 bytes (CUDA's rule)."""
+    width = block_size * (d + 4)
+    stride = -(-(width + pad) // 16) * 16
+    base = torch.full((num_blocks, stride), 0x7F, dtype=torch.uint8, device=device)
+    return base[:, :width].view(num_blocks, block_size, d + 4)
+
+
+def _idx_keys(t, d, g, device):
+    k = torch.randn(t, d, generator=g) * torch.logspace(-6, 4, t).unsqueeze(1)
+    k[0] = 0.0  # all-zero key: finite scale, zero codes
+    k[1, :] = 1e-30  # below the amax floor
+    k[2, 3] = float("nan")  # NaN scale, NaN codes
+    k[3, 5] = float("inf")  # inf: NaN scale too
+    k[4, 7] = -3e38
+    return k.bfloat16().to(device)
+
+
+@pytest.mark.parametrize("d,block_size", [(128, 64), (64, 7), (48, 1)])
+def test_indexer_k_cache_fp8_write_and_dequant_bit_exact(device, d, block_size):
+    g = _gen(d + block_size)
+    t, num_blocks = 29, 40 // block_size + 2
+    k = _idx_keys(t, d, g, device)
+    cache = _idx_fp8_cache(num_blocks, block_size, d, device)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]
+    slots[5], slots[9] = -1, num_blocks * block_size + 3
+    slots = slots.to(device)
+    expected = refs.indexer_k_cache_write_fp8_ref(cache, k, slots)
+    padding = cache.as_strided((num_blocks, 12), (cache.stride(0), 1), block_size * (d + 4)).clone()
+    deepinfer_ops.indexer_k_cache_write_fp8(cache, k, slots)
+    assert torch.equal(cache.cpu(), expected.cpu()), "FP8 indexer keys differ from the reference"
+    assert torch.equal(cache.as_strided((num_blocks, 12), (cache.stride(0), 1), block_size * (d + 4)).cpu(),
+                       padding.cpu()), "wrote into the block padding"
+    deq = deepinfer_ops.indexer_k_cache_dequant_fp8(cache, slots)
+    torch.testing.assert_close(deq.cpu(), refs.indexer_k_cache_dequant_fp8_ref(cache, slots).cpu(), rtol=0, atol=0,
+                               equal_nan=True)
+    ok = torch.ones(t, dtype=torch.bool)
+    ok[5] = ok[9] = False
+    okd = ok.to(device)
+    assert torch.all(deq[~okd].float() == 0)
+    assert torch.isnan(deq[2]).all() and torch.isnan(deq[3]).all(), "a NaN / inf key decodes to NaN"
+    assert torch.all(deq[0].float() == 0)
+    fine = okd.clone()
+    fine[2] = fine[3] = False
+    err = (deq[fine].float() - k[fine].float()).abs()
+    amax = k[fine].float().abs().amax(-1, keepdim=True)
+    assert torch.all(err <= amax.clamp_min(1e-10) * 2 ** -3)  # half an e4m3 ulp at most
+
+
+@pytest.mark.parametrize("t,H,d,block_size,num_blocks", [(5, 8, 128, 64, 7), (3, 64, 128, 16, 9), (4, 13, 64, 7, 5),
+                                                         (2, 16, 48, 32, 4)])
+def test_mqa_logits_fp8_keys_equal_decoded_keys(device, t, H, d, block_size, num_blocks):
+    """Logits over an FP8 key cache equal, bit for bit, the logits over its decoded bf16 cache (same kernel sums over
+    exact bf16 keys), and match the fp32 reference; paged, with invalid blocks and per-token ranges."""
+    g = _gen(t * H + d)
+    q = (torch.randn(t, H, d, generator=g) * 0.3).bfloat16().to(device)
+    w = torch.randn(t, H, generator=g).to(device)
+    cache = _idx_fp8_cache(num_blocks, block_size, d, device)
+    keys = (torch.randn(num_blocks * block_size, d, generator=g) * 0.3).bfloat16().to(device)
+    deepinfer_ops.indexer_k_cache_write_fp8(cache, keys, torch.arange(num_blocks * block_size, device=device))
+    decoded = refs.indexer_k_cache_decode_ref(cache)
+    table = torch.randint(-1, num_blocks + 1, (t, num_blocks + 1), generator=g, dtype=torch.int32).to(device)
+    n = (num_blocks + 2) * block_size - 3
+    kw = dict(block_table=table, k_start=torch.randint(0, 3, (t,), generator=g, dtype=torch.int32).to(device),
+              k_end=torch.randint(n // 2, n + 2, (t,), generator=g, dtype=torch.int32).to(device))
+    got = deepinfer_ops.mqa_logits(q, w, cache, n, **kw)
+    want = deepinfer_ops.mqa_logits(q, w, decoded, n, **kw)
+    assert torch.equal(got.cpu(), want.cpu()), "FP8-key logits differ from the decoded bf16 cache's"
+    assert_close(got, refs.mqa_logits_ref(q, w, cache, n, **kw), FP32, "FP8-key logits")
+    assert torch.equal(torch.isinf(got).cpu(), torch.isinf(refs.mqa_logits_ref(q, w, decoded, n, **kw)).cpu())
+
+
+@pytest.mark.native_errors
+def test_indexer_fp8_cache_errors_name_the_tensor(device):
+    g = _gen(3)
+    q, w = torch.randn(2, 4, 64, generator=g).bfloat16().to(device), torch.randn(2, 4, generator=g).to(device)
+    cache = _idx_fp8_cache(3, 16, 64, device)
+    k = torch.randn(4, 64, generator=g).bfloat16().to(device)
+    slots = torch.arange(4, device=device)
+    with pytest.raises(RuntimeError, match=r"k_cache must be uint8 \[num_blocks, block_size > 0, 68\]"):
+        deepinfer_ops.mqa_logits(q, w, _idx_fp8_cache(3, 16, 128, device))
+    with pytest.raises(RuntimeError, match="k_cache must hold each block densely"):
+        deepinfer_ops.mqa_logits(q, w, torch.zeros(3, 16, 80, dtype=torch.uint8, device=device)[..., :68])
+    with pytest.raises(RuntimeError, match="k_cache must be torch.float32 with a float32 q"):
+        deepinfer_ops.mqa_logits(q.float(), w, cache) if device == "cpu" else deepinfer_ops.mqa_logits(
+            q.float(), w, cache.float())
+    with pytest.raises(RuntimeError, match="indexer_k_cache_write_fp8: k must be torch.bfloat16"):
+        deepinfer_ops.indexer_k_cache_write_fp8(cache, k.float(), slots)
+    with pytest.raises(RuntimeError, match="indexer_k_cache_write_fp8: k must be \\[num_tokens, head_dim\\]"):
+        deepinfer_ops.indexer_k_cache_write_fp8(cache, k[:, :32], slots)
+    with pytest.raises(RuntimeError, match="indexer_k_cache_write_fp8: k_cache must be torch.uint8"):
+        deepinfer_ops.indexer_k_cache_write_fp8(cache.view(torch.int8), k, slots)
+    with pytest.raises(RuntimeError, match="slot_mapping must be a contiguous \\[4\\]"):
+        deepinfer_ops.indexer_k_cache_write_fp8(cache, k, slots[:3])
+    with pytest.raises(RuntimeError, match="indexer_k_cache_dequant_fp8: k_cache must be uint8 .* 132"):
+        torch.ops.deepinfer_ops.indexer_k_cache_dequant_fp8(torch.empty(4, 128, dtype=torch.bfloat16, device=device),
+                                                             cache, slots)
+    if device == "cuda":
+        odd = torch.zeros(3 * 16 * 68 + 1, dtype=torch.uint8, device=device)[1:].view(3, 16, 68)
+        with pytest.raises(RuntimeError, match="k_cache \\(FP8 keys\\) must be 16-byte aligned"):
+            deepinfer_ops.mqa_logits(q, w, odd)
+
+
+def test_indexer_fp8_wrapper_and_opcheck():
+    with pytest.raises(ValueError, match="indexer_k_cache_dequant_fp8: k_cache must be"):
+        deepinfer_ops.indexer_k_cache_dequant_fp8(torch.zeros(2, 4, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))
+    g = _gen(5)
+    cache = _idx_fp8_cache(2, 8, 64, "cpu")
+    k = torch.randn(3, 64, generator=g).bfloat16()
+    slots = torch.tensor([0, 9, -1])
+    for op, args in ((torch.ops.deepinfer_ops.indexer_k_cache_write_fp8, (cache, k, slots)),
+                     (torch.ops.deepinfer_ops.indexer_k_cache_dequant_fp8, (torch.empty(3, 64, dtype=torch.bfloat16),
+                                                                            cache, slots))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
 def _decode_weight_magnitude(q, cache, idx, scale, topk_length=None, extra_kv_cache=None, extra_indices=None,
                              extra_topk_length=None, attn_sink=None):
     """``sum_j p_j |v_j|`` [b, s_q, h, d] fp32 (p_j: the reference's softmax weights, sink in the denominator): the

@@ -937,11 +937,11 @@ def test_moe_permute_cpu_memory_does_not_scale_with_num_experts():
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("case", ["3-D topk_idx", "int16 topk_idx", "float topk_idx", "num_experts 2^31",
-                                  "num_experts -1", "m_indices int64", "token_of_row int32", "slot_rows int32"])
-def test_moe_permute_meta_refuses_what_eager_refuses(case):
-    """The fake (meta / trace) kernel checks the arguments as the native op does: a call eager refuses must not
-    pass on meta (it did for a 3-D or float topk_idx, a wrong num_experts or wrong output dtypes)."""
+_PERMUTE_BAD_CASES = ["3-D topk_idx", "int16 topk_idx", "float topk_idx", "num_experts 2^31", "num_experts -1",
+                      "m_indices int64", "token_of_row int32", "slot_rows int32"]
+
+
+def _permute_bad_args(case):
     shape = (2, 2, 2) if case == "3-D topk_idx" else (3, 2)
     n = 8 if case == "3-D topk_idx" else 6
     idx_dtype = {"int16 topk_idx": torch.int16, "float topk_idx": torch.float32}.get(case, torch.int64)
@@ -950,8 +950,24 @@ def test_moe_permute_meta_refuses_what_eager_refuses(case):
             torch.zeros(n, dtype=torch.int32 if case == "token_of_row int32" else torch.int64),
             torch.zeros(shape, dtype=torch.int32 if case == "slot_rows int32" else torch.int64),
             torch.zeros(shape, dtype=idx_dtype)]
+    return args, experts
+
+
+@pytest.mark.native_errors
+@pytest.mark.parametrize("case", _PERMUTE_BAD_CASES)
+def test_moe_permute_eager_refuses(case):
+    """The arguments the meta test below feeds to the fake kernel are refused by the native op too."""
+    args, experts = _permute_bad_args(case)
     with pytest.raises(RuntimeError, match="moe_permute"):
         torch.ops.deepinfer_ops.moe_permute(*args, experts)  # eager CPU
+
+
+@pytest.mark.parametrize("case", _PERMUTE_BAD_CASES)
+def test_moe_permute_meta_refuses_what_eager_refuses(case):
+    """The fake (meta / trace) kernel checks the arguments as the native op does: a call eager refuses
+    (test_moe_permute_eager_refuses) must not pass on meta (it did for a 3-D or float topk_idx, a wrong num_experts
+    or wrong output dtypes)."""
+    args, experts = _permute_bad_args(case)
     with pytest.raises(RuntimeError, match="moe_permute"):
         torch.ops.deepinfer_ops.moe_permute(*(t.to("meta") for t in args), experts)
     good = [torch.zeros(6, dtype=torch.int32), torch.zeros(6, dtype=torch.int64), torch.zeros(3, 2, dtype=torch.int64),
@@ -992,15 +1008,20 @@ def test_moe_permute_cuda_segment_counts_and_limits(experts, tokens, k, idx_dtyp
 
 
 @pytest.mark.cuda
-def test_moe_permute_cuda_limits_and_empty():
+def test_moe_permute_cuda_empty():
+    for shape in ((0, 6), (4, 0), (0, 0)):
+        m, t, s = deepinfer_ops.moe_permute(torch.zeros(shape, dtype=torch.int32, device="cuda"), 8)
+        assert m.shape == (shape[0] * shape[1],) and t.shape == m.shape and s.shape == shape and s.is_cuda
+
+
+@pytest.mark.cuda
+@pytest.mark.native_errors
+def test_moe_permute_cuda_limits():
     idx = torch.zeros(2, 3, dtype=torch.int64, device="cuda")
     with pytest.raises(RuntimeError, match="num_experts must be <= 25000 on CUDA, got 25001"):
         deepinfer_ops.moe_permute(idx, 25001)
     with pytest.raises(RuntimeError, match="num_experts must be in"):
         deepinfer_ops.moe_permute(idx, 2**31)
-    for shape in ((0, 6), (4, 0), (0, 0)):
-        m, t, s = deepinfer_ops.moe_permute(torch.zeros(shape, dtype=torch.int32, device="cuda"), 8)
-        assert m.shape == (shape[0] * shape[1],) and t.shape == m.shape and s.shape == shape and s.is_cuda
     x = torch.tensor([[1, 0]], device="cuda")
     with pytest.raises(RuntimeError, match="m_indices is on cpu but topk_idx is on cuda"):
         torch.ops.deepinfer_ops.moe_permute(torch.empty(2, dtype=torch.int32), torch.empty(2, dtype=torch.int64,

@@ -36,6 +36,18 @@ inline float ue8m0_to_float(uint8_t e) {
   return f;
 }
 
+// e4m3 code of v / scale, clamped to +-448, round-to-nearest-even; NaN -> 0x7F whatever its sign bit (as the CUDA
+// conversion: a NaN's sign on the CPU depends on which operand it came from).
+inline uint8_t e4m3_code(float v, float scale) {
+  v = v / scale;
+  if (std::isnan(v)) return 0x7f;
+  v = std::min(std::max(v, -kE4m3Max), kE4m3Max);
+  const c10::Float8_e4m3fn q(v);
+  uint8_t code;
+  std::memcpy(&code, &q, 1);
+  return code;
+}
+
 inline void encode(uint8_t* entry, const c10::BFloat16* x) {
   for (int64_t g = 0; g < kFp8NopeDims / kFp8TileDims; ++g) {
     const c10::BFloat16* xs = x + g * kFp8TileDims;
@@ -47,12 +59,7 @@ inline void encode(uint8_t* entry, const c10::BFloat16* x) {
     const uint8_t e = ue8m0_exponent_up(std::isnan(amax) ? amax : std::max(amax, kAmaxEps) / kE4m3Max);
     const float sc = ue8m0_to_float(e);
     entry[kFp8ScaleOffset + g] = e;
-    for (int64_t k = 0; k < kFp8TileDims; ++k) {
-      float v = static_cast<float>(xs[k]) / sc;
-      v = std::min(std::max(v, -kE4m3Max), kE4m3Max);
-      const c10::Float8_e4m3fn q(v);
-      std::memcpy(entry + g * kFp8TileDims + k, &q, 1);
-    }
+    for (int64_t k = 0; k < kFp8TileDims; ++k) entry[g * kFp8TileDims + k] = e4m3_code(static_cast<float>(xs[k]), sc);
   }
   std::memcpy(entry + kFp8NopeDims, x + kFp8NopeDims, kFp8RopeDims * 2);
   entry[kFp8EntryBytes - 1] = 0;
@@ -68,6 +75,26 @@ inline void decode(c10::BFloat16* out, const uint8_t* entry) {
     }
   }
   std::memcpy(out + kFp8NopeDims, entry + kFp8NopeDims, kFp8RopeDims * 2);
+}
+
+// FP8 indexer keys (layout in common/attention_checks.h): one key of d dims -> d e4m3 codes and its fp32 power-of-two
+// scale (the same recipe with one group of d dims). Returns the scale.
+inline float indexer_key_encode(uint8_t* codes, const c10::BFloat16* x, int64_t d) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < d; ++k) {
+    const float a = std::fabs(static_cast<float>(x[k]));
+    amax = (a > amax || std::isnan(a)) ? a : amax;
+  }
+  const float sc = ue8m0_to_float(ue8m0_exponent_up(std::isnan(amax) ? amax : std::max(amax, kAmaxEps) / kE4m3Max));
+  for (int64_t k = 0; k < d; ++k) codes[k] = e4m3_code(static_cast<float>(x[k]), sc);
+  return sc;
+}
+
+// Decoded key value k as float: float(e4m3) * scale, rounded to bf16 (exact for a power-of-two scale).
+inline float indexer_key_decode(const uint8_t* codes, float scale, int64_t k) {
+  c10::Float8_e4m3fn q;
+  std::memcpy(&q, codes + k, 1);
+  return static_cast<float>(static_cast<c10::BFloat16>(static_cast<float>(q) * scale));
 }
 
 }  // namespace deepinfer::fp8_entry

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common/attention_checks.h"
+#include "cpu/attention/fp8_entry.h"
 #include "ops.h"
 
 namespace deepinfer {
@@ -31,7 +32,8 @@ inline uint32_t topk_key(float x) {
 
 namespace {
 
-template <typename T>
+// T: the element type of q (and of k_cache unless kFp8Keys: uint8 FP8 keys, decoded per candidate).
+template <typename T, bool kFp8Keys = false>
 void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
                          const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
                          const std::optional<at::Tensor>& k_end) {
@@ -39,7 +41,7 @@ void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tens
   if (t == 0 || n == 0) return;
   const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0);
   const int64_t bstride = k_cache.stride(0), tstride = k_cache.stride(1);
-  const T* kc = k_cache.const_data_ptr<T>();
+  const T* kc = static_cast<const T*>(k_cache.const_data_ptr());
   const T* qp = q.const_data_ptr<T>();
   const float* w = weights.const_data_ptr<float>();
   float* out = logits.mutable_data_ptr<float>();
@@ -49,7 +51,7 @@ void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tens
   const int32_t* ke = k_end.has_value() ? k_end->const_data_ptr<int32_t>() : nullptr;
   const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, t, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> qf(H * d);
+    std::vector<float> qf(H * d), kf(d);
     for (int64_t i = t0; i < t1; ++i) {
       for (int64_t e = 0; e < H * d; ++e) qf[e] = static_cast<float>(qp[i * H * d + e]);
       const int64_t lo = ks ? ks[i] : 0, hi = ke ? ke[i] : n;
@@ -60,11 +62,20 @@ void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tens
           out[i * n + c] = neg_inf;
           continue;
         }
-        const T* k = kc + block * bstride + (c % block_size) * tstride;
+        if constexpr (kFp8Keys) {  // decode the key (exact bf16 values): same sums as over the decoded cache
+          const uint8_t* blk = reinterpret_cast<const uint8_t*>(kc) + block * bstride;
+          const int64_t j = c % block_size;
+          float sc;
+          std::memcpy(&sc, blk + block_size * d + j * kIndexerFp8ScaleBytes, 4);
+          for (int64_t e = 0; e < d; ++e) kf[e] = fp8_entry::indexer_key_decode(blk + j * d, sc, e);
+        } else {
+          const T* k = kc + block * bstride + (c % block_size) * tstride;
+          for (int64_t e = 0; e < d; ++e) kf[e] = static_cast<float>(k[e]);
+        }
         float acc = 0.f;
         for (int64_t hh = 0; hh < H; ++hh) {
           float s = 0.f;
-          for (int64_t e = 0; e < d; ++e) s += qf[hh * d + e] * static_cast<float>(k[e]);
+          for (int64_t e = 0; e < d; ++e) s += qf[hh * d + e] * kf[e];
           acc += w[i * H + hh] * std::max(s, 0.f);
         }
         out[i * n + c] = acc;
@@ -75,12 +86,14 @@ void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tens
 
 }  // namespace
 
-// bf16 q / keys as on CUDA, or (CPU only) float32 q / keys: the model's fp32 CPU path.
+// bf16 q with bf16 or FP8 keys as on CUDA, or (CPU only) float32 q / keys: the model's fp32 CPU path.
 void mqa_logits_cpu(at::Tensor& logits, const at::Tensor& q, const at::Tensor& weights, const at::Tensor& k_cache,
                     const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
                     const std::optional<at::Tensor>& k_end) {
   check_mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end, /*allow_fp32=*/true);
-  if (q.scalar_type() == at::kFloat) {
+  if (k_cache.scalar_type() == at::kByte) {
+    mqa_logits_cpu_impl<bf16, /*kFp8Keys=*/true>(logits, q, weights, k_cache, block_table, k_start, k_end);
+  } else if (q.scalar_type() == at::kFloat) {
     mqa_logits_cpu_impl<float>(logits, q, weights, k_cache, block_table, k_start, k_end);
   } else {
     mqa_logits_cpu_impl<bf16>(logits, q, weights, k_cache, block_table, k_start, k_end);

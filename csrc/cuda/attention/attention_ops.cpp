@@ -90,14 +90,21 @@ void mqa_logits_cuda(at::Tensor& logits, const at::Tensor& q, const at::Tensor& 
   const int64_t t = q.size(0), n = logits.size(1);
   if (t == 0 || n == 0) return;
   DEEPINFER_CHECK(q.size(1) <= 128, op, "num_heads must be <= 128 on CUDA, got ", q.size(1));
-  DEEPINFER_CHECK(k_cache.numel() == 0 || (is_aligned(k_cache.const_data_ptr(), 16) && k_cache.stride(0) % 8 == 0 &&
-                                            k_cache.stride(1) % 8 == 0),
-                  op, "k_cache must be 16-byte aligned with strides that are multiples of 8 elements");
+  const bool k_fp8 = k_cache.scalar_type() == at::kByte;
+  if (k_fp8) {
+    DEEPINFER_CHECK(k_cache.numel() == 0 || (is_aligned(k_cache.const_data_ptr(), 16) && k_cache.stride(0) % 16 == 0),
+                    op, "k_cache (FP8 keys) must be 16-byte aligned with a block stride that is a multiple of 16");
+  } else {
+    DEEPINFER_CHECK(k_cache.numel() == 0 || (is_aligned(k_cache.const_data_ptr(), 16) && k_cache.stride(0) % 8 == 0 &&
+                                              k_cache.stride(1) % 8 == 0),
+                    op, "k_cache must be 16-byte aligned with strides that are multiples of 8 elements");
+  }
   const c10::cuda::CUDAGuard guard(q.device());
   attention::MqaLogitsParams p{};
   p.q = static_cast<const __nv_bfloat16*>(q.const_data_ptr());
   p.weights = weights.const_data_ptr<float>();
-  p.k_cache = static_cast<const __nv_bfloat16*>(k_cache.const_data_ptr());
+  p.k_cache = k_cache.const_data_ptr();
+  p.k_fp8 = k_fp8;
   p.block_stride = k_cache.stride(0);
   p.token_stride = k_cache.stride(1);
   p.num_blocks = k_cache.numel() == 0 ? 0 : k_cache.size(0);
@@ -167,6 +174,7 @@ attention::Fp8CacheParams fp8_params(const at::Tensor& kv_cache, const at::Tenso
   p.token_stride = kv_cache.stride(1);
   p.block_size = static_cast<int>(kv_cache.size(1));
   p.num_slots = kv_cache.size(0) * kv_cache.size(1);
+  p.head_dim = static_cast<int>(rows.size(1));
   p.rows = static_cast<__nv_bfloat16*>(const_cast<void*>(rows.const_data_ptr()));
   p.row_stride = rows.stride(0);
   p.t = rows.size(0);
@@ -209,6 +217,20 @@ void compressor_pool_cuda(at::Tensor& out, const at::Tensor& kv, const at::Tenso
   p.gate_s = gate.stride(1);
   p.dtype = to_dtype(kv.scalar_type());
   attention::launch_compressor_pool(p, current_stream());
+}
+
+void indexer_k_cache_write_fp8_cuda(at::Tensor& k_cache, const at::Tensor& k, const at::Tensor& slot_mapping) {
+  check_indexer_k_cache_fp8("indexer_k_cache_write_fp8", k_cache, k, "k", slot_mapping, /*writes_cache=*/true);
+  if (k.size(0) == 0 || k_cache.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  attention::launch_indexer_k_cache_write_fp8(fp8_params(k_cache, k, slot_mapping), current_stream());
+}
+
+void indexer_k_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& slot_mapping) {
+  check_indexer_k_cache_fp8("indexer_k_cache_dequant_fp8", k_cache, out, "out", slot_mapping, /*writes_cache=*/false);
+  if (out.size(0) == 0) return;
+  const c10::cuda::CUDAGuard guard(k_cache.device());
+  attention::launch_indexer_k_cache_dequant_fp8(fp8_params(k_cache, out, slot_mapping), current_stream());
 }
 
 }  // namespace deepinfer

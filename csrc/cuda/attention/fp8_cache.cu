@@ -1,6 +1,8 @@
 // MODEL1 FP8 KV entries: kv_cache_write_fp8 quantises bf16 rows (7 tiles of 64 no-RoPE dims -> e4m3 with a UE8M0
-// scale each, RoPE dims kept bf16) into a paged cache; kv_cache_dequant_fp8 decodes entries back. One warp per token.
-// Same recipe, bit for bit, as the CPU implementation and deepinfer_ops.testing.refs.
+// scale each, RoPE dims kept bf16) into a paged cache; kv_cache_dequant_fp8 decodes entries back. FP8 indexer keys:
+// indexer_k_cache_write_fp8 / indexer_k_cache_dequant_fp8 (one power-of-two fp32 scale per key; layout in
+// common/attention_checks.h). One warp per token. Same recipe, bit for bit, as the CPU implementation and
+// deepinfer_ops.testing.refs.
 #include <cuda_fp8.h>
 #include <math_constants.h>
 
@@ -84,7 +86,74 @@ __global__ void __launch_bounds__(kWarps * 32) kv_cache_dequant_fp8_kernel(const
   }
 }
 
+// Indexer keys: lane l holds dims l, l + 32, ... (head_dim <= 128: at most 4).
+constexpr int kIdxMaxPerLane = 4;
+
+__global__ void __launch_bounds__(kWarps * 32)
+    indexer_k_cache_write_fp8_kernel(const __grid_constant__ Fp8CacheParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, d = p.head_dim;
+  if (i >= p.t) return;
+  const int64_t s = p.slot_mapping[i];
+  if (s < 0 || s >= p.num_slots) return;
+  uint8_t* block = p.cache + (s / p.block_size) * p.block_stride;
+  const int64_t j = s % p.block_size;
+  const __nv_bfloat16* x = p.rows + i * p.row_stride;
+  float v[kIdxMaxPerLane];
+  float amax = 0.f;
+#pragma unroll
+  for (int r = 0; r < kIdxMaxPerLane; ++r) {
+    const int c = lane + 32 * r;
+    v[r] = c < d ? __bfloat162float(x[c]) : 0.f;
+    amax = nan_max(fabsf(v[r]), amax);
+  }
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, m), amax);
+  const float sc = ue8m0_to_float(ue8m0_exponent_up(isnan(amax) ? amax : fmaxf(amax, kAmaxEps) / kE4m3Max));
+#pragma unroll
+  for (int r = 0; r < kIdxMaxPerLane; ++r) {
+    const int c = lane + 32 * r;
+    if (c < d) block[j * d + c] = to_e4m3(v[r], sc);
+  }
+  if (lane == 0) memcpy(block + int64_t(p.block_size) * d + 4 * j, &sc, 4);  // the cache may be only byte-aligned
+}
+
+__global__ void __launch_bounds__(kWarps * 32)
+    indexer_k_cache_dequant_fp8_kernel(const __grid_constant__ Fp8CacheParams p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32, d = p.head_dim;
+  if (i >= p.t) return;
+  const int64_t s = p.slot_mapping[i];
+  __nv_bfloat16* out = p.rows + i * p.row_stride;
+  if (s < 0 || s >= p.num_slots) {
+    for (int c = lane; c < d; c += 32) out[c] = __float2bfloat16_rn(0.f);
+    return;
+  }
+  const uint8_t* block = p.cache + (s / p.block_size) * p.block_stride;
+  const int64_t j = s % p.block_size;
+  float sc;
+  memcpy(&sc, block + int64_t(p.block_size) * d + 4 * j, 4);
+  for (int c = lane; c < d; c += 32) {
+    __nv_fp8_e4m3 q;
+    q.__x = block[j * d + c];
+    out[c] = __float2bfloat16_rn(static_cast<float>(q) * sc);
+  }
+}
+
 }  // namespace
+
+void launch_indexer_k_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
+  if (p.t == 0 || p.num_slots == 0) return;
+  indexer_k_cache_write_fp8_kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
+  DEEPINFER_CHECK_LAUNCH("indexer_k_cache_write_fp8_kernel");
+}
+
+void launch_indexer_k_cache_dequant_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
+  if (p.t == 0) return;
+  indexer_k_cache_dequant_fp8_kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
+      p);
+  DEEPINFER_CHECK_LAUNCH("indexer_k_cache_dequant_fp8_kernel");
+}
 
 void launch_kv_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
   if (p.t == 0 || p.num_slots == 0) return;

@@ -1,5 +1,6 @@
 // Lightning-indexer kernels: mqa_logits (tensor cores, fp32 accumulation) and kv_cache_write (one warp per token,
 // 16-byte copies when aligned). topk_rows lives in topk.cu.
+#include <cuda_fp8.h>
 #include <math_constants.h>
 
 #include "deepinfer/attention/sparse_mqa.cuh"
@@ -14,6 +15,8 @@ namespace {
 // mma.sync m16n8k16 (bf16 in, fp32 accumulate), then sum_h w_h relu(S) per candidate (each lane 2 heads per n-tile,
 // a 4-lane shuffle sum). A candidate's logit depends only on its own row and the token: batch-invariant. Heads are
 // not summed in index order (fp32 rounding differs from a sequential sum in the last bits; the reference is fp32).
+// FP8 keys (kFp8): each key is decoded to bf16 on its way into shared memory (e4m3 x its power-of-two scale: exact),
+// so the logits equal those over the decoded bf16 cache bit for bit.
 constexpr int kLogitsThreads = 128;
 constexpr int kLogitsCands = 64;
 constexpr int kLogitsMaxNT = 16;  // 128 heads
@@ -25,11 +28,28 @@ struct LogitsSmem {
   static constexpr size_t k_off = 0;
   static constexpr size_t q_off = k_off + size_t(kLogitsCands) * kStride * 2;
   static constexpr size_t w_off = q_off + size_t(kLogitsMaxNT) * 8 * kStride * 2;
-  static constexpr size_t ptr_off = w_off + kLogitsMaxNT * 8 * 4;
+  static constexpr size_t scale_off = w_off + kLogitsMaxNT * 8 * 4;
+  static constexpr size_t ptr_off = scale_off + kLogitsCands * 4;
   static constexpr size_t bytes = ptr_off + kLogitsCands * sizeof(void*);
 };
 
-template <int kDim>
+// Eight e4m3 codes times a power-of-two scale -> eight bf16 (exact), as one 16-byte word.
+__device__ __forceinline__ uint4 decode_e4m3x8(uint2 raw, float scale) {
+  uint4 out;
+  uint32_t* o = reinterpret_cast<uint32_t*>(&out);
+  const uint32_t w[2] = {raw.x, raw.y};
+#pragma unroll
+  for (int h = 0; h < 4; ++h) {
+    const __half2_raw hr =
+        __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(w[h / 2] >> (16 * (h % 2))), __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&hr));
+    const __nv_bfloat162 b = __halves2bfloat162(__float2bfloat16_rn(f.x * scale), __float2bfloat16_rn(f.y * scale));
+    o[h] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  return out;
+}
+
+template <int kDim, bool kFp8>
 __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid_constant__ MqaLogitsParams p) {
   using L = LogitsSmem<kDim>;
   constexpr int kStride = L::kStride, kVec = kDim / 8;
@@ -37,7 +57,8 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid
   __nv_bfloat16* sK = reinterpret_cast<__nv_bfloat16*>(smem + L::k_off);
   __nv_bfloat16* sQ = reinterpret_cast<__nv_bfloat16*>(smem + L::q_off);
   float* sW = reinterpret_cast<float*>(smem + L::w_off);
-  const __nv_bfloat16** sRow = reinterpret_cast<const __nv_bfloat16**>(smem + L::ptr_off);
+  float* sScale = reinterpret_cast<float*>(smem + L::scale_off);  // FP8 keys: the candidate's scale
+  const char** sRow = reinterpret_cast<const char**>(smem + L::ptr_off);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t4 = lane % 4;
   const int H = p.num_heads, num_nt = (H + 7) / 8;
   const int64_t i = blockIdx.x;
@@ -66,12 +87,20 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid
       const int64_t c = c0 + tid;
       const int64_t lo = p.k_start != nullptr ? p.k_start[i] : 0;
       const int64_t hi = p.k_end != nullptr ? p.k_end[i] : p.num_candidates;
-      const __nv_bfloat16* ptr = nullptr;
+      const char* ptr = nullptr;
       if (c < p.num_candidates && c >= lo && c < hi) {
         int64_t block = c / p.block_size;
         if (p.block_table != nullptr) block = block < p.max_blocks ? p.block_table[i * p.max_blocks + block] : -1;
         if (block >= 0 && block < p.num_blocks) {
-          ptr = p.k_cache + block * p.block_stride + (c % p.block_size) * p.token_stride;
+          const int64_t j = c % p.block_size;
+          if constexpr (kFp8) {
+            const char* blk = static_cast<const char*>(p.k_cache) + block * p.block_stride;
+            ptr = blk + j * kDim;
+            sScale[tid] = *reinterpret_cast<const float*>(blk + int64_t(p.block_size) * kDim + 4 * j);
+          } else {
+            ptr = reinterpret_cast<const char*>(static_cast<const __nv_bfloat16*>(p.k_cache) + block * p.block_stride +
+                                                j * p.token_stride);
+          }
         }
       }
       sRow[tid] = ptr;
@@ -79,9 +108,13 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid
     __syncthreads();  // sRow (and, the first time, sQ / sW) written
     for (int v = tid; v < kLogitsCands * kVec; v += kLogitsThreads) {
       const int r = v / kVec, col = (v % kVec) * 8;
-      const __nv_bfloat16* src = sRow[r];
-      if (src != nullptr) {
-        cp_async_16(sK + r * kStride + col, src + col);
+      const char* src = sRow[r];
+      if constexpr (kFp8) {
+        const uint4 val = src != nullptr ? decode_e4m3x8(*reinterpret_cast<const uint2*>(src + col), sScale[r])
+                                         : make_uint4(0u, 0u, 0u, 0u);
+        *reinterpret_cast<uint4*>(sK + r * kStride + col) = val;
+      } else if (src != nullptr) {
+        cp_async_16(sK + r * kStride + col, reinterpret_cast<const __nv_bfloat16*>(src) + col);
       } else {
         *reinterpret_cast<uint4*>(sK + r * kStride + col) = make_uint4(0u, 0u, 0u, 0u);
       }
@@ -137,15 +170,24 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid
   }
 }
 
-template <int kDim>
-void launch_logits_dim(const MqaLogitsParams& p, cudaStream_t stream) {
+template <int kDim, bool kFp8>
+void launch_logits_kernel(const MqaLogitsParams& p, cudaStream_t stream) {
   constexpr size_t smem = LogitsSmem<kDim>::bytes;
-  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(mqa_logits_kernel<kDim>,
+  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(mqa_logits_kernel<kDim, kFp8>,
                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const int64_t num_cb = (p.num_candidates + kLogitsCands - 1) / kLogitsCands;
   const dim3 grid(static_cast<unsigned>(p.t), static_cast<unsigned>(num_cb < kMaxGridY ? num_cb : kMaxGridY));
-  mqa_logits_kernel<kDim><<<grid, kLogitsThreads, smem, stream>>>(p);
+  mqa_logits_kernel<kDim, kFp8><<<grid, kLogitsThreads, smem, stream>>>(p);
   DEEPINFER_CHECK_LAUNCH("mqa_logits_kernel");
+}
+
+template <int kDim>
+void launch_logits_dim(const MqaLogitsParams& p, cudaStream_t stream) {
+  if (p.k_fp8) {
+    launch_logits_kernel<kDim, true>(p, stream);
+  } else {
+    launch_logits_kernel<kDim, false>(p, stream);
+  }
 }
 
 // ---- kv_cache_write

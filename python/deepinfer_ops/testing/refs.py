@@ -376,7 +376,10 @@ def mqa_logits_ref(
     """Reference of ``mqa_logits``: ``logits[t, c] = sum_h weights[t, h] * relu(q[t, h] . k_c)`` in fp32, ``-inf`` for
     candidates outside ``[k_start[t], k_end[t])`` or whose block is invalid. Candidate c is
     ``k_cache[blk, c % block_size]`` with ``blk = c // block_size`` (or ``block_table[t, c // block_size]``; entries
-    past the table or outside ``[0, num_blocks)`` are invalid)."""
+    past the table or outside ``[0, num_blocks)`` are invalid). A uint8 ``k_cache`` holds FP8 keys
+    (:func:`indexer_k_cache_decode_ref`)."""
+    if k_cache.dtype == torch.uint8:
+        k_cache = indexer_k_cache_decode_ref(k_cache)
     t = q.shape[0]
     num_blocks, block_size, _ = k_cache.shape
     c = torch.arange(num_candidates, device=q.device)
@@ -463,4 +466,55 @@ def kv_cache_dequant_fp8_ref(kv_cache: torch.Tensor, slot_mapping: torch.Tensor)
     if num_blocks * block_size == 0:
         return torch.zeros(s.shape[0], FP8_NOPE_DIMS + FP8_ROPE_DIMS, dtype=torch.bfloat16, device=kv_cache.device)
     rows = fp8_entry_decode_ref(kv_cache[s // block_size, s % block_size])
+    return torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
+
+
+def indexer_k_encode_ref(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 indexer keys: bf16 ``[t, d]`` -> (e4m3 codes ``[t, d]`` uint8, fp32 scales ``[t]``): one group of d dims per
+    key, ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))`` (``per_token_group_quant_fp8_ref`` with UE8M0 scales;
+    NaN or inf in the key gives a NaN scale)."""
+    q, scale = per_token_group_quant_fp8_ref(k, k.shape[1], scale_ue8m0=True)
+    q, scale = q.view(torch.uint8), scale.reshape(-1)
+    bad = ~torch.isfinite(scale)  # the kernels store a NaN scale (E8M0 0xFF) and NaN codes (x / NaN)
+    q = torch.where(bad.unsqueeze(-1), torch.full_like(q, 0x7F), q)
+    return q, torch.where(bad, torch.full_like(scale, float("nan")), scale)
+
+
+def indexer_k_cache_write_fp8_ref(k_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Reference of ``indexer_k_cache_write_fp8`` (returns a new uint8 cache ``[num_blocks, block_size, d + 4]``): key
+    ``slot_mapping[i]`` = (block b, j) gets its codes at bytes ``[j d, (j + 1) d)`` of block b and its fp32 scale at
+    ``block_size * d + 4 j``; slots outside the cache are skipped."""
+    out = k_cache.clone()
+    num_blocks, block_size, width = k_cache.shape
+    d = width - 4
+    codes, scale = indexer_k_encode_ref(k)
+    flat = out.view(num_blocks, block_size * width)
+    for i, s in enumerate(slot_mapping.tolist()):
+        if 0 <= s < num_blocks * block_size:
+            b, j = divmod(s, block_size)
+            flat[b, j * d:(j + 1) * d] = codes[i]
+            flat[b, block_size * d + 4 * j:block_size * d + 4 * j + 4] = scale[i:i + 1].view(torch.uint8)
+    return out
+
+
+def indexer_k_cache_decode_ref(k_cache: torch.Tensor) -> torch.Tensor:
+    """Every key of an FP8 indexer-key cache ``[num_blocks, block_size, d + 4]`` uint8 decoded to bf16
+    ``[num_blocks, block_size, d]``: ``bf16(float(e4m3) * scale)`` (exact)."""
+    num_blocks, block_size, width = k_cache.shape
+    d = width - 4
+    flat = k_cache.reshape(num_blocks, block_size * width)
+    codes = flat[:, :block_size * d].reshape(num_blocks, block_size, d).contiguous().view(torch.float8_e4m3fn)
+    scale = flat[:, block_size * d:].contiguous().view(torch.float32).view(num_blocks, block_size, 1)
+    return (codes.float() * scale).to(torch.bfloat16)
+
+
+def indexer_k_cache_dequant_fp8_ref(k_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Reference of ``indexer_k_cache_dequant_fp8``: bf16 ``[t, d]``, zero rows for slots outside the cache."""
+    num_blocks, block_size, width = k_cache.shape
+    s = slot_mapping.long()
+    valid = (s >= 0) & (s < num_blocks * block_size)
+    if num_blocks * block_size == 0:
+        return torch.zeros(s.shape[0], width - 4, dtype=torch.bfloat16, device=k_cache.device)
+    s = torch.where(valid, s, torch.zeros_like(s))
+    rows = indexer_k_cache_decode_ref(k_cache)[s // block_size, s % block_size]
     return torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))

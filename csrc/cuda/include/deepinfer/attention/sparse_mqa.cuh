@@ -43,8 +43,9 @@ void launch_sparse_mqa(const SparseMqaParams& p, cudaStream_t stream);
 struct MqaLogitsParams {
   const __nv_bfloat16* q;  // [t, num_heads, head_dim] contiguous
   const float* weights;    // [t, num_heads]
-  const __nv_bfloat16* k_cache;  // [num_blocks, block_size, head_dim]
-  int64_t block_stride, token_stride, num_blocks;
+  const void* k_cache;  // bf16 [num_blocks, block_size, head_dim] or (k_fp8) uint8 FP8 keys [.., head_dim + 4]
+  bool k_fp8;           // FP8 keys: block_stride in bytes; codes at j * head_dim, scales at block_size * head_dim + 4 j
+  int64_t block_stride, token_stride, num_blocks;  // elements of the cache's dtype
   int block_size;
   const int32_t* block_table;  // [t, max_blocks] or nullptr (candidate c -> flat slot c)
   int max_blocks;
@@ -86,15 +87,18 @@ struct KvCacheWriteParams {
 void launch_kv_cache_write(const KvCacheWriteParams& p, cudaStream_t stream);
 
 struct Fp8CacheParams {
-  uint8_t* cache;  // [num_blocks, block_size, 584] (const for dequant); byte strides
-  int64_t block_stride, token_stride, num_slots;
+  uint8_t* cache;  // [num_blocks, block_size, 584] MODEL1 or [.., head_dim + 4] indexer keys (const for dequant)
+  int64_t block_stride, token_stride, num_slots;  // bytes
   int block_size;
-  __nv_bfloat16* rows;  // [t, 512] (read by the write, written by the dequant), row stride row_stride elements
+  int head_dim;         // indexer keys only: 48, 64 or 128
+  __nv_bfloat16* rows;  // [t, 512] / [t, head_dim] (read by the write, written by the dequant), row stride elements
   int64_t row_stride, t;
   const int64_t* slot_mapping;  // [t]; invalid slots: skipped (write) or zero rows (dequant)
 };
 
 void launch_kv_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream);
 void launch_kv_cache_dequant_fp8(const Fp8CacheParams& p, cudaStream_t stream);
+void launch_indexer_k_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream);
+void launch_indexer_k_cache_dequant_fp8(const Fp8CacheParams& p, cudaStream_t stream);
 
 }  // namespace deepinfer::attention
