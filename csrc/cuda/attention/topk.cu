@@ -1,5 +1,8 @@
 // topk_rows on CUDA: exact top-k of each row of fp32 scores with the project's tie rule (higher score first, then
-// lower index), by radix select over several CTAs per row.
+// lower index). Two paths, chosen by the shape only (never by the data), with identical results:
+//   * two-stage (one read of the scores; rows whose candidates fit: chunks * q <= kSelectMaxCand, e.g. n <= 262144
+//     at k <= 1024): per-chunk candidate supersets, then one exact select + sort per row (see below, "Two-stage");
+//   * radix select over several CTAs per row (every other shape: larger k at long rows), described here.
 //
 // Keys: the order-preserving uint32 image of each score (larger float -> larger key; every NaN -> 0xffffffff, above
 // +inf; -0.0 -> the key of +0.0), so "score desc, index asc" is "key desc, index asc" and the values written are
@@ -437,11 +440,281 @@ __global__ void __launch_bounds__(kSortThreads) topk_sort_kernel(const __grid_co
   }
 }
 
+
+// ---- Two-stage path (one read of the scores): chunk candidates, then an exact select per row ---------------------
+//
+// topk_chunk_candidates  grid (rows, chunks of kCandChunk): a CTA loads its chunk once into registers (keys), then
+//                        finds by a bitwise search the largest key x with count(key >= x) >= k, stopping as soon as
+//                        that count is <= q (q = k + max(k / 4, 64) slots per chunk); the elements >= x (a superset
+//                        of the chunk's top k under "key desc, index asc") are its candidates. When no x gets the
+//                        count down to q (ties: x is then the chunk's k-th key), the candidates are the elements
+//                        above x and the k - count(> x) lowest-index elements equal to x (index-ordered block scans).
+//                        Candidates (key << 32 | ~index) go to the chunk's own q slots; their count to counts[].
+// topk_select            one CTA per row: the row's candidates (<= kSelectMaxCand) in shared memory, the k-th largest
+//                        candidate by a bitwise search over the 64-bit entries (all distinct, so it stops at a count
+//                        of exactly k), the k entries >= it bitonic-sorted, then values = scores[index], indices.
+// Every element of the row's top k is in its chunk's top k, so it is a candidate; the result is exact and, as the
+// entries are distinct, independent of the order of atomics, the chunking and the batch. Used when the row's
+// candidates fit (chunks * q <= kSelectMaxCand: e.g. n <= 262144 at k <= 1024); the radix path above otherwise.
+constexpr int kCandThreads = 512;
+constexpr int kCandWarps = kCandThreads / 32;
+constexpr int kCandPerThread = 32;                          // keys per thread: 8 float4
+constexpr int kCandChunk = kCandThreads * kCandPerThread;   // 16384 elements per CTA
+constexpr int kSelectThreads = 1024;
+constexpr int kSelectMaxCand = 24576;                       // 192 KiB of shared memory in topk_select
+constexpr int kSelectMaxChunks = 1024;
+
+__host__ __device__ constexpr int cand_slots(int k) { return k + (k / 4 > 64 ? k / 4 : 64); }
+
+struct TopkCandRun {
+  const float* scores;
+  int64_t score_row_stride;
+  float* values;
+  int64_t* indices;
+  int64_t row0;   // first row of this group
+  int n, k, chunks, q;
+  bool vec;       // every row 16-byte aligned: float4 loads
+  int* counts;    // [group][chunks]
+  uint64_t* cand; // [group][chunks][q]
+};
+
+// Sum over the block of v (any order: integer), through one of two alternating scratch buffers so that one barrier
+// per call suffices.
+template <int kNumWarps>
+__device__ __forceinline__ int block_count(int v, int (*s_red)[kNumWarps], int& parity) {
+  v = __reduce_add_sync(0xffffffffu, v);
+  int* buf = s_red[parity];
+  parity ^= 1;
+  if (threadIdx.x % 32 == 0) buf[threadIdx.x / 32] = v;
+  __syncthreads();
+  int t = 0;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) t += buf[w];
+  return t;
+}
+
+// Exclusive prefix of v over the block in thread order, and the block's total. Ends with a barrier.
+template <int kNumWarps>
+__device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int incl = warp_inclusive_scan(v, lane);
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) {
+    const int c = s_warp[w];
+    before += w < warp ? c : 0;
+    total += c;
+  }
+  __syncthreads();
+  return before + incl - v;
+}
+
+__global__ void __launch_bounds__(kCandThreads, 2) topk_chunk_candidates_kernel(const __grid_constant__ TopkCandRun r) {
+  __shared__ int s_red[2][kCandWarps];
+  __shared__ int s_warp[kCandWarps];
+  __shared__ int s_count;
+  const int g = blockIdx.x, chunk = blockIdx.y, tid = threadIdx.x, lane = tid % 32;
+  const float* srow = r.scores + (r.row0 + g) * r.score_row_stride;
+  const int c0 = chunk * kCandChunk, c1 = min(c0 + kCandChunk, r.n), len = c1 - c0;
+  // Element m = 4 j + e of this thread is index c0 + 4 (j * kCandThreads + tid) + e (index order: j, tid, e).
+  uint32_t u[kCandPerThread];
+#pragma unroll
+  for (int j = 0; j < kCandPerThread / 4; ++j) {
+    const int base = c0 + 4 * (j * kCandThreads + tid);
+    if (r.vec && base + 4 <= c1) {
+      const float4 v = __ldg(reinterpret_cast<const float4*>(srow + base));
+      u[4 * j] = topk_key(v.x);
+      u[4 * j + 1] = topk_key(v.y);
+      u[4 * j + 2] = topk_key(v.z);
+      u[4 * j + 3] = topk_key(v.w);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) u[4 * j + e] = base + e < c1 ? topk_key(__ldg(srow + base + e)) : 0u;
+    }
+  }
+  if (tid == 0) s_count = 0;
+  // Real keys are >= 1 (topk_key(-inf) > 0); positions past the row hold 0 and are never taken (x >= 1 below, or
+  // the index check when the whole chunk is taken).
+  uint32_t x = 0u;
+  int need_eq = -1;  // >= 0: the tie path
+  if (len > r.q) {
+    int parity = 0, c = kCandChunk;
+    for (int b = 31; b >= 0; --b) {
+      const uint32_t xt = x | (1u << b);
+      int cnt = 0;
+#pragma unroll
+      for (int m = 0; m < kCandPerThread; ++m) cnt += u[m] >= xt ? 1 : 0;
+      cnt = block_count<kCandWarps>(cnt, s_red, parity);
+      if (cnt >= r.k) {
+        x = xt;
+        c = cnt;
+        if (c <= r.q) break;  // uniform
+      }
+    }
+    if (c > r.q) {  // x is the chunk's k-th largest key and too many elements equal it
+      int gt = 0;
+#pragma unroll
+      for (int m = 0; m < kCandPerThread; ++m) gt += u[m] > x ? 1 : 0;
+      need_eq = r.k - block_count<kCandWarps>(gt, s_red, parity);
+    }
+  }
+  __syncthreads();  // s_count initialised
+  uint64_t* cand = r.cand + (static_cast<int64_t>(g) * r.chunks + chunk) * r.q;
+#pragma unroll
+  for (int j = 0; j < kCandPerThread / 4; ++j) {
+    const int base = c0 + 4 * (j * kCandThreads + tid);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t key = u[4 * j + e];
+      const bool take = base + e < c1 && (need_eq < 0 ? key >= x : key > x);
+      warp_append(take, sel_entry(key, base + e), &s_count, cand, r.q, lane);
+    }
+  }
+  if (need_eq >= 0) {  // uniform: the need_eq lowest-index elements equal to x
+    int done = 0;
+#pragma unroll  // (compile-time indices into u: a runtime index would move u to local memory)
+    for (int j = 0; j < kCandPerThread / 4; ++j) {
+      if (done >= need_eq) break;  // uniform
+      const int base = c0 + 4 * (j * kCandThreads + tid);
+      int eq = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) eq += (base + e < c1 && u[4 * j + e] == x) ? 1 : 0;
+      int total;
+      int rank = done + block_exclusive_scan<kCandWarps>(eq, s_warp, total);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool is_eq = base + e < c1 && u[4 * j + e] == x;
+        warp_append(is_eq && rank < need_eq, sel_entry(x, base + e), &s_count, cand, r.q, lane);
+        rank += is_eq ? 1 : 0;
+      }
+      done += total;
+    }
+  }
+  __syncthreads();
+  if (tid == 0) r.counts[static_cast<int64_t>(g) * r.chunks + chunk] = min(s_count, r.q);
+}
+
+__global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __grid_constant__ TopkCandRun r) {
+  constexpr int kWarpsSel = kSelectThreads / 32;
+  extern __shared__ __align__(16) char dyn[];
+  int npow2 = 1;
+  while (npow2 < r.k) npow2 <<= 1;
+  uint64_t* s_sort = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
+  uint64_t* s_cand = s_sort + npow2;                     // [chunks * q]
+  int* s_off = reinterpret_cast<int*>(s_cand + static_cast<int64_t>(r.chunks) * r.q);  // [chunks]
+  __shared__ int s_red[2][kWarpsSel];
+  __shared__ int s_warp[kWarpsSel];
+  __shared__ int s_sel;
+  const int g = blockIdx.x, tid = threadIdx.x;
+  const int* counts = r.counts + static_cast<int64_t>(g) * r.chunks;
+  // Offsets of the chunks' candidates (chunks <= kSelectMaxChunks = kSelectThreads).
+  const int my = tid < r.chunks ? counts[tid] : 0;
+  int m_total;
+  const int off = block_exclusive_scan<kWarpsSel>(my, s_warp, m_total);
+  if (tid < r.chunks) s_off[tid] = off;
+  if (tid == 0) s_sel = 0;
+  __syncthreads();
+  const uint64_t* cand = r.cand + static_cast<int64_t>(g) * r.chunks * r.q;
+  for (int c = 0; c < r.chunks; ++c) {
+    const int cnt = counts[c], o = s_off[c];
+    for (int i = tid; i < cnt; i += kSelectThreads) s_cand[o + i] = cand[static_cast<int64_t>(c) * r.q + i];
+  }
+  __syncthreads();
+  // The k-th largest candidate: the largest x with count(entry >= x) >= k; entries are distinct, so the search stops
+  // at a count of exactly k.
+  uint64_t x = 0ull;
+  if (m_total > r.k) {
+    int parity = 0;
+    for (int b = 63; b >= 0; --b) {
+      const uint64_t xt = x | (1ull << b);
+      int cnt = 0;
+      for (int i = tid; i < m_total; i += kSelectThreads) cnt += s_cand[i] >= xt ? 1 : 0;
+      cnt = block_count<kWarpsSel>(cnt, s_red, parity);
+      if (cnt >= r.k) {
+        x = xt;
+        if (cnt == r.k) break;  // uniform
+      }
+    }
+  }
+  for (int i = tid; i < npow2; i += kSelectThreads) s_sort[i] = 0ull;  // zero padding sorts last
+  __syncthreads();
+  for (int i = tid; i < m_total; i += kSelectThreads) {
+    const uint64_t e = s_cand[i];
+    if (e >= x) {
+      const int slot = atomicAdd(&s_sel, 1);
+      if (slot < r.k) s_sort[slot] = e;
+    }
+  }
+  bitonic_sort_desc<kSelectThreads>(s_sort, npow2);  // (key desc, index asc); starts and ends with a barrier
+  const int64_t row = r.row0 + g;
+  const float* srow = r.scores + row * r.score_row_stride;
+  for (int j = tid; j < r.k; j += kSelectThreads) {
+    const int idx = static_cast<int>(~static_cast<uint32_t>(s_sort[j]));
+    r.values[row * r.k + j] = srow[idx];
+    r.indices[row * r.k + j] = idx;
+  }
+}
+
+struct TopkCandPlan {
+  bool use;
+  int chunks, q;
+  int64_t group_rows, counts_off, cand_off, bytes;
+  size_t select_smem;
+};
+
+TopkCandPlan make_cand_plan(const TopkParams& p) {
+  TopkCandPlan t{};
+  const int64_t n = p.n;
+  t.chunks = static_cast<int>(n == 0 ? 1 : (n + kCandChunk - 1) / kCandChunk);
+  t.q = cand_slots(p.k);
+  if (t.q > kCandChunk) t.q = kCandChunk;
+  t.use = t.chunks <= kSelectMaxChunks && static_cast<int64_t>(t.chunks) * t.q <= kSelectMaxCand;
+  t.group_rows = p.rows < kRowGroup ? p.rows : kRowGroup;
+  t.counts_off = 0;
+  t.cand_off = (t.group_rows * t.chunks * 4 + 15) / 16 * 16;
+  t.bytes = t.cand_off + t.group_rows * t.chunks * t.q * 8;
+  int npow2 = 1;
+  while (npow2 < p.k) npow2 <<= 1;
+  t.select_smem = static_cast<size_t>(npow2) * 8 + static_cast<size_t>(t.chunks) * t.q * 8 + t.chunks * 4;
+  return t;
+}
+
+void launch_topk_two_stage(const TopkParams& p, const TopkCandPlan& plan, cudaStream_t stream) {
+  char* ws = static_cast<char*>(p.workspace);
+  TopkCandRun r{};
+  r.scores = p.scores;
+  r.score_row_stride = p.score_row_stride;
+  r.values = p.values;
+  r.indices = p.indices;
+  r.n = p.n;
+  r.k = p.k;
+  r.chunks = plan.chunks;
+  r.q = plan.q;
+  r.vec = is_aligned(p.scores, 16) && p.score_row_stride % 4 == 0;
+  r.counts = reinterpret_cast<int*>(ws + plan.counts_off);
+  r.cand = reinterpret_cast<uint64_t*>(ws + plan.cand_off);
+  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(topk_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(plan.select_smem)));
+  for (int64_t row0 = 0; row0 < p.rows; row0 += plan.group_rows) {
+    const int64_t g = p.rows - row0 < plan.group_rows ? p.rows - row0 : plan.group_rows;
+    r.row0 = row0;
+    topk_chunk_candidates_kernel<<<dim3(static_cast<unsigned>(g), static_cast<unsigned>(plan.chunks)), kCandThreads,
+                                   0, stream>>>(r);
+    DEEPINFER_CHECK_LAUNCH("topk_chunk_candidates_kernel");
+    topk_select_kernel<<<static_cast<unsigned>(g), kSelectThreads, plan.select_smem, stream>>>(r);
+    DEEPINFER_CHECK_LAUNCH("topk_select_kernel");
+  }
+}
+
 }  // namespace
 
 int64_t topk_rows_workspace_bytes(const TopkParams& p) {
   if (p.rows == 0 || p.k == 0) return 0;
-  return make_plan(p).bytes;
+  const TopkCandPlan cp = make_cand_plan(p);
+  return cp.use ? cp.bytes : make_plan(p).bytes;
 }
 
 void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
@@ -450,10 +723,16 @@ void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
     throw std::runtime_error("deepinfer topk_rows: need k <= min(n, 2048) and n < 2^30, got k = " +
                              std::to_string(p.k) + ", n = " + std::to_string(p.n));
   }
-  const TopkPlan plan = make_plan(p);
-  if (p.workspace == nullptr || p.workspace_bytes < plan.bytes || !is_aligned(p.workspace, 16)) {
+  const TopkCandPlan cp = make_cand_plan(p);
+  const int64_t need = cp.use ? cp.bytes : make_plan(p).bytes;
+  if (p.workspace == nullptr || p.workspace_bytes < need || !is_aligned(p.workspace, 16)) {
     throw std::runtime_error("deepinfer topk_rows: workspace missing, too small or not 16-byte aligned");
   }
+  if (cp.use) {
+    launch_topk_two_stage(p, cp, stream);
+    return;
+  }
+  const TopkPlan plan = make_plan(p);
   char* ws = static_cast<char*>(p.workspace);
   TopkRun r{};
   r.scores = p.scores;
