@@ -20,9 +20,9 @@ constexpr int64_t kFp8HeadDim = kFp8NopeDims + kFp8RopeDims;
 
 // FP8 indexer-key cache (DeepGEMM / vLLM paged layout for the V3.2 / V4 lightning indexer): uint8
 // [num_blocks, block_size, head_dim + 4]; within a block, the block_size x head_dim e4m3 codes of its keys (token
-// after token) and then block_size fp32 scales (one per key, a power of two): key (blk, j) = codes[blk][j * head_dim ..]
-// at byte j * head_dim of the block, its scale at byte block_size * head_dim + 4 j. The block's bytes are one dense
-// [block_size, head_dim + 4] view (stride(1) == head_dim + 4); blocks may be padded (stride(0) >= that, a multiple of 4).
+// after token), then block_size fp32 scales (one per key, a power of two): key j's codes at byte j * head_dim of the
+// block, its scale at byte block_size * head_dim + 4 j. The block's bytes are one dense [block_size, head_dim + 4]
+// view (stride(1) == head_dim + 4); blocks may be padded (stride(0) >= that, a multiple of 4).
 constexpr int64_t kIndexerFp8ScaleBytes = 4;
 
 inline bool is_indexer_head_dim(int64_t d) { return d == 48 || d == 64 || d == 128; }
@@ -35,7 +35,8 @@ inline void check_indexer_fp8_cache_layout(const char* op, const at::Tensor& k_c
                   "] (head_dim e4m3 codes + a 4-byte fp32 scale per key), got ", k_cache.sizes());
   DEEPINFER_CHECK(k_cache.numel() == 0 ||
                       (k_cache.stride(2) == 1 && k_cache.stride(1) == d + kIndexerFp8ScaleBytes &&
-                       k_cache.stride(0) >= k_cache.size(1) * (d + kIndexerFp8ScaleBytes) && k_cache.stride(0) % 4 == 0),
+                       k_cache.stride(0) >= k_cache.size(1) * (d + kIndexerFp8ScaleBytes) &&
+                       k_cache.stride(0) % 4 == 0),
                   op, name, " must hold each block densely (strides [>= block_size * ", d + kIndexerFp8ScaleBytes,
                   " and a multiple of 4, ", d + kIndexerFp8ScaleBytes, ", 1]), got strides ", k_cache.strides());
 }

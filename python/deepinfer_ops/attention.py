@@ -153,8 +153,8 @@ def mqa_logits(
     Candidate c of token t is the cache row ``k_cache[blk, c % block_size]`` with ``blk = c // block_size`` (flat
     cache) or ``blk = block_table[t, c // block_size]`` (paged; a block past the table's end or outside
     ``[0, num_blocks)`` is invalid). FP8 keys (uint8 cache, layout in the module doc) are decoded exactly to bf16
-    first: the logits equal those over the decoded cache bit for bit. ``k_start``/``k_end`` mask candidates outside ``[k_start[t], k_end[t])`` (e.g.
-    future entries).
+    first: the logits equal those over the decoded cache bit for bit. ``k_start``/``k_end`` mask candidates
+    outside ``[k_start[t], k_end[t])`` (e.g. future entries).
 
     Args:
         q: ``[num_tokens, H, head_dim]`` bf16 (CPU also float32, with a float32 k_cache), contiguous; head_dim 48

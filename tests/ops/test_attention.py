@@ -771,7 +771,8 @@ def test_indexer_fp8_cache_errors_name_the_tensor(device):
 
 def test_indexer_fp8_wrapper_and_opcheck():
     with pytest.raises(ValueError, match="indexer_k_cache_dequant_fp8: k_cache must be"):
-        deepinfer_ops.indexer_k_cache_dequant_fp8(torch.zeros(2, 4, dtype=torch.uint8), torch.zeros(1, dtype=torch.long))
+        deepinfer_ops.indexer_k_cache_dequant_fp8(torch.zeros(2, 4, dtype=torch.uint8),
+                                                  torch.zeros(1, dtype=torch.long))
     g = _gen(5)
     cache = _idx_fp8_cache(2, 8, 64, "cpu")
     k = torch.randn(3, 64, generator=g).bfloat16()

@@ -115,7 +115,10 @@ __global__ void __launch_bounds__(kWarps * 32)
     const int c = lane + 32 * r;
     if (c < d) block[j * d + c] = to_e4m3(v[r], sc);
   }
-  if (lane == 0) memcpy(block + int64_t(p.block_size) * d + 4 * j, &sc, 4);  // the cache may be only byte-aligned
+  if (lane == 0) {  // NaN stored as the canonical 0x7FC00000 (the CPU's and torch's NaN; CUDART_NAN_F is 0x7FFFFFFF)
+    const uint32_t bits = isnan(sc) ? 0x7fc00000u : __float_as_uint(sc);
+    memcpy(block + int64_t(p.block_size) * d + 4 * j, &bits, 4);  // the cache may be only byte-aligned
+  }
 }
 
 __global__ void __launch_bounds__(kWarps * 32)

@@ -443,9 +443,10 @@ __global__ void __launch_bounds__(kSortThreads) topk_sort_kernel(const __grid_co
 
 // ---- Two-stage path (one read of the scores): chunk candidates, then an exact select per row ---------------------
 //
-// topk_chunk_candidates  grid (rows, chunks of kCandChunk): a CTA loads its chunk once into registers (keys), then
-//                        finds by a bitwise search the largest key x with count(key >= x) >= k, stopping as soon as
-//                        that count is <= q (q = k + max(k / 4, 64) slots per chunk); the elements >= x (a superset
+// topk_chunk_candidates  persistent CTAs (one per SM) over the (row, chunk of kCandChunk) items, the next item's
+//                        loads in flight during the current search: an item's chunk is loaded once into registers
+//                        (keys), then a bitwise search finds the largest key x with count(key >= x) >= k, stopping
+//                        as soon as that count is <= q (q = k + max(k / 4, 64) slots per chunk); the elements >= x (a superset
 //                        of the chunk's top k under "key desc, index asc") are its candidates. When no x gets the
 //                        count down to q (ties: x is then the chunk's k-th key), the candidates are the elements
 //                        above x and the k - count(> x) lowest-index elements equal to x (index-ordered block scans).
@@ -512,89 +513,108 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& tot
   return before + incl - v;
 }
 
-__global__ void __launch_bounds__(kCandThreads, 2) topk_chunk_candidates_kernel(const __grid_constant__ TopkCandRun r) {
+// Persistent: CTA i takes work items (row, chunk) i, i + gridDim.x, ...; the next item's scores are loaded (into
+// registers) while the current one is searched, so the row is read once at close to the copy bandwidth.
+__global__ void __launch_bounds__(kCandThreads, 1)
+    topk_chunk_candidates_kernel(const __grid_constant__ TopkCandRun r, int num_items) {
   __shared__ int s_red[2][kCandWarps];
   __shared__ int s_warp[kCandWarps];
   __shared__ int s_count;
-  const int g = blockIdx.x, chunk = blockIdx.y, tid = threadIdx.x, lane = tid % 32;
-  const float* srow = r.scores + (r.row0 + g) * r.score_row_stride;
-  const int c0 = chunk * kCandChunk, c1 = min(c0 + kCandChunk, r.n), len = c1 - c0;
-  // Element m = 4 j + e of this thread is index c0 + 4 (j * kCandThreads + tid) + e (index order: j, tid, e).
-  uint32_t u[kCandPerThread];
+  const int tid = threadIdx.x, lane = tid % 32;
+  // Element m = 4 j + e of this thread in a chunk starting at c0 is index c0 + 4 (j * kCandThreads + tid) + e
+  // (index order: j, tid, e).
+  float v[kCandPerThread];  // the scores of the item being loaded
+  const auto load = [&](int item) {
+    const int g = item / r.chunks, chunk = item % r.chunks;
+    const float* srow = r.scores + (r.row0 + g) * r.score_row_stride;
+    const int c0 = chunk * kCandChunk, c1 = min(c0 + kCandChunk, r.n);
 #pragma unroll
-  for (int j = 0; j < kCandPerThread / 4; ++j) {
-    const int base = c0 + 4 * (j * kCandThreads + tid);
-    if (r.vec && base + 4 <= c1) {
-      const float4 v = __ldg(reinterpret_cast<const float4*>(srow + base));
-      u[4 * j] = topk_key(v.x);
-      u[4 * j + 1] = topk_key(v.y);
-      u[4 * j + 2] = topk_key(v.z);
-      u[4 * j + 3] = topk_key(v.w);
-    } else {
+    for (int j = 0; j < kCandPerThread / 4; ++j) {
+      const int base = c0 + 4 * (j * kCandThreads + tid);
+      if (r.vec && base + 4 <= c1) {
+        const float4 f = __ldg(reinterpret_cast<const float4*>(srow + base));
+        v[4 * j] = f.x;
+        v[4 * j + 1] = f.y;
+        v[4 * j + 2] = f.z;
+        v[4 * j + 3] = f.w;
+      } else {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) u[4 * j + e] = base + e < c1 ? topk_key(__ldg(srow + base + e)) : 0u;
-    }
-  }
-  if (tid == 0) s_count = 0;
-  // Real keys are >= 1 (topk_key(-inf) > 0); positions past the row hold 0 and are never taken (x >= 1 below, or
-  // the index check when the whole chunk is taken).
-  uint32_t x = 0u;
-  int need_eq = -1;  // >= 0: the tie path
-  if (len > r.q) {
-    int parity = 0, c = kCandChunk;
-    for (int b = 31; b >= 0; --b) {
-      const uint32_t xt = x | (1u << b);
-      int cnt = 0;
-#pragma unroll
-      for (int m = 0; m < kCandPerThread; ++m) cnt += u[m] >= xt ? 1 : 0;
-      cnt = block_count<kCandWarps>(cnt, s_red, parity);
-      if (cnt >= r.k) {
-        x = xt;
-        c = cnt;
-        if (c <= r.q) break;  // uniform
+        for (int e = 0; e < 4; ++e) v[4 * j + e] = base + e < c1 ? __ldg(srow + base + e) : 0.f;
       }
     }
-    if (c > r.q) {  // x is the chunk's k-th largest key and too many elements equal it
-      int gt = 0;
+  };
+  if (static_cast<int>(blockIdx.x) < num_items) load(blockIdx.x);
+  for (int item = blockIdx.x; item < num_items; item += gridDim.x) {
+    const int g = item / r.chunks, chunk = item % r.chunks;
+    const int c0 = chunk * kCandChunk, c1 = min(c0 + kCandChunk, r.n), len = c1 - c0;
+    // Real keys are >= 1 (topk_key(-inf) > 0); positions past the row get 0 and are never taken (x >= 1 below, or
+    // the index check when the whole chunk is taken).
+    uint32_t u[kCandPerThread];
 #pragma unroll
-      for (int m = 0; m < kCandPerThread; ++m) gt += u[m] > x ? 1 : 0;
-      need_eq = r.k - block_count<kCandWarps>(gt, s_red, parity);
+    for (int m = 0; m < kCandPerThread; ++m) {
+      u[m] = c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4 < c1 ? topk_key(v[m]) : 0u;
     }
-  }
-  __syncthreads();  // s_count initialised
-  uint64_t* cand = r.cand + (static_cast<int64_t>(g) * r.chunks + chunk) * r.q;
+    if (item + static_cast<int>(gridDim.x) < num_items) load(item + gridDim.x);  // in flight during the search
+    if (tid == 0) s_count = 0;
+    uint32_t x = 0u;
+    int need_eq = -1;  // >= 0: the tie path
+    if (len > r.q) {
+      int parity = 0, c = kCandChunk;
+      for (int b = 31; b >= 0; --b) {
+        const uint32_t xt = x | (1u << b);
+        int cnt = 0;
 #pragma unroll
-  for (int j = 0; j < kCandPerThread / 4; ++j) {
-    const int base = c0 + 4 * (j * kCandThreads + tid);
+        for (int m = 0; m < kCandPerThread; ++m) cnt += u[m] >= xt ? 1 : 0;
+        cnt = block_count<kCandWarps>(cnt, s_red, parity);
+        if (cnt >= r.k) {
+          x = xt;
+          c = cnt;
+          if (c <= r.q) break;  // uniform
+        }
+      }
+      if (c > r.q) {  // x is the chunk's k-th largest key and too many elements equal it
+        int gt = 0;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const uint32_t key = u[4 * j + e];
-      const bool take = base + e < c1 && (need_eq < 0 ? key >= x : key > x);
-      warp_append(take, sel_entry(key, base + e), &s_count, cand, r.q, lane);
+        for (int m = 0; m < kCandPerThread; ++m) gt += u[m] > x ? 1 : 0;
+        need_eq = r.k - block_count<kCandWarps>(gt, s_red, parity);
+      }
     }
-  }
-  if (need_eq >= 0) {  // uniform: the need_eq lowest-index elements equal to x
-    int done = 0;
-#pragma unroll  // (compile-time indices into u: a runtime index would move u to local memory)
+    __syncthreads();  // s_count initialised
+    uint64_t* cand = r.cand + (static_cast<int64_t>(g) * r.chunks + chunk) * r.q;
+#pragma unroll
     for (int j = 0; j < kCandPerThread / 4; ++j) {
-      if (done >= need_eq) break;  // uniform
       const int base = c0 + 4 * (j * kCandThreads + tid);
-      int eq = 0;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) eq += (base + e < c1 && u[4 * j + e] == x) ? 1 : 0;
-      int total;
-      int rank = done + block_exclusive_scan<kCandWarps>(eq, s_warp, total);
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const bool is_eq = base + e < c1 && u[4 * j + e] == x;
-        warp_append(is_eq && rank < need_eq, sel_entry(x, base + e), &s_count, cand, r.q, lane);
-        rank += is_eq ? 1 : 0;
+        const uint32_t key = u[4 * j + e];
+        const bool take = base + e < c1 && (need_eq < 0 ? key >= x : key > x);
+        warp_append(take, sel_entry(key, base + e), &s_count, cand, r.q, lane);
       }
-      done += total;
     }
+    if (need_eq >= 0) {  // uniform: the need_eq lowest-index elements equal to x
+      int done = 0;
+#pragma unroll  // (compile-time indices into u: a runtime index would move u to local memory)
+      for (int j = 0; j < kCandPerThread / 4; ++j) {
+        if (done >= need_eq) break;  // uniform
+        const int base = c0 + 4 * (j * kCandThreads + tid);
+        int eq = 0;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) eq += (base + e < c1 && u[4 * j + e] == x) ? 1 : 0;
+        int total;
+        int rank = done + block_exclusive_scan<kCandWarps>(eq, s_warp, total);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool is_eq = base + e < c1 && u[4 * j + e] == x;
+          warp_append(is_eq && rank < need_eq, sel_entry(x, base + e), &s_count, cand, r.q, lane);
+          rank += is_eq ? 1 : 0;
+        }
+        done += total;
+      }
+    }
+    __syncthreads();  // every append done
+    if (tid == 0) r.counts[static_cast<int64_t>(g) * r.chunks + chunk] = min(s_count, r.q);
+    __syncthreads();  // s_count read before the next item resets it
   }
-  __syncthreads();
-  if (tid == 0) r.counts[static_cast<int64_t>(g) * r.chunks + chunk] = min(s_count, r.q);
 }
 
 __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __grid_constant__ TopkCandRun r) {
@@ -604,7 +624,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
   while (npow2 < r.k) npow2 <<= 1;
   uint64_t* s_sort = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
   uint64_t* s_cand = s_sort + npow2;                     // [chunks * q]
-  int* s_off = reinterpret_cast<int*>(s_cand + static_cast<int64_t>(r.chunks) * r.q);  // [chunks]
+  int* s_off = reinterpret_cast<int*>(s_cand + static_cast<int64_t>(r.chunks) * r.q);  // [chunks + 1]
   __shared__ int s_red[2][kWarpsSel];
   __shared__ int s_warp[kWarpsSel];
   __shared__ int s_sel;
@@ -615,12 +635,23 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
   int m_total;
   const int off = block_exclusive_scan<kWarpsSel>(my, s_warp, m_total);
   if (tid < r.chunks) s_off[tid] = off;
-  if (tid == 0) s_sel = 0;
+  if (tid == 0) {
+    s_off[r.chunks] = m_total;
+    s_sel = 0;
+  }
   __syncthreads();
   const uint64_t* cand = r.cand + static_cast<int64_t>(g) * r.chunks * r.q;
-  for (int c = 0; c < r.chunks; ++c) {
-    const int cnt = counts[c], o = s_off[c];
-    for (int i = tid; i < cnt; i += kSelectThreads) s_cand[o + i] = cand[static_cast<int64_t>(c) * r.q + i];
+  for (int i = tid; i < m_total; i += kSelectThreads) {  // candidate i: chunk c with s_off[c] <= i < s_off[c + 1]
+    int lo = 0, hi = r.chunks - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (s_off[mid] <= i) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    s_cand[i] = cand[static_cast<int64_t>(lo) * r.q + (i - s_off[lo])];
   }
   __syncthreads();
   // The k-th largest candidate: the largest x with count(entry >= x) >= k; entries are distinct, so the search stops
@@ -678,7 +709,7 @@ TopkCandPlan make_cand_plan(const TopkParams& p) {
   t.bytes = t.cand_off + t.group_rows * t.chunks * t.q * 8;
   int npow2 = 1;
   while (npow2 < p.k) npow2 <<= 1;
-  t.select_smem = static_cast<size_t>(npow2) * 8 + static_cast<size_t>(t.chunks) * t.q * 8 + t.chunks * 4;
+  t.select_smem = static_cast<size_t>(npow2) * 8 + static_cast<size_t>(t.chunks) * t.q * 8 + (t.chunks + 1) * 4;
   return t;
 }
 
@@ -701,8 +732,9 @@ void launch_topk_two_stage(const TopkParams& p, const TopkCandPlan& plan, cudaSt
   for (int64_t row0 = 0; row0 < p.rows; row0 += plan.group_rows) {
     const int64_t g = p.rows - row0 < plan.group_rows ? p.rows - row0 : plan.group_rows;
     r.row0 = row0;
-    topk_chunk_candidates_kernel<<<dim3(static_cast<unsigned>(g), static_cast<unsigned>(plan.chunks)), kCandThreads,
-                                   0, stream>>>(r);
+    const int items = static_cast<int>(g) * plan.chunks;
+    const int ctas = items < p.num_sms ? items : (p.num_sms > 0 ? p.num_sms : 132);
+    topk_chunk_candidates_kernel<<<static_cast<unsigned>(ctas), kCandThreads, 0, stream>>>(r, items);
     DEEPINFER_CHECK_LAUNCH("topk_chunk_candidates_kernel");
     topk_select_kernel<<<static_cast<unsigned>(g), kSelectThreads, plan.select_smem, stream>>>(r);
     DEEPINFER_CHECK_LAUNCH("topk_select_kernel");
