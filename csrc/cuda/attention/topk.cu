@@ -445,15 +445,16 @@ __global__ void __launch_bounds__(kSortThreads) topk_sort_kernel(const __grid_co
 //
 // topk_chunk_candidates  persistent CTAs (one per SM) over the (row, chunk of kCandChunk) items, the next item's
 //                        loads in flight during the current search: an item's chunk is loaded once into registers
-//                        (keys), then a bitwise search finds the largest key x with count(key >= x) >= k, stopping
-//                        as soon as that count is <= q (q = k + max(k / 4, 64) slots per chunk); the elements >= x (a superset
+//                        (keys), then a search two bits per round finds the largest key x with count(key >= x) >= k,
+//                        stopping as soon as that count is <= q (q = k + max(k / 4, 64) slots per chunk); the elements >= x (a superset
 //                        of the chunk's top k under "key desc, index asc") are its candidates. When no x gets the
 //                        count down to q (ties: x is then the chunk's k-th key), the candidates are the elements
 //                        above x and the k - count(> x) lowest-index elements equal to x (index-ordered block scans).
 //                        Candidates (key << 32 | ~index) go to the chunk's own q slots; their count to counts[].
 // topk_select            one CTA per row: the row's candidates (<= kSelectMaxCand) in shared memory, the k-th largest
-//                        candidate by a bitwise search over the 64-bit entries (all distinct, so it stops at a count
-//                        of exactly k), the k entries >= it bitonic-sorted, then values = scores[index], indices.
+//                        candidate by a search over the 64-bit entries, two bits per round (they are distinct, so
+//                        it stops at a count of exactly k), the k entries >= it sorted (k <= 1024: each entry's
+//                        rank = the number of entries above it; else bitonic), then values = scores[index], indices.
 // Every element of the row's top k is in its chunk's top k, so it is a candidate; the result is exact and, as the
 // entries are distinct, independent of the order of atomics, the chunking and the batch. Used when the row's
 // candidates fit (chunks * q <= kSelectMaxCand: e.g. n <= 262144 at k <= 1024); the radix path above otherwise.
@@ -494,6 +495,29 @@ __device__ __forceinline__ int block_count(int v, int (*s_red)[kNumWarps], int& 
   return t;
 }
 
+// Three block sums at once (one barrier), as block_count.
+template <int kNumWarps>
+__device__ __forceinline__ void block_count3(int& a, int& b, int& c, int (*s_red)[3][kNumWarps], int& parity) {
+  a = __reduce_add_sync(0xffffffffu, a);
+  b = __reduce_add_sync(0xffffffffu, b);
+  c = __reduce_add_sync(0xffffffffu, c);
+  int(*buf)[kNumWarps] = s_red[parity];
+  parity ^= 1;
+  if (threadIdx.x % 32 == 0) {
+    buf[0][threadIdx.x / 32] = a;
+    buf[1][threadIdx.x / 32] = b;
+    buf[2][threadIdx.x / 32] = c;
+  }
+  __syncthreads();
+  a = b = c = 0;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) {
+    a += buf[0][w];
+    b += buf[1][w];
+    c += buf[2][w];
+  }
+}
+
 // Exclusive prefix of v over the block in thread order, and the block's total. Ends with a barrier.
 template <int kNumWarps>
 __device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& total) {
@@ -518,6 +542,7 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& tot
 __global__ void __launch_bounds__(kCandThreads, 1)
     topk_chunk_candidates_kernel(const __grid_constant__ TopkCandRun r, int num_items) {
   __shared__ int s_red[2][kCandWarps];
+  __shared__ int s_red3[2][3][kCandWarps];
   __shared__ int s_warp[kCandWarps];
   __shared__ int s_count;
   const int tid = threadIdx.x, lane = tid % 32;
@@ -559,18 +584,29 @@ __global__ void __launch_bounds__(kCandThreads, 1)
     uint32_t x = 0u;
     int need_eq = -1;  // >= 0: the tie path
     if (len > r.q) {
+      // Two bits per round (counts at the three larger digits, one barrier): x keeps count(>= x) >= k.
       int parity = 0, c = kCandChunk;
-      for (int b = 31; b >= 0; --b) {
-        const uint32_t xt = x | (1u << b);
-        int cnt = 0;
+      for (int sh = 30; sh >= 0; sh -= 2) {
+        int c1 = 0, c2 = 0, c3 = 0;
+        const uint32_t t1 = x | (1u << sh), t2 = x | (2u << sh), t3 = x | (3u << sh);
 #pragma unroll
-        for (int m = 0; m < kCandPerThread; ++m) cnt += u[m] >= xt ? 1 : 0;
-        cnt = block_count<kCandWarps>(cnt, s_red, parity);
-        if (cnt >= r.k) {
-          x = xt;
-          c = cnt;
-          if (c <= r.q) break;  // uniform
+        for (int m = 0; m < kCandPerThread; ++m) {
+          c1 += u[m] >= t1 ? 1 : 0;
+          c2 += u[m] >= t2 ? 1 : 0;
+          c3 += u[m] >= t3 ? 1 : 0;
         }
+        block_count3<kCandWarps>(c1, c2, c3, s_red3, parity);
+        if (c3 >= r.k) {
+          x = t3;
+          c = c3;
+        } else if (c2 >= r.k) {
+          x = t2;
+          c = c2;
+        } else if (c1 >= r.k) {
+          x = t1;
+          c = c1;
+        }
+        if (c <= r.q) break;  // uniform
       }
       if (c > r.q) {  // x is the chunk's k-th largest key and too many elements equal it
         int gt = 0;
@@ -581,14 +617,25 @@ __global__ void __launch_bounds__(kCandThreads, 1)
     }
     __syncthreads();  // s_count initialised
     uint64_t* cand = r.cand + (static_cast<int64_t>(g) * r.chunks + chunk) * r.q;
+    {  // the elements above (or at) x: one shared atomic per warp, then each lane's slots from the ballots
+      const auto taken = [&](int m) {
+        const uint32_t key = u[m];
+        return c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4 < c1 && (need_eq < 0 ? key >= x : key > x);
+      };
+      int warp_total = 0;
 #pragma unroll
-    for (int j = 0; j < kCandPerThread / 4; ++j) {
-      const int base = c0 + 4 * (j * kCandThreads + tid);
+      for (int m = 0; m < kCandPerThread; ++m) warp_total += __popc(__ballot_sync(0xffffffffu, taken(m)));
+      int slot = 0;
+      if (lane == 0 && warp_total > 0) slot = atomicAdd(&s_count, warp_total);
+      slot = __shfl_sync(0xffffffffu, slot, 0);
+      const unsigned lower = (1u << lane) - 1u;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t key = u[4 * j + e];
-        const bool take = base + e < c1 && (need_eq < 0 ? key >= x : key > x);
-        warp_append(take, sel_entry(key, base + e), &s_count, cand, r.q, lane);
+      for (int m = 0; m < kCandPerThread; ++m) {
+        const bool take = taken(m);
+        const unsigned ballot = __ballot_sync(0xffffffffu, take);
+        const int my = slot + __popc(ballot & lower);
+        if (take && my < r.q) cand[my] = sel_entry(u[m], c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4);
+        slot += __popc(ballot);
       }
     }
     if (need_eq >= 0) {  // uniform: the need_eq lowest-index elements equal to x
@@ -625,7 +672,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
   uint64_t* s_sort = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
   uint64_t* s_cand = s_sort + npow2;                     // [chunks * q]
   int* s_off = reinterpret_cast<int*>(s_cand + static_cast<int64_t>(r.chunks) * r.q);  // [chunks + 1]
-  __shared__ int s_red[2][kWarpsSel];
+  __shared__ int s_red3[2][3][kWarpsSel];
   __shared__ int s_warp[kWarpsSel];
   __shared__ int s_sel;
   const int g = blockIdx.x, tid = threadIdx.x;
@@ -657,17 +704,30 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
   // The k-th largest candidate: the largest x with count(entry >= x) >= k; entries are distinct, so the search stops
   // at a count of exactly k.
   uint64_t x = 0ull;
-  if (m_total > r.k) {
+  if (m_total > r.k) {  // two bits per round, as in topk_chunk_candidates
     int parity = 0;
-    for (int b = 63; b >= 0; --b) {
-      const uint64_t xt = x | (1ull << b);
-      int cnt = 0;
-      for (int i = tid; i < m_total; i += kSelectThreads) cnt += s_cand[i] >= xt ? 1 : 0;
-      cnt = block_count<kWarpsSel>(cnt, s_red, parity);
-      if (cnt >= r.k) {
-        x = xt;
-        if (cnt == r.k) break;  // uniform
+    for (int sh = 62; sh >= 0; sh -= 2) {
+      const uint64_t t1 = x | (1ull << sh), t2 = x | (2ull << sh), t3 = x | (3ull << sh);
+      int c1 = 0, c2 = 0, c3 = 0;
+      for (int i = tid; i < m_total; i += kSelectThreads) {
+        const uint64_t e = s_cand[i];
+        c1 += e >= t1 ? 1 : 0;
+        c2 += e >= t2 ? 1 : 0;
+        c3 += e >= t3 ? 1 : 0;
       }
+      block_count3<kWarpsSel>(c1, c2, c3, s_red3, parity);
+      int c = 0;
+      if (c3 >= r.k) {
+        x = t3;
+        c = c3;
+      } else if (c2 >= r.k) {
+        x = t2;
+        c = c2;
+      } else if (c1 >= r.k) {
+        x = t1;
+        c = c1;
+      }
+      if (c == r.k) break;  // uniform
     }
   }
   for (int i = tid; i < npow2; i += kSelectThreads) s_sort[i] = 0ull;  // zero padding sorts last
@@ -679,14 +739,29 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
       if (slot < r.k) s_sort[slot] = e;
     }
   }
-  bitonic_sort_desc<kSelectThreads>(s_sort, npow2);  // (key desc, index asc); starts and ends with a barrier
   const int64_t row = r.row0 + g;
   const float* srow = r.scores + row * r.score_row_stride;
-  for (int j = tid; j < r.k; j += kSelectThreads) {
-    const int idx = static_cast<int>(~static_cast<uint32_t>(s_sort[j]));
-    r.values[row * r.k + j] = srow[idx];
-    r.indices[row * r.k + j] = idx;
+  const auto write = [&](int pos, uint64_t e) {
+    const int idx = static_cast<int>(~static_cast<uint32_t>(e));
+    r.values[row * r.k + pos] = srow[idx];
+    r.indices[row * r.k + pos] = idx;
+  };
+  if (r.k <= kSelectThreads) {  // rank sort: the entries are distinct, an entry's position = entries above it
+    __syncthreads();
+    int parts = 1;  // threads per entry (consecutive lanes), each counting over every parts-th entry
+    while (parts < 32 && 2 * parts * r.k <= kSelectThreads) parts *= 2;
+    const int ent = tid / parts, part = tid % parts;
+    const uint64_t e = ent < r.k ? s_sort[ent] : 0ull;
+    int rank = 0;
+    if (ent < r.k) {
+      for (int j = part; j < r.k; j += parts) rank += s_sort[j] > e ? 1 : 0;
+    }
+    for (int o = parts / 2; o > 0; o /= 2) rank += __shfl_xor_sync(0xffffffffu, rank, o);
+    if (ent < r.k && part == 0) write(rank, e);
+    return;
   }
+  bitonic_sort_desc<kSelectThreads>(s_sort, npow2);  // (key desc, index asc); starts and ends with a barrier
+  for (int j = tid; j < r.k; j += kSelectThreads) write(j, s_sort[j]);
 }
 
 struct TopkCandPlan {
