@@ -1,7 +1,7 @@
 // topk_rows on CUDA: exact top-k of each row of fp32 scores with the project's tie rule (higher score first, then
 // lower index). Two paths, chosen by the shape only (never by the data), with identical results:
 //   * two-stage (one read of the scores; rows whose candidates fit: chunks * q <= kSelectMaxCand, e.g. n <= 262144
-//     at k <= 1024): per-chunk candidate supersets, then one exact select + sort per row (see below, "Two-stage");
+//     at k <= 704): per-chunk candidate supersets, then one exact select + sort per row (see below, "Two-stage");
 //   * radix select over several CTAs per row (every other shape: larger k at long rows), described here.
 //
 // Keys: the order-preserving uint32 image of each score (larger float -> larger key; every NaN -> 0xffffffff, above
@@ -444,29 +444,33 @@ __global__ void __launch_bounds__(kSortThreads) topk_sort_kernel(const __grid_co
 // ---- Two-stage path (one read of the scores): chunk candidates, then an exact select per row ---------------------
 //
 // topk_chunk_candidates  persistent CTAs (one per SM) over the (row, chunk of kCandChunk) items, the next item's
-//                        loads in flight during the current search: an item's chunk is loaded once into registers
-//                        (keys), then a search two bits per round finds the largest key x with count(key >= x) >= k,
-//                        stopping as soon as that count is <= q (q = k + max(k / 4, 64) slots per chunk); the elements >= x (a superset
-//                        of the chunk's top k under "key desc, index asc") are its candidates. When no x gets the
+//                        loads in flight during the current one: an item's chunk is loaded once into registers
+//                        (keys); its candidates are the elements >= x for a key x with k <= count(>= x) <= q
+//                        (q = 2 k slots, k + 64 for k < 64): a superset of the chunk's top k under "key desc,
+//                        index asc". x comes from a sample (every 8th element; a key with about 1.25-1.56 k / 8
+//                        samples at or above it, checked by one count over the chunk), else from a search over
+//                        the whole chunk, two bits per round, that stops once count(>= x) <= q. When no x gets the
 //                        count down to q (ties: x is then the chunk's k-th key), the candidates are the elements
 //                        above x and the k - count(> x) lowest-index elements equal to x (index-ordered block scans).
 //                        Candidates (key << 32 | ~index) go to the chunk's own q slots; their count to counts[].
-// topk_select            one CTA per row: the row's candidates (<= kSelectMaxCand) in shared memory, the k-th largest
-//                        candidate by a search over the 64-bit entries, two bits per round (they are distinct, so
-//                        it stops at a count of exactly k), the k entries >= it sorted (k <= 1024: each entry's
-//                        rank = the number of entries above it; else bitonic), then values = scores[index], indices.
+// topk_select            one CTA per row: the row's candidates (<= kSelectMaxCand) in shared memory; the same
+//                        sample step narrows them to at most 2 k; the k-th largest by a search over the 64-bit
+//                        entries, two bits per round (they are distinct, so it stops at a count of exactly k); the
+//                        k entries >= it sorted (k <= 1024: each entry's rank = the number of entries above it; else
+//                        bitonic), then values = scores[index], indices.
 // Every element of the row's top k is in its chunk's top k, so it is a candidate; the result is exact and, as the
-// entries are distinct, independent of the order of atomics, the chunking and the batch. Used when the row's
-// candidates fit (chunks * q <= kSelectMaxCand: e.g. n <= 262144 at k <= 1024); the radix path above otherwise.
+// entries are distinct, independent of the order of atomics, the sample, the chunking and the batch (the sample
+// only decides how much work the exact steps do). Used when the row's candidates fit (chunks * q <=
+// kSelectMaxCand: e.g. n <= 262144 at k <= 704); the radix path above otherwise.
 constexpr int kCandThreads = 512;
 constexpr int kCandWarps = kCandThreads / 32;
 constexpr int kCandPerThread = 32;                          // keys per thread: 8 float4
 constexpr int kCandChunk = kCandThreads * kCandPerThread;   // 16384 elements per CTA
 constexpr int kSelectThreads = 1024;
-constexpr int kSelectMaxCand = 24576;                       // 192 KiB of shared memory in topk_select
+constexpr int kSelectMaxCand = 22528;                       // 176 KiB of shared memory in topk_select
 constexpr int kSelectMaxChunks = 1024;
 
-__host__ __device__ constexpr int cand_slots(int k) { return k + (k / 4 > 64 ? k / 4 : 64); }
+__host__ __device__ constexpr int cand_slots(int k) { return k + (k > 64 ? k : 64); }
 
 struct TopkCandRun {
   const float* scores;
@@ -489,10 +493,8 @@ __device__ __forceinline__ int block_count(int v, int (*s_red)[kNumWarps], int& 
   parity ^= 1;
   if (threadIdx.x % 32 == 0) buf[threadIdx.x / 32] = v;
   __syncthreads();
-  int t = 0;
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) t += buf[w];
-  return t;
+  const int lane = threadIdx.x % 32;  // each warp re-reduces the partials: one shared load per lane
+  return __reduce_add_sync(0xffffffffu, lane < kNumWarps ? buf[lane] : 0);
 }
 
 // Three block sums at once (one barrier), as block_count.
@@ -509,13 +511,48 @@ __device__ __forceinline__ void block_count3(int& a, int& b, int& c, int (*s_red
     buf[2][threadIdx.x / 32] = c;
   }
   __syncthreads();
-  a = b = c = 0;
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) {
-    a += buf[0][w];
-    b += buf[1][w];
-    c += buf[2][w];
+  const int lane = threadIdx.x % 32;
+  a = __reduce_add_sync(0xffffffffu, lane < kNumWarps ? buf[0][lane] : 0);
+  b = __reduce_add_sync(0xffffffffu, lane < kNumWarps ? buf[1][lane] : 0);
+  c = __reduce_add_sync(0xffffffffu, lane < kNumWarps ? buf[2][lane] : 0);
+}
+
+// One block sum through block_count3's buffers.
+template <int kNumWarps>
+__device__ __forceinline__ int block_count3_first(int v, int (*s_red)[3][kNumWarps], int& parity) {
+  int zero1 = 0, zero2 = 0;
+  block_count3<kNumWarps>(v, zero1, zero2, s_red, parity);
+  return v;
+}
+
+// The largest x such that at least `rank` of the values given by `count3` lie at or above it (rank >= 1 and at
+// least rank values present), found two bits per round from the top (one barrier per round); stops early once
+// exactly `rank` lie at or above x when `stop_exact`. count3(t1, t2, t3, c1, c2, c3) adds this thread's counts of
+// values >= t1, t2, t3. Returns x; *count gets the number of values >= x. Uniform across the block.
+template <int kNumWarps, typename Key, class Count3>
+__device__ __forceinline__ Key block_search_kth(int rank, bool stop_exact, int stop_at_most, Count3&& count3,
+                                                int (*s_red3)[3][kNumWarps], int& parity, int& count) {
+  Key x = 0;
+  int c = -1;  // count(>= x) not yet known (x = 0: everything)
+  for (int sh = static_cast<int>(sizeof(Key)) * 8 - 2; sh >= 0; sh -= 2) {
+    const Key t1 = x | (Key(1) << sh), t2 = x | (Key(2) << sh), t3 = x | (Key(3) << sh);
+    int c1 = 0, c2 = 0, c3 = 0;
+    count3(t1, t2, t3, c1, c2, c3);
+    block_count3<kNumWarps>(c1, c2, c3, s_red3, parity);
+    if (c3 >= rank) {
+      x = t3;
+      c = c3;
+    } else if (c2 >= rank) {
+      x = t2;
+      c = c2;
+    } else if (c1 >= rank) {
+      x = t1;
+      c = c1;
+    }
+    if (c >= 0 && ((stop_exact && c == rank) || c <= stop_at_most)) break;  // uniform
   }
+  count = c;
+  return x;
 }
 
 // Exclusive prefix of v over the block in thread order, and the block's total. Ends with a barrier.
@@ -584,29 +621,47 @@ __global__ void __launch_bounds__(kCandThreads, 1)
     uint32_t x = 0u;
     int need_eq = -1;  // >= 0: the tie path
     if (len > r.q) {
-      // Two bits per round (counts at the three larger digits, one barrier): x keeps count(>= x) >= k.
-      int parity = 0, c = kCandChunk;
-      for (int sh = 30; sh >= 0; sh -= 2) {
-        int c1 = 0, c2 = 0, c3 = 0;
-        const uint32_t t1 = x | (1u << sh), t2 = x | (2u << sh), t3 = x | (3u << sh);
+      int parity = 0, c = -1;
+      // 1. Sample every 8th element (u[0], u[8], u[16], u[24] of each thread) and take a key with between
+      //    1.25 k / 8 and 1.56 k / 8 samples at or above it; one count over the chunk accepts it when
+      //    k <= count(>= it) <= q (= 2 k).
+      const int rank_s = (5 * r.k + 31) / 32;
+      if (rank_s <= len / 16) {  // enough samples (a partial chunk holds about len / 8)
+        int cs;
+        const uint32_t ts = block_search_kth<kCandWarps, uint32_t>(
+            rank_s, /*stop_exact=*/false, /*stop_at_most=*/rank_s + rank_s / 4,
+            [&](uint32_t t1, uint32_t t2, uint32_t t3, int& c1, int& c2, int& c3) {
 #pragma unroll
-        for (int m = 0; m < kCandPerThread; ++m) {
-          c1 += u[m] >= t1 ? 1 : 0;
-          c2 += u[m] >= t2 ? 1 : 0;
-          c3 += u[m] >= t3 ? 1 : 0;
+              for (int m = 0; m < kCandPerThread; m += 8) {
+                c1 += u[m] >= t1 ? 1 : 0;
+                c2 += u[m] >= t2 ? 1 : 0;
+                c3 += u[m] >= t3 ? 1 : 0;
+              }
+            },
+            s_red3, parity, cs);
+        int cnt = 0;
+#pragma unroll
+        for (int m = 0; m < kCandPerThread; ++m) cnt += u[m] >= ts ? 1 : 0;
+        cnt = block_count<kCandWarps>(cnt, s_red, parity);
+        if (cnt >= r.k && cnt <= r.q) {
+          x = ts;
+          c = cnt;
         }
-        block_count3<kCandWarps>(c1, c2, c3, s_red3, parity);
-        if (c3 >= r.k) {
-          x = t3;
-          c = c3;
-        } else if (c2 >= r.k) {
-          x = t2;
-          c = c2;
-        } else if (c1 >= r.k) {
-          x = t1;
-          c = c1;
-        }
-        if (c <= r.q) break;  // uniform
+      }
+      // 2. Otherwise (a sample off the mark, ties, small chunks) the search over the whole chunk, stopping as soon
+      //    as count(>= x) <= q.
+      if (c < 0) {
+        x = block_search_kth<kCandWarps, uint32_t>(
+            r.k, /*stop_exact=*/false, /*stop_at_most=*/r.q,
+            [&](uint32_t t1, uint32_t t2, uint32_t t3, int& c1, int& c2, int& c3) {
+#pragma unroll
+              for (int m = 0; m < kCandPerThread; ++m) {
+                c1 += u[m] >= t1 ? 1 : 0;
+                c2 += u[m] >= t2 ? 1 : 0;
+                c3 += u[m] >= t3 ? 1 : 0;
+              }
+            },
+            s_red3, parity, c);
       }
       if (c > r.q) {  // x is the chunk's k-th largest key and too many elements equal it
         int gt = 0;
@@ -670,7 +725,8 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
   int npow2 = 1;
   while (npow2 < r.k) npow2 <<= 1;
   uint64_t* s_sort = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
-  uint64_t* s_cand = s_sort + npow2;                     // [chunks * q]
+  uint64_t* s_small = s_sort + npow2;                    // [2 k] (k <= kSelectThreads) or none
+  uint64_t* s_cand = s_small + (r.k <= kSelectThreads ? 2 * r.k : 0);  // [chunks * q]
   int* s_off = reinterpret_cast<int*>(s_cand + static_cast<int64_t>(r.chunks) * r.q);  // [chunks + 1]
   __shared__ int s_red3[2][3][kWarpsSel];
   __shared__ int s_warp[kWarpsSel];
@@ -704,36 +760,63 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
   // The k-th largest candidate: the largest x with count(entry >= x) >= k; entries are distinct, so the search stops
   // at a count of exactly k.
   uint64_t x = 0ull;
-  if (m_total > r.k) {  // two bits per round, as in topk_chunk_candidates
-    int parity = 0;
-    for (int sh = 62; sh >= 0; sh -= 2) {
-      const uint64_t t1 = x | (1ull << sh), t2 = x | (2ull << sh), t3 = x | (3ull << sh);
-      int c1 = 0, c2 = 0, c3 = 0;
-      for (int i = tid; i < m_total; i += kSelectThreads) {
-        const uint64_t e = s_cand[i];
-        c1 += e >= t1 ? 1 : 0;
-        c2 += e >= t2 ? 1 : 0;
-        c3 += e >= t3 ? 1 : 0;
+  const uint64_t* src = s_cand;  // the entries the k largest are taken from
+  int m = m_total;
+  if (m_total > r.k) {
+    int parity = 0, c;
+    // 1. As in topk_chunk_candidates, a threshold from every 8th entry; when k <= count(>= it) <= 2 k, those
+    //    entries move to s_small and the exact search runs over them only.
+    const int rank_s = (5 * r.k + 31) / 32, samples = (m_total + 7) / 8;
+    if (r.k <= kSelectThreads && 2 * rank_s <= samples) {
+      const uint64_t ts = block_search_kth<kWarpsSel, uint64_t>(
+          rank_s, /*stop_exact=*/false, /*stop_at_most=*/rank_s + rank_s / 4,
+          [&](uint64_t t1, uint64_t t2, uint64_t t3, int& c1, int& c2, int& c3) {
+            for (int i = tid; i < samples; i += kSelectThreads) {
+              const uint64_t e = s_cand[8 * i];
+              c1 += e >= t1 ? 1 : 0;
+              c2 += e >= t2 ? 1 : 0;
+              c3 += e >= t3 ? 1 : 0;
+            }
+          },
+          s_red3, parity, c);
+      int cnt = 0;
+      for (int i = tid; i < m_total; i += kSelectThreads) cnt += s_cand[i] >= ts ? 1 : 0;
+      cnt = block_count3_first<kWarpsSel>(cnt, s_red3, parity);
+      if (cnt >= r.k && cnt <= 2 * r.k) {
+        for (int i0 = 0; i0 < m_total; i0 += kSelectThreads) {  // uniform trip count (warp ballots)
+          const int i = i0 + tid;
+          const bool take = i < m_total && s_cand[i] >= ts;
+          const unsigned ballot = __ballot_sync(0xffffffffu, take);
+          int base = 0;
+          if (tid % 32 == 0 && ballot != 0u) base = atomicAdd(&s_sel, __popc(ballot));
+          base = __shfl_sync(0xffffffffu, base, 0);
+          if (take) s_small[base + __popc(ballot & ((1u << (tid % 32)) - 1u))] = s_cand[i];
+        }
+        __syncthreads();
+        src = s_small;
+        m = cnt;
+        if (tid == 0) s_sel = 0;
       }
-      block_count3<kWarpsSel>(c1, c2, c3, s_red3, parity);
-      int c = 0;
-      if (c3 >= r.k) {
-        x = t3;
-        c = c3;
-      } else if (c2 >= r.k) {
-        x = t2;
-        c = c2;
-      } else if (c1 >= r.k) {
-        x = t1;
-        c = c1;
-      }
-      if (c == r.k) break;  // uniform
+    }
+    // 2. The k-th largest of src: entries are distinct, so the search stops at a count of exactly k.
+    if (m > r.k) {
+      x = block_search_kth<kWarpsSel, uint64_t>(
+          r.k, /*stop_exact=*/true, /*stop_at_most=*/0,
+          [&](uint64_t t1, uint64_t t2, uint64_t t3, int& c1, int& c2, int& c3) {
+            for (int i = tid; i < m; i += kSelectThreads) {
+              const uint64_t e = src[i];
+              c1 += e >= t1 ? 1 : 0;
+              c2 += e >= t2 ? 1 : 0;
+              c3 += e >= t3 ? 1 : 0;
+            }
+          },
+          s_red3, parity, c);
     }
   }
   for (int i = tid; i < npow2; i += kSelectThreads) s_sort[i] = 0ull;  // zero padding sorts last
   __syncthreads();
-  for (int i = tid; i < m_total; i += kSelectThreads) {
-    const uint64_t e = s_cand[i];
+  for (int i = tid; i < m; i += kSelectThreads) {
+    const uint64_t e = src[i];
     if (e >= x) {
       const int slot = atomicAdd(&s_sel, 1);
       if (slot < r.k) s_sort[slot] = e;
@@ -784,7 +867,8 @@ TopkCandPlan make_cand_plan(const TopkParams& p) {
   t.bytes = t.cand_off + t.group_rows * t.chunks * t.q * 8;
   int npow2 = 1;
   while (npow2 < p.k) npow2 <<= 1;
-  t.select_smem = static_cast<size_t>(npow2) * 8 + static_cast<size_t>(t.chunks) * t.q * 8 + (t.chunks + 1) * 4;
+  t.select_smem = static_cast<size_t>(npow2) * 8 + (p.k <= kSelectThreads ? 2 * p.k * 8 : 0) +
+                  static_cast<size_t>(t.chunks) * t.q * 8 + (t.chunks + 1) * 4;
   return t;
 }
 
