@@ -456,8 +456,8 @@ __global__ void __launch_bounds__(kSortThreads) topk_sort_kernel(const __grid_co
 // topk_select            one CTA per row: the row's candidates (<= kSelectMaxCand) in shared memory; the same
 //                        sample step narrows them to at most 2 k; the k-th largest by a search over the 64-bit
 //                        entries, two bits per round (they are distinct, so it stops at a count of exactly k); the
-//                        k entries >= it sorted (k <= 1024: each entry's rank = the number of entries above it; else
-//                        bitonic), then values = scores[index], indices.
+//                        k entries >= it sorted (k <= 1024: each entry's rank = the number of entries above it,
+//                        from warp-sorted runs of 32; else bitonic), then values = scores[index], indices.
 // Every element of the row's top k is in its chunk's top k, so it is a candidate; the result is exact and, as the
 // entries are distinct, independent of the order of atomics, the sample, the chunking and the batch (the sample
 // only decides how much work the exact steps do). Used when the row's candidates fit (chunks * q <=
@@ -611,11 +611,11 @@ __global__ void __launch_bounds__(kCandThreads, 1)
     const int c0 = chunk * kCandChunk, c1 = min(c0 + kCandChunk, r.n), len = c1 - c0;
     // Real keys are >= 1 (topk_key(-inf) > 0); positions past the row get 0 and are never taken (x >= 1 below, or
     // the index check when the whole chunk is taken).
+    const bool full = len == kCandChunk;  // (uniform) no position past the row: no index checks below
+    const auto valid = [&](int m) { return full || c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4 < c1; };
     uint32_t u[kCandPerThread];
 #pragma unroll
-    for (int m = 0; m < kCandPerThread; ++m) {
-      u[m] = c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4 < c1 ? topk_key(v[m]) : 0u;
-    }
+    for (int m = 0; m < kCandPerThread; ++m) u[m] = valid(m) ? topk_key(v[m]) : 0u;
     if (item + static_cast<int>(gridDim.x) < num_items) load(item + gridDim.x);  // in flight during the search
     if (tid == 0) s_count = 0;
     uint32_t x = 0u;
@@ -673,24 +673,27 @@ __global__ void __launch_bounds__(kCandThreads, 1)
     __syncthreads();  // s_count initialised
     uint64_t* cand = r.cand + (static_cast<int64_t>(g) * r.chunks + chunk) * r.q;
     {  // the elements above (or at) x: one shared atomic per warp, then each lane's slots from the ballots
-      const auto taken = [&](int m) {
-        const uint32_t key = u[m];
-        return c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4 < c1 && (need_eq < 0 ? key >= x : key > x);
-      };
-      int warp_total = 0;
-#pragma unroll
-      for (int m = 0; m < kCandPerThread; ++m) warp_total += __popc(__ballot_sync(0xffffffffu, taken(m)));
-      int slot = 0;
-      if (lane == 0 && warp_total > 0) slot = atomicAdd(&s_count, warp_total);
-      slot = __shfl_sync(0xffffffffu, slot, 0);
-      const unsigned lower = (1u << lane) - 1u;
+      const bool ge = need_eq < 0;  // take key >= x, or key > x on the tie path (x may be 0xffffffff: NaN)
+      uint32_t mine = 0u;           // bit m: element m taken
 #pragma unroll
       for (int m = 0; m < kCandPerThread; ++m) {
-        const bool take = taken(m);
-        const unsigned ballot = __ballot_sync(0xffffffffu, take);
-        const int my = slot + __popc(ballot & lower);
-        if (take && my < r.q) cand[my] = sel_entry(u[m], c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4);
-        slot += __popc(ballot);
+        mine |= ((ge ? u[m] >= x : u[m] > x) && valid(m) ? 1u : 0u) << m;
+      }
+      const int warp_total = __reduce_add_sync(0xffffffffu, __popc(mine));
+      if (warp_total > 0) {  // (uniform in the warp)
+        int slot = 0;
+        if (lane == 0) slot = atomicAdd(&s_count, warp_total);
+        slot = __shfl_sync(0xffffffffu, slot, 0);
+        const unsigned lower = (1u << lane) - 1u;
+#pragma unroll
+        for (int m = 0; m < kCandPerThread; ++m) {
+          const bool take = (mine >> m) & 1u;
+          const unsigned ballot = __ballot_sync(0xffffffffu, take);
+          if (take && slot + __popc(ballot & lower) < r.q) {
+            cand[slot + __popc(ballot & lower)] = sel_entry(u[m], c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4);
+          }
+          slot += __popc(ballot);
+        }
       }
     }
     if (need_eq >= 0) {  // uniform: the need_eq lowest-index elements equal to x
@@ -722,7 +725,7 @@ __global__ void __launch_bounds__(kCandThreads, 1)
 __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __grid_constant__ TopkCandRun r) {
   constexpr int kWarpsSel = kSelectThreads / 32;
   extern __shared__ __align__(16) char dyn[];
-  int npow2 = 1;
+  int npow2 = 32;  // >= 32: the rank sort reads whole warp runs
   while (npow2 < r.k) npow2 <<= 1;
   uint64_t* s_sort = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
   uint64_t* s_small = s_sort + npow2;                    // [2 k] (k <= kSelectThreads) or none
@@ -829,18 +832,46 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
     r.values[row * r.k + pos] = srow[idx];
     r.indices[row * r.k + pos] = idx;
   };
-  if (r.k <= kSelectThreads) {  // rank sort: the entries are distinct, an entry's position = entries above it
+  if (r.k <= kSelectThreads) {
+    // Rank sort (the entries are distinct: an entry's position = the number above it). Each warp sorts its 32
+    // entries (zero padding sorts last) in registers, then an entry's rank is its lane plus, for every other run,
+    // the number of that run's entries above it (a binary search in the sorted run).
     __syncthreads();
-    int parts = 1;  // threads per entry (consecutive lanes), each counting over every parts-th entry
-    while (parts < 32 && 2 * parts * r.k <= kSelectThreads) parts *= 2;
-    const int ent = tid / parts, part = tid % parts;
-    const uint64_t e = ent < r.k ? s_sort[ent] : 0ull;
-    int rank = 0;
-    if (ent < r.k) {
-      for (int j = part; j < r.k; j += parts) rank += s_sort[j] > e ? 1 : 0;
+    const int lane = tid % 32, warp = tid / 32, runs = (r.k + 31) / 32;
+    uint64_t e = warp < runs ? s_sort[tid] : 0ull;  // (npow2 >= 32 * runs entries, zero padded)
+    if (warp < runs) {
+#pragma unroll
+      for (int size = 2; size <= 32; size <<= 1) {
+#pragma unroll
+        for (int stride = size / 2; stride > 0; stride /= 2) {
+          const uint64_t o = __shfl_xor_sync(0xffffffffu, e, stride);
+          const bool desc = (lane & size) == 0;  // this pair's direction (size 32: descending)
+          const bool low = (lane & stride) == 0;
+          e = ((o > e) == (low == desc)) ? o : e;
+        }
+      }
     }
-    for (int o = parts / 2; o > 0; o /= 2) rank += __shfl_xor_sync(0xffffffffu, rank, o);
-    if (ent < r.k && part == 0) write(rank, e);
+    __syncthreads();  // every run read before it is overwritten
+    if (warp < runs) s_sort[tid] = e;
+    __syncthreads();
+    if (warp < runs && e != 0ull) {
+      int rank = lane;
+      for (int run = 0; run < runs; ++run) {
+        if (run == warp) continue;
+        const uint64_t* rs = s_sort + 32 * run;
+        int lo = 0, hi = 32;  // entries of the run above e: the first position whose entry is < e
+        while (lo < hi) {
+          const int mid = (lo + hi) / 2;
+          if (rs[mid] > e) {
+            lo = mid + 1;
+          } else {
+            hi = mid;
+          }
+        }
+        rank += lo;
+      }
+      write(rank, e);
+    }
     return;
   }
   bitonic_sort_desc<kSelectThreads>(s_sort, npow2);  // (key desc, index asc); starts and ends with a barrier
@@ -865,7 +896,7 @@ TopkCandPlan make_cand_plan(const TopkParams& p) {
   t.counts_off = 0;
   t.cand_off = (t.group_rows * t.chunks * 4 + 15) / 16 * 16;
   t.bytes = t.cand_off + t.group_rows * t.chunks * t.q * 8;
-  int npow2 = 1;
+  int npow2 = 32;  // as topk_select
   while (npow2 < p.k) npow2 <<= 1;
   t.select_smem = static_cast<size_t>(npow2) * 8 + (p.k <= kSelectThreads ? 2 * p.k * 8 : 0) +
                   static_cast<size_t>(t.chunks) * t.q * 8 + (t.chunks + 1) * 4;
