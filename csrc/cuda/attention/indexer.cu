@@ -51,6 +51,7 @@ __device__ __forceinline__ uint4 decode_e4m3x8(uint2 raw, float scale) {
 
 template <int kDim, bool kFp8>
 __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid_constant__ MqaLogitsParams p) {
+  static_assert(kLogitsCands * (kDim / 8) % kLogitsThreads == 0, "FP8 key loads: whole rounds per thread");
   using L = LogitsSmem<kDim>;
   constexpr int kStride = L::kStride, kVec = kDim / 8;
   extern __shared__ __align__(16) char smem[];
@@ -106,17 +107,31 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid
       sRow[tid] = ptr;
     }
     __syncthreads();  // sRow (and, the first time, sQ / sW) written
-    for (int v = tid; v < kLogitsCands * kVec; v += kLogitsThreads) {
-      const int r = v / kVec, col = (v % kVec) * 8;
-      const char* src = sRow[r];
-      if constexpr (kFp8) {
-        const uint4 val = src != nullptr ? decode_e4m3x8(*reinterpret_cast<const uint2*>(src + col), sScale[r])
-                                         : make_uint4(0u, 0u, 0u, 0u);
-        *reinterpret_cast<uint4*>(sK + r * kStride + col) = val;
-      } else if (src != nullptr) {
-        cp_async_16(sK + r * kStride + col, reinterpret_cast<const __nv_bfloat16*>(src) + col);
-      } else {
-        *reinterpret_cast<uint4*>(sK + r * kStride + col) = make_uint4(0u, 0u, 0u, 0u);
+    if constexpr (kFp8) {
+      // Every load of the block first (all in flight at once), then the decodes: 8 codes per 8-byte load.
+      constexpr int kPer = kLogitsCands * kVec / kLogitsThreads;  // 3, 4 or 8
+      uint2 raw[kPer];
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int v = tid + j * kLogitsThreads, r = v / kVec, col = (v % kVec) * 8;
+        const char* src = sRow[r];
+        raw[j] = src != nullptr ? __ldg(reinterpret_cast<const uint2*>(src + col)) : make_uint2(0u, 0u);
+      }
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int v = tid + j * kLogitsThreads, r = v / kVec, col = (v % kVec) * 8;
+        *reinterpret_cast<uint4*>(sK + r * kStride + col) =
+            sRow[r] != nullptr ? decode_e4m3x8(raw[j], sScale[r]) : make_uint4(0u, 0u, 0u, 0u);
+      }
+    } else {
+      for (int v = tid; v < kLogitsCands * kVec; v += kLogitsThreads) {
+        const int r = v / kVec, col = (v % kVec) * 8;
+        const char* src = sRow[r];
+        if (src != nullptr) {
+          cp_async_16(sK + r * kStride + col, reinterpret_cast<const __nv_bfloat16*>(src) + col);
+        } else {
+          *reinterpret_cast<uint4*>(sK + r * kStride + col) = make_uint4(0u, 0u, 0u, 0u);
+        }
       }
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");

@@ -679,20 +679,21 @@ __global__ void __launch_bounds__(kCandThreads, 1)
       for (int m = 0; m < kCandPerThread; ++m) {
         mine |= ((ge ? u[m] >= x : u[m] > x) && valid(m) ? 1u : 0u) << m;
       }
-      const int warp_total = __reduce_add_sync(0xffffffffu, __popc(mine));
-      if (warp_total > 0) {  // (uniform in the warp)
-        int slot = 0;
-        if (lane == 0) slot = atomicAdd(&s_count, warp_total);
-        slot = __shfl_sync(0xffffffffu, slot, 0);
-        const unsigned lower = (1u << lane) - 1u;
+      const int n_mine = __popc(mine);
+      const int incl = warp_inclusive_scan(n_mine, lane);
+      const int warp_total = __shfl_sync(0xffffffffu, incl, 31);
+      if (warp_total > 0) {  // (uniform in the warp) lane l's entries go to slots base + (lanes before l's count) ..
+        int base = 0;
+        if (lane == 0) base = atomicAdd(&s_count, warp_total);
+        int slot = __shfl_sync(0xffffffffu, base, 0) + incl - n_mine;
+        if (mine != 0u) {
 #pragma unroll
-        for (int m = 0; m < kCandPerThread; ++m) {
-          const bool take = (mine >> m) & 1u;
-          const unsigned ballot = __ballot_sync(0xffffffffu, take);
-          if (take && slot + __popc(ballot & lower) < r.q) {
-            cand[slot + __popc(ballot & lower)] = sel_entry(u[m], c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4);
+          for (int m = 0; m < kCandPerThread; ++m) {
+            if ((mine >> m) & 1u) {
+              if (slot < r.q) cand[slot] = sel_entry(u[m], c0 + 4 * ((m / 4) * kCandThreads + tid) + m % 4);
+              ++slot;
+            }
           }
-          slot += __popc(ballot);
         }
       }
     }
