@@ -52,13 +52,16 @@ inline void check_indexer_k_cache_fp8(const char* op, const at::Tensor& k_cache,
   check_indexer_fp8_cache_layout(op, k_cache, "k_cache", rows.size(1));
   check_writable(op, writes_cache ? k_cache : rows, writes_cache ? "k_cache" : rows_name);
   check_same_device(op, rows, rows_name, k_cache, "k_cache");
-  check_no_partial_overlap(op, writes_cache ? k_cache : rows, writes_cache ? "k_cache" : rows_name,
-                           writes_cache ? rows : k_cache, writes_cache ? rows_name : "k_cache",
-                           /*allow_in_place=*/false);
   check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
   check_same_device(op, slot_mapping, "slot_mapping", k_cache, "k_cache");
   DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows.size(0) && slot_mapping.is_contiguous(), op,
-                  "slot_mapping must be a contiguous [", rows.size(0), "], got ", slot_mapping.sizes());
+                  "slot_mapping must be a contiguous [", rows.size(0), "], got ", slot_mapping.sizes(), " strides ",
+                  slot_mapping.strides());
+  // The written tensor shares no byte with what the op reads (any layout, padded or strided ones included).
+  const at::Tensor& written = writes_cache ? k_cache : rows;
+  const char* written_name = writes_cache ? "k_cache" : rows_name;
+  check_disjoint(op, written, written_name, writes_cache ? rows : k_cache, writes_cache ? rows_name : "k_cache");
+  check_disjoint(op, written, written_name, slot_mapping, "slot_mapping");
 }
 
 // Largest top-k the native top-k kernels select (the selected set is sorted in shared memory on CUDA).
@@ -234,7 +237,11 @@ inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, cons
   check_same_device(op, logits, "logits", q, "q");
   DEEPINFER_CHECK(logits.dim() == 2 && logits.size(0) == t && logits.is_contiguous(), op,
                   "logits must be a contiguous [", t, ", num_candidates], got ", logits.sizes());
+  check_disjoint(op, logits, "logits", q, "q");
+  check_disjoint(op, logits, "logits", weights, "weights");
+  check_disjoint(op, logits, "logits", k_cache, "k_cache");
   if (block_table.has_value()) {
+    check_disjoint(op, logits, "logits", *block_table, "block_table");
     check_dtype(op, *block_table, "block_table", at::kInt);
     check_same_device(op, *block_table, "block_table", q, "q");
     DEEPINFER_CHECK(block_table->dim() == 2 && block_table->size(0) == t && block_table->is_contiguous(), op,
@@ -247,6 +254,7 @@ inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, cons
       check_same_device(op, **p, name, q, "q");
       DEEPINFER_CHECK((*p)->dim() == 1 && (*p)->size(0) == t && (*p)->is_contiguous(), op, name,
                       " must be a contiguous [", t, "], got ", (*p)->sizes());
+      check_disjoint(op, logits, "logits", **p, name);
     }
   }
 }
@@ -285,11 +293,12 @@ inline void check_kv_cache_write(const at::Tensor& kv_cache, const at::Tensor& k
   DEEPINFER_CHECK(kv.scalar_type() == kv_cache.scalar_type(), op, "kv dtype ", dtype_name(kv.scalar_type()),
                   " != kv_cache dtype ", dtype_name(kv_cache.scalar_type()));
   check_same_device(op, kv, "kv", kv_cache, "kv_cache");
-  check_no_partial_overlap(op, kv_cache, "kv_cache", kv, "kv", /*allow_in_place=*/false);
   check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
   check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");
   DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == kv.size(0) && slot_mapping.is_contiguous(), op,
                   "slot_mapping must be a contiguous [", kv.size(0), "], got ", slot_mapping.sizes());
+  check_disjoint(op, kv_cache, "kv_cache", kv, "kv");
+  check_disjoint(op, kv_cache, "kv_cache", slot_mapping, "slot_mapping");
 }
 
 // kv_cache_write_fp8(kv_cache [num_blocks, block_size, 584] uint8!, kv [t, 512] bf16, slot_mapping [t] int64) and
@@ -309,13 +318,14 @@ inline void check_fp8_cache(const char* op, const at::Tensor& kv_cache, const at
   DEEPINFER_CHECK(rows.dim() == 2 && rows.size(1) == kFp8HeadDim && (rows.numel() == 0 || rows.stride(1) == 1), op,
                   rows_name, " must be [num_tokens, ", kFp8HeadDim, "] with a contiguous last dim, got ", rows.sizes());
   check_same_device(op, rows, rows_name, kv_cache, "kv_cache");
-  check_no_partial_overlap(op, writes_cache ? kv_cache : rows, writes_cache ? "kv_cache" : rows_name,
-                           writes_cache ? rows : kv_cache, writes_cache ? rows_name : "kv_cache",
-                           /*allow_in_place=*/false);
   check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
   check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");
   DEEPINFER_CHECK(slot_mapping.dim() == 1 && slot_mapping.size(0) == rows.size(0) && slot_mapping.is_contiguous(), op,
                   "slot_mapping must be a contiguous [", rows.size(0), "], got ", slot_mapping.sizes());
+  const at::Tensor& written = writes_cache ? kv_cache : rows;
+  const char* written_name = writes_cache ? "kv_cache" : rows_name;
+  check_disjoint(op, written, written_name, writes_cache ? rows : kv_cache, writes_cache ? rows_name : "kv_cache");
+  check_disjoint(op, written, written_name, slot_mapping, "slot_mapping");
 }
 
 // compressor_pool(out, kv, gate): kv [n, S, hd] float32 / bfloat16 / float16 and gate [n, S, hd] float32, both with

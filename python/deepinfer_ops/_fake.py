@@ -168,7 +168,17 @@ def _sparse_mqa_prefill_fake(out, lse, q, kv_cache, indices, topk_length, extra_
 
 @_register_fake("deepinfer_ops::mqa_logits")
 def _mqa_logits_fake(logits, q, weights, k_cache, block_table, k_start, k_end):
-    torch._check(logits.shape[0] == q.shape[0], lambda: "mqa_logits: logits rows != num_tokens")
+    torch._check(q.dim() == 3 and logits.dim() == 2 and logits.shape[0] == q.shape[0],
+                 lambda: "deepinfer_ops.mqa_logits: q must be [num_tokens, H, head_dim], logits [num_tokens, n]")
+    torch._check(weights.dtype == torch.float32 and tuple(weights.shape) == tuple(q.shape[:2]),
+                 lambda: f"deepinfer_ops.mqa_logits: weights must be float32 {tuple(q.shape[:2])}, got "
+                         f"{weights.dtype} {tuple(weights.shape)}")
+    width = q.shape[2] + 4 if k_cache.dtype == torch.uint8 else q.shape[2]
+    torch._check(k_cache.dim() == 3 and k_cache.shape[2] == width,
+                 lambda: f"deepinfer_ops.mqa_logits: k_cache must be [num_blocks, block_size, {width}], got "
+                         f"{tuple(k_cache.shape)}")
+    if k_cache.dtype == torch.uint8 and k_cache.numel() > 0:
+        _check_indexer_block_layout("mqa_logits", k_cache, q.shape[2])
     return None
 
 
@@ -212,8 +222,22 @@ def _check_indexer_k_cache_fp8(op, k_cache, rows, rows_name, slot_mapping):
     torch._check(k_cache.dtype == torch.uint8 and k_cache.dim() == 3 and k_cache.shape[2] == rows.shape[1] + 4,
                  lambda: f"deepinfer_ops.{op}: k_cache must be uint8 [num_blocks, block_size, {rows.shape[1] + 4}], "
                          f"got {k_cache.dtype} {tuple(k_cache.shape)}")
-    torch._check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (rows.shape[0],),
-                 lambda: f"deepinfer_ops.{op}: slot_mapping must be int64 [{rows.shape[0]}]")
+    torch._check(slot_mapping.dtype == torch.int64 and slot_mapping.shape == (rows.shape[0],) and
+                 (slot_mapping.numel() == 0 or slot_mapping.is_contiguous()),
+                 lambda: f"deepinfer_ops.{op}: slot_mapping must be a contiguous int64 [{rows.shape[0]}]")
+    torch._check(rows.numel() == 0 or rows.stride(1) == 1,
+                 lambda: f"deepinfer_ops.{op}: {rows_name} must be contiguous in its last dim")
+    if k_cache.numel() > 0:
+        _check_indexer_block_layout(op, k_cache, rows.shape[1])
+
+
+def _check_indexer_block_layout(op, k_cache, d):
+    """Each block of an FP8 indexer-key cache is one dense [block_size, d + 4] byte view (as the native check)."""
+    w = d + 4
+    torch._check(k_cache.stride(2) == 1 and k_cache.stride(1) == w and k_cache.stride(0) >= k_cache.shape[1] * w
+                 and k_cache.stride(0) % 4 == 0,
+                 lambda: f"deepinfer_ops.{op}: k_cache must hold each block densely (strides [>= block_size * {w} "
+                         f"and a multiple of 4, {w}, 1]), got strides {k_cache.stride()}")
 
 
 @_register_fake("deepinfer_ops::compressor_pool")

@@ -40,7 +40,7 @@ holds the ``block_size x head_dim`` e4m3 codes of its keys (key j at byte ``j * 
 ``head_dim`` dims: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))`` (vLLM's writer floors amax at 1e-4 instead:
 keys with amax < 1e-4 are coded differently; any power-of-two or fp32 scale written by another engine reads the same).
 Decoding (``bf16(e4m3 * scale)``) is exact, so :func:`mqa_logits` over an FP8 key cache equals it over the decoded
-bf16 cache bit for bit.
+bf16 cache bit for bit (NaN keys give NaN logits; NaN bit patterns may differ from torch's).
 
 Source: DeepSeek-V4 attention (architecture.md); FlashMLA ``flash_mla_with_kvcache`` sparse interface (the
 index convention and sink formula ``out *= exp(lse) / (exp(lse) + exp(sink))``).
@@ -174,6 +174,8 @@ def mqa_logits(
     Source: DeepSeek-V3.2/V4 lightning indexer (DeepGEMM ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits`` semantics;
     q stays bf16).
     """
+    if q.dim() != 3:
+        raise ValueError(f"mqa_logits: q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     if num_candidates is None:
         blocks = block_table.shape[1] if block_table is not None else k_cache.shape[0]
         num_candidates = blocks * k_cache.shape[1]
@@ -263,9 +265,11 @@ def indexer_k_cache_dequant_fp8(k_cache: torch.Tensor, slot_mapping: torch.Tenso
         RuntimeError naming the tensor at fault.
     Source: DeepGEMM ``fp8_paged_mqa_logits`` key layout.
     """
-    if k_cache.dim() != 3 or k_cache.shape[2] <= 4:
-        raise ValueError(f"indexer_k_cache_dequant_fp8: k_cache must be [num_blocks, block_size, head_dim + 4], got "
-                         f"shape {tuple(k_cache.shape)}")
+    if k_cache.dim() != 3 or k_cache.shape[2] - 4 not in (48, 64, 128):
+        raise ValueError(f"indexer_k_cache_dequant_fp8: k_cache must be [num_blocks, block_size, head_dim + 4] with "
+                         f"head_dim 48, 64 or 128, got shape {tuple(k_cache.shape)}")
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+        raise ValueError("indexer_k_cache_dequant_fp8: slot_mapping must be a 1-D int64 tensor")
     out = torch.empty((slot_mapping.shape[0], k_cache.shape[2] - 4), dtype=torch.bfloat16, device=k_cache.device)
     torch.ops.deepinfer_ops.indexer_k_cache_dequant_fp8(out, k_cache, slot_mapping)
     return out

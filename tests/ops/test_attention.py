@@ -769,10 +769,69 @@ def test_indexer_fp8_cache_errors_name_the_tensor(device):
             deepinfer_ops.mqa_logits(q, w, odd)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mqa_logits_empty_block_table_gives_all_invalid(device, fp8):
+    """A block table with no columns addresses no block: every candidate is invalid (-inf), not the flat cache."""
+    g = _gen(17)
+    q, w = (torch.randn(3, 2, 64, generator=g) * 0.3).bfloat16().to(device), torch.randn(3, 2, generator=g).to(device)
+    cache = _idx_fp8_cache(2, 4, 64, device) if fp8 else _cache(2, 4, 64, g, device)
+    if fp8:
+        deepinfer_ops.indexer_k_cache_write_fp8(cache, (torch.randn(8, 64, generator=g)).bfloat16().to(device),
+                                                torch.arange(8, device=device))
+    table = torch.zeros(3, 0, dtype=torch.int32, device=device)
+    got = deepinfer_ops.mqa_logits(q, w, cache, 5, block_table=table)
+    assert torch.equal(got.cpu(), refs.mqa_logits_ref(q, w, cache, 5, block_table=table).cpu())
+    assert torch.all(got == float("-inf"))
+
+
+@pytest.mark.native_errors
+def test_cache_ops_refuse_aliasing_layouts(device):
+    """Reads that share bytes with the written tensor are refused for any layout (strided, padded), not only for the
+    dense overlaps ATen can decide."""
+    base = torch.zeros(2 * 4 * 68 + 64, dtype=torch.uint8, device=device)
+    cache = base[:2 * 4 * 68].view(2, 4, 68)
+    k_in_cache = base[:512].view(torch.bfloat16).view(2, 128)[:, :64]  # strided rows inside the cache
+    with pytest.raises(RuntimeError, match="k_cache and k share memory"):
+        deepinfer_ops.indexer_k_cache_write_fp8(cache, k_in_cache, torch.tensor([0, 1], device=device))
+    slots_in_cache = base[8:24].view(torch.int64)  # slot_mapping aliasing the cache
+    with pytest.raises(RuntimeError, match="k_cache and slot_mapping share memory"):
+        deepinfer_ops.indexer_k_cache_write_fp8(cache, torch.zeros(2, 64, dtype=torch.bfloat16, device=device),
+                                                slots_in_cache)
+    q, w = torch.zeros(1, 2, 64, dtype=torch.bfloat16, device=device), torch.zeros(1, 2, device=device)
+    logits_in_cache = base[:64].view(torch.float32).view(1, 16)
+    with pytest.raises(RuntimeError, match="logits and k_cache share memory"):
+        torch.ops.deepinfer_ops.mqa_logits(logits_in_cache, q, w, cache, None, None, None)
+    kv = torch.zeros(3, 8, 16, device=device)
+    with pytest.raises(RuntimeError, match="kv_cache and kv share memory"):  # every other row of block 1
+        deepinfer_ops.kv_cache_write(kv, kv[1, ::2], torch.tensor([1, 2, 3, 4], device=device))
+
+
+def test_indexer_fp8_fakes_check_the_layout():
+    """The meta kernels refuse the cache layouts and shapes the native ops refuse."""
+    bad = torch.zeros(2, 4, 80, dtype=torch.uint8, device="meta")[..., :68]  # last dim sliced: blocks not dense
+    k = torch.zeros(3, 64, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(RuntimeError, match="hold each block densely"):
+        torch.ops.deepinfer_ops.indexer_k_cache_write_fp8(bad, k, torch.zeros(3, dtype=torch.int64, device="meta"))
+    q, w = torch.zeros(3, 7, 64, dtype=torch.bfloat16, device="meta"), torch.zeros(3, 7, device="meta")
+    with pytest.raises(RuntimeError, match="k_cache must be"):
+        torch.ops.deepinfer_ops.mqa_logits(torch.empty(3, 8, device="meta"), q, w,
+                                           torch.zeros(2, 4, 99, dtype=torch.uint8, device="meta"), None, None, None)
+    with pytest.raises(RuntimeError, match="weights must be float32"):
+        torch.ops.deepinfer_ops.mqa_logits(torch.empty(3, 8, device="meta"), q, w.bfloat16(),
+                                           torch.zeros(2, 4, 68, dtype=torch.uint8, device="meta"), None, None, None)
+
+
 def test_indexer_fp8_wrapper_and_opcheck():
     with pytest.raises(ValueError, match="indexer_k_cache_dequant_fp8: k_cache must be"):
         deepinfer_ops.indexer_k_cache_dequant_fp8(torch.zeros(2, 4, dtype=torch.uint8),
                                                   torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="head_dim 48, 64 or 128"):
+        deepinfer_ops.indexer_k_cache_dequant_fp8(torch.zeros(2, 4, 64, dtype=torch.uint8),
+                                                  torch.zeros(1, dtype=torch.long))
+    with pytest.raises(ValueError, match="slot_mapping must be a 1-D"):
+        deepinfer_ops.indexer_k_cache_dequant_fp8(torch.zeros(2, 4, 68, dtype=torch.uint8), torch.tensor(3))
+    with pytest.raises(ValueError, match="mqa_logits: q must be"):
+        deepinfer_ops.mqa_logits(torch.tensor(1.0), torch.ones(1, 1), torch.zeros(1, 4, 64, dtype=torch.bfloat16))
     g = _gen(5)
     cache = _idx_fp8_cache(2, 8, 64, "cpu")
     k = torch.randn(3, 64, generator=g).bfloat16()

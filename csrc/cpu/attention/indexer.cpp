@@ -91,6 +91,10 @@ void mqa_logits_cpu(at::Tensor& logits, const at::Tensor& q, const at::Tensor& w
                     const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
                     const std::optional<at::Tensor>& k_end) {
   check_mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end, /*allow_fp32=*/true);
+  if (block_table.has_value() && block_table->size(1) == 0) {  // no block: every candidate is invalid
+    logits.fill_(-std::numeric_limits<float>::infinity());
+    return;
+  }
   if (k_cache.scalar_type() == at::kByte) {
     mqa_logits_cpu_impl<bf16, /*kFp8Keys=*/true>(logits, q, weights, k_cache, block_table, k_start, k_end);
   } else if (q.scalar_type() == at::kFloat) {

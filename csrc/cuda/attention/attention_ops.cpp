@@ -1,5 +1,7 @@
 // Torch-facing CUDA entry points of the attention domain: shared checks, CUDA-only limits, params, launch on the
 // current stream.
+#include <limits>
+
 #include "cuda/torch_utils.h"
 #include "common/attention_checks.h"
 #include "deepinfer/attention/compressor_pool.cuh"
@@ -89,6 +91,10 @@ void mqa_logits_cuda(at::Tensor& logits, const at::Tensor& q, const at::Tensor& 
   check_mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end);
   const int64_t t = q.size(0), n = logits.size(1);
   if (t == 0 || n == 0) return;
+  if (block_table.has_value() && block_table->size(1) == 0) {  // no block: every candidate is invalid
+    logits.fill_(-std::numeric_limits<float>::infinity());
+    return;
+  }
   DEEPINFER_CHECK(q.size(1) <= 128, op, "num_heads must be <= 128 on CUDA, got ", q.size(1));
   const bool k_fp8 = k_cache.scalar_type() == at::kByte;
   if (k_fp8) {
