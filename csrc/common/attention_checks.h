@@ -31,8 +31,8 @@ inline bool is_indexer_head_dim(int64_t d) { return d == 48 || d == 64 || d == 1
 inline void check_indexer_fp8_cache_layout(const char* op, const at::Tensor& k_cache, const char* name, int64_t d) {
   check_dtype(op, k_cache, name, at::kByte);
   DEEPINFER_CHECK(k_cache.dim() == 3 && k_cache.size(2) == d + kIndexerFp8ScaleBytes && k_cache.size(1) > 0, op, name,
-                  " must be uint8 [num_blocks, block_size > 0, ", d + kIndexerFp8ScaleBytes,
-                  "] (head_dim e4m3 codes + a 4-byte fp32 scale per key), got ", k_cache.sizes());
+                  " must be uint8 [num_blocks, block_size > 0, ", d + kIndexerFp8ScaleBytes, "] for head_dim ", d,
+                  " (per block: the keys' e4m3 codes, then one fp32 scale per key), got ", k_cache.sizes());
   DEEPINFER_CHECK(k_cache.numel() == 0 ||
                       (k_cache.stride(2) == 1 && k_cache.stride(1) == d + kIndexerFp8ScaleBytes &&
                        k_cache.stride(0) >= k_cache.size(1) * (d + kIndexerFp8ScaleBytes) &&
@@ -218,8 +218,8 @@ inline void check_mqa_logits(const at::Tensor& logits, const at::Tensor& q, cons
                   "weights must be a contiguous [", t, ", ", H, "], got ", weights.sizes());
   check_same_device(op, weights, "weights", q, "q");
   if (fp32) {
-    DEEPINFER_CHECK(k_cache.scalar_type() == at::kFloat, op, "k_cache must be torch.float32 with a float32 q, got ",
-                    dtype_name(k_cache.scalar_type()));
+    DEEPINFER_CHECK(k_cache.scalar_type() == at::kFloat, op, "k_cache must be torch.float32 with a float32 q (FP8 "
+                    "keys need a bf16 q), got ", dtype_name(k_cache.scalar_type()));
   } else {
     DEEPINFER_CHECK(k_cache.scalar_type() == at::kBFloat16 || k_cache.scalar_type() == at::kByte, op,
                     "k_cache must be torch.bfloat16 (or uint8 FP8 keys), got ", dtype_name(k_cache.scalar_type()));

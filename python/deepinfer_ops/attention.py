@@ -36,9 +36,12 @@ FP8 indexer keys (the lightning indexer's key cache; DeepGEMM ``fp8_paged_mqa_lo
 ``indexer_k_quant_and_cache`` paged layout): a uint8 cache ``[num_blocks, block_size, head_dim + 4]`` whose block
 holds the ``block_size x head_dim`` e4m3 codes of its keys (key j at byte ``j * head_dim``) followed by
 ``block_size`` fp32 scales (key j's at byte ``block_size * head_dim + 4 j``), so each block must be dense
-(strides ``[>= block_size * (head_dim + 4), head_dim + 4, 1]``). One scale per key, the same recipe with one group of
-``head_dim`` dims: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))`` (vLLM's writer floors amax at 1e-4 instead:
-keys with amax < 1e-4 are coded differently; any power-of-two or fp32 scale written by another engine reads the same).
+(strides ``[>= block_size * (head_dim + 4), head_dim + 4, 1]``, the block stride a multiple of 4); the
+``[.., head_dim + 4]`` shape is a view of that block, row j is *not* key j's codes and scale. One scale per key, a
+power of two stored as a plain fp32 (vLLM's "ue8m0" scale format), the same recipe with one group of ``head_dim``
+dims: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))`` (an all-zero key: scale 2^-42, zero codes; vLLM's writer
+floors amax at 1e-4 instead: keys with amax < 1e-4 are coded differently; any fp32 scale written by another engine
+reads the same).
 Decoding (``bf16(e4m3 * scale)``) is exact, so :func:`mqa_logits` over an FP8 key cache equals it over the decoded
 bf16 cache bit for bit (NaN keys give NaN logits; NaN bit patterns may differ from torch's).
 
@@ -150,27 +153,35 @@ def mqa_logits(
     index order), ``-inf`` for candidates that are masked or invalid. Fold any softmax scale or ``H ** -0.5`` into
     ``weights``.
 
-    Candidate c of token t is the cache row ``k_cache[blk, c % block_size]`` with ``blk = c // block_size`` (flat
-    cache) or ``blk = block_table[t, c // block_size]`` (paged; a block past the table's end or outside
-    ``[0, num_blocks)`` is invalid). FP8 keys (uint8 cache, layout in the module doc) are decoded exactly to bf16
-    first: the logits equal those over the decoded cache bit for bit. ``k_start``/``k_end`` mask candidates
-    outside ``[k_start[t], k_end[t])`` (e.g. future entries).
+    Candidate c of token t is key ``c % block_size`` of block ``blk = c // block_size`` (no block_table) or
+    ``blk = block_table[t, c // block_size]`` (paged; a block past the table's end -- e.g. a table with no
+    columns -- or outside ``[0, num_blocks)``, -1 included, is invalid). For a bf16 / float32 cache that key is
+    the row ``k_cache[blk, c % block_size]``; FP8 keys (uint8 cache) are stored per block, all codes then all
+    scales (module doc), and are decoded exactly to bf16 first: the logits equal those over the decoded cache bit
+    for bit. ``k_start`` / ``k_end`` mask candidates c (logical positions, before the block-table lookup) outside
+    ``[k_start[t], k_end[t])`` (e.g. future entries; any int32 values). Slots of a valid block that were never
+    written are not masked: their keys are whatever the cache holds (zeros in a zeroed cache: logit 0), so mask
+    them with ``k_end`` or the block table. Every column of the output is written.
 
     Args:
-        q: ``[num_tokens, H, head_dim]`` bf16 (CPU also float32, with a float32 k_cache), contiguous; head_dim 48
-            (the tiny test preset), 64 or 128 (V4: H 64, head_dim 128); H <= 128 on CUDA.
-        weights: ``[num_tokens, H]`` fp32.
-        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 (or float32, CPU) indexer-key cache, or FP8 keys
-            ``[num_blocks, block_size, head_dim + 4]`` uint8 (written by :func:`indexer_k_cache_write_fp8`; on CUDA
-            16-byte aligned with a block stride that is a multiple of 16).
-        num_candidates: columns of the output; default ``num_blocks * block_size`` (flat) or
+        q: ``[num_tokens, H, head_dim]`` bf16 (CPU also float32, with a float32 k_cache; FP8 keys need a bf16 q),
+            contiguous; head_dim 48 (the tiny test preset), 64 or 128 (V4: H 64, head_dim 128); any H >= 1 on the
+            CPU, H <= 128 on CUDA.
+        weights: ``[num_tokens, H]`` fp32, contiguous.
+        k_cache: ``[num_blocks, block_size, head_dim]`` bf16 (or float32, CPU) indexer-key cache, last dim
+            contiguous, or FP8 keys ``[num_blocks, block_size, head_dim + 4]`` uint8 (written by
+            :func:`indexer_k_cache_write_fp8`; each block dense, block stride a multiple of 4 bytes, on CUDA of 16
+            and 16-byte aligned). Always 3-D.
+        num_candidates: columns of the output; default ``num_blocks * block_size`` (no block_table) or
             ``max_blocks * block_size`` (with block_table).
-        block_table: optional ``[num_tokens, max_blocks]`` int32.
-        k_start, k_end: optional ``[num_tokens]`` int32.
+        block_table: optional ``[num_tokens, max_blocks]`` int32, contiguous.
+        k_start, k_end: optional ``[num_tokens]`` int32, contiguous.
     Returns:
-        ``logits [num_tokens, num_candidates]`` fp32.
+        ``logits [num_tokens, num_candidates]`` fp32. (The registered op
+        ``torch.ops.deepinfer_ops.mqa_logits(logits!, q, weights, k_cache, block_table?, k_start?, k_end?)`` fills a
+        caller-allocated ``logits``; its column count is num_candidates.)
     Raises:
-        RuntimeError naming the tensor at fault.
+        RuntimeError naming the tensor at fault; ValueError for a q that is not 3-D or a bad num_candidates.
     Source: DeepSeek-V3.2/V4 lightning indexer (DeepGEMM ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits`` semantics;
     q stays bf16).
     """
@@ -238,8 +249,9 @@ def kv_cache_dequant_fp8(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> 
 
 def indexer_k_cache_write_fp8(k_cache: torch.Tensor, k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Quantise bf16 indexer keys into an FP8 indexer-key cache, in place (layout and recipe in the module doc): key
-    ``s = slot_mapping[i]`` of ``k_cache`` encodes ``k[i]``; slots ``< 0`` or past the cache are skipped. A key
-    holding NaN or +-inf gets a NaN scale (all its dims decode to NaN), as in :func:`kv_cache_write_fp8`.
+    ``s = slot_mapping[i]`` (key ``s % block_size`` of block ``s // block_size``) encodes ``k[i]``; slots ``< 0`` or
+    past the cache are skipped; two rows naming one slot in a call is not supported. A key holding NaN or +-inf gets
+    a NaN scale (all its dims decode to NaN), as in :func:`kv_cache_write_fp8`.
 
     Args:
         k_cache: ``[num_blocks, block_size, head_dim + 4]`` uint8 (mutated), each block dense.
@@ -247,7 +259,8 @@ def indexer_k_cache_write_fp8(k_cache: torch.Tensor, k: torch.Tensor, slot_mappi
         slot_mapping: ``[num_tokens]`` int64.
     Raises:
         RuntimeError naming the tensor at fault.
-    Source: vLLM ``indexer_k_quant_and_cache`` (layout, UE8M0 scale format), DeepGEMM ``fp8_paged_mqa_logits``.
+    Source: vLLM ``indexer_k_quant_and_cache`` (layout; its "ue8m0" power-of-two scales, stored as fp32), DeepGEMM
+    ``fp8_paged_mqa_logits``.
     """
     torch.ops.deepinfer_ops.indexer_k_cache_write_fp8(k_cache, k, slot_mapping)
 

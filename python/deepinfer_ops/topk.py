@@ -19,11 +19,14 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     fp32/bf16/fp16 scores on CPU (any k) or CUDA (k <= 2048, n < 2^30) run the native ``topk_rows`` op (radix
     select on an order-preserving 32-bit key, bf16/fp16 upcast exactly to fp32; on CUDA several CTAs share a row:
-    per-chunk candidates and one select per row where they fit, else radix select, see csrc/cuda/attention/topk.cu); other cases use a stable descending sort. Both give the same result.
+    per-chunk candidates and one select per row where they fit, else radix select, see csrc/cuda/attention/topk.cu);
+    other cases use a stable descending sort. Both give the same result.
 
     Args:
         scores: ``[..., n]`` float (any float dtype; compared as given). ``-inf`` entries sort last; NaN sorts
-            as larger than every number (torch.sort's convention); -0.0 ties with +0.0.
+            as larger than every number (torch.sort's convention); -0.0 ties with +0.0. A row with fewer than k
+            entries above ``-inf`` still returns k indices (the ``-inf`` ones, lowest index first): filter masked
+            candidates by value (the engine's ``indexer_topk`` does) before using the indices.
         k: ``0 <= k <= n``.
     Returns:
         ``(values [..., k] scores.dtype, indices [..., k] int64)``, sorted by the rule.
