@@ -50,16 +50,15 @@ void indexer_k_cache_write_fp8_cpu(at::Tensor& k_cache, const at::Tensor& k, con
   for (int64_t i = 0; i < t; ++i) {
     const int64_t s = slots[i];
     if (s < 0 || s >= num_slots) continue;
-    uint8_t* block = cache + (s / block_size) * k_cache.stride(0);
-    const int64_t j = s % block_size;
-    const float sc = fp8_entry::indexer_key_encode(block + j * d, x + i * k.stride(0), d);
-    std::memcpy(block + block_size * d + j * kIndexerFp8ScaleBytes, &sc, 4);
+    fp8_entry::indexer_key_encode(cache + (s / block_size) * k_cache.stride(0), block_size, d, s % block_size,
+                                  x + i * k.stride(0));
   }
 }
 
 void indexer_k_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& slot_mapping) {
   check_indexer_k_cache_fp8("indexer_k_cache_dequant_fp8", k_cache, out, "out", slot_mapping, /*writes_cache=*/false);
-  const int64_t t = out.size(0), d = out.size(1), block_size = k_cache.size(1), num_slots = k_cache.size(0) * block_size;
+  const int64_t t = out.size(0), d = out.size(1), block_size = k_cache.size(1);
+  const int64_t num_slots = k_cache.size(0) * block_size;
   if (t == 0) return;
   const auto* cache = k_cache.const_data_ptr<uint8_t>();
   auto* o = out.mutable_data_ptr<c10::BFloat16>();
@@ -73,9 +72,9 @@ void indexer_k_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& k_cache,
     }
     const uint8_t* block = cache + (s / block_size) * k_cache.stride(0);
     const int64_t j = s % block_size;
-    float sc;
-    std::memcpy(&sc, block + block_size * d + j * kIndexerFp8ScaleBytes, 4);
-    for (int64_t e = 0; e < d; ++e) row[e] = c10::BFloat16(fp8_entry::indexer_key_decode(block + j * d, sc, e));
+    const float sc = fp8_entry::indexer_key_scale(block, block_size, d, j);
+    const uint8_t* codes = fp8_entry::indexer_key_codes(block, d, j);
+    for (int64_t e = 0; e < d; ++e) row[e] = c10::BFloat16(fp8_entry::indexer_key_decode(codes, sc, e));
   }
 }
 

@@ -77,17 +77,26 @@ inline void decode(c10::BFloat16* out, const uint8_t* entry) {
   std::memcpy(out + kFp8NopeDims, entry + kFp8NopeDims, kFp8RopeDims * 2);
 }
 
-// FP8 indexer keys (layout in common/attention_checks.h): one key of d dims -> d e4m3 codes and its fp32 power-of-two
-// scale (the same recipe with one group of d dims). Returns the scale.
-inline float indexer_key_encode(uint8_t* codes, const c10::BFloat16* x, int64_t d) {
+// FP8 indexer keys (layout in common/attention_checks.h): key j of a block of block_size keys of d dims has its d
+// e4m3 codes at byte j * d of the block and its fp32 scale at byte block_size * d + 4 j.
+inline const uint8_t* indexer_key_codes(const uint8_t* block, int64_t d, int64_t j) { return block + j * d; }
+
+inline float indexer_key_scale(const uint8_t* block, int64_t block_size, int64_t d, int64_t j) {
+  float sc;
+  std::memcpy(&sc, block + block_size * d + j * kIndexerFp8ScaleBytes, 4);
+  return sc;
+}
+
+// Encode key x (d bf16 dims) as key j of the block: the recipe above with one group of d dims.
+inline void indexer_key_encode(uint8_t* block, int64_t block_size, int64_t d, int64_t j, const c10::BFloat16* x) {
   float amax = 0.f;
   for (int64_t k = 0; k < d; ++k) {
     const float a = std::fabs(static_cast<float>(x[k]));
     amax = (a > amax || std::isnan(a)) ? a : amax;
   }
   const float sc = ue8m0_to_float(ue8m0_exponent_up(std::isnan(amax) ? amax : std::max(amax, kAmaxEps) / kE4m3Max));
-  for (int64_t k = 0; k < d; ++k) codes[k] = e4m3_code(static_cast<float>(x[k]), sc);
-  return sc;
+  for (int64_t k = 0; k < d; ++k) block[j * d + k] = e4m3_code(static_cast<float>(x[k]), sc);
+  std::memcpy(block + block_size * d + j * kIndexerFp8ScaleBytes, &sc, 4);
 }
 
 // Decoded key value k as float: float(e4m3) * scale, rounded to bf16 (exact for a power-of-two scale).

@@ -45,7 +45,8 @@ void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tens
   const T* qp = q.const_data_ptr<T>();
   const float* w = weights.const_data_ptr<float>();
   float* out = logits.mutable_data_ptr<float>();
-  const int32_t* bt = block_table.has_value() ? block_table->const_data_ptr<int32_t>() : nullptr;
+  const bool paged = block_table.has_value();  // (an empty table's data pointer may be null: not "no table")
+  const int32_t* bt = paged ? block_table->const_data_ptr<int32_t>() : nullptr;
   const int64_t max_blocks = block_table.has_value() ? block_table->size(1) : 0;
   const int32_t* ks = k_start.has_value() ? k_start->const_data_ptr<int32_t>() : nullptr;
   const int32_t* ke = k_end.has_value() ? k_end->const_data_ptr<int32_t>() : nullptr;
@@ -57,7 +58,7 @@ void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tens
       const int64_t lo = ks ? ks[i] : 0, hi = ke ? ke[i] : n;
       for (int64_t c = 0; c < n; ++c) {
         int64_t block = c / block_size;
-        if (bt != nullptr) block = block < max_blocks ? bt[i * max_blocks + block] : -1;
+        if (paged) block = block < max_blocks ? bt[i * max_blocks + block] : -1;
         if (c < lo || c >= hi || block < 0 || block >= num_blocks) {
           out[i * n + c] = neg_inf;
           continue;
@@ -65,9 +66,9 @@ void mqa_logits_cpu_impl(at::Tensor& logits, const at::Tensor& q, const at::Tens
         if constexpr (kFp8Keys) {  // decode the key (exact bf16 values): same sums as over the decoded cache
           const uint8_t* blk = reinterpret_cast<const uint8_t*>(kc) + block * bstride;
           const int64_t j = c % block_size;
-          float sc;
-          std::memcpy(&sc, blk + block_size * d + j * kIndexerFp8ScaleBytes, 4);
-          for (int64_t e = 0; e < d; ++e) kf[e] = fp8_entry::indexer_key_decode(blk + j * d, sc, e);
+          const float sc = fp8_entry::indexer_key_scale(blk, block_size, d, j);
+          const uint8_t* codes = fp8_entry::indexer_key_codes(blk, d, j);
+          for (int64_t e = 0; e < d; ++e) kf[e] = fp8_entry::indexer_key_decode(codes, sc, e);
         } else {
           const T* k = kc + block * bstride + (c % block_size) * tstride;
           for (int64_t e = 0; e < d; ++e) kf[e] = static_cast<float>(k[e]);
@@ -91,10 +92,6 @@ void mqa_logits_cpu(at::Tensor& logits, const at::Tensor& q, const at::Tensor& w
                     const std::optional<at::Tensor>& block_table, const std::optional<at::Tensor>& k_start,
                     const std::optional<at::Tensor>& k_end) {
   check_mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end, /*allow_fp32=*/true);
-  if (block_table.has_value() && block_table->size(1) == 0) {  // no block: every candidate is invalid
-    logits.fill_(-std::numeric_limits<float>::infinity());
-    return;
-  }
   if (k_cache.scalar_type() == at::kByte) {
     mqa_logits_cpu_impl<bf16, /*kFp8Keys=*/true>(logits, q, weights, k_cache, block_table, k_start, k_end);
   } else if (q.scalar_type() == at::kFloat) {

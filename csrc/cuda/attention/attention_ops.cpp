@@ -1,7 +1,5 @@
 // Torch-facing CUDA entry points of the attention domain: shared checks, CUDA-only limits, params, launch on the
 // current stream.
-#include <limits>
-
 #include "cuda/torch_utils.h"
 #include "common/attention_checks.h"
 #include "deepinfer/attention/compressor_pool.cuh"
@@ -91,10 +89,6 @@ void mqa_logits_cuda(at::Tensor& logits, const at::Tensor& q, const at::Tensor& 
   check_mqa_logits(logits, q, weights, k_cache, block_table, k_start, k_end);
   const int64_t t = q.size(0), n = logits.size(1);
   if (t == 0 || n == 0) return;
-  if (block_table.has_value() && block_table->size(1) == 0) {  // no block: every candidate is invalid
-    logits.fill_(-std::numeric_limits<float>::infinity());
-    return;
-  }
   DEEPINFER_CHECK(q.size(1) <= 128, op, "num_heads must be <= 128 on CUDA, got ", q.size(1));
   const bool k_fp8 = k_cache.scalar_type() == at::kByte;
   if (k_fp8) {
@@ -115,7 +109,8 @@ void mqa_logits_cuda(at::Tensor& logits, const at::Tensor& q, const at::Tensor& 
   p.token_stride = k_cache.stride(1);
   p.num_blocks = k_cache.numel() == 0 ? 0 : k_cache.size(0);
   p.block_size = static_cast<int>(k_cache.size(1));
-  p.block_table = block_table.has_value() ? block_table->const_data_ptr<int32_t>() : nullptr;
+  p.paged = block_table.has_value();
+  p.block_table = p.paged ? block_table->const_data_ptr<int32_t>() : nullptr;
   p.max_blocks = block_table.has_value() ? static_cast<int>(block_table->size(1)) : 0;
   p.k_start = k_start.has_value() ? k_start->const_data_ptr<int32_t>() : nullptr;
   p.k_end = k_end.has_value() ? k_end->const_data_ptr<int32_t>() : nullptr;

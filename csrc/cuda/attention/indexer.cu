@@ -91,7 +91,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid
       const char* ptr = nullptr;
       if (c < p.num_candidates && c >= lo && c < hi) {
         int64_t block = c / p.block_size;
-        if (p.block_table != nullptr) block = block < p.max_blocks ? p.block_table[i * p.max_blocks + block] : -1;
+        if (p.paged) block = block < p.max_blocks ? p.block_table[i * p.max_blocks + block] : -1;
         if (block >= 0 && block < p.num_blocks) {
           const int64_t j = c % p.block_size;
           if constexpr (kFp8) {

@@ -87,14 +87,31 @@ TopkPlan make_plan(const TopkParams& p) {
   return t;
 }
 
-struct TopkRun {
+// The rows and outputs of a topk_rows launch, as both paths' kernels see them.
+struct TopkRows {
   const float* scores;
   int64_t score_row_stride;
   float* values;
   int64_t* indices;
-  int64_t row0;       // first row of this group
-  int n, k, chunk, chunks;
-  bool vec;           // every row 16-byte aligned: float4 loads
+  int64_t row0;  // first row of this group
+  int n, k;
+  bool vec;      // every row 16-byte aligned: float4 loads
+};
+
+TopkRows topk_rows_of(const TopkParams& p) {
+  TopkRows r{};
+  r.scores = p.scores;
+  r.score_row_stride = p.score_row_stride;
+  r.values = p.values;
+  r.indices = p.indices;
+  r.n = p.n;
+  r.k = p.k;
+  r.vec = is_aligned(p.scores, 16) && p.score_row_stride % 4 == 0;
+  return r;
+}
+
+struct TopkRun : TopkRows {  // the radix path
+  int chunk, chunks;
   int* hist;          // [group][3][kBins]
   int* meta;          // [group][kMetaInts]
   int* ties;          // [group][chunks]: elements equal to thr per chunk (when not all are selected)
@@ -472,14 +489,8 @@ constexpr int kSelectMaxChunks = 1024;
 
 __host__ __device__ constexpr int cand_slots(int k) { return k + (k > 64 ? k : 64); }
 
-struct TopkCandRun {
-  const float* scores;
-  int64_t score_row_stride;
-  float* values;
-  int64_t* indices;
-  int64_t row0;   // first row of this group
-  int n, k, chunks, q;
-  bool vec;       // every row 16-byte aligned: float4 loads
+struct TopkCandRun : TopkRows {  // the two-stage path
+  int chunks, q;
   int* counts;    // [group][chunks]
   uint64_t* cand; // [group][chunks][q]
 };
@@ -515,14 +526,6 @@ __device__ __forceinline__ void block_count3(int& a, int& b, int& c, int (*s_red
   a = __reduce_add_sync(0xffffffffu, lane < kNumWarps ? buf[0][lane] : 0);
   b = __reduce_add_sync(0xffffffffu, lane < kNumWarps ? buf[1][lane] : 0);
   c = __reduce_add_sync(0xffffffffu, lane < kNumWarps ? buf[2][lane] : 0);
-}
-
-// One block sum through block_count3's buffers.
-template <int kNumWarps>
-__device__ __forceinline__ int block_count3_first(int v, int (*s_red)[3][kNumWarps], int& parity) {
-  int zero1 = 0, zero2 = 0;
-  block_count3<kNumWarps>(v, zero1, zero2, s_red, parity);
-  return v;
 }
 
 // The largest x such that at least `rank` of the values given by `count3` lie at or above it (rank >= 1 and at
@@ -732,6 +735,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
   uint64_t* s_small = s_sort + npow2;                    // [2 k] (k <= kSelectThreads) or none
   uint64_t* s_cand = s_small + (r.k <= kSelectThreads ? 2 * r.k : 0);  // [chunks * q]
   int* s_off = reinterpret_cast<int*>(s_cand + static_cast<int64_t>(r.chunks) * r.q);  // [chunks + 1]
+  __shared__ int s_red[2][kWarpsSel];
   __shared__ int s_red3[2][3][kWarpsSel];
   __shared__ int s_warp[kWarpsSel];
   __shared__ int s_sel;
@@ -785,7 +789,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(const __gri
           s_red3, parity, c);
       int cnt = 0;
       for (int i = tid; i < m_total; i += kSelectThreads) cnt += s_cand[i] >= ts ? 1 : 0;
-      cnt = block_count3_first<kWarpsSel>(cnt, s_red3, parity);
+      cnt = block_count<kWarpsSel>(cnt, s_red, parity);
       if (cnt >= r.k && cnt <= 2 * r.k) {
         for (int i0 = 0; i0 < m_total; i0 += kSelectThreads) {  // uniform trip count (warp ballots)
           const int i = i0 + tid;
@@ -907,15 +911,9 @@ TopkCandPlan make_cand_plan(const TopkParams& p) {
 void launch_topk_two_stage(const TopkParams& p, const TopkCandPlan& plan, cudaStream_t stream) {
   char* ws = static_cast<char*>(p.workspace);
   TopkCandRun r{};
-  r.scores = p.scores;
-  r.score_row_stride = p.score_row_stride;
-  r.values = p.values;
-  r.indices = p.indices;
-  r.n = p.n;
-  r.k = p.k;
+  static_cast<TopkRows&>(r) = topk_rows_of(p);
   r.chunks = plan.chunks;
   r.q = plan.q;
-  r.vec = is_aligned(p.scores, 16) && p.score_row_stride % 4 == 0;
   r.counts = reinterpret_cast<int*>(ws + plan.counts_off);
   r.cand = reinterpret_cast<uint64_t*>(ws + plan.cand_off);
   DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(topk_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -958,15 +956,9 @@ void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
   const TopkPlan plan = make_plan(p);
   char* ws = static_cast<char*>(p.workspace);
   TopkRun r{};
-  r.scores = p.scores;
-  r.score_row_stride = p.score_row_stride;
-  r.values = p.values;
-  r.indices = p.indices;
-  r.n = p.n;
-  r.k = p.k;
+  static_cast<TopkRows&>(r) = topk_rows_of(p);
   r.chunk = plan.chunk;
   r.chunks = plan.chunks;
-  r.vec = is_aligned(p.scores, 16) && p.score_row_stride % 4 == 0;
   r.hist = reinterpret_cast<int*>(ws + plan.hist_off);
   r.meta = reinterpret_cast<int*>(ws + plan.meta_off);
   r.ties = reinterpret_cast<int*>(ws + plan.ties_off);

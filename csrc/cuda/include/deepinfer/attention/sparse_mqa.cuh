@@ -47,7 +47,8 @@ struct MqaLogitsParams {
   bool k_fp8;           // FP8 keys: block_stride in bytes; codes at j * head_dim, scales at block_size * head_dim + 4 j
   int64_t block_stride, token_stride, num_blocks;  // elements of the cache's dtype
   int block_size;
-  const int32_t* block_table;  // [t, max_blocks] or nullptr (candidate c -> flat slot c)
+  bool paged;                  // a block table was given (it may have no columns: every candidate invalid)
+  const int32_t* block_table;  // [t, max_blocks] (paged), else unused (candidate c -> flat slot c)
   int max_blocks;
   const int32_t* k_start;  // [t] or nullptr
   const int32_t* k_end;    // [t] or nullptr
