@@ -1,11 +1,13 @@
 // Sparse MQA kernel for Hopper (sm_90a), decode and prefill: warp-specialised, wgmma.
 // One CTA of three warpgroups per (query row, 64 heads): warpgroup 0 gathers (producer), warpgroups 1 and 2 compute
 // (consumers). Shared memory holds the Q tile and two 64-entry K buffers, each as head_dim / 64 column blocks of
-// 64 rows x 128 B in the 128-byte swizzle wgmma reads. Producer: warp w gathers entries [16 w, 16 w + 16) of a tile;
-// their indices are loaded one tile ahead; bf16 rows arrive by cp.async (a warp copies one row's 512 contiguous bytes
-// per instruction), FP8 MODEL1 entries are loaded (four entries' pieces in flight together) and decoded to bf16 in
-// registers, invalid entries become zero rows; it signals the buffer's `full` mbarrier, and the consumers release the
-// buffer through its `empty` mbarrier once their PV product has read it.
+// 64 rows x 128 B in the 128-byte swizzle wgmma reads. Producer: 8 threads per entry, each thread 4 entries of a tile
+// (their indices loaded one tile ahead, their addresses computed side by side, no shuffles); bf16 rows arrive by
+// cp.async (invalid entries as zero-filled copies), FP8 MODEL1 entries are loaded and decoded to bf16 in registers
+// (their RoPE dims by cp.async). The producer never waits for its own copies: each thread arrives on the buffer's
+// `full` mbarrier once for its stores and once more through cp.async.mbarrier.arrive.noinc, which fires when its
+// copies have landed, so the next tile's gathers go out as soon as the consumers release that buffer through its
+// `empty` mbarrier (after their PV product has read it).
 // Per tile, consumer c computes the partial S_c = Q[:, half c] K[:, half c]^T over its half of the dims (wgmma
 // m64n64k16, both operands from shared memory); the two partials are exchanged through shared memory and summed as
 // S_0 + S_1 (the same fp32 bits in both warpgroups), so both run the same online softmax (base-2 exponent, weights
@@ -24,21 +26,9 @@
 namespace deepinfer::attention {
 namespace {
 
-// Raw bytes of dims [c, c + 8) of a MODEL1 FP8 entry: no-RoPE dims -> (8 codes, scale byte), RoPE dims -> 8 bf16.
-__device__ __forceinline__ uint4 fetch_fp8_entry8(const uint8_t* e, int c) {
-  if (c < kFp8NopeDims) {
-    const uint2 codes = __ldg(reinterpret_cast<const uint2*>(e + c));
-    return make_uint4(codes.x, codes.y, static_cast<uint32_t>(__ldg(e + kFp8ScaleOffset + c / 64)), 0u);
-  }
-  const uint2* rope = reinterpret_cast<const uint2*>(e + kFp8NopeDims + (c - kFp8NopeDims) * 2);
-  const uint2 a = __ldg(rope), b = __ldg(rope + 1);
-  return make_uint4(a.x, a.y, b.x, b.y);
-}
-
-// fetch_fp8_entry8's raw bytes -> 8 bf16 (exact: e4m3 x a power of two fits bf16; the recipe of fp8_cache.cu's
-// dequant and the CPU reference).
-__device__ __forceinline__ uint4 decode_fp8_entry8(uint4 raw, int c) {
-  if (c >= kFp8NopeDims) return raw;
+// 8 e4m3 codes (raw.x, raw.y) times the power of two 2^(raw.z - 127) (UE8M0; 0xff is NaN) -> 8 bf16 (exact: e4m3
+// x a power of two fits bf16; the recipe of fp8_cache.cu's dequant and the CPU reference).
+__device__ __forceinline__ uint4 decode_fp8_entry8(uint4 raw) {
   uint4 out;
   uint32_t* o = reinterpret_cast<uint32_t*>(&out);
   const uint2 codes = make_uint2(raw.x, raw.y);
@@ -158,8 +148,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   cp_async_wait_all();
   fence_proxy_async_shared();
   if (tid == 0) {
-    mbar_init(bar_full, 128);
-    mbar_init(bar_full + 1, 128);
+    mbar_init(bar_full, 256);  // per producer thread: its stores (arrive) and its cp.async copies (arrive.noinc)
+    mbar_init(bar_full + 1, 256);
     mbar_init(bar_empty, 256);
     mbar_init(bar_empty + 1, 256);
     fence_mbar_init();
@@ -177,75 +167,86 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   __syncthreads();
 
   if (wg == 0) {
-    // ---- producer: warp w gathers entries [16 w, 16 w + 16) of each tile; lane i < 16 resolves entry 16 w + i (its
-    //      index loaded one tile ahead) ----
-    setmaxnreg_dec<72>();
-    constexpr int kLaneChunks = (kChunks + 31) / 32;  // 16-byte chunks of one row per lane
-    constexpr int kFp8Batch = 4;                       // FP8 entries whose loads are in flight together
-    const int my_entry = warp * 16 + (lane & 15);
-    // The entry's index (a slot of list 0 or 1), or -1 past the row's entries.
-    auto load_index = [&](int t) -> int32_t {
-      const int kp = t * kEntries + my_entry;
-      if (lane >= 16 || kp >= total) return -1;
+    // ---- producer: 8 threads per entry. Thread (warp w, lane) gathers entries 16 w + 4 r + lane / 8 (r < 4) of each
+    //      tile, the 16-byte chunks lane % 8 + 8 m (m < kChunks / 8) of each; its indices are loaded one tile ahead.
+    //      No shuffles and no waits on its own copies: the address math of four rows runs side by side. ----
+    setmaxnreg_dec<88>();
+    constexpr int kRowChunks = kChunks / 8;
+    const int gi = lane & 7, e0 = warp * 16 + (lane >> 3);
+    const uint32_t k_s = smem_u32(smem + L::k_off);
+    // Index (a slot of list 0 or 1) of entry kp of the row, or -1 past the row's entries.
+    auto load_index = [&](int kp) -> int32_t {
+      if (kp >= total) return -1;
       return kp < len0 ? p.lists[0].indices[row * p.lists[0].topk + kp]
                        : p.lists[1].indices[row * p.lists[1].topk + (kp - len0)];
     };
-    int32_t index = num_tiles > 0 ? load_index(0) : -1;
+    int32_t index[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) index[r] = num_tiles > 0 ? load_index(e0 + 4 * r) : -1;
     for (int t = 0; t < num_tiles; ++t) {
       const int b = t & 1;
-      const int kp = t * kEntries + my_entry;
-      const SparseKvListParams& kl = p.lists[kp < len0 ? 0 : 1];
-      const int64_t s = index;
-      const bool valid = lane < 16 && kp < total && s >= 0 && s < kl.num_blocks * kl.block_size;
-      const int fp8 = kl.is_fp8;
-      const uint8_t* ptr = nullptr;
-      if (valid) {
-        ptr = static_cast<const uint8_t*>(kl.cache) +
-              ((s / kl.block_size) * kl.block_stride + (s % kl.block_size) * kl.token_stride) * (fp8 ? 1 : 2);
+      const uint8_t* src[4];  // the entry's bytes, nullptr when invalid
+      bool fp8[4];
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int kp = t * kEntries + e0 + 4 * r;
+        const SparseKvListParams& kl = p.lists[kp < len0 ? 0 : 1];
+        const int32_t sl = index[r];
+        const bool valid = kp < total && sl >= 0 && sl < kl.num_blocks * kl.block_size;
+        const uint32_t bs = static_cast<uint32_t>(max(kl.block_size, 1));
+        const uint32_t blk = static_cast<uint32_t>(sl) / bs, off = static_cast<uint32_t>(sl) - blk * bs;
+        fp8[r] = kl.is_fp8;
+        src[r] = valid ? static_cast<const uint8_t*>(kl.cache) +
+                             (blk * kl.block_stride + off * kl.token_stride) * (kl.is_fp8 ? 1 : 2)
+                       : nullptr;
       }
-      if (t + 1 < num_tiles) index = load_index(t + 1);  // in flight while this tile is gathered
+      if (t + 1 < num_tiles) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) index[r] = load_index((t + 1) * kEntries + e0 + 4 * r);  // in flight meanwhile
+      }
       if (t >= 2) mbar_wait(bar_empty + b, ((t >> 1) + 1) & 1);
-      const uint32_t vmask = __ballot_sync(0xffffffffu, valid);  // bit i: entry 16 warp + i
-      if (lane == 0) reinterpret_cast<uint16_t*>(smem + L::valid_off + b * 8)[warp] = static_cast<uint16_t>(vmask);
-      char* kbuf = smem + L::k_off + b * L::kTileBytes;
-#pragma unroll 1
-      for (int i0 = 0; i0 < 16; i0 += kFp8Batch) {
-        const uint8_t* ep[kFp8Batch];
-        int ef[kFp8Batch];
-        uint4 raw[kFp8Batch][kLaneChunks];
+      // Valid mask of the warp's 16 entries: bit 4 r + lane / 8 (all 8 lanes of an entry agree).
+      uint32_t vmask = 0;
 #pragma unroll
-        for (int j = 0; j < kFp8Batch; ++j) {
-          ep[j] = reinterpret_cast<const uint8_t*>(
-              __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(ptr), i0 + j));
-          ef[j] = __shfl_sync(0xffffffffu, fp8, i0 + j);
-#pragma unroll
-          for (int h = 0; h < kLaneChunks; ++h) {
-            const int c = lane + 32 * h;
-            raw[j][h] = make_uint4(0u, 0u, 0u, 0u);
-            if (c < kChunks && ep[j] != nullptr && ef[j]) raw[j][h] = fetch_fp8_entry8(ep[j], c * 8);
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < kFp8Batch; ++j) {
-          const int r = warp * 16 + i0 + j;
-#pragma unroll
-          for (int h = 0; h < kLaneChunks; ++h) {
-            const int c = lane + 32 * h;
-            if (c >= kChunks) continue;
-            char* dst = kbuf + swizzled(r, c);
-            if (ep[j] == nullptr) {
-              *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
-            } else if (!ef[j]) {
-              cp_async_16(dst, ep[j] + c * 16);
-            } else {
-              *reinterpret_cast<uint4*>(dst) = decode_fp8_entry8(raw[j][h], c * 8);
-            }
-          }
-        }
+      for (int r = 0; r < 4; ++r) {
+        const uint32_t v = __ballot_sync(0xffffffffu, src[r] != nullptr);
+        vmask |= ((v & 1u) | ((v >> 7) & 2u) | ((v >> 14) & 4u) | ((v >> 21) & 8u)) << (4 * r);
       }
-      cp_async_wait_all();
-      fence_proxy_async_shared();  // cp.async rows, zero rows and decoded FP8 rows before the consumers' wgmma
+      if (lane == 0) reinterpret_cast<uint16_t*>(smem + L::valid_off + b * 8)[warp] = static_cast<uint16_t>(vmask);
+      const uint32_t kbuf = k_s + b * L::kTileBytes;
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int e = e0 + 4 * r;
+        const uint32_t dst = kbuf + e * 128 + ((gi ^ (e & 7)) << 4);  // chunk gi + 8 m: + m * 64 rows * 128 B
+        if constexpr (kDim == 512) {
+          if (fp8[r] && src[r] != nullptr) {
+            // MODEL1 entry (584 B: 8-byte aligned only): chunk c < 56 is 8 e4m3 codes at byte 8 c with the scale
+            // exponent of dims [64 (c / 8), ..) at byte 576 + c / 8 (c / 8 = m here), decoded to bf16 in registers;
+            // chunk 56 + gi is 8 bf16 RoPE dims.
+            const uint2* e8 = reinterpret_cast<const uint2*>(src[r]);
+            const uint2 sc = __ldg(e8 + kFp8ScaleOffset / 8);
+            const uint2 rope0 = __ldg(e8 + kFp8NopeDims / 8 + 2 * gi), rope1 = __ldg(e8 + kFp8NopeDims / 8 + 2 * gi + 1);
+            uint2 codes[kRowChunks - 1];
+#pragma unroll
+            for (int m = 0; m < kRowChunks - 1; ++m) codes[m] = __ldg(e8 + gi + 8 * m);
+            st_shared_16(dst + (kRowChunks - 1) * (64 * 128), make_uint4(rope0.x, rope0.y, rope1.x, rope1.y));
+#pragma unroll
+            for (int m = 0; m < kRowChunks - 1; ++m) {
+              const uint32_t ex = ((m < 4 ? sc.x : sc.y) >> (8 * (m & 3))) & 0xffu;
+              st_shared_16(dst + m * (64 * 128), decode_fp8_entry8(make_uint4(codes[m].x, codes[m].y, ex, 0u)));
+            }
+            continue;
+          }
+        }
+        // bf16 entry (or zeros when invalid: the source is not read).
+        const uint8_t* rs = src[r] != nullptr ? src[r] : static_cast<const uint8_t*>(p.lists[0].cache);
+        const uint32_t n = src[r] != nullptr ? 16u : 0u;
+#pragma unroll
+        for (int m = 0; m < kRowChunks; ++m) cp_async_16_zfill(dst + m * (64 * 128), rs + (gi + 8 * m) * 16, n);
+      }
+      fence_proxy_async_shared();  // decoded FP8 rows and the mask before the consumers' wgmma
       mbar_arrive(bar_full + b);
+      cp_async_mbar_arrive_noinc(bar_full + b);  // the second arrival: once this thread's copies have landed
     }
     return;
   }
@@ -255,7 +256,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   const int c = wg - 1, ct = tid - 128 * wg, w4 = ct / 32, g = lane / 4, t4 = lane % 4;
   const int pv_col0 = kDim >= 128 ? c * kPvN : 0;
   const uint32_t q_s = smem_u32(smem + L::q_off), k_s = smem_u32(smem + L::k_off);
-  float4* xbuf = reinterpret_cast<float4*>(smem + L::x_off);
+  const uint32_t xbuf = smem_u32(smem + L::x_off);  // per consumer 8 x 128 float4
   const float sl2 = p.softmax_scale * kLog2e;  // scores in base-2 units
   float o[kPvN / 2];
 #pragma unroll
@@ -266,6 +267,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   for (int t = 0; t < num_tiles; ++t) {
     const int b = t & 1;
     mbar_wait(bar_full + b, (t >> 1) & 1);
+    fence_proxy_async_shared();  // the cp.async rows (generic proxy) before this warpgroup's wgmma reads them
     const uint32_t kb = k_s + b * L::kTileBytes;
 
     // 1. S_c = Q[:, half c] K[:, half c]^T (64 heads x 64 entries, fp32).
@@ -287,12 +289,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
     // 2. S = S_0 + S_1: exchange the partials (fp32 addition commutes: both consumers hold the same bits).
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      xbuf[c * 1024 + j * 128 + ct] = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+      const float4 v = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+      st_shared_16(xbuf + ((c * 1024 + j * 128 + ct) << 4), *reinterpret_cast<const uint4*>(&v));
     }
     named_bar_sync(1, 256);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float4 v = xbuf[(1 - c) * 1024 + j * 128 + ct];
+      const float4 v = ld_shared_f4(xbuf + (((1 - c) * 1024 + j * 128 + ct) << 4));
       s[4 * j] += v.x;
       s[4 * j + 1] += v.y;
       s[4 * j + 2] += v.z;
