@@ -295,7 +295,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
     named_bar_sync(1, 256);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float4 v = ld_shared_f4(xbuf + (((1 - c) * 1024 + j * 128 + ct) << 4));
+      const uint4 u = ld_shared_u4(xbuf + (((1 - c) * 1024 + j * 128 + ct) << 4));
+      const float4 v = *reinterpret_cast<const float4*>(&u);
       s[4 * j] += v.x;
       s[4 * j + 1] += v.y;
       s[4 * j + 2] += v.z;
@@ -376,28 +377,43 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   }
 
   // Epilogue: out = O / (l + exp(sink - m)); lse = m + log(l) (natural log, without the sink), -inf when nothing
-  // was valid.
+  // was valid. O is staged as bf16 in the Q tile's space (free: both consumers' last QK^T products completed before
+  // that tile's exchange barrier), 16-byte chunk ch of row r at chunk ch ^ (r & 7) (no bank conflicts), then
+  // written out with coalesced 16-byte stores.
+  const bool writes_o = kDim >= 128 || c == 0;  // head_dim 64: both consumers hold all of O, consumer 0 writes it
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
     const int r = w4 * 16 + g + 8 * rr;
     const int head = h0 + r;
-    if (head >= num_heads) continue;
     const float m = rr == 0 ? m0 : m1, l = rr == 0 ? l0 : l1;
     float inv = 0.f;
-    if (m != -CUDART_INF_F) {
+    if (m != -CUDART_INF_F && head < num_heads) {
       float den = l;
       if (p.attn_sink != nullptr) den += exp2f(p.attn_sink[head] * kLog2e - m);
       inv = 1.f / den;
     }
-    if (kDim >= 128 || c == 0) {
-      __nv_bfloat16* out = p.out + (row * num_heads + head) * kDim + pv_col0 + 2 * t4;
+    if (writes_o) {
 #pragma unroll
       for (int jn = 0; jn < kPvN / 8; ++jn) {
-        *reinterpret_cast<__nv_bfloat162*>(out + jn * 8) =
-            __floats2bfloat162_rn(o[4 * jn + 2 * rr] * inv, o[4 * jn + 2 * rr + 1] * inv);
+        const int ch = pv_col0 / 8 + jn;
+        const __nv_bfloat162 v = __floats2bfloat162_rn(o[4 * jn + 2 * rr] * inv, o[4 * jn + 2 * rr + 1] * inv);
+        st_shared_u32(q_s + r * (kDim * 2) + ((ch ^ (r & 7)) << 4) + t4 * 4, *reinterpret_cast<const uint32_t*>(&v));
       }
     }
-    if (c == 0 && t4 == 0) p.lse[row * num_heads + head] = m == -CUDART_INF_F ? -CUDART_INF_F : m * kLn2 + logf(l);
+    if (c == 0 && t4 == 0 && head < num_heads) {
+      p.lse[row * num_heads + head] = m == -CUDART_INF_F ? -CUDART_INF_F : m * kLn2 + logf(l);
+    }
+  }
+  if (writes_o) {
+    named_bar_sync(3 + c, 128);  // this consumer's columns of O staged
+    constexpr int kOutChunks = kPvN / 8;  // 16-byte chunks of a row this consumer writes
+#pragma unroll 4
+    for (int v = ct; v < kRows * kOutChunks; v += 128) {
+      const int r = v / kOutChunks, ch = pv_col0 / 8 + v % kOutChunks;
+      if (h0 + r >= num_heads) break;  // rows only grow with v
+      *reinterpret_cast<uint4*>(p.out + (row * num_heads + h0 + r) * kDim + ch * 8) =
+          ld_shared_u4(q_s + r * (kDim * 2) + ((ch ^ (r & 7)) << 4));
+    }
   }
 #else
   __trap();  // built without sm_90a (launch_sparse_mqa refuses other GPUs)
