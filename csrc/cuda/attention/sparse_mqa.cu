@@ -214,35 +214,46 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
       }
       if (lane == 0) reinterpret_cast<uint16_t*>(smem + L::valid_off + b * 8)[warp] = static_cast<uint16_t>(vmask);
       const uint32_t kbuf = k_s + b * L::kTileBytes;
+      // Two entries at a time: the pieces of both FP8 entries are loaded before either is decoded. A MODEL1 entry
+      // (584 B: 8-byte aligned only): chunk c < 56 is 8 e4m3 codes at byte 8 c with the scale exponent of dims
+      // [64 (c / 8), ..) at byte 576 + c / 8 (c / 8 = m here), decoded to bf16 in registers; chunk 56 + gi is 8 bf16
+      // RoPE dims.
+      constexpr int kCodeChunks = kDim == 512 ? kRowChunks - 1 : 1;
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int e = e0 + 4 * r;
-        const uint32_t dst = kbuf + e * 128 + ((gi ^ (e & 7)) << 4);  // chunk gi + 8 m: + m * 64 rows * 128 B
-        if constexpr (kDim == 512) {
-          if (fp8[r] && src[r] != nullptr) {
-            // MODEL1 entry (584 B: 8-byte aligned only): chunk c < 56 is 8 e4m3 codes at byte 8 c with the scale
-            // exponent of dims [64 (c / 8), ..) at byte 576 + c / 8 (c / 8 = m here), decoded to bf16 in registers;
-            // chunk 56 + gi is 8 bf16 RoPE dims.
-            const uint2* e8 = reinterpret_cast<const uint2*>(src[r]);
-            const uint2 sc = __ldg(e8 + kFp8ScaleOffset / 8);
-            const uint2 rope0 = __ldg(e8 + kFp8NopeDims / 8 + 2 * gi), rope1 = __ldg(e8 + kFp8NopeDims / 8 + 2 * gi + 1);
-            uint2 codes[kRowChunks - 1];
+      for (int r0 = 0; r0 < 4; r0 += 2) {
+        bool dec[2];
+        uint2 sc[2], rope[2][2], codes[2][kCodeChunks];
 #pragma unroll
-            for (int m = 0; m < kRowChunks - 1; ++m) codes[m] = __ldg(e8 + gi + 8 * m);
-            st_shared_16(dst + (kRowChunks - 1) * (64 * 128), make_uint4(rope0.x, rope0.y, rope1.x, rope1.y));
+        for (int h = 0; h < 2; ++h) {
+          dec[h] = kDim == 512 && fp8[r0 + h] && src[r0 + h] != nullptr;
+          if (dec[h]) {
+            const uint2* e8 = reinterpret_cast<const uint2*>(src[r0 + h]);
+            sc[h] = __ldg(e8 + kFp8ScaleOffset / 8);
+            rope[h][0] = __ldg(e8 + kFp8NopeDims / 8 + 2 * gi);
+            rope[h][1] = __ldg(e8 + kFp8NopeDims / 8 + 2 * gi + 1);
 #pragma unroll
-            for (int m = 0; m < kRowChunks - 1; ++m) {
-              const uint32_t ex = ((m < 4 ? sc.x : sc.y) >> (8 * (m & 3))) & 0xffu;
-              st_shared_16(dst + m * (64 * 128), decode_fp8_entry8(make_uint4(codes[m].x, codes[m].y, ex, 0u)));
-            }
-            continue;
+            for (int m = 0; m < kCodeChunks; ++m) codes[h][m] = __ldg(e8 + gi + 8 * m);
           }
         }
-        // bf16 entry (or zeros when invalid: the source is not read).
-        const uint8_t* rs = src[r] != nullptr ? src[r] : static_cast<const uint8_t*>(p.lists[0].cache);
-        const uint32_t n = src[r] != nullptr ? 16u : 0u;
 #pragma unroll
-        for (int m = 0; m < kRowChunks; ++m) cp_async_16_zfill(dst + m * (64 * 128), rs + (gi + 8 * m) * 16, n);
+        for (int h = 0; h < 2; ++h) {
+          const int r = r0 + h, e = e0 + 4 * r;
+          const uint32_t dst = kbuf + e * 128 + ((gi ^ (e & 7)) << 4);  // chunk gi + 8 m: + m * 64 rows * 128 B
+          if (dec[h]) {
+            st_shared_16(dst + kCodeChunks * (64 * 128), make_uint4(rope[h][0].x, rope[h][0].y, rope[h][1].x,
+                                                                    rope[h][1].y));
+#pragma unroll
+            for (int m = 0; m < kCodeChunks; ++m) {
+              const uint32_t ex = ((m < 4 ? sc[h].x : sc[h].y) >> (8 * (m & 3))) & 0xffu;
+              st_shared_16(dst + m * (64 * 128), decode_fp8_entry8(make_uint4(codes[h][m].x, codes[h][m].y, ex, 0u)));
+            }
+          } else {  // bf16 entry (or zeros when invalid: the source is not read)
+            const uint8_t* rs = src[r] != nullptr ? src[r] : static_cast<const uint8_t*>(p.lists[0].cache);
+            const uint32_t n = src[r] != nullptr ? 16u : 0u;
+#pragma unroll
+            for (int m = 0; m < kRowChunks; ++m) cp_async_16_zfill(dst + m * (64 * 128), rs + (gi + 8 * m) * 16, n);
+          }
+        }
       }
       fence_proxy_async_shared();  // decoded FP8 rows and the mask before the consumers' wgmma
       mbar_arrive(bar_full + b);

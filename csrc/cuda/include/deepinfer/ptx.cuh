@@ -36,10 +36,11 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t smem_dst, const void*
                : "memory");
 }
 
-// Shared-memory stores / loads at a shared-space address (st.shared / ld.shared, not the generic forms).
+// Shared-memory stores / loads at a shared-space address (st.shared / ld.shared, not the generic forms). The stores
+// carry no "memory" clobber, so the compiler may move global loads above them (a gather's next loads); they stay in
+// order with the other asm volatile statements (barriers, fences), which is what orders them for other threads.
 __device__ __forceinline__ void st_shared_16(uint32_t addr, uint4 v) {
-  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w));
 }
 
 __device__ __forceinline__ uint4 ld_shared_u4(uint32_t addr) {
@@ -50,7 +51,7 @@ __device__ __forceinline__ uint4 ld_shared_u4(uint32_t addr) {
 }
 
 __device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
 }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
