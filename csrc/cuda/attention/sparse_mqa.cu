@@ -3,8 +3,8 @@
 // (consumers). Shared memory holds the Q tile and two 64-entry K buffers, each as head_dim / 64 column blocks of
 // 64 rows x 128 B in the 128-byte swizzle wgmma reads. Producer: 8 threads per entry, each thread 4 entries of a tile
 // (their indices loaded one tile ahead, their addresses computed side by side, no shuffles); bf16 rows arrive by
-// cp.async (invalid entries as zero-filled copies), FP8 MODEL1 entries are loaded and decoded to bf16 in registers
-// (their RoPE dims by cp.async). The producer never waits for its own copies: each thread arrives on the buffer's
+// cp.async (invalid entries as zero-filled copies), FP8 MODEL1 entries are loaded as 8-byte pieces and decoded to
+// bf16 in registers. The producer never waits for its own copies: each thread arrives on the buffer's
 // `full` mbarrier once for its stores and once more through cp.async.mbarrier.arrive.noinc, which fires when its
 // copies have landed, so the next tile's gathers go out as soon as the consumers release that buffer through its
 // `empty` mbarrier (after their PV product has read it).
@@ -238,10 +238,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int r = r0 + h, e = e0 + 4 * r;
-          const uint32_t dst = kbuf + e * 128 + ((gi ^ (e & 7)) << 4);  // chunk gi + 8 m: + m * 64 rows * 128 B
+          const uint32_t dst = kbuf + swizzled(e, gi);  // chunk gi + 8 m of the entry: + m * 64 rows * 128 B
           if (dec[h]) {
-            st_shared_16(dst + kCodeChunks * (64 * 128), make_uint4(rope[h][0].x, rope[h][0].y, rope[h][1].x,
-                                                                    rope[h][1].y));
+            st_shared_16(dst + kCodeChunks * (64 * 128),
+                         make_uint4(rope[h][0].x, rope[h][0].y, rope[h][1].x, rope[h][1].y));
 #pragma unroll
             for (int m = 0; m < kCodeChunks; ++m) {
               const uint32_t ex = ((m < 4 ? sc[h].x : sc[h].y) >> (8 * (m & 3))) & 0xffu;
@@ -251,7 +251,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
             const uint8_t* rs = src[r] != nullptr ? src[r] : static_cast<const uint8_t*>(p.lists[0].cache);
             const uint32_t n = src[r] != nullptr ? 16u : 0u;
 #pragma unroll
-            for (int m = 0; m < kRowChunks; ++m) cp_async_16_zfill(dst + m * (64 * 128), rs + (gi + 8 * m) * 16, n);
+            for (int m = 0; m < kRowChunks; ++m) {
+              cp_async_16_zfill(dst + m * (64 * 128), rs + (gi + 8 * m) * 16, n);
+            }
           }
         }
       }
