@@ -19,6 +19,7 @@ Edge cases (same on CPU, CUDA and in ``testing.refs``):
 FP8 cache ("MODEL1", V4, head_dim 512): a uint8 cache ``[num_blocks, block_size, 584]``, one 584-byte entry per token:
   bytes ``[0, 448)`` e4m3 codes of the 448 no-RoPE dims; ``[448, 576)`` the 64 RoPE dims as bf16;
   ``[576, 583)`` 7 UE8M0 scale exponents (one per 64 no-RoPE dims, ``scale = 2 ** (byte - 127)``); ``[583]`` zero.
+  A 64-dim tile holding NaN or +-inf gets the scale byte 0xFF (a NaN scale): all its dims decode to NaN.
 Quantisation per 64-dim tile: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))``, ``code = e4m3(clamp(x / scale,
 -448, 448))`` round-to-nearest-even. Decoding is exact in bf16, so attention over an FP8 cache equals attention
 over its decoded bf16 cache. Either list of a sparse MQA call may be bf16 or FP8. (Entry order after FlashMLA's
@@ -45,7 +46,7 @@ reads the same).
 Decoding (``bf16(e4m3 * scale)``) is exact, so :func:`mqa_logits` over an FP8 key cache equals it over the decoded
 bf16 cache bit for bit (NaN keys give NaN logits; NaN bit patterns may differ from torch's).
 
-Source: DeepSeek-V4 attention (architecture.md); FlashMLA ``flash_mla_with_kvcache`` sparse interface (the
+Source: DeepSeek-V4 attention (DeepSeek-V4 technical report; transformers ``DeepseekV4ForCausalLM``); FlashMLA ``flash_mla_with_kvcache`` sparse interface (the
 index convention and sink formula ``out *= exp(lse) / (exp(lse) + exp(sink))``).
 """
 
@@ -81,7 +82,10 @@ def sparse_mqa_decode(
     For query row (b, s) and head h, with the valid entries j of ``indices`` then of ``extra_indices``:
     ``s_j = softmax_scale * q[b, s, h] . k_j`` (all ``head_dim`` dims), ``lse = log(sum_j exp(s_j))`` and
     ``out[b, s, h] = sum_j exp(s_j) k_j / (sum_j exp(s_j) + exp(attn_sink[h]))`` (K = V: the value is the same cache
-    row). fp32 accumulation; output rounded once to bf16.
+    row), for every h (CUDA works on blocks of 64 heads, padding the last). fp32 accumulation. The CPU kernel
+    rounds only ``out`` to bf16; the CUDA kernel, like FlashMLA, also rounds the softmax weights to bf16 before P.V
+    (the denominator sums the rounded weights), so the two differ by up to about ``2 ** -7 * sum_j p_j |v_j|`` per
+    element (``deepinfer_ops.testing.compare.BF16_WEIGHTS_REL``).
 
     Args:
         q: ``[b, s_q, h, head_dim]`` bf16 (CPU also float32, with float32 caches), contiguous; head_dim 512 for V4
@@ -93,7 +97,8 @@ def sparse_mqa_decode(
         topk_length: optional ``[b]`` int32: only ``indices[b, :, :topk_length[b]]`` are read (clamped to
             ``[0, topk]``).
         extra_kv_cache, extra_indices, extra_topk_length: an optional second list, same layouts (e.g. the sliding
-            window cache and its ``[b, s_q, window]`` indices); given together.
+            window cache and its ``[b, s_q, window]`` indices): the cache and its indices are given together,
+            ``extra_topk_length`` (``[b]`` int32) is optional.
         attn_sink: optional ``[h]`` fp32 sink logits.
     Returns:
         ``(out [b, s_q, h, head_dim] q.dtype, lse [b, s_q, h] fp32)``; see the module doc for the empty-set rule.
@@ -149,8 +154,9 @@ def mqa_logits(
     k_start: torch.Tensor | None = None,
     k_end: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Lightning-indexer logits: ``logits[t, c] = sum_h weights[t, h] * relu(q[t, h] . k_c)`` (fp32; heads summed in
-    index order), ``-inf`` for candidates that are masked or invalid. Fold any softmax scale or ``H ** -0.5`` into
+    """Lightning-indexer logits: ``logits[t, c] = sum_h weights[t, h] * relu(q[t, h] . k_c)`` (fp32; the CPU sums
+    the heads in index order, the CUDA kernel in a fixed order of its own, so the two may differ in the last bits;
+    neither depends on the batch), ``-inf`` for candidates that are masked or invalid. Fold any softmax scale or ``H ** -0.5`` into
     ``weights``.
 
     Candidate c of token t is key ``c % block_size`` of block ``blk = c // block_size`` (no block_table) or

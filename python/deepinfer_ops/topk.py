@@ -32,7 +32,8 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ``(values [..., k] scores.dtype, indices [..., k] int64)``, sorted by the rule.
     Raises:
         ValueError if k is out of range.
-    Source: the project's tie rule (architecture.md: indexer top-k ties need the lowest position first).
+    Source: the project's tie rule (the indexer's ReLU makes many scores exactly 0, so ties are common: the lowest
+    position wins, as in a stable descending sort).
     """
     if scores.dim() == 0:
         raise ValueError("topk: scores must have at least 1 dim (candidates last)")

@@ -30,7 +30,7 @@ from deepinfer_ops.testing.compare import (
 
 FP8 = torch.float8_e4m3fn
 
-# (N, K) of V4-Flash's FP8 GEMMs (architecture.md): q_lora down, q up, kv, o_a (per group of 8), o_b,
+# (N, K) of V4-Flash's FP8 GEMMs (its config.json): q_lora down, q up, kv, o_a (per group of 8), o_b,
 # shared/routed expert gate+up (fused) and down, indexer q up; plus the partial-block shapes of issue 5.
 V4_FLASH_DENSE_NK = [
     (1024, 4096),   # wq_a: hidden -> q_lora

@@ -119,8 +119,8 @@ the compressor pooling cost the same as with the mode off. Path ``"dequant"``: p
 is bandwidth-bound on its weight, i.e. a decode step of <= 128 tokens on the GPU) and one GEMM launch per 128 tokens
 for every GEMM in prefill.
 
-Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported);
-/work/shared/reference/architecture.md; DeepSeek-V4 paper.
+Source: transformers 5.23 ``modeling_deepseek_v4.py`` (the parity reference, read, not imported); DeepSeek-V4
+paper.
 """
 
 from __future__ import annotations

@@ -28,7 +28,8 @@ Native names (DeepSeek's own checkpoint layout): ``embed.weight``, ``head.weight
 ``mtp.J.{e_proj,h_proj}.weight``, ``mtp.J.{enorm,hnorm,norm}.weight``, ``mtp.J.hc_head_{fn,base,scale}`` and the MTP
 block's own ``mtp.J.attn.* / ffn.* / attn_norm / ffn_norm / hc_*`` (its MoE is score routed).
 
-Source: /work/shared/reference/architecture.md; transformers 5.23 ``conversion_mapping.py`` (deepseek_v4 renames).
+Source: DeepSeek-V4 technical report and checkpoint layout; transformers 5.23 ``conversion_mapping.py`` (deepseek_v4
+renames).
 """
 
 from __future__ import annotations
