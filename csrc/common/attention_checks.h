@@ -2,6 +2,7 @@
 // shared by the CPU and CUDA implementations. Each check names the op and the tensor at fault.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "common/checks.h"
@@ -189,6 +190,19 @@ inline SparseMqaArgs check_sparse_mqa(const char* op, bool is_prefill, const at:
                     attn_sink->sizes());
     a.attn_sink = *attn_sink;
   }
+  // out and lse share no byte with each other or with anything the op reads (any layout).
+  check_disjoint(op, out, "out", lse, "lse");
+  const std::pair<const std::optional<at::Tensor>*, const char*> optional_reads[] = {
+      {&topk_length, "topk_length"}, {&extra_kv_cache, "extra_kv_cache"}, {&extra_indices, "extra_indices"},
+      {&extra_topk_length, "extra_topk_length"}, {&attn_sink, "attn_sink"}};
+  for (const auto& [written, written_name] : {std::pair<const at::Tensor&, const char*>{out, "out"}, {lse, "lse"}}) {
+    check_disjoint(op, written, written_name, q, "q");
+    check_disjoint(op, written, written_name, kv_cache, "kv_cache");
+    check_disjoint(op, written, written_name, indices, "indices");
+    for (const auto& [read, read_name] : optional_reads) {
+      if (read->has_value()) check_disjoint(op, written, written_name, **read, read_name);
+    }
+  }
   return a;
 }
 
@@ -278,6 +292,9 @@ inline void check_topk_rows(const at::Tensor& values, const at::Tensor& indices,
   DEEPINFER_CHECK(indices.sizes() == values.sizes() && indices.is_contiguous(), op,
                   "indices must be a contiguous ", values.sizes(), ", got ", indices.sizes());
   DEEPINFER_CHECK(values.size(1) <= scores.size(1), op, "k = ", values.size(1), " exceeds n = ", scores.size(1));
+  check_disjoint(op, values, "values", indices, "indices");
+  check_disjoint(op, values, "values", scores, "scores");
+  check_disjoint(op, indices, "indices", scores, "scores");
 }
 
 // kv_cache_write(kv_cache [num_blocks, block_size, d]!, kv [t, d], slot_mapping [t] int64)

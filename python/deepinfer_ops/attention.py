@@ -13,6 +13,8 @@ are invalid and skipped. Byte offsets are computed in 64 bits, so page ids whose
 Edge cases (same on CPU, CUDA and in ``testing.refs``):
   * no valid entry for a (row, head) (all indices invalid, ``topk_length`` 0, or empty lists): ``out = 0`` and
     ``lse = -inf``; the sink does not change this (its term only enlarges the denominator of a zero numerator);
+  * every score of a (row, head) ``-inf`` (e.g. ``-inf`` in q, or scores overflowing to ``-inf``): the same rule; a
+    ``+inf`` or NaN score gives NaN ``out`` and ``lse`` (NaN in, NaN out);
   * ``topk_length`` values are clamped to ``[0, topk]``;
   * the sink is ``exp(attn_sink[h])`` added to the softmax denominator; ``lse`` never includes it.
 
@@ -187,13 +189,18 @@ def mqa_logits(
         ``torch.ops.deepinfer_ops.mqa_logits(logits!, q, weights, k_cache, block_table?, k_start?, k_end?)`` fills a
         caller-allocated ``logits``; its column count is num_candidates.)
     Raises:
-        RuntimeError naming the tensor at fault; ValueError for a q that is not 3-D or a bad num_candidates.
+        RuntimeError naming the tensor at fault; ValueError for a q that is not 3-D, a bad num_candidates, or (when
+        num_candidates is left to default) a k_cache that is not 3-D or a block_table that is not 2-D.
     Source: DeepSeek-V3.2/V4 lightning indexer (DeepGEMM ``fp8_mqa_logits`` / ``fp8_paged_mqa_logits`` semantics;
     q stays bf16).
     """
     if q.dim() != 3:
         raise ValueError(f"mqa_logits: q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
     if num_candidates is None:
+        if k_cache.dim() != 3 or (block_table is not None and block_table.dim() != 2):
+            raise ValueError(f"mqa_logits: k_cache must be [num_blocks, block_size, width] and block_table "
+                             f"[num_tokens, max_blocks], got shapes {tuple(k_cache.shape)} and "
+                             f"{None if block_table is None else tuple(block_table.shape)}")
         blocks = block_table.shape[1] if block_table is not None else k_cache.shape[0]
         num_candidates = blocks * k_cache.shape[1]
     if isinstance(num_candidates, bool) or not isinstance(num_candidates, int) or num_candidates < 0:
@@ -245,9 +252,11 @@ def kv_cache_dequant_fp8(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> 
     Returns:
         ``[num_tokens, 512]`` bf16.
     Raises:
-        RuntimeError naming the tensor at fault.
+        ValueError if slot_mapping is not a 1-D tensor; RuntimeError naming the tensor at fault otherwise.
     Source: FlashMLA "MODEL1" FP8 sparse cache.
     """
+    if not isinstance(slot_mapping, torch.Tensor) or slot_mapping.dim() != 1:
+        raise ValueError("kv_cache_dequant_fp8: slot_mapping must be a 1-D int64 tensor")
     out = torch.empty((slot_mapping.shape[0], 512), dtype=torch.bfloat16, device=kv_cache.device)
     torch.ops.deepinfer_ops.kv_cache_dequant_fp8(out, kv_cache, slot_mapping)
     return out

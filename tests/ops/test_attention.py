@@ -101,6 +101,32 @@ def test_decode_all_invalid_gives_zero_out_and_neg_inf_lse(device):
         _check(out, lse, ref_out, ref_lse)
 
 
+def test_decode_nonfinite_scores(device):
+    """Every score -inf (q = -inf against positive keys, or a scale that overflows the scores to -inf) follows the
+    empty-set rule (out 0, lse -inf, with or without a sink); a +inf or NaN score gives NaN out and lse (NaN in, NaN
+    out); the other heads are unaffected."""
+    g = _gen(31)
+    cache = (torch.rand(2, 4, 64, generator=g) + 0.1).bfloat16().to(device)
+    idx = torch.arange(8, dtype=torch.int32).view(1, 1, 8).to(device)
+    q = torch.randn(1, 1, 4, 64, generator=g).bfloat16()
+    q[0, 0, 0], q[0, 0, 1], q[0, 0, 2] = float("-inf"), float("inf"), float("nan")
+    q = q.to(device)
+    for sink in (None, torch.randn(4, generator=g).to(device)):
+        out, lse = _run_decode(q, cache, idx, 0.125, attn_sink=sink)
+        ref_out, ref_lse = refs.sparse_mqa_decode_ref(q, cache, idx, 0.125, attn_sink=sink)
+        for o, l in ((out.float().cpu(), lse.cpu()), (ref_out.float().cpu(), ref_lse.cpu())):
+            assert torch.all(o[0, 0, 0] == 0) and l[0, 0, 0] == float("-inf")
+            assert torch.all(torch.isnan(o[0, 0, 1:3])) and torch.all(torch.isnan(l[0, 0, 1:3]))
+        mag = ref_out[0, 0, 3:].float().abs().amax()
+        assert_close(out[0, 0, 3:], ref_out[0, 0, 3:], BF16, "out", extra_atol=BF16_WEIGHTS_REL * mag)
+        assert_close(lse[0, 0, 3:], ref_lse[0, 0, 3:], BF16, "lse")
+    qn = -(torch.rand(1, 1, 2, 64, generator=g) + 0.1).bfloat16().to(device)  # q . k < 0: * 1e38 -> -inf
+    out, lse = _run_decode(qn, cache, idx, 1e38)
+    assert torch.equal(out.float().cpu(), torch.zeros(1, 1, 2, 64)) and torch.all(lse.cpu() == float("-inf"))
+    ref_out, ref_lse = refs.sparse_mqa_decode_ref(qn, cache, idx, 1e38)
+    assert torch.equal(ref_out.float().cpu(), torch.zeros(1, 1, 2, 64)) and torch.all(ref_lse.cpu() == float("-inf"))
+
+
 def test_decode_topk_length_zero_and_partial(device):
     q, comp, idx, kw = _decode_case(device, 3, 2, 4, 64, 40, 10, 8, 3)
     kw["topk_length"] = torch.tensor([0, 40, 17], dtype=torch.int32, device=device)
@@ -638,6 +664,27 @@ def _fp8_cache(num_blocks, block_size, device, pad=8):
     return base[:, : block_size * 584].view(num_blocks, block_size, 584)
 
 
+def test_fp8_cache_write_nonfinite_tiles_bit_exact(device):
+    """A 64-dim tile holding +-inf or NaN gets the scale byte 0xFF and every code 0x7F (all its dims decode to NaN),
+    the reference's bytes exactly; the entry's other tiles and its RoPE dims are unaffected."""
+    g = _gen(585)
+    kv = torch.randn(3, V4_DIM, generator=g)
+    kv[0, 5], kv[1, 70], kv[2, 447] = float("inf"), float("-inf"), float("nan")
+    kv = kv.bfloat16().to(device)
+    cache = _fp8_cache(1, 4, device)
+    slots = torch.tensor([0, 1, 2], device=device)
+    expected = refs.kv_cache_write_fp8_ref(cache, kv, slots)
+    deepinfer_ops.kv_cache_write_fp8(cache, kv, slots)
+    assert torch.equal(cache.cpu(), expected.cpu()), "FP8 entries differ from the reference"
+    deq = deepinfer_ops.kv_cache_dequant_fp8(cache, slots).float().cpu()
+    for row, tile in ((0, 0), (1, 1), (2, 6)):
+        entry = cache[0, row].cpu()
+        assert entry[576 + tile] == 0xFF and torch.all(entry[tile * 64:(tile + 1) * 64] == 0x7F)
+        bad = torch.zeros(V4_DIM, dtype=torch.bool)
+        bad[tile * 64:(tile + 1) * 64] = True
+        assert torch.all(torch.isnan(deq[row, bad])) and torch.all(torch.isfinite(deq[row, ~bad]))
+
+
 def test_fp8_cache_write_and_dequant_bit_exact(device):
     g = _gen(584)
     t, num_blocks, block_size = 37, 6, 8
@@ -806,6 +853,24 @@ def test_cache_ops_refuse_aliasing_layouts(device):
         deepinfer_ops.kv_cache_write(kv, kv[1, ::2], torch.tensor([1, 2, 3, 4], device=device))
 
 
+@pytest.mark.native_errors
+def test_sparse_mqa_and_topk_refuse_aliased_outputs(device):
+    """sparse MQA's out / lse and topk_rows' values / indices share no byte with each other or with what the op
+    reads (here: out over the cache, lse over the indices, values inside the scores)."""
+    q = torch.zeros(2, 4, 64, dtype=torch.bfloat16, device=device)
+    buf = torch.zeros(2, 4, 64, dtype=torch.bfloat16, device=device)
+    idx = torch.zeros(2, 4, dtype=torch.int32, device=device)
+    lse = torch.empty(2, 4, device=device)
+    op = torch.ops.deepinfer_ops.sparse_mqa_prefill
+    with pytest.raises(RuntimeError, match="out and kv_cache share memory"):
+        op(buf, lse, q, buf, idx, None, None, None, None, None, 0.125)
+    with pytest.raises(RuntimeError, match="lse and indices share memory"):
+        op(torch.empty_like(q), idx.view(torch.float32), q, buf, idx, None, None, None, None, None, 0.125)
+    scores = torch.tensor([[3.0, 1.0, 5.0, 0.0]], device=device)
+    with pytest.raises(RuntimeError, match="values and scores share memory"):
+        torch.ops.deepinfer_ops.topk_rows(scores[:, :2], torch.empty(1, 2, dtype=torch.long, device=device), scores)
+
+
 def test_indexer_fp8_fakes_check_the_layout():
     """The meta kernels refuse the cache layouts and shapes the native ops refuse."""
     bad = torch.zeros(2, 4, 80, dtype=torch.uint8, device="meta")[..., :68]  # last dim sliced: blocks not dense
@@ -819,6 +884,18 @@ def test_indexer_fp8_fakes_check_the_layout():
     with pytest.raises(RuntimeError, match="weights must be float32"):
         torch.ops.deepinfer_ops.mqa_logits(torch.empty(3, 8, device="meta"), q, w.bfloat16(),
                                            torch.zeros(2, 4, 68, dtype=torch.uint8, device="meta"), None, None, None)
+
+
+def test_wrappers_refuse_bad_ranks_with_value_errors():
+    with pytest.raises(ValueError, match="mqa_logits: k_cache must be \\[num_blocks, block_size, width\\]"):
+        deepinfer_ops.mqa_logits(torch.zeros(1, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 2),
+                                 torch.zeros(64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="block_table \\[num_tokens, max_blocks\\]"):
+        deepinfer_ops.mqa_logits(torch.zeros(1, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 2),
+                                 torch.zeros(2, 4, 64, dtype=torch.bfloat16),
+                                 block_table=torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_cache_dequant_fp8: slot_mapping must be a 1-D"):
+        deepinfer_ops.kv_cache_dequant_fp8(torch.zeros(1, 4, 584, dtype=torch.uint8), torch.tensor(0))
 
 
 def test_indexer_fp8_wrapper_and_opcheck():

@@ -79,25 +79,29 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
         const T* qr = q + (r * h + hh) * d;
         for (int64_t c = 0; c < d; ++c) qf[c] = static_cast<float>(qr[c]);
         float m = neg_inf;
+        bool any_nan = false;
         for (int64_t j = 0; j < n; ++j) {
           float s = 0.f;
           for (int64_t c = 0; c < d; ++c) s += qf[c] * static_cast<float>(keys[j][c]);
           scores[j] = s * scale;
-          m = std::max(m, scores[j]);
+          m = std::max(m, scores[j]);  // NaN scores leave m alone and propagate through exp below
+          any_nan |= std::isnan(scores[j]);
         }
+        // No entry, or every score -inf (e.g. -inf in q): the empty-set rule (out 0, lse -inf), as on CUDA.
+        const bool empty = m == neg_inf && !any_nan;
         std::fill(acc.begin(), acc.end(), 0.f);
         float l = 0.f;
-        for (int64_t j = 0; j < n; ++j) {
+        for (int64_t j = 0; j < n && !empty; ++j) {
           const float p = std::exp(scores[j] - m);
           l += p;
           for (int64_t c = 0; c < d; ++c) acc[c] += p * static_cast<float>(keys[j][c]);
         }
         float denom = l;
-        if (sink != nullptr && n > 0) denom += std::exp(sink[hh] - m);
-        const float inv = n > 0 ? 1.f / denom : 0.f;
+        if (sink != nullptr && !empty) denom += std::exp(sink[hh] - m);
+        const float inv = empty ? 0.f : 1.f / denom;
         T* o = out + (r * h + hh) * d;
         for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
-        lse[r * h + hh] = n > 0 ? m + std::log(l) : neg_inf;
+        lse[r * h + hh] = empty ? neg_inf : m + std::log(l);
       }
     }
   });

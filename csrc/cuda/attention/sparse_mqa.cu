@@ -414,7 +414,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
       }
     }
     if (c == 0 && t4 == 0 && head < num_heads) {
-      p.lse[row * num_heads + head] = m == -CUDART_INF_F ? -CUDART_INF_F : m * kLn2 + logf(l);
+      // m = -inf: no finite score; l is NaN only when a score was NaN (NaN in, NaN out), else 0 (the empty-set rule).
+      p.lse[row * num_heads + head] = m == -CUDART_INF_F ? (isnan(l) ? CUDART_NAN_F : -CUDART_INF_F)
+                                                          : m * kLn2 + logf(l);
     }
   }
   if (writes_o) {

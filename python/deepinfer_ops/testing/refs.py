@@ -329,7 +329,8 @@ def sparse_mqa_decode_ref(
     ``s_j = softmax_scale * q . k_j`` over the valid entries of both lists (K = V = the gathered cache row);
     ``lse = logsumexp_j s_j`` (-inf when no entry is valid; the sink is not included);
     ``out = sum_j exp(s_j) k_j / (sum_j exp(s_j) + exp(attn_sink[h]))`` (no sink term without attn_sink);
-    ``out = 0`` when no entry is valid, with or without a sink.
+    ``out = 0`` when no entry is valid, with or without a sink; every score -inf counts as no valid entry; a +inf or
+    NaN score gives NaN ``out`` and ``lse``.
     """
     kv, valid = _gather_kv_list_ref(kv_cache, indices, topk_length)
     if extra_kv_cache is not None:
@@ -338,6 +339,7 @@ def sparse_mqa_decode_ref(
     scores = torch.einsum("bshd,bskd->bshk", q.float(), kv) * softmax_scale
     scores = scores.masked_fill(~valid.unsqueeze(2), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
+    lse = torch.where(torch.isposinf(lse), torch.full_like(lse, float("nan")), lse)  # +inf score: NaN, as the kernels
     total = lse if attn_sink is None else torch.logaddexp(lse, attn_sink.float().view(1, 1, -1))
     p = torch.exp(scores - total.unsqueeze(-1))
     p = torch.where(torch.isinf(total).unsqueeze(-1) & (total < 0).unsqueeze(-1), torch.zeros_like(p), p)
@@ -428,13 +430,17 @@ def fp8_entry_encode_ref(kv: torch.Tensor) -> torch.Tensor:
     """Encode bf16 rows ``[t, 512]`` as FlashMLA "MODEL1" FP8 entries ``[t, 584]`` uint8:
     ``[0, 448)`` e4m3 codes of the no-RoPE dims (``per_token_group_quant_fp8_ref`` with group 64 and UE8M0 scales),
     ``[448, 576)`` the 64 RoPE dims as raw bf16 bytes, ``[576, 583)`` the 7 scale exponent bytes
-    (``scale = 2 ** (byte - 127)``; 0xFF = NaN scale), ``[583]`` zero."""
+    (``scale = 2 ** (byte - 127)``; 0xFF = NaN scale), ``[583]`` zero. A tile holding NaN or +-inf gets the scale byte
+    0xFF and all its codes 0x7F (e4m3 NaN), as the kernels write it (x / NaN scale)."""
     t = kv.shape[0]
     q, scale = per_token_group_quant_fp8_ref(kv[:, :FP8_NOPE_DIMS], FP8_TILE_DIMS, scale_ue8m0=True)
+    bad = ~torch.isfinite(scale)  # [t, 7]
     bits = scale.contiguous().view(torch.int32)
-    exp = torch.where(torch.isnan(scale), torch.full_like(bits, 0xFF), (bits >> 23) & 0xFF).to(torch.uint8)
+    exp = torch.where(bad, torch.full_like(bits, 0xFF), (bits >> 23) & 0xFF).to(torch.uint8)
+    codes = q.view(torch.uint8).view(t, FP8_NOPE_DIMS // FP8_TILE_DIMS, FP8_TILE_DIMS)
+    codes = torch.where(bad.unsqueeze(-1), torch.full_like(codes, 0x7F), codes)
     out = torch.zeros(t, FP8_ENTRY_BYTES, dtype=torch.uint8, device=kv.device)
-    out[:, :FP8_NOPE_DIMS] = q.view(torch.uint8)
+    out[:, :FP8_NOPE_DIMS] = codes.view(t, FP8_NOPE_DIMS)
     out[:, FP8_NOPE_DIMS:FP8_SCALE_OFFSET] = kv[:, FP8_NOPE_DIMS:].contiguous().view(torch.uint8)
     out[:, FP8_SCALE_OFFSET:FP8_SCALE_OFFSET + FP8_NOPE_DIMS // FP8_TILE_DIMS] = exp
     return out
