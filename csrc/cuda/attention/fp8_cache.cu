@@ -143,31 +143,33 @@ __global__ void __launch_bounds__(kWarps * 32)
   }
 }
 
+// One warp per token.
+template <class Kernel>
+void launch_per_token(Kernel kernel, const Fp8CacheParams& p, cudaStream_t stream, const char* name) {
+  kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
+  DEEPINFER_CHECK_LAUNCH(name);
+}
+
 }  // namespace
 
 void launch_indexer_k_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
   if (p.t == 0 || p.num_slots == 0) return;
-  indexer_k_cache_write_fp8_kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
-  DEEPINFER_CHECK_LAUNCH("indexer_k_cache_write_fp8_kernel");
+  launch_per_token(indexer_k_cache_write_fp8_kernel, p, stream, "indexer_k_cache_write_fp8_kernel");
 }
 
 void launch_indexer_k_cache_dequant_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
   if (p.t == 0) return;
-  indexer_k_cache_dequant_fp8_kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(
-      p);
-  DEEPINFER_CHECK_LAUNCH("indexer_k_cache_dequant_fp8_kernel");
+  launch_per_token(indexer_k_cache_dequant_fp8_kernel, p, stream, "indexer_k_cache_dequant_fp8_kernel");
 }
 
 void launch_kv_cache_write_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
   if (p.t == 0 || p.num_slots == 0) return;
-  kv_cache_write_fp8_kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
-  DEEPINFER_CHECK_LAUNCH("kv_cache_write_fp8_kernel");
+  launch_per_token(kv_cache_write_fp8_kernel, p, stream, "kv_cache_write_fp8_kernel");
 }
 
 void launch_kv_cache_dequant_fp8(const Fp8CacheParams& p, cudaStream_t stream) {
   if (p.t == 0) return;
-  kv_cache_dequant_fp8_kernel<<<static_cast<unsigned>((p.t + kWarps - 1) / kWarps), kWarps * 32, 0, stream>>>(p);
-  DEEPINFER_CHECK_LAUNCH("kv_cache_dequant_fp8_kernel");
+  launch_per_token(kv_cache_dequant_fp8_kernel, p, stream, "kv_cache_dequant_fp8_kernel");
 }
 
 }  // namespace deepinfer::attention

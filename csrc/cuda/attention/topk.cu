@@ -945,7 +945,8 @@ void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
                              std::to_string(p.k) + ", n = " + std::to_string(p.n));
   }
   const TopkCandPlan cp = make_cand_plan(p);
-  const int64_t need = cp.use ? cp.bytes : make_plan(p).bytes;
+  const TopkPlan plan = cp.use ? TopkPlan{} : make_plan(p);
+  const int64_t need = cp.use ? cp.bytes : plan.bytes;
   if (p.workspace == nullptr || p.workspace_bytes < need || !is_aligned(p.workspace, 16)) {
     throw std::runtime_error("deepinfer topk_rows: workspace missing, too small or not 16-byte aligned");
   }
@@ -953,7 +954,6 @@ void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
     launch_topk_two_stage(p, cp, stream);
     return;
   }
-  const TopkPlan plan = make_plan(p);
   char* ws = static_cast<char*>(p.workspace);
   TopkRun r{};
   static_cast<TopkRows&>(r) = topk_rows_of(p);
