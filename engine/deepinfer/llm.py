@@ -245,7 +245,7 @@ class LLM:
         if n:
             return int(n)
         try:
-            from deepinfer.models.cache import CacheSpec
+            from deepinfer.models.deepseek_v4.cache import CacheSpec
 
             return CacheSpec.from_config(self.model.config, getattr(self.model, "dtype", torch.bfloat16),
                                          self.config.block_size).bytes_per_block

@@ -16,7 +16,7 @@ from deepinfer.models import (
     expected_parameters,
     init_parameters,
 )
-from deepinfer.models.config import CSA, HASH_MOE, HCA, MOE, SLIDING
+from deepinfer.models.deepseek_v4.config import CSA, HASH_MOE, HCA, MOE, SLIDING
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, rope_inv_freq
 
 

@@ -17,8 +17,8 @@ import deepinfer_ops
 from deepinfer import quantization as Q
 from deepinfer.checkpoint import QuantizedWeight, default_model_path, load_checkpoint
 from deepinfer.config import EngineConfig
-from deepinfer.models.config import TINY_CONFIG, DeepseekV4Config
-from deepinfer.models.deepseek_v4 import (
+from deepinfer.models.deepseek_v4.config import TINY_CONFIG, DeepseekV4Config
+from deepinfer.models.deepseek_v4.model import (
     DeepseekV4ForCausalLM,
     Linear,
     expected_parameters,

@@ -8,7 +8,7 @@ import torch
 
 from deepinfer.forward_batch import ForwardBatch
 from deepinfer.models import TINY_CONFIG, DeepseekV4Config, init_parameters
-from deepinfer.models.config import CSA
+from deepinfer.models.deepseek_v4.config import CSA
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer_ops.testing.compare import TOLERANCES, assert_close
 

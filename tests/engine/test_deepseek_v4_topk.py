@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from deepinfer.models import TINY_CONFIG, DeepseekV4Config, init_parameters
-from deepinfer.models.config import HASH_MOE, MOE
+from deepinfer.models.deepseek_v4.config import HASH_MOE, MOE
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, indexer_select
 
 

@@ -1,8 +1,8 @@
-"""Model implementations. DeepSeek-V4 (V4-Flash architecture): config, parameter inventory, model, paged cache."""
+"""Model families. DeepSeek-V4 (V4-Flash architecture) lives in the ``deepseek_v4`` package."""
 
-from .cache import BLOCK_SIZE, CacheSpec, DeepseekV4Cache, allocate_cache
-from .config import TINY_CONFIG, DeepseekV4Config
-from .params import KINDS, expected_parameters, init_parameters
+from .deepseek_v4.cache import BLOCK_SIZE, CacheSpec, DeepseekV4Cache, allocate_cache
+from .deepseek_v4.config import TINY_CONFIG, DeepseekV4Config
+from .deepseek_v4.params import KINDS, expected_parameters, init_parameters
 
 __all__ = [
     "BLOCK_SIZE",
