@@ -38,19 +38,25 @@ FP8_MAX_ROW_CALC_DIFF = 1e-2  # each row routed alike
 @contextmanager
 def record_routes(model):
     """Record the expert choice of every router call: yields a list that receives ``[T, top_k]`` sorted ids."""
+    from deepinfer.models.deepseek_v4.moe import MoE
+
     calls: list[torch.Tensor] = []
-    orig = model._route
+    moes = [m for m in model.modules() if isinstance(m, MoE)]
 
-    def route(*args, **kwargs):
-        w, idx = orig(*args, **kwargs)
-        calls.append(idx.sort(dim=-1).values.cpu())
-        return w, idx
+    def wrap(orig):
+        def route(*args, **kwargs):
+            w, idx = orig(*args, **kwargs)
+            calls.append(idx.sort(dim=-1).values.cpu())
+            return w, idx
+        return route
 
-    model._route = route
+    for m in moes:
+        m.route = wrap(m.route)
     try:
         yield calls
     finally:
-        del model._route
+        for m in moes:
+            del m.route
 
 
 def per_position(calls: list[torch.Tensor], num_layers: int) -> list[torch.Tensor]:

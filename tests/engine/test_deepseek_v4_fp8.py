@@ -18,7 +18,7 @@ from deepinfer import quantization as Q
 from deepinfer.checkpoint import QuantizedWeight, default_model_path, load_checkpoint
 from deepinfer.config import EngineConfig
 from deepinfer.models.deepseek_v4.config import TINY_CONFIG, DeepseekV4Config
-from deepinfer.models.deepseek_v4.model import (
+from deepinfer.models.deepseek_v4 import (
     DeepseekV4ForCausalLM,
     Linear,
     expected_parameters,
@@ -193,7 +193,7 @@ def test_fused_experts_equal_the_per_expert_fp8_recipe_bitwise(pair):
     moe = fp8.layers[3].ffn
     stored = load_checkpoint(default_model_path(), dequantize=False).params
     x = torch.randn(23, fp8.config.hidden_size, generator=torch.Generator().manual_seed(2))
-    w, idx = fp8._route(moe, x, torch.zeros(23, dtype=torch.long))
+    w, idx = moe.route(x, torch.zeros(23, dtype=torch.long))
     got = deepinfer_ops.fused_moe_fp8(x, idx, w, moe.w13, moe.w13_scale, moe.w2, moe.w2_scale, 10.0)
     xq, xs = deepinfer_ops.per_token_group_quant_fp8(x, 128)
     acc = torch.zeros_like(x)

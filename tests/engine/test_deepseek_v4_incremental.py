@@ -134,13 +134,12 @@ def test_full_blocks_can_be_shared_as_a_prefix(model, seq600):
     assert_close(lg, ref_lg, TOL, name="prefix-shared logits")
 
 
-def test_attention_query_chunking_is_invisible(model, seq600):
+def test_attention_query_chunking_is_invisible(model, seq600, monkeypatch):
+    from deepinfer.models.deepseek_v4.compressor import Indexer
+
     ids, full_logits, full_streams = seq600
-    model.QUERY_CHUNK = 45  # instance override of the class default (512)
-    try:
-        lg, st = _full(model, ids, ROWS600)
-    finally:
-        del model.QUERY_CHUNK
+    monkeypatch.setattr(Indexer, "QUERY_CHUNK", 45)  # the class default is 512
+    lg, st = _full(model, ids, ROWS600)
     assert_close(st, full_streams, TOL, name="query-chunked streams")
     assert_close(lg, full_logits, TOL, name="query-chunked logits")
 
@@ -253,26 +252,33 @@ def test_bfloat16_model_and_cache(model, seq600):
 
 
 def test_fused_input_projections_follow_weight_changes():
-    """The compressor / indexer input projections run as one concatenated GEMM whose parts are views of it: an
-    in-place weight update and a replaced weight both reach the next forward (it equals a model built with the new
-    weights), and after the first forward the weights are views of one tensor."""
+    """The compressor / indexer input projections run as one concatenated GEMM whose parts are views of it, fused at
+    load time (the forward never rewires a parameter): an in-place weight update reaches the next forward, and a
+    replaced weight does after ``fuse_weights`` (it then equals a model built with the new weights)."""
+    from deepinfer.models.deepseek_v4.loading import fuse_weights
+
     c = DeepseekV4Config.from_dict(TINY_CONFIG)
     params = init_parameters(c, 0)
     m = DeepseekV4ForCausalLM.from_parameters(c, dict(params))
     ids = _ids(300, 5)
-    m.forward_full(ids)
     csa = next(i for i, layer in enumerate(m.layers) if layer.attn.layer_type == CSA)
     attn = m.layers[csa].attn
-    fused = m._fused_weights[id(attn)]
+    fused = attn.x_fused
     assert attn.compressor.wgate.weight.data_ptr() > fused.data_ptr()  # a view into the concatenation
     assert attn.indexer.weights_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    before = {n: p.data_ptr() for n, p in m.named_parameters()}
+    m.forward_full(ids)
+    assert {n: p.data_ptr() for n, p in m.named_parameters()} == before  # no parameter rewired by the forward
     g = torch.Generator().manual_seed(9)
     new_gate = torch.randn(attn.compressor.wgate.weight.shape, generator=g) * 0.1
     new_wp = torch.randn(attn.indexer.weights_proj.weight.shape, generator=g) * 0.1
     with torch.no_grad():
         attn.compressor.wgate.weight.copy_(new_gate)  # in place
-    attn.indexer.weights_proj.weight = torch.nn.Parameter(new_wp, requires_grad=False)  # replaced
     params[f"layers.{csa}.attn.compressor.wgate.weight"] = new_gate
+    assert_close(m.forward_full(ids), DeepseekV4ForCausalLM.from_parameters(c, dict(params)).forward_full(ids), TOL,
+                 name="logits after an in-place update")
+    attn.indexer.weights_proj.weight = torch.nn.Parameter(new_wp, requires_grad=False)  # replaced
+    fuse_weights(m)
     params[f"layers.{csa}.attn.indexer.weights_proj.weight"] = new_wp
     fresh = DeepseekV4ForCausalLM.from_parameters(c, params)
     assert_close(m.forward_full(ids), fresh.forward_full(ids), TOL, name="logits after weight changes")

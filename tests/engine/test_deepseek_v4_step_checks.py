@@ -1,4 +1,4 @@
-"""DeepSeek-V4 ForwardBatch validation (``_check_batch``): sequences are checked in order and, for one sequence, its
+"""DeepSeek-V4 ForwardBatch validation (``PlanBuilder.from_forward_batch``, on the host): sequences are checked in order and, for one sequence, its
 lengths, then its positions, then its block-table width, then its block ids; the error names the first fault in
 that order (field and sequence index), whatever faults later sequences have."""
 
@@ -9,7 +9,7 @@ import torch
 
 from deepinfer.forward_batch import ForwardBatch
 from deepinfer.models import TINY_CONFIG, DeepseekV4Config, allocate_cache
-from deepinfer.models.deepseek_v4 import _check_batch
+from deepinfer.models.deepseek_v4 import PlanBuilder
 
 NUM_BLOCKS = 4
 
@@ -17,6 +17,11 @@ NUM_BLOCKS = 4
 @pytest.fixture(scope="module")
 def cache():
     return allocate_cache(DeepseekV4Config.from_dict(TINY_CONFIG), NUM_BLOCKS, "cpu", torch.float32)
+
+
+def _check_batch(batch, cache):
+    return PlanBuilder(DeepseekV4Config.from_dict(TINY_CONFIG), cache.block_size, cache.num_blocks,
+                       "cpu").from_forward_batch(batch)
 
 
 def _batch(query_lens, context_lens, positions, table):
@@ -65,8 +70,11 @@ def test_positions_must_equal_the_expected_values_exactly(cache):
 
 def test_valid_batches_give_each_sequence_its_rows_positions_and_blocks(cache):
     b = _batch([2, 1, 130], [2, 129, 130], [0, 1, 128] + list(range(130)), [[3, -1], [0, 2], [1, 0]])
-    seqs = _check_batch(b, cache)
-    assert [(s.a, s.b, s.c0, s.L, s.block_ids, s.blocks.tolist()) for s in seqs] == [
-        (0, 2, 0, 2, [3], [3]), (2, 3, 128, 129, [0, 2], [0, 2]), (3, 133, 0, 130, [1, 0], [1, 0])]
+    plan = _check_batch(b, cache)
+    assert plan.num_tokens == plan.num_rows == 133
+    assert plan.positions.tolist() == [0, 1, 128] + list(range(130))
+    assert plan.tok_bt[:3].tolist() == [[3, -1], [3, -1], [0, 2]] and plan.tok_bt[3:].tolist() == [[1, 0]] * 130
+    assert plan.token_slots.tolist() == [3 * 128, 3 * 128 + 1, 2 * 128] + [128 + p for p in range(128)] + [0, 1]
     empty = torch.zeros(0, dtype=torch.long)
-    assert _check_batch(ForwardBatch(empty, empty, [], [], torch.zeros(0, 1, dtype=torch.int32), empty), cache) == []
+    assert _check_batch(ForwardBatch(empty, empty, [], [], torch.zeros(0, 1, dtype=torch.int32), empty),
+                        cache).num_tokens == 0

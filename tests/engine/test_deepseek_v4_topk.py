@@ -57,11 +57,11 @@ def test_router_ties_pick_lower_expert_ids(model):
         with torch.no_grad():
             moe.gate.weight.copy_(saved_w[:1].expand_as(saved_w))  # every expert scores the same
             moe.gate.bias.zero_()
-            w, idx = model._route(moe, x, torch.zeros(5, dtype=torch.long))
+            w, idx = moe.route(x, torch.zeros(5, dtype=torch.long))
             assert idx.tolist() == [list(range(c.num_experts_per_tok))] * 5
             assert torch.allclose(w.sum(-1), torch.full((5,), c.routed_scaling_factor))
             moe.gate.bias[[6, 3, 5]] = 1.0  # three tied winners: the two lowest ids, higher score first
-            _, idx = model._route(moe, x, torch.zeros(5, dtype=torch.long))
+            _, idx = moe.route(x, torch.zeros(5, dtype=torch.long))
             assert idx.tolist() == [[3, 5]] * 5
     finally:
         with torch.no_grad():
@@ -74,7 +74,7 @@ def test_router_selection_uses_bias_but_weights_do_not(model):
     layer = next(i for i, t in enumerate(c.mlp_layer_types) if t == MOE)
     moe = model.layers[layer].ffn
     x = torch.randn(9, c.hidden_size, generator=torch.Generator().manual_seed(1))
-    w, idx = model._route(moe, x, torch.zeros(9, dtype=torch.long))
+    w, idx = moe.route(x, torch.zeros(9, dtype=torch.long))
     scores = torch.nn.functional.softplus(x @ moe.gate.weight.T).sqrt()
     biased = scores + moe.gate.bias
     ref_idx = torch.stack([torch.tensor(sorted(range(c.n_routed_experts), key=lambda e: (-float(biased[r, e]), e))[:c.num_experts_per_tok]) for r in range(9)])
@@ -88,5 +88,5 @@ def test_hash_router_uses_tid2eid(model):
     layer = next(i for i, t in enumerate(c.mlp_layer_types) if t == HASH_MOE)
     moe = model.layers[layer].ffn
     ids = torch.tensor([0, 5, 129279, 5])
-    _, idx = model._route(moe, torch.randn(4, c.hidden_size), ids)
+    _, idx = moe.route(torch.randn(4, c.hidden_size), ids)
     assert torch.equal(idx, moe.gate.tid2eid[ids])

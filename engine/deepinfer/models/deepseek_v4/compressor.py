@@ -1,0 +1,154 @@
+"""The KV compressor (CSA / HCA entries) and the lightning indexer of a CSA layer.
+
+Compressor: per channel softmax over a window's gate (``wgate x + ape[slot]``, float32) pooling ``wkv x``; CSA
+overlaps windows (entry ``w`` pools window ``w-1``'s first half channels "Ca" and window ``w``'s second half "Cb",
+``2m`` slots), then ``norm`` and RoPE at position ``w m``. An entry is visible to query ``t`` iff its window closed:
+``w < (t + 1) // m``. The open windows' projections persist in the state rings of the cache (``cache.py``).
+Source: transformers 5.23 ``modeling_deepseek_v4.py``; DeepSeek-V4 paper.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import deepinfer_ops
+
+from .config import DeepseekV4Config
+from .layers import Linear, RMSNorm, _param
+from .plan import CompressorPlan
+
+
+class Compressor(nn.Module):
+    """Gated pooling compressor (``wkv``, ``wgate``, ``ape``, ``norm``); ``overlap`` = CSA's two-series windows."""
+
+    def __init__(self, cfg: DeepseekV4Config, ratio: int, head_dim: int, overlap: bool, dtype: torch.dtype):
+        super().__init__()
+        self.ratio, self.head_dim, self.overlap = ratio, head_dim, overlap
+        coff = 2 if overlap else 1
+        self.wkv = Linear(coff * head_dim, cfg.hidden_size, dtype)
+        self.wgate = Linear(coff * head_dim, cfg.hidden_size, dtype)
+        self.ape = _param(ratio, coff * head_dim)  # float32 in checkpoints
+        self.norm = RMSNorm(head_dim, cfg.rms_norm_eps, dtype)
+
+    def forward(self, kv_new: torch.Tensor, gate_new: torch.Tensor, cp: CompressorPlan, state_kv: torch.Tensor,
+                state_gate: torch.Tensor, pool: torch.Tensor, rope_table: torch.Tensor) -> None:
+        """Write this step's closing windows' entries into ``pool`` and persist the open windows' state.
+
+        Args:
+            kv_new / gate_new: ``[num_rows, coff * hd]`` projections of the step's tokens (ring rows keep them as
+                projected; ``ape`` is added in float32 when a window is pooled, as the reference does).
+            cp: the step's lists for this ratio (:class:`~.plan.CompressorPlan`).
+            state_kv / state_gate: ``[num_blocks, R, coff * hd]`` rings; pool: ``[num_blocks, 128 // m, hd]``.
+        Every read of the rings happens before any write (the gathered rows are a new tensor).
+        """
+        all_kv = torch.cat([state_kv.view(-1, state_kv.shape[-1])[cp.ring_src].to(kv_new.dtype), kv_new])
+        all_gate = torch.cat([state_gate.view(-1, state_gate.shape[-1])[cp.ring_src].to(gate_new.dtype), gate_new])
+        if cp.n_close:
+            entries = self.pool_windows(all_kv, all_gate, cp)
+            deepinfer_ops.rotary_embedding(entries, cp.w_pos, rope_table)
+            deepinfer_ops.kv_cache_write(pool, entries.to(pool.dtype), cp.dst)
+        if cp.st_dst.shape[0]:
+            deepinfer_ops.kv_cache_write(state_kv, all_kv[cp.st_src].to(state_kv.dtype), cp.st_dst)
+            deepinfer_ops.kv_cache_write(state_gate, all_gate[cp.st_src].to(state_gate.dtype), cp.st_dst)
+
+    def pool_windows(self, all_kv: torch.Tensor, all_gate: torch.Tensor, cp: CompressorPlan) -> torch.Tensor:
+        """Compressed entries ``[n_close, hd]``. CSA (``overlap``): a window's slots are the ``Ca`` half of window
+        ``w - 1`` (``-inf`` gates where there is none: weight 0) followed by the ``Cb`` half of its own. Pooling:
+        the softmax over the slots of the float32 ``gate + ape`` and the gated sum
+        (:func:`deepinfer_ops.compressor_pool`: each window on its own in slot order, float32), then the RMS norm."""
+        m, hd = self.ratio, self.head_dim
+        ape = self.ape.float()
+        cur_kv = all_kv[cp.cur]  # [n, m, coff * hd]
+        cur_gate = all_gate[cp.cur].float() + ape
+        if self.overlap:
+            ok = cp.prev_ok.view(-1, 1, 1)
+            prev_kv = torch.where(ok, all_kv[cp.prev][..., :hd], 0)
+            prev_gate = torch.where(ok, (all_gate[cp.prev].float() + ape)[..., :hd], float("-inf"))
+            slot_kv = torch.cat([prev_kv, cur_kv[..., hd:]], dim=1)
+            slot_gate = torch.cat([prev_gate, cur_gate[..., hd:]], dim=1)
+        else:
+            slot_kv, slot_gate = cur_kv, cur_gate
+        del m
+        return self.norm(deepinfer_ops.compressor_pool(slot_kv.contiguous(), slot_gate.contiguous()))
+
+
+class Indexer(nn.Module):
+    """Lightning indexer of a CSA layer (``wq_b``, ``weights_proj``, its own overlapped ``compressor``).
+
+    Score ``sum_h (weights_proj(x)_h / sqrt(n_h)) * ReLU(q_h . k / sqrt(index_head_dim))``, future entries masked:
+    :func:`deepinfer_ops.mqa_logits` over the paged indexer keys (both scalings folded into its per-head weights,
+    ``k_end = (t + 1) // m``), then the top-k by the tie rule (:func:`indexer_topk`)."""
+
+    QUERY_CHUNK = 512  # queries per score chunk (bounds the [queries, entries] scores)
+
+    def __init__(self, cfg: DeepseekV4Config, ratio: int, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk
+        self.wq_b = Linear(cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank, dtype)
+        self.weights_proj = Linear(cfg.index_n_heads, cfg.hidden_size, dtype)
+        self.compressor = Compressor(cfg, ratio, cfg.index_head_dim, True, dtype)
+
+    def select(self, iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, n_ent: int, bt32: torch.Tensor,
+               n_vis: torch.Tensor, ties: list) -> torch.Tensor:
+        """Entry ids ``[T, topk]`` int64 of each query's selected entries in entry order (``n_ent`` = none, last).
+
+        Args:
+            iq: ``[T, n_heads, head_dim]`` rotated index queries; iw: ``[T, n_heads]`` float32 head weights
+                (``weights_proj / sqrt(n_heads)``); ikeys: the paged indexer-key pool; bt32: ``[T, max_blocks]``
+                int32 per-token block tables; n_vis: ``[T]`` visible entries per query.
+            ties: per chunk, a 0-d int64 device tensor is appended: the rows where the tie rule decided.
+        """
+        T, dev = iq.shape[0], iq.device
+        ent = torch.full((T, self.topk), n_ent, dtype=torch.long, device=dev)  # width independent of the batch
+        iw = iw * (self.head_dim ** -0.5)  # folds 1 / sqrt(index_head_dim) into the head weights
+        k_end = n_vis.to(torch.int32)
+        for r0 in range(0, T, self.QUERY_CHUNK):
+            r1 = min(T, r0 + self.QUERY_CHUNK)
+            sc = deepinfer_ops.mqa_logits(iq[r0:r1], iw[r0:r1].contiguous(), ikeys, n_ent,
+                                          block_table=bt32[r0:r1].contiguous(), k_end=k_end[r0:r1].contiguous())
+            visible = torch.arange(n_ent, device=dev).view(1, -1) < n_vis[r0:r1].view(-1, 1)
+            ids, t = indexer_topk(sc, visible, self.topk)
+            ties.append(t)
+            ent[r0:r1, :ids.shape[1]] = torch.where(ids >= 0, ids, n_ent)
+        # entry order (none last) so the keys are summed in the same order for any chunking or batch
+        return ent.sort(dim=1).values
+
+
+def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Lightning-indexer top-k for one block of queries, as entry ids.
+
+    Args:
+        scores: ``[num_queries, num_entries]`` float32 index scores (``num_entries >= 1``).
+        visible: ``[num_queries, num_entries]`` bool, entry closed before the query (``w < (t + 1) // m``).
+        topk: ``index_topk``.
+    Returns:
+        (``[num_queries, min(topk, num_entries)]`` int64: the ids of the top ``min(topk, #visible)`` visible entries
+        of each row, ranked by the tie rule -- higher score first, then lower entry index -- and ``-1`` in the
+        remaining columns (fewer visible entries, or a non-finite score); a 0-d int64 tensor on the scores' device:
+        the rows whose k-th and (k+1)-th best visible scores are equal, i.e. where the tie rule decided).
+    """
+    n = scores.shape[-1]
+    masked = scores.masked_fill(~visible, float("-inf"))
+    k = min(topk, n)
+    kk = min(k + 1, n)
+    vals, inds = deepinfer_ops.topk(masked, kk)
+    if kk > k:
+        ties = ((vals[:, k - 1] == vals[:, k]) & torch.isfinite(vals[:, k])).sum()
+    else:
+        ties = torch.zeros((), dtype=torch.long, device=scores.device)
+    vals, inds = vals[:, :k], inds[:, :k]
+    ok = torch.isfinite(vals) & visible.gather(1, inds)
+    return torch.where(ok, inds, torch.full_like(inds, -1)), ties
+
+
+def indexer_select(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, int]:
+    """:func:`indexer_topk` as a mask: (``[num_queries, num_entries]`` bool, True for the selected entries; the
+    number of tie-decided rows, a host int)."""
+    n = scores.shape[-1]
+    if n == 0:
+        return torch.zeros_like(visible), 0
+    ids, ties = indexer_topk(scores, visible, topk)
+    sel = torch.zeros(scores.shape[0], n + 1, dtype=torch.bool, device=scores.device)
+    sel.scatter_(1, torch.where(ids >= 0, ids, n), True)
+    return sel[:, :n], int(ties)

@@ -1,0 +1,448 @@
+"""The DeepSeek-V4 step plan: every per-step index the forward needs, built on the host, copied once.
+
+``PlanBuilder.build`` reads the step's sequences as plain host data (first position, query length, block ids),
+validates them there, and packs every index list into one host buffer: token slots, per-token block tables,
+logits rows, and per compression ratio the compressor's ring reads, closing windows and state writes. One
+host-to-device copy moves it; :meth:`StepPlan.finalize` derives the window and compressed-entry index lists on the
+device, once per step for all layers. The forward then does device work only.
+
+Graph mode (``capacity``): every list has a fixed length that depends on the number of sequences only (padded with
+harmless entries: ``-1`` slots are skipped by the cache writes, padding rows read a valid slot and are never
+written), so a CUDA graph captured for one plan replays for any other plan of the same bucket after
+:meth:`StepPlan.copy_from`. See ``docs/engine.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from deepinfer.forward_batch import ForwardBatch
+
+from .config import CSA, HCA, DeepseekV4Config
+
+
+@dataclass(frozen=True)
+class SeqStep:
+    """One sequence of a step (host data): tokens at positions ``[c0, c0 + q)``, cache blocks ``block_ids``
+    (block j covers positions ``[j * block_size, (j + 1) * block_size)``)."""
+
+    c0: int
+    q: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def L(self) -> int:
+        return self.c0 + self.q
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """Fixed list lengths of a graph-mode plan: ``num_seqs`` decode sequences (one token each), block tables of
+    ``max_blocks`` ids, contexts up to ``max_len`` tokens."""
+
+    num_seqs: int
+    max_blocks: int
+    max_len: int
+
+
+@dataclass
+class CompressorPlan:
+    """Index lists of one compression ratio ``m`` for one step, shared by every layer (and both compressors of a
+    CSA layer) of that ratio. Rows of ``all`` = ``cat(state[ring_src], new token rows)``.
+
+    Attributes:
+        ring_src: ``[n_ring]`` int64 flat slots ``block * R + p % R`` of the state rings read this step.
+        cur: ``[n_close, m]`` int64 rows of ``all``: each closing window's own positions.
+        prev: ``[n_close, m]`` int64 rows of ``all``: the previous window's positions (overlap only; row 0 where
+            there is none). ``prev_ok [n_close]`` bool: whether it exists.
+        w_pos: ``[n_close]`` int64 RoPE position ``w * m`` of each entry.
+        dst: ``[n_close]`` int64 compressed-pool slots (``-1``: not written).
+        st_src / st_dst: ``[n_st]`` int64 rows of ``all`` and the ring slots they are persisted to (``-1``: skipped).
+        n_close: number of closing windows (host int; graph mode: the capacity).
+    """
+
+    ratio: int
+    overlap: bool
+    ring: int
+    ring_src: torch.Tensor
+    cur: torch.Tensor
+    prev: torch.Tensor | None
+    prev_ok: torch.Tensor | None
+    w_pos: torch.Tensor
+    dst: torch.Tensor
+    st_src: torch.Tensor
+    st_dst: torch.Tensor
+    n_close: int
+
+
+@dataclass
+class StepPlan:
+    """The device-side plan of one step. Host ints describe shapes; every tensor lives on the model's device.
+
+    Attributes:
+        num_tokens: real token rows (the rest of the ``num_rows`` rows are padding).
+        num_rows: rows of every per-token tensor.
+        num_logits: real logits rows (the first ``num_logits`` of ``logits_indices``).
+        max_len: longest context of the step (or the capacity): the RoPE table covers it.
+        block_size: tokens per cache block.
+        input_ids, positions: ``[num_rows]`` int64 (padding rows: token 0 at position 0).
+        token_slots: ``[num_rows]`` int64 window-KV slot of each token (``-1`` on padding rows).
+        tok_bt: ``[num_rows, max_blocks]`` int64 block table of each token's sequence (``-1`` pads).
+        logits_indices: ``[num_logit_rows]`` int64.
+        row_valid: ``[num_rows]`` bool (graph mode) or None (every row up to ``num_tokens`` is real).
+        comp: ``{ratio: CompressorPlan}``.
+        n_ent: ``{ratio: entries}`` the width of the compressed-entry lists (``max_len // ratio``).
+        Derived once per step by :meth:`finalize` (device work): ``win_idx [num_rows, W]`` int32 (the last ``W``
+        positions of each token, ``-1`` before 0), ``n_vis [num_rows]`` int64 (``(pos + 1) // m`` per ratio),
+        ``hca_idx [num_rows, n_ent]`` int32 (every visible HCA entry), ``tok_bt32``.
+    """
+
+    num_tokens: int
+    num_rows: int
+    num_logits: int
+    max_len: int
+    block_size: int
+    batch_invariant: bool
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    token_slots: torch.Tensor
+    tok_bt: torch.Tensor
+    logits_indices: torch.Tensor
+    row_valid: torch.Tensor | None
+    comp: dict[int, CompressorPlan]
+    n_ent: dict[int, int]
+    graph: bool = False
+    derived: dict = field(default_factory=dict)
+
+    def finalize(self, config: DeepseekV4Config) -> "StepPlan":
+        """Derive the window / entry index lists (device ops only, once per step)."""
+        B, W = self.block_size, config.sliding_window
+        dev = self.positions.device
+        pos = self.positions
+        p = pos.view(-1, 1) + torch.arange(-W + 1, 1, device=dev)
+        pc = p.clamp(min=0)
+        blk = self.tok_bt.gather(1, pc // B)
+        self.derived["win_idx"] = torch.where((p >= 0) & (blk >= 0), blk * B + pc % B, -1).to(torch.int32)
+        self.derived["tok_bt32"] = self.tok_bt.to(torch.int32)
+        for m, n in self.n_ent.items():
+            n_vis = (pos + 1) // m
+            self.derived[f"n_vis{m}"] = n_vis
+            if m == config.compress_rate_hca and n > 0:
+                per_block = B // m
+                w = torch.arange(n, device=dev).view(1, -1)
+                blk = self.tok_bt.gather(1, (w // per_block).expand(self.num_rows, -1))
+                self.derived["hca_idx"] = torch.where((w < n_vis.view(-1, 1)) & (blk >= 0),
+                                                      blk * per_block + w % per_block, -1).to(torch.int32)
+        return self
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every index tensor the host fills (name -> tensor), for :meth:`copy_from`."""
+        out = {"input_ids": self.input_ids, "positions": self.positions, "token_slots": self.token_slots,
+               "tok_bt": self.tok_bt, "logits_indices": self.logits_indices}
+        if self.row_valid is not None:
+            out["row_valid"] = self.row_valid
+        for m, c in self.comp.items():
+            for name in ("ring_src", "cur", "prev", "prev_ok", "w_pos", "dst", "st_src", "st_dst"):
+                t = getattr(c, name)
+                if t is not None:
+                    out[f"{name}{m}"] = t
+        return out
+
+    def copy_from(self, other: "StepPlan") -> None:
+        """Copy ``other``'s index tensors into this plan's (same capacity: graph-mode static buffers)."""
+        mine, theirs = self.tensors(), other.tensors()
+        for k, t in mine.items():
+            t.copy_(theirs[k], non_blocking=True)
+        self.num_tokens, self.num_logits = other.num_tokens, other.num_logits
+
+
+def _blocks_for(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+class PlanBuilder:
+    """Builds :class:`StepPlan` s for one config and cache geometry.
+
+    Args:
+        config: the model config (ratios, sliding window).
+        block_size: cache block size (a multiple of every compression ratio).
+        num_blocks: cache capacity; block ids must lie in ``[0, num_blocks)``.
+        device: where the plan's tensors go.
+    """
+
+    def __init__(self, config: DeepseekV4Config, block_size: int, num_blocks: int, device: torch.device | str):
+        self.config = config
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = torch.device(device)
+        self.pin = self.device.type == "cuda"
+        kinds = {config.layer_type_of_ratio(r) for r in tuple(config.compress_ratios) + tuple(config.mtp_compress_ratios)}
+        self.ratios: list[tuple[int, bool]] = []  # (m, overlap) per compressed layer kind present
+        if CSA in kinds:
+            self.ratios.append((config.compress_rate_csa, True))
+        if HCA in kinds:
+            self.ratios.append((config.compress_rate_hca, False))
+
+    # ---------------------------------------------------------------------------------------------------- host
+    def check_seq(self, i: int, s: SeqStep) -> None:
+        """Validate sequence ``i`` against the cache (host data): raises ValueError naming the field."""
+        if s.q < 1 or s.c0 < 0:
+            raise ValueError(f"query_lens[{i}]={s.q} / context_lens[{i}]={s.L}: need 1 <= query_len <= context_len")
+        nb = _blocks_for(s.L, self.block_size)
+        if nb > len(s.block_ids):
+            raise ValueError(f"block_tables: sequence {i} needs {nb} blocks for {s.L} tokens, row has "
+                             f"{len(s.block_ids)}")
+        ids = s.block_ids[:nb]
+        if any(b < 0 or b >= self.num_blocks for b in ids):
+            raise ValueError(f"block_tables: sequence {i} uses a block id outside [0, {self.num_blocks}): "
+                             f"{list(ids)}")
+        if s.L > self.config.max_position_embeddings:
+            raise ValueError(f"context_lens: {s.L} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+
+    def build(self, seqs: list[SeqStep], input_ids: list[int] | torch.Tensor, logits_indices: list[int],
+              batch_invariant: bool = False, pad_multiple: int = 0, capacity: Capacity | None = None,
+              out: torch.Tensor | None = None, finalize: bool = True, checked: bool = False) -> StepPlan:
+        """The plan of one step (validated by :meth:`check_seq`, one host-to-device copy, then
+        :meth:`StepPlan.finalize`).
+
+        Args:
+            seqs: the step's sequences in token-row order (``check``-ed here).
+            input_ids: ``[num_tokens]`` host ids, or a tensor on the plan's device (kept as it is, padded).
+            logits_indices: token rows whose logits are returned.
+            pad_multiple: pad the token rows to a multiple of this (batch-invariant ``dequant`` path), 0 = none.
+            capacity: graph mode: decode sequences only, every list at the fixed lengths of ``capacity``.
+            out: a device int64 buffer of exactly the plan's size to hold it (graph mode: the captured plan's
+                buffer, so the replay reads the new plan); default a fresh one.
+            finalize: derive the device index lists now (graph mode: the captured forward derives them).
+            checked: the sequences were validated by :meth:`check_seq` already.
+        Raises:
+            ValueError naming the field at fault (lengths, block ids, logits rows, capacity).
+        """
+        if not checked:
+            for i, s in enumerate(seqs):
+                self.check_seq(i, s)
+        B = self.block_size
+        T = sum(s.q for s in seqs)
+        if any(r < 0 or r >= T for r in logits_indices):
+            raise ValueError(f"logits_indices: out of range [0, {T})")
+        if capacity is not None:
+            if len(seqs) > capacity.num_seqs or any(s.q != 1 for s in seqs) or \
+                    max((s.L for s in seqs), default=0) > capacity.max_len:
+                raise ValueError(f"capacity: the step ({len(seqs)} sequences, query lens "
+                                 f"{sorted({s.q for s in seqs})}) does not fit {capacity}")
+            rows = capacity.num_seqs
+            nb = capacity.max_blocks
+            max_len = capacity.max_len
+        else:
+            rows = -(-T // pad_multiple) * pad_multiple if pad_multiple > 0 else T
+            nb = max((_blocks_for(s.L, B) for s in seqs), default=1) or 1
+            max_len = max((s.L for s in seqs), default=0)
+        chunks: dict[str, np.ndarray] = {}
+        S = len(seqs)
+        positions = np.zeros(rows, dtype=np.int64)
+        row_seq = np.full(rows, S, dtype=np.int64)  # padding rows -> the all -1 table row S
+        seq_bt = np.full((S + 1, nb), -1, dtype=np.int64)
+        a = 0
+        starts = []
+        for i, s in enumerate(seqs):
+            positions[a:a + s.q] = np.arange(s.c0, s.L)
+            row_seq[a:a + s.q] = i
+            k = _blocks_for(s.L, B)
+            seq_bt[i, :k] = s.block_ids[:k]
+            starts.append(a)
+            a += s.q
+        tok_bt = seq_bt[row_seq]
+        slots = np.full(rows, -1, dtype=np.int64)
+        slots[:T] = tok_bt[np.arange(T), positions[:T] // B] * B + positions[:T] % B
+        chunks["positions"] = positions
+        chunks["token_slots"] = slots
+        chunks["tok_bt"] = tok_bt
+        n_logit_rows = capacity.num_seqs if capacity is not None else len(logits_indices)
+        li = np.zeros(n_logit_rows, dtype=np.int64)
+        li[:len(logits_indices)] = logits_indices
+        chunks["logits_indices"] = li
+        host_ids = not isinstance(input_ids, torch.Tensor)
+        ids = np.zeros(rows, dtype=np.int64)
+        if host_ids:
+            ids[:T] = input_ids
+        chunks["input_ids"] = ids
+        if capacity is not None:
+            chunks["row_valid"] = (np.arange(rows) < T).astype(np.int64)
+        meta = []
+        for m, overlap in self.ratios:
+            lists = self._compressor_lists(seqs, starts, m, overlap, capacity)
+            meta.append((m, overlap, lists["n_close"]))
+            for name, arr in lists.items():
+                if name != "n_close":
+                    chunks[f"{name}{m}"] = arr
+        if not host_ids and input_ids.numel() != T:
+            raise ValueError(f"input_ids: {input_ids.numel()} ids for {T} tokens (sum of query_lens)")
+        views = self._upload(chunks, out)
+        ids_t = views["input_ids"]
+        if not host_ids:
+            ids_t[:T].copy_(input_ids.reshape(-1), non_blocking=True)
+        comp = {}
+        for m, overlap, n_close in meta:
+            g = lambda name: views.get(f"{name}{m}")  # noqa: E731
+            comp[m] = CompressorPlan(m, overlap, 2 * m if overlap else m, g("ring_src"), g("cur"), g("prev"),
+                                     g("prev_ok").bool() if overlap else None, g("w_pos"), g("dst"), g("st_src"),
+                                     g("st_dst"), n_close)
+        n_ent = {m: max_len // m for m, _ in self.ratios}
+        plan = StepPlan(T, rows, len(logits_indices), max_len, B, batch_invariant, ids_t, views["positions"],
+                        views["token_slots"], views["tok_bt"], views["logits_indices"],
+                        views["row_valid"].bool() if capacity is not None else None, comp, n_ent,
+                        graph=capacity is not None)
+        return plan.finalize(self.config) if finalize else plan
+
+    def _upload(self, chunks: dict[str, np.ndarray], out: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Pack ``chunks`` into one host buffer (pinned on CUDA, two alternating ones so that filling the next never
+        races the copy of the last) and copy it to the device in one transfer; returns device views by name."""
+        n = sum(a.size for a in chunks.values())
+        if self.pin:
+            k = self._turn = 1 - getattr(self, "_turn", 0)
+            bufs = getattr(self, "_pinned", [None, None])
+            self._pinned = bufs
+            if bufs[k] is None or bufs[k][0].numel() < n:
+                bufs[k] = (torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            host, done = bufs[k]
+            done.synchronize()
+        else:
+            host = torch.empty(n, dtype=torch.int64)
+        flat = host.numpy()
+        at = 0
+        for a in chunks.values():
+            flat[at:at + a.size] = a.reshape(-1)
+            at += a.size
+        if out is not None and out.numel() != n:
+            raise ValueError(f"out: the plan needs {n} int64 entries, the buffer has {out.numel()}")
+        dev = out if out is not None else torch.empty(n, dtype=torch.int64, device=self.device)
+        if self.device.type == "cpu" and out is None:
+            dev = host[:n]
+        else:
+            dev.copy_(host[:n], non_blocking=True)
+        if self.pin:
+            bufs[k][1].record()
+        views, at = {}, 0
+        for name, a in chunks.items():
+            views[name] = dev[at:at + a.size].view(a.shape)
+            at += a.size
+        return views
+
+    def from_forward_batch(self, batch: ForwardBatch, pad_multiple: int = 0) -> StepPlan:
+        """A plan from a :class:`ForwardBatch` (the test / convenience form of a step): its shapes and positions are
+        checked on the host (errors name the field and the first faulty sequence), then :meth:`build`."""
+        ids, pos = batch.input_ids, batch.positions
+        if ids.dim() != 1 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids: expected 1-D int64, got {tuple(ids.shape)} {ids.dtype}")
+        if pos.shape != ids.shape:
+            raise ValueError(f"positions: shape {tuple(pos.shape)} != input_ids {tuple(ids.shape)}")
+        if len(batch.query_lens) != len(batch.context_lens):
+            raise ValueError("query_lens / context_lens: different number of sequences")
+        if sum(batch.query_lens) != ids.shape[0]:
+            raise ValueError(f"query_lens: sum {sum(batch.query_lens)} != num_tokens {ids.shape[0]}")
+        bt = batch.block_tables
+        if bt.dim() != 2 or bt.shape[0] != len(batch.query_lens):
+            raise ValueError(f"block_tables: expected [num_seqs={len(batch.query_lens)}, max_blocks], got "
+                             f"{tuple(bt.shape)}")
+        rows = bt.cpu().long().tolist()
+        pos_cpu = pos.cpu()
+        seqs, a = [], 0
+        for i, (q, L) in enumerate(zip(batch.query_lens, batch.context_lens)):
+            if q < 1 or L < q:
+                raise ValueError(f"query_lens[{i}]={q} / context_lens[{i}]={L}: need 1 <= query_len <= context_len")
+            if not torch.equal(pos_cpu[a:a + q], torch.arange(L - q, L, dtype=pos_cpu.dtype)):
+                raise ValueError(f"positions: sequence {i} must hold {L - q}..{L - 1} "
+                                 "(context_len - query_len .. context_len - 1)")
+            seqs.append(SeqStep(L - q, q, tuple(rows[i])))
+            self.check_seq(i, seqs[-1])
+            a += q
+        return self.build(seqs, ids, batch.logits_indices.cpu().tolist(), batch.batch_invariant, pad_multiple,
+                          checked=True)
+
+    def _compressor_lists(self, seqs: list[SeqStep], starts: list[int], m: int, overlap: bool,
+                          capacity: Capacity | None) -> dict:
+        """The :class:`CompressorPlan` lists of ratio ``m`` as numpy arrays (padded to ``capacity`` in graph mode).
+
+        Per sequence (positions ``[c0, L)`` new): windows ``w`` in ``[c0 // m, L // m)`` close; the open window(s)
+        of ``c0`` start at ``s0`` (CSA: one window earlier, whose first half feeds the next entry). Ring rows
+        ``[s0, c0)`` of the block of ``c0 - 1`` are read when a window closes or when the state moves to another
+        block. The state as of ``E`` goes to the ring of the block of ``E - 1`` for every block end ``E`` the step
+        crosses and for ``E = L``; rows a ring already holds are not written again."""
+        B = self.block_size
+        R = 2 * m if overlap else m
+        per_block = B // m
+        ring_src: list[int] = []
+        cur: list[int] = []
+        prev: list[int] = []
+        prev_ok: list[int] = []
+        w_pos: list[int] = []
+        dst: list[int] = []
+        st_src: list[int] = []
+        st_dst: list[int] = []
+        ring_rows_cap = R - 1  # graph mode: ring reads per sequence (a decode reads at most R - 1 positions)
+        for i, s in enumerate(seqs):
+            c0, L = s.c0, s.L
+            bids = s.block_ids
+            s0 = max(0, (c0 // m) * m - m) if overlap else (c0 // m) * m
+            first_w, end_w = c0 // m, L // m
+            ends = list(range((c0 // B + 1) * B, L, B)) + [L]
+            same = [c0 > 0 and (E - 1) // B == (c0 - 1) // B for E in ends]
+            r0s = [max(0, (E // m) * m - m) if overlap else (E // m) * m for E in ends]
+            starts_w = [max(r0, c0) if sm else r0 for r0, sm in zip(r0s, same)]
+            read = c0 > s0 and (end_w > first_w or any(st < c0 for st in starts_w))
+            base = len(ring_src)
+            if read:
+                blk = bids[(c0 - 1) // B]
+                ring_src.extend(blk * R + p % R for p in range(s0, c0))
+            if capacity is not None:
+                ring_src.extend([0] * (base + ring_rows_cap - len(ring_src)))
+
+            def row(p: int, i=i, s0=s0, base=base, c0=c0) -> tuple[bool, int]:
+                # (is new token, row): ring rows are absolute, new rows relative to the new-token block
+                return (True, starts[i] + p - c0) if p >= c0 else (False, base + p - s0)
+
+            for w in range(first_w, end_w):
+                cur.extend(row(p) for p in range(w * m, w * m + m))  # type: ignore[arg-type]
+                if overlap:
+                    if w >= 1:
+                        prev.extend(row(p) for p in range((w - 1) * m, w * m))  # type: ignore[arg-type]
+                        prev_ok.append(1)
+                    else:
+                        prev.extend([(False, 0)] * m)  # type: ignore[list-item]
+                        prev_ok.append(0)
+                w_pos.append(w * m)
+                dst.append(bids[(w * m) // B] * per_block + w % per_block)
+            for E, st in zip(ends, starts_w):
+                blk = bids[(E - 1) // B]
+                for p in range(st, E):
+                    st_src.append(row(p))  # type: ignore[arg-type]
+                    st_dst.append(blk * R + p % R)
+        if capacity is not None:
+            n = capacity.num_seqs
+            ring_src.extend([0] * (n * ring_rows_cap - len(ring_src)))
+            k = n - len(w_pos)
+            cur.extend([(False, 0)] * (k * m))
+            if overlap:
+                prev.extend([(False, 0)] * (k * m))
+                prev_ok.extend([0] * k)
+            w_pos.extend([0] * k)
+            dst.extend([-1] * k)
+            k = n * R - len(st_dst)
+            st_src.extend([(False, 0)] * k)
+            st_dst.extend([-1] * k)
+        n_ring = len(ring_src)
+
+        def rows(entries) -> np.ndarray:
+            return np.array([n_ring + r if new else r for new, r in entries], dtype=np.int64)
+
+        out = {"ring_src": np.array(ring_src, dtype=np.int64), "cur": rows(cur).reshape(-1, m),
+               "w_pos": np.array(w_pos, dtype=np.int64), "dst": np.array(dst, dtype=np.int64),
+               "st_src": rows(st_src), "st_dst": np.array(st_dst, dtype=np.int64), "n_close": len(w_pos)}
+        if overlap:
+            out["prev"] = rows(prev).reshape(-1, m)
+            out["prev_ok"] = np.array(prev_ok, dtype=np.int64)
+        return out
