@@ -121,6 +121,96 @@ def profile_mode(llm, prompts, batch_invariant: bool, args) -> None:
     print(f"profile -> {out}", flush=True)
 
 
+def model_bytes(model) -> tuple[int, int]:
+    """(bytes of the non-routed-expert weights, bytes of the routed experts) the model holds."""
+    expert = dense = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        n = t.numel() * t.element_size()
+        if ".ffn.w13" in name or ".ffn.w2" in name or ".ffn.experts." in name:
+            expert += n
+        else:
+            dense += n
+    return dense, expert
+
+
+def decode_roofline_ms(model, batch: int, context: int) -> float:
+    """Lower bound of one decode step: the weights it must read (dense ones, and the routed experts its
+    ``batch * top_k`` choices can touch) plus the KV it attends to (window + top-k entries per CSA layer, every
+    entry per HCA layer, at ``context`` tokens), over the 4.24 TB/s copy ceiling."""
+    cfg = model.config
+    dense, expert = model_bytes(model)
+    touched = min(1.0, batch * cfg.num_experts_per_tok / cfg.n_routed_experts)
+    kv = 0
+    for r in cfg.compress_ratios:
+        n = min(context, cfg.sliding_window)
+        if r == cfg.compress_rate_csa:
+            n += min(cfg.index_topk, context // r)
+        elif r:
+            n += context // r
+        kv += n * cfg.head_dim * 2
+    return 1e3 * (dense + touched * expert + batch * kv) / 4.24e12
+
+
+def prefill_roofline_ms(model, tokens: int) -> float:
+    """Lower bound of one prefill step: 2 FLOPs per active weight and token (dense weights and ``top_k`` of the
+    routed experts) over the measured block-scaled FP8 peak, 1305 TFLOPS."""
+    cfg = model.config
+    dense, expert = model_bytes(model)
+    active = dense + expert * cfg.num_experts_per_tok / cfg.n_routed_experts
+    return 1e3 * 2 * active * tokens / 1305e12  # FP8 weights: one byte per weight
+
+
+def sweep(model, args, shape_extra: dict) -> list[dict]:
+    """The engine-core rows: decode at each --decode-batches size and prefill steps of each --prefill-tokens size,
+    for CUDA graphs and asynchronous scheduling on and off (--core-modes)."""
+    from deepinfer import LLM, SamplingParams
+
+    batches = [int(b) for b in args.decode_batches.split(",")]
+    prefills = [int(t) for t in args.prefill_tokens.split(",")]
+    rows = []
+    for mode in args.core_modes.split(","):
+        graphs, async_ = {"graphs+async": (True, True), "graphs": (True, False), "async": (False, True),
+                          "eager": (False, False)}[mode]
+        llm = LLM(model, max_num_seqs=max(batches), device=args.device, enforce_eager=not graphs,
+                  async_scheduling=async_, max_num_batched_tokens=max(prefills + [args.max_num_batched_tokens]),
+                  max_model_len=args.prompt_len + args.max_tokens + 128)
+        print(json.dumps({"mode": mode, "startup": llm.startup}), flush=True)
+        rng = random.Random(0)
+        pool = [[rng.randrange(3, llm.vocab_size) for _ in range(args.prompt_len)] for _ in range(max(batches))]
+        llm.generate(pool[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+        common = {**shape_extra, "prompt_len": args.prompt_len, "cuda_graphs": graphs, "async_scheduling": async_,
+                  "graph_capture_s": llm.startup["graph_capture_s"],
+                  "graph_memory_gib": round(llm.startup["graph_memory_bytes"] / 2**30, 3)}
+        for b in batches:
+            llm.generate(pool[:b], SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True))
+            st = llm.last_stats.summary()
+            step = st["decode_step_ms_median"]
+            roof = decode_roofline_ms(model, b, args.prompt_len + args.max_tokens // 2)
+            rows.append({"op": "engine_decode", "shape": {**common, "batch": b, "max_tokens": args.max_tokens},
+                         "us": round(1e3 * step, 3), "decode_tok_s": st["decode_tok_s_median"],
+                         "tpot_ms": st["tpot_ms"], "step_ms": step, "host_ms": st["decode_host_ms_median"],
+                         "enqueue_ms": st["decode_enqueue_ms_median"], "gpu_ms": st["decode_gpu_ms_median"],
+                         "roofline_ms": round(roof, 4), "roofline_ratio": round(roof / step, 4) if step else None})
+            print(json.dumps(rows[-1]), flush=True)
+        for t in prefills:
+            n = max(1, t // args.prompt_len)
+            ps = [[rng.randrange(3, llm.vocab_size) for _ in range(args.prompt_len)] for _ in range(n)]
+            llm.generate(ps, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            st = llm.last_stats.summary()
+            step = st["prefill_step_ms_median"]
+            roof = prefill_roofline_ms(model, n * args.prompt_len)
+            rows.append({"op": "engine_prefill", "shape": {**common, "step_tokens": n * args.prompt_len},
+                         "us": round(1e3 * step, 3), "prefill_tok_s": st["prefill_tok_s_median"], "step_ms": step,
+                         "gpu_ms": st["prefill_gpu_ms_median"], "roofline_ms": round(roof, 4),
+                         "roofline_ratio": round(roof / step, 4) if step else None})
+            print(json.dumps(rows[-1]), flush=True)
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return rows
+
+
 def best_of(runs: list[dict]) -> dict:
     """One row from repeated runs of a mode: the highest prefill and decode tok/s (the engine is host-bound, so a
     run's throughput also carries the host's jitter; the best run is the least disturbed one), every run's numbers
@@ -194,6 +284,14 @@ def main() -> None:
                    help="also profile one prefill step and a 16-token generate of the whole batch per mode "
                         "(profile_engine.txt in --out-dir)")
     p.add_argument("--out-dir", type=Path, default=None)
+    p.add_argument("--sweep", action="store_true",
+                   help="engine-core rows instead (bench_engine_core.json): decode batches x prefill step sizes x "
+                        "--core-modes")
+    p.add_argument("--decode-batches", default="1,8,64,256")
+    p.add_argument("--prefill-tokens", default="4096,16384")
+    p.add_argument("--core-modes", default="graphs+async,eager",
+                   help="comma list of graphs+async, graphs, async, eager")
+    p.add_argument("--results-name", default="bench_engine_core")
     args = p.parse_args()
     if args.quick:
         args.num_layers, args.num_experts = args.num_layers or 2, min(args.num_experts, 16)
@@ -231,6 +329,11 @@ def main() -> None:
     finally:
         if tmp is not None and not args.keep_checkpoint:
             shutil.rmtree(tmp, ignore_errors=True)
+    if args.sweep:
+        from bench.timer import write_results
+
+        write_results(args.results_name, sweep(model, args, shape_extra), args.out_dir)
+        return
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(args.repeats):  # modes interleaved: slow drifts of the host hit both alike
         for mode in modes:

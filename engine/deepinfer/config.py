@@ -38,6 +38,11 @@ class EngineConfig:
             ``gemm``): ``"auto"`` (FP8 on CUDA, dequantised elsewhere), ``"fp8"`` (FP8 weights with 128x128 block
             scales, FP8 GEMMs and the fused FP8 MoE) or ``"dequant"`` (weights dequantised to bf16 / fp32, torch
             GEMMs). A model object passed to ``LLM`` keeps its own.
+        enforce_eager: never capture or replay CUDA graphs (decode steps of the FP8 path on CUDA otherwise replay
+            a graph captured per batch-size bucket at start-up).
+        async_scheduling: schedule and enqueue step N + 1 while the device runs step N; the sampled ids stay on the
+            device and feed the next step, stops and finishes are applied one step late (the extra token of a
+            finished request is dropped). Steps of requests with frequency / presence penalties run in order.
     """
 
     block_size: int = 128
@@ -55,6 +60,8 @@ class EngineConfig:
     device: str | None = None
     seed: int | None = None
     gemm: str = "auto"
+    enforce_eager: bool = False
+    async_scheduling: bool = True
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting has the wrong type or is out of range."""
@@ -66,7 +73,7 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"EngineConfig.{name} must be an integer or None, got {v!r}")
-        for name in ("batch_invariant", "enable_image_fetch"):
+        for name in ("batch_invariant", "enable_image_fetch", "enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("gpu_memory_utilization", "cpu_cache_gib"):

@@ -68,10 +68,13 @@ class EngineStats:
     interrupted: bool = False  # KeyboardInterrupt / SIGTERM (CLI) stopped the run: unfinished requests got errors
     ttft: list[float] = field(default_factory=list)
     tpot: list[float] = field(default_factory=list)
-    # per step: (decode tokens, prefill tokens, seconds, forward enqueue seconds -- see ModelRunner.step); the
-    # medians of pure prefill / pure decode steps are robust to a few steps slowed by the host (GC, other processes),
-    # which the means above carry in full
-    steps: list[tuple[int, int, float, float]] = field(default_factory=list)
+    # per step: (decode tokens, prefill tokens, seconds, forward enqueue seconds, host seconds, GPU seconds); a
+    # step's seconds run from the previous step's result to its own (the throughput view: with asynchronous
+    # scheduling the host prepares a step while the GPU runs the one before), host seconds are the scheduling,
+    # enqueue and result handling it took, GPU seconds the CUDA-event time of its forward (0 on the CPU). The
+    # medians of pure prefill / pure decode steps are robust to a few steps slowed by the host (GC, other
+    # processes), which the means above carry in full
+    steps: list[tuple[int, int, float, float, float, float]] = field(default_factory=list)
 
     def summary(self) -> dict:
         def mean(x: list[float]) -> float:
@@ -92,11 +95,16 @@ class EngineStats:
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
             "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0,
             "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0,
-            "prefill_tok_s_median": median_rate([(p, dt) for d, p, dt, _ in self.steps if p and not d]),
-            "decode_tok_s_median": median_rate([(d, dt) for d, p, dt, _ in self.steps if d and not p]),
-            # a pure decode step's median time and the median host time until its forward was queued
-            "decode_step_ms_median": 1000 * median([dt for d, p, dt, _ in self.steps if d and not p]),
-            "decode_enqueue_ms_median": 1000 * median([eq for d, p, _, eq in self.steps if d and not p]),
+            "prefill_tok_s_median": median_rate([(p, dt) for d, p, dt, *_ in self.steps if p and not d]),
+            "decode_tok_s_median": median_rate([(d, dt) for d, p, dt, *_ in self.steps if d and not p]),
+            "prefill_step_ms_median": 1000 * median([dt for d, p, dt, *_ in self.steps if p and not d]),
+            "prefill_gpu_ms_median": 1000 * median([g for d, p, *_, g in self.steps if p and not d]),
+            # a pure decode step's median time, host time until its forward was queued, host time in all and
+            # GPU time
+            "decode_step_ms_median": 1000 * median([dt for d, p, dt, *_ in self.steps if d and not p]),
+            "decode_enqueue_ms_median": 1000 * median([eq for d, p, _, eq, *_ in self.steps if d and not p]),
+            "decode_host_ms_median": 1000 * median([h for d, p, _, _, h, _ in self.steps if d and not p]),
+            "decode_gpu_ms_median": 1000 * median([g for d, p, *_, g in self.steps if d and not p]),
             "ttft_ms": 1000 * mean(self.ttft), "tpot_ms": 1000 * mean(self.tpot),
             "steps": self.num_steps, "preemptions": self.num_preemptions, "wall_s": self.wall_time,
         }
@@ -225,7 +233,13 @@ class LLM:
         self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
         self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
-        self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant)
+        self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
+                                  enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
+                                  max_model_len=self.max_model_len)
+        self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
+                        "cuda_graphs": sorted(self.runner.graphs),
+                        "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
+                        "graph_memory_bytes": self.runner.graph_memory_bytes}
         self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []
         if isinstance(model, str) and model in PRESETS:
@@ -313,25 +327,48 @@ class LLM:
             bar = tqdm(total=len(seqs), desc=desc, unit="req", dynamic_ncols=True)
             bar.update(len(seqs) - len(live))
         generated = 0
+        runner, sched = self.runner, self.scheduler
+        prev = None  # (scheduled, StepOutput, host seconds so far) of the step in flight
+        last = time.perf_counter()
+
+        def apply(step) -> None:
+            nonlocal generated, last
+            scheduled, out, host_s = step
+            tokens, logprobs, tops, _ = out.result()
+            t = time.perf_counter()
+            finished = sched.postprocess(scheduled, tokens, logprobs, tops)
+            host_s += time.perf_counter() - t
+            dt, last = t - last, t
+            n_decode = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.needs_logits
+                           and s.start >= s.seq.num_prompt_tokens)
+            n_total = sum(s.num_new_tokens for s in scheduled)
+            stats.num_steps += 1
+            stats.steps.append((n_decode, n_total - n_decode, dt, out.host_seconds, host_s, out.gpu_seconds))
+            stats.decode_tokens += n_decode
+            stats.prefill_tokens += n_total - n_decode
+            stats.decode_time += dt * n_decode / n_total
+            stats.prefill_time += dt * (n_total - n_decode) / n_total
+            generated += len(tokens)
+            if bar is not None:
+                bar.update(len(finished))
+                el = time.perf_counter() - t_start
+                bar.set_postfix_str(f"{generated / el:.1f} tok/s", refresh=False)
+
         try:
-            while self.scheduler.has_unfinished():
-                scheduled = self.scheduler.schedule()
-                n_decode = sum(1 for s in scheduled if s.seq.num_computed_tokens == s.seq.num_tokens - 1
-                               and s.seq.num_output_tokens > 0 and s.num_new_tokens == 1)
-                n_total = sum(s.num_new_tokens for s in scheduled)
-                tokens, logprobs, tops, dt = self.runner.step(scheduled)
-                finished = self.scheduler.postprocess(scheduled, tokens, logprobs, tops)
-                stats.num_steps += 1
-                stats.steps.append((n_decode, n_total - n_decode, dt, self.runner.last_enqueue_seconds))
-                stats.decode_tokens += n_decode
-                stats.prefill_tokens += n_total - n_decode
-                stats.decode_time += dt * n_decode / n_total
-                stats.prefill_time += dt * (n_total - n_decode) / n_total
-                generated += len(tokens)
-                if bar is not None:
-                    bar.update(len(finished))
-                    el = time.perf_counter() - t_start
-                    bar.set_postfix_str(f"{generated / el:.1f} tok/s", refresh=False)
+            while sched.has_unfinished() or prev is not None:
+                # asynchronous scheduling: step N + 1 is scheduled and enqueued before step N's tokens are applied;
+                # in order when it is off, or when a running request's penalties need every token it has drawn
+                if prev is not None and (not self.config.async_scheduling or any(
+                        s.params.frequency_penalty or s.params.presence_penalty for s in sched.running)):
+                    apply(prev)
+                    prev = None
+                t = time.perf_counter()
+                scheduled = sched.schedule() if sched.has_unfinished() else []
+                host_s = time.perf_counter() - t
+                out = runner.execute(scheduled, prev[1] if prev is not None else None) if scheduled else None
+                if prev is not None:
+                    apply(prev)
+                prev = (scheduled, out, host_s + (out.host_seconds if out else 0.0)) if out is not None else None
         except KeyboardInterrupt:  # finished requests keep their results, the others end with an error record
             stats.interrupted = True
         finally:

@@ -294,15 +294,23 @@ class Sampler:
         self.batch_invariant = batch_invariant
 
     def __call__(self, logits: torch.Tensor, seqs: list) -> tuple[list[int], list[float], list[list[tuple[int, float]]]]:
+        """:meth:`sample_device`, with the tokens and log-probabilities read back to the host (synchronises)."""
+        tokens, logprobs, tops = self.sample_device(logits, seqs)
+        return tokens.tolist(), logprobs.tolist(), tops
+
+    def sample_device(self, logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Sample one token for each sequence in ``seqs`` (row i of ``logits`` belongs to ``seqs[i]``).
 
-        The draw counter of a sequence is its number of output tokens so far. Penalties and ``logit_bias`` of the
-        sequences' ``SamplingParams`` are applied first (``adjust_logits``; counts over each sequence's output tokens).
-        Returns token ids, their log-probabilities, and per row the ``params.top_logprobs`` most likely
-        ``(token_id, logprob)`` (see ``top_logprobs``; empty when not asked), both from the unmodified logits. A row
-        whose logits hold a NaN or +inf (a broken checkpoint or kernel; its log-softmax is NaN in both modes) gets
-        token ``NAN_LOGITS_TOKEN`` (-1): the scheduler ends that request with an error instead of emitting whatever
-        argmax makes of NaN.
+        The draw counter of a sequence is the index of the token being drawn: its output tokens so far plus those
+        sampled but not yet applied (``Sequence.num_pending``, asynchronous scheduling). Penalties and ``logit_bias``
+        of the sequences' ``SamplingParams`` are applied first (``adjust_logits``; counts over each sequence's
+        output tokens, so a penalised sequence must have no pending token: the engine runs such steps in order).
+        Returns token ids ``[n]`` int64 and their log-probabilities ``[n]`` float32 on the logits' device (no host
+        synchronisation), and per row the ``params.top_logprobs`` most likely ``(token_id, logprob)`` (see
+        ``top_logprobs``; empty when not asked; a host read for the rows that ask), from the unmodified logits. A
+        row whose logits hold a NaN or +inf (a broken checkpoint or kernel; its log-softmax is NaN in both modes)
+        gets token ``NAN_LOGITS_TOKEN`` (-1): the scheduler ends that request with an error instead of emitting
+        whatever argmax makes of NaN.
         """
         dev = logits.device
         raw = None
@@ -313,7 +321,8 @@ class Sampler:
         temperature, top_p = torch.tensor([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]],
                                           dtype=torch.float32, device=dev)
         top_k, seeds, counters = index_tensors([[s.params.top_k for s in seqs], [s.seed for s in seqs],
-                                                [s.num_output_tokens for s in seqs]], dev)
+                                                [s.num_output_tokens + max(s.num_pending - 1, 0) for s in seqs]],
+                                               dev)
         tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant, raw)
         raw = logits if raw is None else raw
         # a NaN logit makes the row's log-softmax NaN everywhere, so the drawn token's logprob shows it (no extra
@@ -323,7 +332,7 @@ class Sampler:
         for i, s in enumerate(seqs):
             if s.params.top_logprobs > 0:
                 tops[i] = top_logprobs(raw[i], s.params.top_logprobs)
-        return tokens.tolist(), logprobs.tolist(), tops
+        return tokens, logprobs, tops
 
 
 def _adjustments(seqs: list, device: torch.device) -> tuple[torch.Tensor, ...]:

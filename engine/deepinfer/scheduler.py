@@ -23,15 +23,16 @@ from deepinfer.config import EngineConfig
 from deepinfer.sequence import Sequence, SequenceStatus
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScheduledSeq:
-    seq: Sequence
-    num_new_tokens: int  # tokens computed this step, at positions [seq.num_computed_tokens, + num_new_tokens)
+    """One sequence's share of a step: ``num_new_tokens`` tokens at positions ``[start, start + num_new_tokens)``;
+    ``needs_logits``: the step reaches the end of its context, so the next token is sampled (it is pending on the
+    sequence until :meth:`Scheduler.postprocess` applies it)."""
 
-    @property
-    def needs_logits(self) -> bool:
-        """True when this step reaches the end of the context, so the next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+    seq: Sequence
+    num_new_tokens: int
+    start: int
+    needs_logits: bool
 
 
 class Scheduler:
@@ -90,10 +91,13 @@ class Scheduler:
 
     # ---------------------------------------------------------------- one step
     def _chunk(self, seq: Sequence, budget: int) -> int:
-        """New tokens for ``seq`` this step within ``budget`` (0: none)."""
+        """New tokens for ``seq`` this step within ``budget`` (0: none; also when its pending tokens already reach
+        ``max_tokens``: it finishes when they are applied)."""
+        if seq.num_output_tokens + seq.num_pending >= seq.params.max_tokens:
+            return 0
         n = min(seq.num_uncomputed_tokens, budget)
         end = seq.num_computed_tokens + n
-        if self.config.batch_invariant and end < seq.num_tokens:
+        if self.config.batch_invariant and end < seq.num_tokens + seq.num_pending:
             align = self.config.chunk_align
             n = (end // align) * align - seq.num_computed_tokens
         return max(n, 0)
@@ -120,13 +124,15 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING:
                 break  # seq itself was preempted: everything after it is gone too
             self.block_manager.allocate(seq, target)
-            scheduled.append(ScheduledSeq(seq, n))
+            scheduled.append(self._take(seq, n))
             budget -= n
             i += 1
 
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
+                if seq.num_pending:  # preempted with a token in flight: admitted once it is applied
+                    break
                 n = self._chunk(seq, budget)
                 if n == 0:
                     break
@@ -137,15 +143,26 @@ class Scheduler:
                 self.block_manager.allocate(seq, target)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                scheduled.append(ScheduledSeq(seq, n))
+                scheduled.append(self._take(seq, n))
                 budget -= n
 
-        if not scheduled and self.has_unfinished():
+        if not scheduled and self.has_unfinished() and not any(s.num_pending for s in self.running + list(self.waiting)):
             # Unreachable by construction (a queued request alone always fits); fail loudly instead of spinning.
             raise RuntimeError(
                 f"Scheduler made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "
                 f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free")
         return scheduled
+
+    @staticmethod
+    def _take(seq: Sequence, n: int) -> ScheduledSeq:
+        """Schedule ``n`` tokens of ``seq``: they count as computed from now on (the next step may be scheduled
+        before this one's results are applied); a step that reaches the end of the context adds a pending token."""
+        start = seq.num_computed_tokens
+        needs = start + n == seq.num_tokens + seq.num_pending
+        seq.num_computed_tokens = start + n
+        if needs:
+            seq.num_pending += 1
+        return ScheduledSeq(seq, n, start, needs)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, keep the tokens, requeue at the front."""
@@ -160,7 +177,8 @@ class Scheduler:
     # ---------------------------------------------------------------- after the model ran
     def postprocess(self, scheduled: list[ScheduledSeq], token_ids: list[int], logprobs: list[float],
                     top_logprobs: list | None = None) -> list[Sequence]:
-        """Advance the computed counts, append the sampled tokens and finish sequences.
+        """Apply a step's sampled tokens (in step order; asynchronously one step late): append them and finish
+        sequences (a sequence finished since the step was scheduled drops its token).
 
         ``token_ids``/``logprobs`` (and ``top_logprobs``) hold one entry per scheduled sequence with ``needs_logits``,
         in order.
@@ -171,13 +189,14 @@ class Scheduler:
         k = 0
         for item in scheduled:
             seq = item.seq
-            needs = item.needs_logits
-            seq.num_computed_tokens += item.num_new_tokens
-            if not needs:
+            if not item.needs_logits:
                 continue
             token, logprob = token_ids[k], logprobs[k]
             top = top_logprobs[k] if top_logprobs is not None else []
             k += 1
+            seq.num_pending -= 1
+            if seq.is_finished:  # it ended while this step ran (asynchronous scheduling): its token is dropped
+                continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if token < 0:  # the sampler's mark for NaN logits: the request fails, the others go on
@@ -218,7 +237,10 @@ class Scheduler:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         seq.finish_time = now
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:  # preempted while its last token was in flight
+            self.waiting.remove(seq)
         self.block_manager.free(seq)
 
     def abort(self, seq: Sequence, error: dict | None = None) -> None:

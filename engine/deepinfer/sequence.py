@@ -147,6 +147,9 @@ class Sequence:
     stop_token_id: int | None = None  # the EOS / stop id that ended it (not appended)
     error: dict | None = None
     num_preemptions: int = 0
+    # tokens sampled by scheduled steps whose results are not applied yet (0 or 1; 2 while an asynchronous step
+    # runs behind one in flight): positions [num_tokens, num_tokens + num_pending) are in the model's hands
+    num_pending: int = 0
     on_token: Callable[["Sequence", int], bool] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
@@ -168,7 +171,8 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Context positions not yet scheduled (pending tokens included: their ids come from the device)."""
+        return self.num_tokens + self.num_pending - self.num_computed_tokens
 
     def token_at(self, start: int, end: int) -> list[int]:
         """Context tokens at positions ``[start, end)`` (prompt then output)."""

@@ -28,7 +28,8 @@ def test_build_forward_batch_mixed_prefill_and_decode():
     chunk = Sequence(0, list(range(10, 20)), p, 0, block_table=[4, 9])
     done = Sequence(1, [5, 6, 7], p, 0, num_computed_tokens=1, block_table=[2])
     dec = Sequence(2, [8, 9], p, 0, output_token_ids=[42], num_computed_tokens=2, block_table=[7, 1, 3])
-    fb = build_forward_batch([ScheduledSeq(chunk, 4), ScheduledSeq(done, 2), ScheduledSeq(dec, 1)], "cpu", True)
+    fb = build_forward_batch([ScheduledSeq(chunk, 4, 0, False), ScheduledSeq(done, 2, 1, True),
+                              ScheduledSeq(dec, 1, 2, True)], "cpu", True)
     assert fb.input_ids.tolist() == [10, 11, 12, 13, 6, 7, 42]
     assert fb.positions.tolist() == [0, 1, 2, 3, 1, 2, 2]
     assert fb.query_lens == [4, 2, 1] and fb.context_lens == [4, 3, 3]

@@ -57,19 +57,18 @@ class Compressor(nn.Module):
         ``w - 1`` (``-inf`` gates where there is none: weight 0) followed by the ``Cb`` half of its own. Pooling:
         the softmax over the slots of the float32 ``gate + ape`` and the gated sum
         (:func:`deepinfer_ops.compressor_pool`: each window on its own in slot order, float32), then the RMS norm."""
-        m, hd = self.ratio, self.head_dim
+        hd = self.head_dim
         ape = self.ape.float()
         cur_kv = all_kv[cp.cur]  # [n, m, coff * hd]
         cur_gate = all_gate[cp.cur].float() + ape
         if self.overlap:
-            ok = cp.prev_ok.view(-1, 1, 1)
+            ok = cp.prev_ok.view(-1, 1, 1) != 0
             prev_kv = torch.where(ok, all_kv[cp.prev][..., :hd], 0)
             prev_gate = torch.where(ok, (all_gate[cp.prev].float() + ape)[..., :hd], float("-inf"))
             slot_kv = torch.cat([prev_kv, cur_kv[..., hd:]], dim=1)
             slot_gate = torch.cat([prev_gate, cur_gate[..., hd:]], dim=1)
         else:
             slot_kv, slot_gate = cur_kv, cur_gate
-        del m
         return self.norm(deepinfer_ops.compressor_pool(slot_kv.contiguous(), slot_gate.contiguous()))
 
 

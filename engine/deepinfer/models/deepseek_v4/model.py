@@ -226,6 +226,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             ValueError naming the ForwardBatch field at fault (shapes, positions, block ids), when given one.
         """
         plan = self._plan(batch, cache)
+        if not plan.derived:  # graph mode: the captured forward derives the index lists
+            plan.finalize(self.config)
         cfg = self.config
         dev = self.embed.weight.device
         self._ties = []
@@ -263,6 +265,8 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"hidden_streams: expected {(T, cfg.hc_mult, cfg.hidden_size)}, "
                              f"got {tuple(hidden_streams.shape)}")
         plan = self._plan(batch, cache)
+        if not plan.derived:
+            plan.finalize(cfg)
         self._ties = []
         if T == 0:
             logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=hidden_streams.device)

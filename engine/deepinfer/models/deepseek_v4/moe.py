@@ -123,14 +123,14 @@ class MoE(nn.Module):
 
         Args:
             num_tokens: rows past it are padding, never dispatched (batch-invariant ``dequant`` padding).
-            row_valid: ``[num_rows]`` bool, graph-mode padding rows (False) are dispatched to no expert.
+            row_valid: ``[num_rows]`` int64, graph-mode padding rows (0) are dispatched to no expert.
         """
         cfg = self.cfg
         weights, indices = self.route(x, input_ids, rows)
         if num_tokens is not None and num_tokens < indices.shape[0]:
             weights, indices = weights[:num_tokens], indices[:num_tokens]
         if row_valid is not None:
-            indices = torch.where(row_valid.view(-1, 1), indices, -1)
+            indices = torch.where(row_valid.view(-1, 1) != 0, indices, -1)
         limit = cfg.swiglu_limit
         if self.is_fp8:
             n = indices.shape[0]

@@ -92,7 +92,7 @@ class StepPlan:
         token_slots: ``[num_rows]`` int64 window-KV slot of each token (``-1`` on padding rows).
         tok_bt: ``[num_rows, max_blocks]`` int64 block table of each token's sequence (``-1`` pads).
         logits_indices: ``[num_logit_rows]`` int64.
-        row_valid: ``[num_rows]`` bool (graph mode) or None (every row up to ``num_tokens`` is real).
+        row_valid: ``[num_rows]`` int64, 1 for real rows (graph mode) or None (every row up to ``num_tokens`` is real).
         comp: ``{ratio: CompressorPlan}``.
         n_ent: ``{ratio: entries}`` the width of the compressed-entry lists (``max_len // ratio``).
         Derived once per step by :meth:`finalize` (device work): ``win_idx [num_rows, W]`` int32 (the last ``W``
@@ -289,12 +289,12 @@ class PlanBuilder:
         for m, overlap, n_close in meta:
             g = lambda name: views.get(f"{name}{m}")  # noqa: E731
             comp[m] = CompressorPlan(m, overlap, 2 * m if overlap else m, g("ring_src"), g("cur"), g("prev"),
-                                     g("prev_ok").bool() if overlap else None, g("w_pos"), g("dst"), g("st_src"),
+                                     g("prev_ok"), g("w_pos"), g("dst"), g("st_src"),
                                      g("st_dst"), n_close)
         n_ent = {m: max_len // m for m, _ in self.ratios}
         plan = StepPlan(T, rows, len(logits_indices), max_len, B, batch_invariant, ids_t, views["positions"],
                         views["token_slots"], views["tok_bt"], views["logits_indices"],
-                        views["row_valid"].bool() if capacity is not None else None, comp, n_ent,
+                        views.get("row_valid"), comp, n_ent,
                         graph=capacity is not None)
         return plan.finalize(self.config) if finalize else plan
 

@@ -1,0 +1,149 @@
+"""The engine core: the step plan's device-only forward, asynchronous scheduling and CUDA-graph decode.
+
+* The forward from a built plan reads nothing back to the host: every host read of a tensor (``item``, ``tolist``,
+  ``cpu``, ``numpy``, ``bool`` / ``int`` / ``float``) raises inside it (the CPU guard); on CUDA the same forward runs
+  under ``torch.cuda.set_sync_debug_mode("error")``.
+* Greedy outputs are token-identical with asynchronous scheduling and CUDA graphs on and off, with EOS stops,
+  ``max_tokens`` ends and preemption under block exhaustion; batch-invariant mode keeps alone == batched bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, SeqStep
+
+
+@contextlib.contextmanager
+def no_host_reads():
+    """Every way of reading a tensor's values on the host raises inside the block."""
+    names = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+    saved = {n: getattr(torch.Tensor, n) for n in names}
+
+    def trap(name):
+        def f(self, *a, **k):
+            raise AssertionError(f"host read in the forward: Tensor.{name}")
+        return f
+
+    for n in names:
+        setattr(torch.Tensor, n, trap(n))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(torch.Tensor, n, f)
+
+
+def _plan_steps(model, device):
+    """A prefill of two prompts (one crossing a block end), then a mixed step, then two decode steps."""
+    cache = model.allocate_cache(8, device)
+    b = model.plan_builder(cache)
+    rng = random.Random(0)
+    ids = lambda n: [rng.randrange(3, 1000) for _ in range(n)]  # noqa: E731
+    steps = [([SeqStep(0, 130, (0, 1)), SeqStep(0, 9, (2,))], ids(139), [129, 138]),
+             ([SeqStep(130, 1, (0, 1)), SeqStep(9, 120, (2, 3))], ids(121), [0, 120]),
+             ([SeqStep(131, 1, (0, 1)), SeqStep(129, 1, (2, 3))], ids(2), [0, 1]),
+             ([SeqStep(132, 1, (0, 1)), SeqStep(130, 1, (2, 3))], ids(2), [0, 1])]
+    return cache, [b.build(seqs, i, rows) for seqs, i, rows in steps]
+
+
+@pytest.mark.parametrize("gemm", ["fp8", "dequant"])
+def test_forward_from_a_plan_reads_nothing_on_the_host(gemm):
+    """The FP8 path does device work only. The dequantised path's expert loop is data-dependent: it is the one
+    place that reads the routing back (documented in MoE.forward), so it is expected to trip the guard there."""
+    model = DeepseekV4ForCausalLM.from_checkpoint(gemm=gemm).eval()
+    cache, plans = _plan_steps(model, "cpu")
+    for plan in plans:
+        if gemm == "fp8":
+            with no_host_reads():
+                logits = model.forward(plan, cache)
+        else:
+            with pytest.raises(AssertionError, match="host read"), no_host_reads():
+                model.forward(plan, cache)
+            logits = model.forward(plan, cache)
+        assert torch.isfinite(logits).all()
+
+
+def _greedy(llm, prompts, max_tokens):
+    return [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))]
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_async_scheduling_gives_the_same_tokens(batch_invariant):
+    """Async on vs off, with max_tokens ends of different lengths and preemption under block exhaustion (a small
+    cache): the same tokens and finish reasons; in batch-invariant mode the same logprobs bitwise too (otherwise
+    they may differ in the last bits, since finished requests leave the batch one step later)."""
+    rng = random.Random(3)
+    # prompts just below a block end: decode steps need new blocks, which a 9-block cache cannot give all at once
+    prompts = [[rng.randrange(3, 120000) for _ in range(rng.randrange(118, 128))] for _ in range(12)]
+    out = {}
+    for async_ in (False, True):
+        llm = LLM("tiny", async_scheduling=async_, num_blocks=9, max_num_seqs=8, batch_invariant=batch_invariant)
+        params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=False) for m in (3, 9, 17, 30) * 3]
+        gens = llm.generate(prompts, params)
+        out[async_] = [(g.token_ids, g.finish_reason, g.logprobs if batch_invariant else None) for g in gens]
+        if async_:
+            assert llm.last_stats.num_preemptions > 0  # the small cache forced preemption
+    assert out[True] == out[False]
+
+
+def test_async_scheduling_applies_stops_one_step_late_without_an_extra_token():
+    """A stop token id ends a request; the step already in flight for it adds nothing."""
+    llm = LLM("tiny", async_scheduling=False)
+    free = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12))[0].token_ids
+    stop = free[4]
+    for async_ in (False, True):
+        llm = LLM("tiny", async_scheduling=async_)
+        g = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(stop,)))[0]
+        assert g.token_ids == free[:free.index(stop)] and g.finish_reason == "stop" and g.stop_token_id == stop
+
+
+def test_batch_invariant_alone_equals_batched_with_async():
+    llm = LLM("tiny", batch_invariant=True, async_scheduling=True)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 120000) for _ in range(n)] for n in (7, 140, 33)]
+    sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    batched = llm.generate(prompts, sp)
+    for p, b in zip(prompts, batched):
+        alone = llm.generate([p], sp)[0]
+        assert alone.token_ids == b.token_ids and alone.logprobs == b.logprobs
+
+
+@pytest.mark.cuda
+def test_cuda_forward_from_a_plan_never_synchronises():
+    model = DeepseekV4ForCausalLM.from_checkpoint(dtype=torch.bfloat16, device="cuda").eval()  # auto -> fp8
+    cache, plans = _plan_steps(model, "cuda")
+    torch.cuda.synchronize()
+    for plan in plans:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = model.forward(plan, cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert torch.isfinite(logits).all()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_cuda_graphs_and_async_give_the_same_greedy_tokens(batch_invariant):
+    """Graphs + async vs eager + in order on the GPU. With the mode off every request runs to the same length, so
+    each decode step has 8 sequences, a bucket size (padding rows would change the torch GEMMs' M); in
+    batch-invariant mode lengths differ (bucket padding) and the logprobs must match bitwise too."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 120000) for _ in range(rng.randrange(1, 300))] for _ in range(8)]
+    lens = (24,) * 8 if not batch_invariant else (5, 24, 9, 17, 24, 3, 11, 20)
+    out = {}
+    for graphs in (False, True):
+        llm = LLM("tiny", device="cuda", enforce_eager=not graphs, async_scheduling=graphs, max_num_seqs=8,
+                  batch_invariant=batch_invariant)
+        assert bool(llm.runner.graphs) == graphs
+        gens = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens])
+        out[graphs] = [(g.token_ids, g.logprobs if batch_invariant else None) for g in gens]
+        if graphs:
+            assert llm.startup["graph_capture_s"] > 0 and llm.startup["cuda_graphs"] == [1, 2, 4, 8]
+    assert out[True] == out[False]
