@@ -55,15 +55,74 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
 
+class HostStager:
+    """Host-to-device copies that never wait for the device: values are written into one of ``RING`` pinned int64
+    buffers (in turn; a buffer is rewritten only once its last copy is done, ``RING`` uploads later: a few steps
+    of the engine, so the host never waits on the step in flight) and copied with ``non_blocking=True``. A pageable source would make torch synchronise the stream after the copy, so every
+    per-step upload of the engine goes through here. On the CPU the host buffer is the result."""
+
+    RING = 16
+
+    def __init__(self) -> None:
+        self._bufs: list = [None] * self.RING
+        self._turn = 0
+
+    def upload(self, arrays: list, device: torch.device | str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``arrays`` (numpy int64 / float32-as-int64-bits arrays or int lists) concatenated into one int64 device
+        tensor (``out`` when given: it must have exactly that many entries)."""
+        import numpy as np
+
+        device = torch.device(device)
+        n = sum(len(a) if isinstance(a, list) else a.size for a in arrays)
+        if out is not None and out.numel() != n:
+            raise ValueError(f"out: {n} int64 entries to upload, the buffer has {out.numel()}")
+        if device.type != "cuda":
+            host = torch.empty(n, dtype=torch.int64)
+        else:
+            k = self._turn = (self._turn + 1) % self.RING
+            if self._bufs[k] is None or self._bufs[k][0].numel() < n:
+                self._bufs[k] = (torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            host, done = self._bufs[k]
+            done.synchronize()
+        flat = host.numpy()
+        at = 0
+        for a in arrays:
+            m = len(a) if isinstance(a, list) else a.size
+            flat[at:at + m] = np.asarray(a, dtype=np.int64).reshape(-1) if m else 0
+            at += m
+        if device.type != "cuda":
+            if out is None:
+                return host
+            out.copy_(host)
+            return out
+        dev = out if out is not None else torch.empty(n, dtype=torch.int64, device=device)
+        dev.copy_(host[:n], non_blocking=True)
+        self._bufs[k][1].record()
+        return dev
+
+
+_STAGER = HostStager()
+
+
 def index_tensors(lists: list[list[int]], device: torch.device | str,
                   dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
-    """Host index lists as 1-D ``dtype`` tensors on ``device``, all from ONE host-to-device copy (consecutive views
-    of one buffer, each contiguous): every ``torch.tensor(list, device="cuda")`` is a copy of its own, 10-20 us of
-    host time each, and the per-step metadata of a decode step is host-bound."""
-    flat = [v for values in lists for v in values]
-    buf = torch.tensor(flat, dtype=dtype, device=device)
+    """Host index lists as 1-D ``dtype`` tensors on ``device``, all from ONE host-to-device copy that does not wait
+    for the device (consecutive views of one buffer, each contiguous; see :class:`HostStager`): every
+    ``torch.tensor(list, device="cuda")`` is a copy of its own, 10-20 us of host time each, and a synchronisation."""
+    buf = _STAGER.upload(lists, device)
+    if dtype != torch.int64:
+        buf = buf.to(dtype)
     out, at = [], 0
     for values in lists:
         out.append(buf[at:at + len(values)])
         at += len(values)
     return out
+
+
+def float_tensors(lists: list[list[float]], device: torch.device | str) -> list[torch.Tensor]:
+    """Host float lists as 1-D float32 tensors on ``device`` through :func:`index_tensors` (the float32 bits
+    travel as int64 and are reinterpreted on the device)."""
+    import numpy as np
+
+    bits = [np.asarray(v, dtype=np.float32).view(np.int32).astype(np.int64).tolist() for v in lists]
+    return [t.to(torch.int32).view(torch.float32) for t in index_tensors(bits, device)]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 import deepinfer_ops
-from deepinfer.forward_batch import index_tensors
+from deepinfer.forward_batch import float_tensors, index_tensors
 
 
 _MASK64 = (1 << 64) - 1
@@ -317,9 +317,8 @@ class Sampler:
         if any(s.params.adjusts_logits for s in seqs):
             raw = logits
             logits = adjust_logits(logits, *_adjustments(seqs, dev))
-        # two host-to-device copies (float and integer parameters) instead of five
-        temperature, top_p = torch.tensor([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]],
-                                          dtype=torch.float32, device=dev)
+        # two host-to-device copies (float and integer parameters) instead of five, neither waiting for the device
+        temperature, top_p = float_tensors([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]], dev)
         top_k, seeds, counters = index_tensors([[s.params.top_k for s in seqs], [s.seed for s in seqs],
                                                 [s.num_output_tokens + max(s.num_pending - 1, 0) for s in seqs]],
                                                dev)
@@ -359,10 +358,5 @@ def _adjustments(seqs: list, device: torch.device) -> tuple[torch.Tensor, ...]:
             freq.append(float(p.frequency_penalty))
             bias.append(float(lb.get(t, 0.0)))
 
-    def f32(x: list[float]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.float32, device=device)
-
-    def i64(x: list[int]) -> torch.Tensor:
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
-    return i64(rows), i64(toks), f32(counts), f32(pres), f32(freq), f32(bias)
+    r, t = index_tensors([rows, toks], device)
+    return (r, t, *float_tensors([counts, pres, freq, bias], device))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from deepinfer.forward_batch import ForwardBatch
+from deepinfer.forward_batch import ForwardBatch, HostStager
 
 from .config import CSA, HCA, DeepseekV4Config
 
@@ -178,7 +178,7 @@ class PlanBuilder:
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.device = torch.device(device)
-        self.pin = self.device.type == "cuda"
+        self._stager = HostStager()
         kinds = {config.layer_type_of_ratio(r) for r in tuple(config.compress_ratios) + tuple(config.mtp_compress_ratios)}
         self.ratios: list[tuple[int, bool]] = []  # (m, overlap) per compressed layer kind present
         if CSA in kinds:
@@ -299,33 +299,9 @@ class PlanBuilder:
         return plan.finalize(self.config) if finalize else plan
 
     def _upload(self, chunks: dict[str, np.ndarray], out: torch.Tensor | None) -> dict[str, torch.Tensor]:
-        """Pack ``chunks`` into one host buffer (pinned on CUDA, two alternating ones so that filling the next never
-        races the copy of the last) and copy it to the device in one transfer; returns device views by name."""
-        n = sum(a.size for a in chunks.values())
-        if self.pin:
-            k = self._turn = 1 - getattr(self, "_turn", 0)
-            bufs = getattr(self, "_pinned", [None, None])
-            self._pinned = bufs
-            if bufs[k] is None or bufs[k][0].numel() < n:
-                bufs[k] = (torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-            host, done = bufs[k]
-            done.synchronize()
-        else:
-            host = torch.empty(n, dtype=torch.int64)
-        flat = host.numpy()
-        at = 0
-        for a in chunks.values():
-            flat[at:at + a.size] = a.reshape(-1)
-            at += a.size
-        if out is not None and out.numel() != n:
-            raise ValueError(f"out: the plan needs {n} int64 entries, the buffer has {out.numel()}")
-        dev = out if out is not None else torch.empty(n, dtype=torch.int64, device=self.device)
-        if self.device.type == "cpu" and out is None:
-            dev = host[:n]
-        else:
-            dev.copy_(host[:n], non_blocking=True)
-        if self.pin:
-            bufs[k][1].record()
+        """``chunks`` in one host-to-device copy that does not wait for the device (:class:`HostStager`); returns
+        device views by name."""
+        dev = self._stager.upload(list(chunks.values()), self.device, out)
         views, at = {}, 0
         for name, a in chunks.items():
             views[name] = dev[at:at + a.size].view(a.shape)
