@@ -94,7 +94,7 @@ def run_mode(model, batch_invariant: bool, args, shape_extra: dict, profile: boo
     return row
 
 
-def profile_mode(llm, prompts, batch_invariant: bool, args) -> None:
+def profile_mode(llm, prompts, batch_invariant: bool, args, tag: str = "") -> None:
     """torch.profiler over one prefill step of ``max_num_batched_tokens`` tokens, then over the whole batch with 16
     output tokens (its prefill steps, then 16 decode steps at the full context); per phase the op tables sorted by
     CUDA time and by CPU time go to ``<out-dir>/profile_engine.txt`` (appended per mode)."""
@@ -114,7 +114,7 @@ def profile_mode(llm, prompts, batch_invariant: bool, args) -> None:
         stats = llm.last_stats.summary()
         avg = prof.key_averages()
         with open(out, "a") as f:
-            f.write(f"\n==== batch_invariant={batch_invariant} {phase}: {len(ps)} requests x {len(ps[0])} tokens, "
+            f.write(f"\n==== {tag} batch_invariant={batch_invariant} {phase}: {len(ps)} requests x {len(ps[0])} tokens, "
                     f"max_tokens={sp.max_tokens}; {json.dumps(stats)}\n")
             for key in ("cuda_time_total", "self_cpu_time_total"):
                 f.write(f"-- sorted by {key}\n{avg.table(sort_by=key, row_limit=30, max_name_column_width=90)}\n")
@@ -178,6 +178,8 @@ def sweep(model, args, shape_extra: dict) -> list[dict]:
         rng = random.Random(0)
         pool = [[rng.randrange(3, llm.vocab_size) for _ in range(args.prompt_len)] for _ in range(max(batches))]
         llm.generate(pool[:2], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+        if args.profile:
+            profile_mode(llm, pool[:min(64, len(pool))], False, args, tag=mode)
         common = {**shape_extra, "prompt_len": args.prompt_len, "cuda_graphs": graphs, "async_scheduling": async_,
                   "graph_capture_s": llm.startup["graph_capture_s"],
                   "graph_memory_gib": round(llm.startup["graph_memory_bytes"] / 2**30, 3)}

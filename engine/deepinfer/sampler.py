@@ -187,29 +187,44 @@ def adjust_logits(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Ten
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
+def row_kinds(temperature: list[float], top_k: list[int], top_p: list[float], vocab: int) -> tuple[list, list]:
+    """Host split of the rows (from the request parameters): (rows drawn without filtering, rows filtered by top-k /
+    top-p); the others are greedy. Lets the sampler skip the device-side split, which reads back to the host."""
+    plain, filtered = [], []
+    for i, (t, k, p) in enumerate(zip(temperature, top_k, top_p)):
+        if t >= MIN_SAMPLING_TEMPERATURE:
+            (filtered if 0 < k < vocab or p < 1.0 else plain).append(i)
+    return plain, filtered
+
+
 def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                  seeds: torch.Tensor, counters: torch.Tensor, raw_logits: torch.Tensor | None = None,
-                 batch_invariant: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                 batch_invariant: bool = False, kinds: tuple[list, list] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     vocab = logits.shape[-1]
     sampled = torch.argmax(logits, dim=-1)  # greedy rows keep this
-    do_sample = temperature >= MIN_SAMPLING_TEMPERATURE
-    if bool(do_sample.any()):
+    if kinds is None:  # split on the device (reads the masks back)
+        do_sample = temperature >= MIN_SAMPLING_TEMPERATURE
         k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
         filtered = do_sample & ((k < vocab) | (top_p < 1.0))
         plain = do_sample & ~filtered
+        kinds = (plain.nonzero().squeeze(1).tolist(), filtered.nonzero().squeeze(1).tolist())
+    plain_rows, filtered_rows = kinds
+    if plain_rows or filtered_rows:
+        k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
+        do_sample = temperature >= MIN_SAMPLING_TEMPERATURE
         temp = torch.where(do_sample, temperature, torch.ones_like(temperature))
-        if bool(plain.any()):
-            rows = plain.nonzero().squeeze(1)
+        if plain_rows:
+            rows, = index_tensors([plain_rows], logits.device)
             score = logits[rows] / temp[rows, None] + gumbel_noise(seeds[rows], counters[rows], vocab)
             sampled[rows] = torch.argmax(score, dim=-1)
-        if bool(filtered.any()):
-            rows = filtered.nonzero().squeeze(1)
+        if filtered_rows:
+            rows, = index_tensors([filtered_rows], logits.device)
             scaled = logits[rows] / temp[rows, None]
             if batch_invariant:  # sort / cumsum / logsumexp see one row at a time (see ``sample``)
                 sampled[rows] = torch.cat([
                     _draw_filtered(scaled[i:i + 1], k[r:r + 1], top_p[r:r + 1], seeds[r:r + 1], counters[r:r + 1])
-                    for i, r in enumerate(rows.tolist())])
+                    for i, r in enumerate(filtered_rows)])
             else:
                 sampled[rows] = _draw_filtered(scaled, k[rows], top_p[rows], seeds[rows], counters[rows])
     raw = (logits if raw_logits is None else raw_logits).float()
@@ -226,7 +241,7 @@ def _log_softmax_normaliser(raw: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
            seeds: torch.Tensor, counters: torch.Tensor, batch_invariant: bool = False,
-           raw_logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           raw_logits: torch.Tensor | None = None, kinds: tuple[list, list] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick one token per row.
 
     Args:
@@ -248,6 +263,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
             by top-k / top-p (sort, cumsum, logsumexp) are drawn one row per call.
         raw_logits: ``[n, V]``, the unmodified logits when ``logits`` holds penalised/biased ones
             (``adjust_logits``); the reported log-probabilities are computed from them. Default: ``logits``.
+        kinds: :func:`row_kinds` of the same parameters, computed on the host (no host read-back); default: split
+            on the device.
 
     Returns:
         ``(token_ids [n] int64, logprobs [n] float32)`` where ``logprobs`` is the log-probability of the chosen
@@ -269,7 +286,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                          f"{tuple(raw_logits.shape)}")
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device), torch.empty(0, device=logits.device)
-    return _sample_rows(logits, temperature, top_k, top_p, seeds, counters, raw_logits, batch_invariant)
+    return _sample_rows(logits, temperature, top_k, top_p, seeds, counters, raw_logits, batch_invariant, kinds)
 
 
 def top_logprobs(logits_row: torch.Tensor, n: int) -> list[tuple[int, float]]:
@@ -318,11 +335,15 @@ class Sampler:
             raw = logits
             logits = adjust_logits(logits, *_adjustments(seqs, dev))
         # two host-to-device copies (float and integer parameters) instead of five, neither waiting for the device
-        temperature, top_p = float_tensors([[s.params.temperature for s in seqs], [s.params.top_p for s in seqs]], dev)
-        top_k, seeds, counters = index_tensors([[s.params.top_k for s in seqs], [s.seed for s in seqs],
+        temps, top_ps, top_ks = ([s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
+                                 [s.params.top_k for s in seqs])
+        temperature, top_p = float_tensors([temps, top_ps], dev)
+        top_k, seeds, counters = index_tensors([top_ks, [s.seed for s in seqs],
                                                 [s.num_output_tokens + max(s.num_pending - 1, 0) for s in seqs]],
                                                dev)
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant, raw)
+        kinds = row_kinds(temps, top_ks, top_ps, logits.shape[-1])
+        tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant, raw,
+                                  kinds)
         raw = logits if raw is None else raw
         # a NaN logit makes the row's log-softmax NaN everywhere, so the drawn token's logprob shows it (no extra
         # pass over the vocabulary)

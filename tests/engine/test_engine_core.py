@@ -148,3 +148,20 @@ def test_cuda_graphs_and_async_give_the_same_greedy_tokens(batch_invariant):
         if graphs:
             assert llm.startup["graph_capture_s"] > 0 and llm.startup["cuda_graphs"] == [1, 2, 4, 8]
     assert out[True] == out[False]
+
+
+@pytest.mark.cuda
+def test_cuda_sampler_never_synchronises_for_greedy_and_plain_draws():
+    from deepinfer.sampler import Sampler
+    from deepinfer.sequence import Sequence
+
+    logits = torch.randn(3, 1000, device="cuda")
+    seqs = [Sequence(i, [1, 2], SamplingParams(temperature=t, max_tokens=4), seed=i) for i, t in enumerate((0, 1, 0.7))]
+    Sampler().sample_device(logits, seqs)  # warm-up (pinned staging buffers)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens, logprobs, _ = Sampler().sample_device(logits, seqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert tokens[0].item() == int(logits[0].argmax()) and torch.isfinite(logprobs).all()
