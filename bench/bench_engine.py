@@ -194,6 +194,8 @@ def sweep(model, args, shape_extra: dict) -> list[dict]:
                          "enqueue_ms": st["decode_enqueue_ms_median"], "gpu_ms": st["decode_gpu_ms_median"],
                          "roofline_ms": round(roof, 4), "roofline_ratio": round(roof / step, 4) if step else None})
             print(json.dumps(rows[-1]), flush=True)
+        if args.profile and llm.runner.graphs:
+            profile_replays(llm, max(b for b in llm.runner.graphs if b <= max(batches)), args, mode)
         for t in prefills:
             n = max(1, t // args.prompt_len)
             ps = [[rng.randrange(3, llm.vocab_size) for _ in range(args.prompt_len)] for _ in range(n)]
@@ -211,6 +213,25 @@ def sweep(model, args, shape_extra: dict) -> list[dict]:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+def profile_replays(llm, bucket: int, args, tag: str) -> None:
+    """Kernel table of 10 replays of the captured decode graph of ``bucket`` sequences (its plan as the last decode
+    step left it), appended to ``<out-dir>/profile_engine.txt``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    g = llm.runner.graphs[bucket]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(10):
+            g.graph.replay()
+        torch.cuda.synchronize()
+    avg = prof.key_averages()
+    kernels = sum(e.count for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
+    out = (args.out_dir or ROOT / "bench" / "results") / "profile_engine.txt"
+    with open(out, "a") as f:
+        f.write(f"\n==== {tag}: 10 replays of the decode graph of {bucket} sequences; {kernels / 10:.0f} kernels "
+                f"per replay\n{avg.table(sort_by='cuda_time_total', row_limit=40, max_name_column_width=90)}\n")
 
 
 def best_of(runs: list[dict]) -> dict:

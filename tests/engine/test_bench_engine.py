@@ -94,7 +94,7 @@ def test_sweep_rows_and_rooflines():
     mod = _bench_module()
     model = DeepseekV4ForCausalLM.from_checkpoint().eval()
     args = argparse.Namespace(prompt_len=16, max_tokens=3, max_num_batched_tokens=64, device="cpu",
-                              decode_batches="1,2", prefill_tokens="32", core_modes="async,eager")
+                              decode_batches="1,2", prefill_tokens="32", core_modes="async,eager", profile=False)
     rows = mod.sweep(model, args, {"checkpoint": "tiny"})
     assert [(r["op"], r["shape"]["async_scheduling"]) for r in rows] == [
         ("engine_decode", True), ("engine_decode", True), ("engine_prefill", True),

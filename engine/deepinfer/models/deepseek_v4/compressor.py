@@ -106,7 +106,11 @@ class Indexer(nn.Module):
             r1 = min(T, r0 + self.QUERY_CHUNK)
             sc = deepinfer_ops.mqa_logits(iq[r0:r1], iw[r0:r1].contiguous(), ikeys, n_ent,
                                           block_table=bt32[r0:r1].contiguous(), k_end=k_end[r0:r1].contiguous())
-            visible = torch.arange(n_ent, device=dev).view(1, -1) < n_vis[r0:r1].view(-1, 1)
+            w = torch.arange(n_ent, device=dev).view(1, -1)
+            visible = w < n_vis[r0:r1].view(-1, 1)
+            if n_ent <= self.topk:  # every visible entry with a finite score is selected: no ranking needed
+                ent[r0:r1, :n_ent] = torch.where(visible & torch.isfinite(sc), w, n_ent)
+                continue
             ids, t = indexer_topk(sc, visible, self.topk)
             ties.append(t)
             ent[r0:r1, :ids.shape[1]] = torch.where(ids >= 0, ids, n_ent)

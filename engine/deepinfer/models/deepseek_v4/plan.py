@@ -377,43 +377,44 @@ class PlanBuilder:
             if capacity is not None:
                 ring_src.extend([0] * (base + ring_rows_cap - len(ring_src)))
 
-            def row(p: int, i=i, s0=s0, base=base, c0=c0) -> tuple[bool, int]:
-                # (is new token, row): ring rows are absolute, new rows relative to the new-token block
-                return (True, starts[i] + p - c0) if p >= c0 else (False, base + p - s0)
+            def row(p: int, i=i, s0=s0, base=base, c0=c0) -> int:
+                # ring rows as they are, new-token rows r as -(r + 1) (they follow every ring row, fixed up below)
+                return -(starts[i] + p - c0) - 1 if p >= c0 else base + p - s0
 
             for w in range(first_w, end_w):
-                cur.extend(row(p) for p in range(w * m, w * m + m))  # type: ignore[arg-type]
+                cur.extend(row(p) for p in range(w * m, w * m + m))
                 if overlap:
                     if w >= 1:
-                        prev.extend(row(p) for p in range((w - 1) * m, w * m))  # type: ignore[arg-type]
+                        prev.extend(row(p) for p in range((w - 1) * m, w * m))
                         prev_ok.append(1)
                     else:
-                        prev.extend([(False, 0)] * m)  # type: ignore[list-item]
+                        prev.extend([0] * m)
                         prev_ok.append(0)
                 w_pos.append(w * m)
                 dst.append(bids[(w * m) // B] * per_block + w % per_block)
             for E, st in zip(ends, starts_w):
                 blk = bids[(E - 1) // B]
                 for p in range(st, E):
-                    st_src.append(row(p))  # type: ignore[arg-type]
+                    st_src.append(row(p))
                     st_dst.append(blk * R + p % R)
         if capacity is not None:
             n = capacity.num_seqs
             ring_src.extend([0] * (n * ring_rows_cap - len(ring_src)))
             k = n - len(w_pos)
-            cur.extend([(False, 0)] * (k * m))
+            cur.extend([0] * (k * m))
             if overlap:
-                prev.extend([(False, 0)] * (k * m))
+                prev.extend([0] * (k * m))
                 prev_ok.extend([0] * k)
             w_pos.extend([0] * k)
             dst.extend([-1] * k)
             k = n * R - len(st_dst)
-            st_src.extend([(False, 0)] * k)
+            st_src.extend([0] * k)
             st_dst.extend([-1] * k)
         n_ring = len(ring_src)
 
         def rows(entries) -> np.ndarray:
-            return np.array([n_ring + r if new else r for new, r in entries], dtype=np.int64)
+            a = np.array(entries, dtype=np.int64)
+            return np.where(a < 0, n_ring - 1 - a, a)
 
         out = {"ring_src": np.array(ring_src, dtype=np.int64), "cur": rows(cur).reshape(-1, m),
                "w_pos": np.array(w_pos, dtype=np.int64), "dst": np.array(dst, dtype=np.int64),
