@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import shutil
 import struct
 import tempfile
@@ -53,7 +54,7 @@ PRESETS = ("tiny", "v4-flash-shapes")
 TINY_FORMAT_VERSION = 1
 DEFAULT_SHARD_SIZE = 4 * 1024**3
 _PROGRESS_MIN_BYTES = 512 * 1024**2
-_MAX_HEADER = 100 * 1024**2
+_MAX_HEADER = 100 * 1024**2  # also the largest JSON file read (config.json, the index)
 
 # safetensors dtype string -> (torch dtype or None when this torch lacks it, bytes per element; F4 is half a byte)
 _ST_DTYPES: dict[str, tuple[torch.dtype | None, float]] = {
@@ -151,26 +152,21 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
             raw = f.read(n)
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read shard ({e})") from e
-    try:
-        header = json.loads(raw.decode("utf-8").rstrip(" "))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: corrupt safetensors header ({e})") from e
+    header = _loads_json(raw, f"{path}: corrupt safetensors header")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: corrupt safetensors header (not a JSON object)")
+    meta = header.get("__metadata__", {})
+    if meta is not None and (not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values())):
+        raise CheckpointError(f"{path}: corrupt safetensors header, __metadata__ is not a string map: {reprlib.repr(meta)}")
     data_len = size - 8 - n
     out: dict[str, TensorInfo] = {}
-    for name, meta in header.items():
+    for name, entry in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype, shape, (b, e) = meta["dtype"], tuple(int(s) for s in meta["shape"]), meta["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(f"{path}: corrupt header entry for tensor {name!r} ({err})") from err
-        if dtype not in _ST_DTYPES:
-            raise CheckpointError(f"tensor {name!r} in {path}: unknown safetensors dtype {dtype!r}")
+        dtype, shape, (b, e) = _header_entry(path, name, entry)
         numel = math.prod(shape)
-        want = int(numel * _ST_DTYPES[dtype][1])
-        if e - b != want or b < 0:
+        want = numel * int(2 * _ST_DTYPES[dtype][1]) // 2  # integers only: F4 is half a byte
+        if e - b != want:
             raise CheckpointError(
                 f"tensor {name!r} in {path}: corrupt header, data_offsets [{b}, {e}) hold {e - b} bytes but "
                 f"{dtype} {list(shape)} needs {want}"
@@ -184,15 +180,52 @@ def read_safetensors_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
     return out
 
 
+def _header_entry(path: Path, name: str, entry: Any) -> tuple[str, tuple[int, ...], tuple[int, int]]:
+    """``(dtype, shape, data_offsets)`` of one header entry, type-checked; a CheckpointError names tensor and file."""
+    where = f"tensor {name!r} in {path}: corrupt header entry"
+    entry = entry if isinstance(entry, dict) else {"dtype": entry}
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in _ST_DTYPES:
+        raise CheckpointError(f"{where}: unknown safetensors dtype {reprlib.repr(dtype)}")
+    for key, v in (("shape", shape), ("data_offsets", offsets)):
+        if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
+            raise CheckpointError(f"{where}: {key} must be a list of ints >= 0, got {reprlib.repr(v)}")
+    if len(offsets) != 2 or offsets[0] > offsets[1]:
+        raise CheckpointError(f"{where}: data_offsets must be [begin, end], got {reprlib.repr(offsets)}")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _loads_json(raw: bytes, what: str) -> Any:
+    """Parse UTF-8 JSON bytes. Raises :class:`CheckpointError` ``"{what} (reason)"`` for bad UTF-8, bad JSON, an
+    integer literal too long for Python, or nesting too deep to parse."""
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except RecursionError as e:
+        raise CheckpointError(f"{what} (nested too deeply to parse)") from e
+    except (UnicodeDecodeError, ValueError) as e:  # ValueError: JSONDecodeError, or an integer of > 4300 digits
+        raise CheckpointError(f"{what} ({e})") from e
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    """Parse the JSON file ``path`` (at most 100 MiB). Raises :class:`CheckpointError` naming the file: missing,
+    unreadable, too large, not UTF-8 JSON, or nested too deeply."""
+    p = Path(path)
+    try:
+        size = p.stat().st_size
+        if size > _MAX_HEADER:
+            raise CheckpointError(f"{p}: {size} bytes, larger than the {_MAX_HEADER} bytes a JSON file may have")
+        raw = p.read_bytes()
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{p}: not found") from e
+    except OSError as e:
+        raise CheckpointError(f"{p}: cannot read ({e})") from e
+    return _loads_json(raw, f"{p}: cannot parse")
+
+
 def read_config(path: str | os.PathLike) -> dict:
     """Read ``<path>/config.json`` as a dict. Raises :class:`CheckpointError` naming the file."""
     p = Path(path) / CONFIG_FILE
-    try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{p}: config.json not found") from e
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{p}: cannot parse config.json ({e})") from e
+    d = read_json(p)
     if not isinstance(d, dict):
         raise CheckpointError(f"{p}: top level must be a JSON object")
     return d
@@ -208,13 +241,10 @@ def list_tensors(path: str | os.PathLike) -> dict[str, TensorInfo]:
     root = Path(path)
     index = root / INDEX_FILE
     if index.is_file():
-        try:
-            idx = json.loads(index.read_text(encoding="utf-8"))
-            weight_map = idx["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{index}: malformed index ({e})") from e
+        idx = read_json(index)
+        weight_map = idx.get("weight_map") if isinstance(idx, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: malformed index (no weight_map object)")
         by_file: dict[str, list[str]] = {}
         for name, fname in weight_map.items():
             if not isinstance(fname, str) or "/" in fname or "\\" in fname or fname in ("", ".", ".."):
@@ -254,6 +284,8 @@ def _scale_name_candidates(name: str) -> tuple[str, ...]:
 
 def _block_size(config_dict: dict | None) -> tuple[int, int]:
     qc = (config_dict or {}).get("quantization_config") or {}
+    if not isinstance(qc, dict):
+        raise CheckpointError(f"config key 'quantization_config': expected an object, got {reprlib.repr(qc)}")
     bs = qc.get("weight_block_size") or list(Q.FP8_BLOCK)
     if (not isinstance(bs, (list, tuple)) or len(bs) != 2 or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in bs)):
         raise CheckpointError(f"config key 'quantization_config.weight_block_size': expected two positive ints, got {bs!r}")
@@ -430,12 +462,13 @@ def _model_api():
 
 
 def parse_config(config_dict: dict, where: str | os.PathLike = "config") -> Any:
-    """``DeepseekV4Config.from_dict`` with errors re-raised as :class:`CheckpointError` prefixed by ``where``."""
+    """``DeepseekV4Config.from_dict`` (and the ``quantization_config`` block size) with errors re-raised as
+    :class:`CheckpointError` prefixed by ``where``."""
     DeepseekV4Config = _model_api()[0]
     try:
-        return DeepseekV4Config.from_dict(config_dict)
-    except CheckpointError:
-        raise
+        config = DeepseekV4Config.from_dict(config_dict)
+        _block_size(config_dict)
+        return config
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{where}: {e}") from e
 
