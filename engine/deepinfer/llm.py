@@ -127,14 +127,16 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gem
     nothing at load (the mode travels in each ``ForwardBatch``).
     """
     from deepinfer import checkpoint
-    from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, resolve_gemm
+    from deepinfer.models.deepseek_v4 import resolve_gemm
+    from deepinfer.models.registry import model_family
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     path_kind = resolve_gemm(gemm, device)
     ck = checkpoint.load_checkpoint(path, dequantize=path_kind == "dequant", dtype=dtype,
                                     device="cpu" if path_kind == "fp8" else device)
+    family = model_family(ck.config.extra.get("model_type"))
     # the model is built on the meta device and takes the tensors over where they are / go (no second copy)
-    model = DeepseekV4ForCausalLM.from_parameters(ck.config, ck.params, dtype, path_kind, device=device)
+    model = family.model_class.from_parameters(ck.config, ck.params, dtype, path_kind, device=device)
     return model.eval()
 
 
@@ -236,7 +238,9 @@ class LLM:
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
                                   enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
                                   max_model_len=self.max_model_len)
+        spec = getattr(self.cache, "spec", None)
         self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
+                        "cache_bytes_per_token": spec.bytes_per_token() if hasattr(spec, "bytes_per_token") else None,
                         "cuda_graphs": sorted(self.runner.graphs),
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
                         "graph_memory_bytes": self.runner.graph_memory_bytes}
@@ -259,10 +263,11 @@ class LLM:
         if n:
             return int(n)
         try:
-            from deepinfer.models.deepseek_v4.cache import CacheSpec
+            from deepinfer.models.registry import model_family
 
-            return CacheSpec.from_config(self.model.config, getattr(self.model, "dtype", torch.bfloat16),
-                                         self.config.block_size).bytes_per_block
+            spec = model_family(getattr(self.model.config, "extra", {}).get("model_type")).cache_spec
+            return spec(self.model.config, getattr(self.model, "dtype", torch.bfloat16),
+                        self.config.block_size).bytes_per_block
         except Exception:  # noqa: BLE001 - a model without the V4 cache spec (e.g. a test double)
             return None
 

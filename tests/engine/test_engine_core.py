@@ -165,3 +165,14 @@ def test_cuda_sampler_never_synchronises_for_greedy_and_plain_draws():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert tokens[0].item() == int(logits[0].argmax()) and torch.isfinite(logprobs).all()
+
+
+def test_model_registry_by_model_type():
+    from deepinfer.models.registry import model_family
+
+    fam = model_family("deepseek_v4")
+    assert fam.model_class is DeepseekV4ForCausalLM and model_family(None) is not None
+    cfg = fam.config_class.from_dict(fam.tiny_config)
+    assert fam.cache_spec(cfg, torch.float32, 128).bytes_per_block > 0 and fam.expected_parameters(cfg)
+    with pytest.raises(ValueError, match="model_type: 'llama'"):
+        model_family("llama")

@@ -91,6 +91,18 @@ class CacheSpec:
                 total += n * elem
         return total
 
+    def bytes_per_token(self) -> dict[str, float]:
+        """Bytes one token of context occupies, per pool kind over all layers (a block's bytes / ``block_size``)."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        out: dict[str, float] = {}
+        for layer in self.layers:
+            for name, shape in layer.pools.items():
+                n = elem
+                for d in shape:
+                    n *= d
+                out[name] = out.get(name, 0) + n / self.block_size
+        return out
+
     @classmethod
     def from_config(cls, config: DeepseekV4Config, dtype: torch.dtype = torch.bfloat16,
                     block_size: int = BLOCK_SIZE) -> "CacheSpec":

@@ -1,0 +1,56 @@
+"""Model families by ``model_type`` (``config.json``): what the engine needs to load, size and run one.
+
+A family plugs in with one :class:`ModelFamily` entry (see ``docs/engine.md``): its config class, parameter
+inventory, cache spec, model class, tiny preset and plan builder.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family.
+
+    Attributes:
+        model_type: the ``config.json`` ``model_type`` it serves.
+        config_class: ``from_dict(config_json) -> config`` (raises ValueError naming the key).
+        expected_parameters: ``config -> {native name: (shape, kind)}``.
+        cache_spec: ``(config, dtype, block_size) -> spec`` with ``bytes_per_block`` and ``bytes_per_token()``.
+        model_class: built as ``model_class(config, dtype, gemm)``; ``forward(plan, cache)``, ``plan_builder(cache)``.
+        tiny_config: the ``config.json`` dict of its built-in tiny preset.
+        plan_builder: ``(config, block_size, num_blocks, device) -> builder`` of its step plans.
+    """
+
+    model_type: str
+    config_class: Any
+    expected_parameters: Callable
+    cache_spec: Callable
+    model_class: Any
+    tiny_config: dict
+    plan_builder: Callable
+
+
+def _deepseek_v4() -> ModelFamily:
+    from .deepseek_v4 import TINY_CONFIG, CacheSpec, DeepseekV4Config, DeepseekV4ForCausalLM, PlanBuilder
+    from .deepseek_v4 import expected_parameters
+
+    return ModelFamily("deepseek_v4", DeepseekV4Config, expected_parameters, CacheSpec.from_config,
+                       DeepseekV4ForCausalLM, TINY_CONFIG, PlanBuilder)
+
+
+_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"deepseek_v4": _deepseek_v4}
+
+
+def model_family(model_type: str | None) -> ModelFamily:
+    """The family serving ``model_type`` (``None``: ``"deepseek_v4"``, the default of checkpoints without one).
+
+    Raises:
+        ValueError naming ``model_type`` and the known ones.
+    """
+    key = model_type or "deepseek_v4"
+    if key not in _FAMILIES:
+        raise ValueError(f"model_type: {model_type!r} is not a known model family ({', '.join(sorted(_FAMILIES))})")
+    return _FAMILIES[key]()
