@@ -18,6 +18,7 @@ import deepinfer_ops
 from deepinfer.block_manager import BlockManager
 from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record, resolve_tokenizer_json
 from deepinfer.config import EngineConfig
+from deepinfer.engine import LLMEngine
 from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed
@@ -239,6 +240,7 @@ class LLM:
                                   enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
                                   max_model_len=self.max_model_len)
         spec = getattr(self.cache, "spec", None)
+        self.engine = LLMEngine(cfg, self.scheduler, self.runner)
         self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
                         "cache_bytes_per_token": spec.bytes_per_token() if hasattr(spec, "bytes_per_token") else None,
                         "cuda_graphs": sorted(self.runner.graphs),
@@ -323,7 +325,7 @@ class LLM:
         live = []
         for seq in seqs:
             seq.arrival_time = t_start
-            if seq.error is None and self.scheduler.add(seq):
+            if seq.error is None and self.engine.add_request(seq):
                 live.append(seq)
         bar = None
         if use_tqdm:
@@ -331,61 +333,42 @@ class LLM:
 
             bar = tqdm(total=len(seqs), desc=desc, unit="req", dynamic_ncols=True)
             bar.update(len(seqs) - len(live))
-        generated = 0
-        runner, sched = self.runner, self.scheduler
-        prev = None  # (scheduled, StepOutput, host seconds so far) of the step in flight
-        last = time.perf_counter()
-
-        def apply(step) -> None:
-            nonlocal generated, last
-            scheduled, out, host_s = step
-            tokens, logprobs, tops, _ = out.result()
-            t = time.perf_counter()
-            finished = sched.postprocess(scheduled, tokens, logprobs, tops)
-            host_s += time.perf_counter() - t
-            dt, last = t - last, t
-            n_decode = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.needs_logits
-                           and s.start >= s.seq.num_prompt_tokens)
-            n_total = sum(s.num_new_tokens for s in scheduled)
-            stats.num_steps += 1
-            stats.steps.append((n_decode, n_total - n_decode, dt, out.host_seconds, host_s, out.gpu_seconds))
-            stats.decode_tokens += n_decode
-            stats.prefill_tokens += n_total - n_decode
-            stats.decode_time += dt * n_decode / n_total
-            stats.prefill_time += dt * (n_total - n_decode) / n_total
-            generated += len(tokens)
-            if bar is not None:
-                bar.update(len(finished))
-                el = time.perf_counter() - t_start
-                bar.set_postfix_str(f"{generated / el:.1f} tok/s", refresh=False)
-
+        engine = self.engine
+        engine.reset_clock()
+        first = len(engine.records)
+        done = 0
         try:
-            while sched.has_unfinished() or prev is not None:
-                # asynchronous scheduling: step N + 1 is scheduled and enqueued before step N's tokens are applied;
-                # in order when it is off, or when a running request's penalties need every token it has drawn
-                if prev is not None and (not self.config.async_scheduling or any(
-                        s.params.frequency_penalty or s.params.presence_penalty for s in sched.running)):
-                    apply(prev)
-                    prev = None
-                t = time.perf_counter()
-                scheduled = sched.schedule() if sched.has_unfinished() else []
-                host_s = time.perf_counter() - t
-                out = runner.execute(scheduled, prev[1] if prev is not None else None) if scheduled else None
-                if prev is not None:
-                    apply(prev)
-                prev = (scheduled, out, host_s + (out.host_seconds if out else 0.0)) if out is not None else None
+            while engine.has_unfinished_requests():
+                engine.step()
+                if bar is not None:
+                    n = sum(1 for s in live if s.is_finished)
+                    bar.update(n - done)
+                    done = n
+                    el = time.perf_counter() - t_start
+                    bar.set_postfix_str(f"{sum(s.num_output_tokens for s in live) / el:.1f} tok/s", refresh=False)
         except KeyboardInterrupt:  # finished requests keep their results, the others end with an error record
             stats.interrupted = True
         finally:
             if bar is not None:
                 bar.close()
+            engine.drop_in_flight()
             for seq in live:  # after a model error: leave no request (or block) behind for the next call
                 if not seq.is_finished:
-                    self.scheduler.abort(seq, {
+                    engine.abort(seq, {
                         "type": "server_error", "code": "interrupted" if stats.interrupted else "engine_error",
                         "message": "the run was interrupted before this request finished" if stats.interrupted
                         else "the engine stopped before this request finished"})
         stats.wall_time = time.perf_counter() - t_start
+        for r in engine.records[first:]:
+            stats.num_steps += 1
+            stats.steps.append((r.decode_tokens, r.prefill_tokens, r.seconds, r.enqueue_seconds, r.host_seconds,
+                                r.gpu_seconds))
+            n = r.decode_tokens + r.prefill_tokens
+            stats.decode_tokens += r.decode_tokens
+            stats.prefill_tokens += r.prefill_tokens
+            stats.decode_time += r.seconds * r.decode_tokens / n
+            stats.prefill_time += r.seconds * r.prefill_tokens / n
+        del engine.records[first:]
         stats.num_preemptions = sum(s.num_preemptions for s in seqs)
         for seq in seqs:
             if seq.error is not None:

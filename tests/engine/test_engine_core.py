@@ -176,3 +176,30 @@ def test_model_registry_by_model_type():
     assert fam.cache_spec(cfg, torch.float32, 128).bytes_per_block > 0 and fam.expected_parameters(cfg)
     with pytest.raises(ValueError, match="model_type: 'llama'"):
         model_family("llama")
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_engine_core_add_step_abort(async_):
+    """The engine object on its own: requests added while others run, one aborted mid-run (its blocks freed, no
+    token after the abort), the rest as LLM.generate gives them."""
+    from deepinfer.sequence import Sequence
+
+    llm = LLM("tiny", async_scheduling=async_)
+    sp = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9] * 70, [11] * 130]
+    want = [o.token_ids for o in llm.generate(prompts, sp)]
+    eng = llm.engine
+    seqs = [Sequence(100 + i, list(p), sp, seed=0) for i, p in enumerate(prompts)]
+    victim = Sequence(200, [13] * 40, sp, seed=0)
+    assert eng.add_request(seqs[0]) and eng.add_request(victim)
+    eng.step()
+    eng.step()
+    assert eng.add_request(seqs[1]) and eng.add_request(seqs[2])
+    eng.step()
+    n_victim = victim.num_output_tokens
+    eng.abort(victim, {"type": "invalid_request_error", "code": "aborted", "message": "test"})
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert [s.output_token_ids for s in seqs] == want
+    assert victim.is_finished and victim.num_output_tokens == n_victim and victim.block_table == []
+    assert eng.scheduler.block_manager.num_free_blocks == eng.scheduler.block_manager.num_blocks

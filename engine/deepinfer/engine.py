@@ -1,0 +1,103 @@
+"""The engine core: ``add_request``, ``step``, ``abort``, ``has_unfinished_requests`` over a scheduler and a model
+runner. ``LLM.generate`` / ``LLM.chat`` and the CLI are loops over it; see ``docs/engine.md`` for the step contract.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from deepinfer.config import EngineConfig
+from deepinfer.model_runner import ModelRunner, StepOutput
+from deepinfer.scheduler import ScheduledSeq, Scheduler
+from deepinfer.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one applied step did: its decode and prefill tokens, its time since the previous applied step (the
+    throughput view), the host time until its forward was queued, all the host time it took (scheduling, enqueue,
+    applying the results) and its GPU time (CUDA events around the forward; 0 on the CPU), in seconds."""
+
+    decode_tokens: int
+    prefill_tokens: int
+    seconds: float
+    enqueue_seconds: float
+    host_seconds: float
+    gpu_seconds: float
+
+
+class LLMEngine:
+    """One engine over ``scheduler`` and ``runner``.
+
+    ``step()`` runs one iteration: with asynchronous scheduling (``config.async_scheduling``) it schedules and
+    enqueues the next step, then applies the one in flight; otherwise it schedules, runs and applies one step. It
+    returns the sequences that got tokens or finished in the applied step, and appends a :class:`StepRecord` to
+    ``records``. Requests with frequency / presence penalties make it run in order (they need every drawn token on
+    the host).
+    """
+
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.records: list[StepRecord] = []
+        self._in_flight: tuple[list[ScheduledSeq], StepOutput, float] | None = None
+        self._last = time.perf_counter()
+
+    def add_request(self, seq: Sequence) -> bool:
+        """Queue ``seq``; False when it was refused (it is then finished with ``seq.error`` set)."""
+        return self.scheduler.add(seq)
+
+    def abort(self, seq: Sequence, error: dict | None = None) -> None:
+        """End ``seq`` wherever it is (its step in flight, if any, drops its token)."""
+        self.scheduler.abort(seq, error)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    def reset_clock(self) -> None:
+        """Start the next step's time from now (call before a run)."""
+        self._last = time.perf_counter()
+
+    def step(self) -> list[Sequence]:
+        """One iteration; returns the sequences touched by the step applied in it (empty when none was)."""
+        sched = self.scheduler
+        touched: list[Sequence] = []
+        if self._in_flight is not None and (not self.config.async_scheduling or any(
+                s.params.frequency_penalty or s.params.presence_penalty for s in sched.running)):
+            touched = self._apply(self._in_flight)
+            self._in_flight = None
+        t = time.perf_counter()
+        scheduled = sched.schedule() if sched.has_unfinished() else []
+        host_s = time.perf_counter() - t
+        prev = self._in_flight
+        out = self.runner.execute(scheduled, prev[1] if prev is not None else None) if scheduled else None
+        if prev is not None:
+            touched = self._apply(prev)
+        self._in_flight = (scheduled, out, host_s + out.host_seconds) if out is not None else None
+        if self._in_flight is not None and not self.config.async_scheduling:
+            touched = self._apply(self._in_flight)
+            self._in_flight = None
+        return touched
+
+    def drop_in_flight(self) -> None:
+        """Forget the step in flight (after an interrupt: its requests are aborted, its results unused)."""
+        if self._in_flight is not None:
+            for item in self._in_flight[0]:
+                if item.needs_logits:
+                    item.seq.num_pending -= 1
+        self._in_flight = None
+
+    def _apply(self, step: tuple[list[ScheduledSeq], StepOutput, float]) -> list[Sequence]:
+        scheduled, out, host_s = step
+        tokens, logprobs, tops, _ = out.result()
+        t = time.perf_counter()
+        self.scheduler.postprocess(scheduled, tokens, logprobs, tops)
+        host_s += time.perf_counter() - t
+        dt, self._last = t - self._last, t
+        n_decode = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.needs_logits
+                       and s.start >= s.seq.num_prompt_tokens)
+        n_total = sum(s.num_new_tokens for s in scheduled)
+        self.records.append(StepRecord(n_decode, n_total - n_decode, dt, out.host_seconds, host_s, out.gpu_seconds))
+        return [s.seq for s in scheduled if s.needs_logits]
