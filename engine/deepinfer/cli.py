@@ -92,6 +92,8 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
                        seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                        enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
     lines = _read_lines(args.input)
+    if args.summary_json and not Path(args.summary_json).resolve().parent.is_dir():  # checked before the run
+        raise ValueError(f"--summary-json: the folder of {args.summary_json!r} does not exist")
     out_file = _open_out(args.output)  # opened before the model runs: a bad --output fails fast, losing nothing
     try:
         return _generate_into(args, model_obj, cfg, lines, out_file)

@@ -401,6 +401,9 @@ class LLM:
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params or SamplingParams()] * len(prompts)
+        elif isinstance(sampling_params, (str, bytes, dict)) or not hasattr(sampling_params, "__iter__"):
+            raise TypeError(f"generate: sampling_params must be a SamplingParams or a list of them, got "
+                            f"{type(sampling_params).__name__}")
         else:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
@@ -450,12 +453,16 @@ class LLM:
 
         Args:
             requests: Chat Completions bodies (``api="chat"``), or Messages / Responses bodies, as dicts or JSON text.
-            api: ``"chat"``, ``"messages"`` or ``"responses"``.
+            api: ``"chat"``, ``"messages"`` or ``"responses"`` (ValueError otherwise).
 
         Returns:
             One dict per request, in order: the response object (with ``"seed"``, the seed used), or
             ``{"error": {message, type, code, param, status_code}}``.
         """
+        from deepinfer.chat import API_KINDS
+
+        if api not in API_KINDS:  # the caller's mistake, not one request's: raised, not an error record per body
+            raise ValueError(f"chat: api must be one of {API_KINDS}, got {api!r}")
         fe = self.frontend
         prepared: list[PreparedChat | None] = []
         results: list[dict | None] = []
