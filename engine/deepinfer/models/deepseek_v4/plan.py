@@ -159,6 +159,10 @@ class StepPlan:
         self.num_tokens, self.num_logits = other.num_tokens, other.num_logits
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def _blocks_for(n: int, block_size: int) -> int:
     return -(-n // block_size)
 
@@ -189,19 +193,41 @@ class PlanBuilder:
     # ---------------------------------------------------------------------------------------------------- host
     def check_seq(self, i: int, s: SeqStep) -> None:
         """Validate sequence ``i`` against the cache (host data): raises ValueError naming the field."""
-        if s.q < 1 or s.c0 < 0:
-            raise ValueError(f"query_lens[{i}]={s.q} / context_lens[{i}]={s.L}: need 1 <= query_len <= context_len")
+        if not isinstance(s, SeqStep):
+            raise ValueError(f"seqs[{i}]: expected a SeqStep, got {type(s).__name__}")
+        if not (_is_int(s.c0) and _is_int(s.q)) or s.q < 1 or s.c0 < 0:
+            raise ValueError(f"query_lens[{i}]={s.q!r} / context_lens[{i}]: need integers, "
+                             "1 <= query_len <= context_len")
         nb = _blocks_for(s.L, self.block_size)
         if nb > len(s.block_ids):
             raise ValueError(f"block_tables: sequence {i} needs {nb} blocks for {s.L} tokens, row has "
                              f"{len(s.block_ids)}")
         ids = s.block_ids[:nb]
-        if any(b < 0 or b >= self.num_blocks for b in ids):
-            raise ValueError(f"block_tables: sequence {i} uses a block id outside [0, {self.num_blocks}): "
-                             f"{list(ids)}")
+        if any(not _is_int(b) or b < 0 or b >= self.num_blocks for b in ids):
+            raise ValueError(f"block_tables: sequence {i} uses a block id outside [0, {self.num_blocks}) (or not an "
+                             f"integer): {list(ids)}")
+        if len(set(ids)) != nb:
+            raise ValueError(f"block_tables: sequence {i} lists a block twice: {list(ids)}")
         if s.L > self.config.max_position_embeddings:
             raise ValueError(f"context_lens: {s.L} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
+
+    def check_step(self, seqs: list[SeqStep]) -> None:
+        """Validate the whole step: every sequence (:meth:`check_seq`), and no block a sequence writes this step
+        (those holding positions ``c0 .. L - 1``) is used by another sequence of the step (full blocks read by
+        several sequences, a shared prefix, are fine). Raises ValueError naming the field."""
+        B = self.block_size
+        owner: dict[int, int] = {}
+        for i, s in enumerate(seqs):
+            self.check_seq(i, s)
+        for i, s in enumerate(seqs):
+            for b in s.block_ids[s.c0 // B:_blocks_for(s.L, B)]:
+                owner[b] = i
+        for i, s in enumerate(seqs):
+            for b in s.block_ids[:_blocks_for(s.L, B)]:
+                if owner.get(b, i) != i:
+                    raise ValueError(f"block_tables: block {b} is written by sequence {owner[b]} in this step and "
+                                     f"also used by sequence {i}")
 
     def build(self, seqs: list[SeqStep], input_ids: list[int] | torch.Tensor, logits_indices: list[int],
               batch_invariant: bool = False, pad_multiple: int = 0, capacity: Capacity | None = None,
@@ -223,17 +249,28 @@ class PlanBuilder:
             ValueError naming the field at fault (lengths, block ids, logits rows, capacity).
         """
         if not checked:
-            for i, s in enumerate(seqs):
-                self.check_seq(i, s)
+            self.check_step(seqs)
         B = self.block_size
         T = sum(s.q for s in seqs)
-        if any(r < 0 or r >= T for r in logits_indices):
-            raise ValueError(f"logits_indices: out of range [0, {T})")
+        if any(not _is_int(r) or r < 0 or r >= T for r in logits_indices):
+            raise ValueError(f"logits_indices: integers in [0, {T}) expected")
+        if not _is_int(pad_multiple) or pad_multiple < 0:
+            raise ValueError(f"pad_multiple: an integer >= 0 expected, got {pad_multiple!r}")
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32) or input_ids.numel() != T:
+                raise ValueError(f"input_ids: expected a 1-D int64 / int32 tensor of {T} ids (sum of query_lens), "
+                                 f"got {tuple(input_ids.shape)} {input_ids.dtype}")
+        else:
+            if len(input_ids) != T:
+                raise ValueError(f"input_ids: {len(input_ids)} ids for {T} tokens (sum of query_lens)")
+            self.check_ids(input_ids)
         if capacity is not None:
             if len(seqs) > capacity.num_seqs or any(s.q != 1 for s in seqs) or \
-                    max((s.L for s in seqs), default=0) > capacity.max_len:
+                    max((s.L for s in seqs), default=0) > capacity.max_len or len(logits_indices) > capacity.num_seqs \
+                    or _blocks_for(capacity.max_len, B) > capacity.max_blocks:
                 raise ValueError(f"capacity: the step ({len(seqs)} sequences, query lens "
-                                 f"{sorted({s.q for s in seqs})}) does not fit {capacity}")
+                                 f"{sorted({s.q for s in seqs})}, {len(logits_indices)} logits rows) does not fit "
+                                 f"{capacity}")
             rows = capacity.num_seqs
             nb = capacity.max_blocks
             max_len = capacity.max_len
@@ -279,8 +316,6 @@ class PlanBuilder:
             for name, arr in lists.items():
                 if name != "n_close":
                     chunks[f"{name}{m}"] = arr
-        if not host_ids and input_ids.numel() != T:
-            raise ValueError(f"input_ids: {input_ids.numel()} ids for {T} tokens (sum of query_lens)")
         views = self._upload(chunks, out)
         ids_t = views["input_ids"]
         if not host_ids:
@@ -297,6 +332,12 @@ class PlanBuilder:
                         views.get("row_valid"), comp, n_ent,
                         graph=capacity is not None)
         return plan.finalize(self.config) if finalize else plan
+
+    def check_ids(self, ids) -> None:
+        """Token ids must lie in ``[0, vocab_size)`` (host data; raises ValueError naming ``input_ids``)."""
+        a = np.asarray(ids)
+        if a.size and (a.dtype.kind not in "iu" or int(a.min()) < 0 or int(a.max()) >= self.config.vocab_size):
+            raise ValueError(f"input_ids: token ids must be integers in [0, {self.config.vocab_size})")
 
     def _upload(self, chunks: dict[str, np.ndarray], out: torch.Tensor | None) -> dict[str, torch.Tensor]:
         """``chunks`` in one host-to-device copy that does not wait for the device (:class:`HostStager`); returns
@@ -321,6 +362,12 @@ class PlanBuilder:
         if sum(batch.query_lens) != ids.shape[0]:
             raise ValueError(f"query_lens: sum {sum(batch.query_lens)} != num_tokens {ids.shape[0]}")
         bt = batch.block_tables
+        li = batch.logits_indices
+        if li.dim() != 1 or li.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"logits_indices: expected 1-D int64, got {tuple(li.shape)} {li.dtype}")
+        if bt.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"block_tables: expected int32 / int64, got {bt.dtype}")
+        self.check_ids(ids.cpu().numpy())
         if bt.dim() != 2 or bt.shape[0] != len(batch.query_lens):
             raise ValueError(f"block_tables: expected [num_seqs={len(batch.query_lens)}, max_blocks], got "
                              f"{tuple(bt.shape)}")
@@ -336,8 +383,8 @@ class PlanBuilder:
             seqs.append(SeqStep(L - q, q, tuple(rows[i])))
             self.check_seq(i, seqs[-1])
             a += q
-        return self.build(seqs, ids, batch.logits_indices.cpu().tolist(), batch.batch_invariant, pad_multiple,
-                          checked=True)
+        self.check_step(seqs)
+        return self.build(seqs, ids, li.cpu().tolist(), batch.batch_invariant, pad_multiple, checked=True)
 
     def _compressor_lists(self, seqs: list[SeqStep], starts: list[int], m: int, overlap: bool,
                           capacity: Capacity | None) -> dict:
