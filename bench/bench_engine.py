@@ -325,7 +325,7 @@ def main() -> None:
     if not modes or any(m not in ("off", "on") for m in modes):
         p.error(f"--modes: expected off, on or off,on, got {args.modes!r}")
 
-    from deepinfer.checkpoint import make_checkpoint
+    from deepinfer.presets import make_checkpoint
     from deepinfer.llm import _load_checkpoint
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

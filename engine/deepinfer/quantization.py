@@ -15,6 +15,10 @@ Round-trip error bounds (tested in tests/engine/test_checkpoint.py), per element
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import torch
+
 from deepinfer_ops import formats as F
 from deepinfer_ops.formats import (  # noqa: F401  (re-exported: the checkpoint loader/writer and tests use these)
     FP8_BLOCK,
@@ -40,3 +44,32 @@ E2M1_VALUES = F.E2M1_VALUES[:8]
 dequantize_fp8_block = F.dequant_fp8_block
 dequantize_fp4 = F.dequant_fp4
 _round_e2m1_codes = F.round_e2m1_codes
+
+
+@dataclass
+class QuantizedWeight:
+    """A linear weight kept in its stored format (``load_state_dict(..., dequantize=False)`` or writer input).
+
+    ``fmt``: ``"fp8"`` (``data`` ``[out, in]`` float8_e4m3fn, ``scale`` ``[ceil(out/bm), ceil(in/bn)]``) or ``"fp4"``
+    (``data`` ``[out, in/2]`` int8, two e2m1 codes per byte low nibble first, ``scale`` ``[out, ceil(in/32)]``);
+    ``scale`` is UE8M0 (``float8_e8m0fnu``) or fp32. ``block``: ``(bm, bn)`` for fp8, ``(1, 32)`` for fp4.
+    """
+
+    fmt: str
+    data: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        out, n = self.data.shape
+        return (out, 2 * n) if self.fmt == "fp4" else (out, n)
+
+    def dequantize(self) -> torch.Tensor:
+        """The exact fp32 weight ``[out, in]`` (plain ``value * scale`` per block)."""
+        if self.fmt == "fp8":
+            return dequantize_fp8_block(self.data, self.scale, self.block)
+        return dequantize_fp4(self.data, self.scale, self.block[1])
+
+    def to(self, device: torch.device | str) -> "QuantizedWeight":
+        return QuantizedWeight(self.fmt, self.data.to(device), self.scale.to(device), self.block)

@@ -24,6 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from deepinfer import checkpoint as C
+from deepinfer import presets as P
 from deepinfer import quantization as Q
 
 # the synthetic spec has a [130, 257] FP8 weight on purpose (partial blocks); the writer warns that transformers
@@ -510,7 +511,7 @@ def test_f4_storage_is_accepted(tmp_path):
 def test_tiny_preset_fp32_is_init_parameters_bitwise(tmp_path):
     from deepinfer.models import init_parameters
 
-    folder = C.make_checkpoint("tiny", tmp_path / "t", seed=3, quant="none", expert_quant="none")
+    folder = P.make_checkpoint("tiny", tmp_path / "t", seed=3, quant="none", expert_quant="none")
     ck = C.load_checkpoint(folder)
     init = init_parameters(ck.config, 3)
     assert ck.params.keys() == init.keys()
@@ -519,7 +520,7 @@ def test_tiny_preset_fp32_is_init_parameters_bitwise(tmp_path):
 
 
 def test_tiny_preset_native_format_and_bad_config_key(tmp_path):
-    folder = C.make_checkpoint("tiny", tmp_path / "t", seed=0)
+    folder = P.make_checkpoint("tiny", tmp_path / "t", seed=0)
     ck = C.load_checkpoint(folder)
     fm = ck.formats
     assert fm["layers.0.attn.wq_a.weight"] == "fp8" and fm["layers.1.ffn.experts.0.w1.weight"] == "fp4"
@@ -537,9 +538,9 @@ def test_tiny_preset_native_format_and_bad_config_key(tmp_path):
 
 
 def test_tiny_preset_is_deterministic(tmp_path):
-    a = C.make_checkpoint("tiny", tmp_path / "a", seed=1)
-    b = C.make_checkpoint("tiny", tmp_path / "b", seed=1)
-    c = C.make_checkpoint("tiny", tmp_path / "c", seed=2)
+    a = P.make_checkpoint("tiny", tmp_path / "a", seed=1)
+    b = P.make_checkpoint("tiny", tmp_path / "b", seed=1)
+    c = P.make_checkpoint("tiny", tmp_path / "c", seed=2)
     digest = lambda p: hashlib.sha256((p / C.SINGLE_FILE).read_bytes()).hexdigest()  # noqa: E731
     assert digest(a) == digest(b) != digest(c)
 
@@ -576,7 +577,7 @@ def _hf_name(native: str) -> str:
 def test_transformers_loads_our_quantized_tiny_checkpoint_with_the_same_weights(tmp_path, scale_fmt, expert_quant):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    folder = C.make_checkpoint("tiny", tmp_path / "t", seed=0, scale_fmt=scale_fmt, expert_quant=expert_quant)
+    folder = P.make_checkpoint("tiny", tmp_path / "t", seed=0, scale_fmt=scale_fmt, expert_quant=expert_quant)
     ck = C.load_checkpoint(folder)
     assert ck.formats["layers.3.ffn.experts.1.w2.weight"] == expert_quant
     hf, info = transformers.DeepseekV4ForCausalLM.from_pretrained(
@@ -616,11 +617,11 @@ def test_transformers_loads_our_quantized_tiny_checkpoint_with_the_same_weights(
 
 def test_default_model_path_is_created_once_atomically(tmp_path, monkeypatch):
     monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
-    p = C.default_model_path()
-    assert p.parent == tmp_path / "cache" and p.name == f"tiny-v{C.TINY_FORMAT_VERSION}-seed0"
+    p = P.default_model_path()
+    assert p.parent == tmp_path / "cache" and p.name == f"tiny-v{P.TINY_FORMAT_VERSION}-seed0"
     assert (p / "config.json").is_file() and (p / C.SINGLE_FILE).is_file()
     mtime = (p / C.SINGLE_FILE).stat().st_mtime_ns
-    assert C.default_model_path() == p and (p / C.SINGLE_FILE).stat().st_mtime_ns == mtime
+    assert P.default_model_path() == p and (p / C.SINGLE_FILE).stat().st_mtime_ns == mtime
     assert [q.name for q in p.parent.iterdir()] == [p.name]  # no temporary folders left behind
     ck = C.load_checkpoint()
     assert ck.path == p and ck.formats["layers.0.attn.wq_a.weight"] == "fp8"
@@ -640,7 +641,7 @@ def test_cli_make_checkpoint(tmp_path):
 def test_v4_flash_shapes_preset_has_real_dims():
     from deepinfer.models import expected_parameters
 
-    cfg_dict = C.preset_config("v4-flash-shapes")
+    cfg_dict = P.preset_config("v4-flash-shapes")
     cfg = C.parse_config(cfg_dict)
     assert cfg.num_hidden_layers == 4 and list(cfg.compress_ratios) == [0, 0, 4, 128]
     assert list(cfg.mlp_layer_types) == ["hash_moe"] * 3 + ["moe"] and cfg.num_nextn_predict_layers == 1
@@ -650,26 +651,26 @@ def test_v4_flash_shapes_preset_has_real_dims():
     assert spec["layers.3.ffn.experts.255.w1.weight"][0] == (2048, 4096)
     assert spec["layers.2.attn.indexer.wq_b.weight"][0] == (64 * 128, 1024)
     assert spec["embed.weight"][0] == (129280, 4096)
-    small = C.parse_config(C.preset_config("v4-flash-shapes", num_layers=6, num_experts=16))
+    small = C.parse_config(P.preset_config("v4-flash-shapes", num_layers=6, num_experts=16))
     assert list(small.compress_ratios) == [0, 0, 4, 128, 4, 128] and small.n_routed_experts == 16
     with pytest.raises(ValueError, match="unknown checkpoint preset"):
-        C.preset_config("v5")
+        P.preset_config("v5")
 
 
 def test_v4_flash_shapes_synthetic_values_are_sane_and_deterministic():
-    cfg = C.parse_config(C.preset_config("v4-flash-shapes", num_layers=1, num_experts=8))
-    a = C.random_bytes(1 << 16, 5)
-    assert torch.equal(a, C.random_bytes(1 << 16, 5)) and not torch.equal(a, C.random_bytes(1 << 16, 6))
+    cfg = C.parse_config(P.preset_config("v4-flash-shapes", num_layers=1, num_experts=8))
+    a = P.random_bytes(1 << 16, 5)
+    assert torch.equal(a, P.random_bytes(1 << 16, 5)) and not torch.equal(a, P.random_bytes(1 << 16, 6))
     counts = torch.bincount(a.long(), minlength=256).float()
     assert counts.min() > 0.6 * counts.mean() and counts.max() < 1.4 * counts.mean()
-    w = C._synthetic_value("layers.0.ffn.experts.0.w1.weight", (2048, 4096), "expert_linear", 0, cfg, "fp8", "fp4")
+    w = P._synthetic_value("layers.0.ffn.experts.0.w1.weight", (2048, 4096), "expert_linear", 0, cfg, "fp8", "fp4")
     d = w.dequantize()
     assert w.fmt == "fp4" and torch.isfinite(d).all() and 0.3 < d.std().item() * 64 < 3
-    w = C._synthetic_value("layers.0.attn.wq_b.weight", (1024, 1024), "dense_linear", 0, cfg, "fp8", "fp4")
+    w = P._synthetic_value("layers.0.attn.wq_b.weight", (1024, 1024), "dense_linear", 0, cfg, "fp8", "fp4")
     d = w.dequantize()
     assert w.fmt == "fp8" and torch.isfinite(d).all() and 0.3 < d.std().item() * 32 < 3
-    e = C._synthetic_value("head.weight", (1000, 4096), "other", 0, cfg, "fp8", "fp4")
+    e = P._synthetic_value("head.weight", (1000, 4096), "other", 0, cfg, "fp8", "fp4")
     assert e.dtype == torch.bfloat16 and torch.isfinite(e.float()).all() and 0.3 < e.float().std().item() * 64 < 3
-    t = C._synthetic_value("layers.0.ffn.gate.tid2eid", (129280, 6), "other", 0, cfg, "fp8", "fp4")
+    t = P._synthetic_value("layers.0.ffn.gate.tid2eid", (129280, 6), "other", 0, cfg, "fp8", "fp4")
     assert t.dtype == torch.int32 and t.min() >= 0 and t.max() < 8
     assert (t.sort(dim=1).values.diff(dim=1) > 0).all()  # distinct experts per token

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer import checkpoint as C
+from deepinfer import presets as P
 from deepinfer.models import TINY_CONFIG, DeepseekV4Config, expected_parameters
 from deepinfer.models.deepseek_v4 import config as CF
 
@@ -71,22 +72,22 @@ def test_compress_rates_must_divide_the_cache_block():
 
 
 def test_parameter_and_tensor_budgets():
-    flash = C.preset_config("v4-flash-shapes")
+    flash = P.preset_config("v4-flash-shapes")
     wide = _with(flash, hidden_size=65536, moe_intermediate_size=65536)  # every field in range, the total is not
     with pytest.raises(ValueError, match=r"parameters.*limit 4000000000000") as e:
         C.parse_config(wide)
     assert "hidden_size" in str(e.value) and "moe_intermediate_size" in str(e.value)
-    many = C.preset_config("v4-flash-shapes", num_layers=256, num_experts=4096)
+    many = P.preset_config("v4-flash-shapes", num_layers=256, num_experts=4096)
     with pytest.raises(ValueError, match=r"tensors.*limit 1000000") as e:
         C.parse_config(many)
     assert "n_routed_experts" in str(e.value) and "num_hidden_layers" in str(e.value)
 
 
 def test_real_v4_flash_size_passes_and_the_count_is_exact():
-    real = C.parse_config(C.preset_config("v4-flash-shapes", num_layers=43))  # V4-Flash: 43 layers, 256 experts
+    real = C.parse_config(P.preset_config("v4-flash-shapes", num_layers=43))  # V4-Flash: 43 layers, 256 experts
     tensors, params = real.inventory_size()
     assert 270e9 < params < 300e9  # ~291e9 with the MTP layer (V4-Flash: 284B without)
-    for cfg in (DeepseekV4Config.from_dict(TINY_CONFIG), C.parse_config(C.preset_config("v4-flash-shapes"))):
+    for cfg in (DeepseekV4Config.from_dict(TINY_CONFIG), C.parse_config(P.preset_config("v4-flash-shapes"))):
         spec = expected_parameters(cfg)
         numel = 0
         for shape, _ in spec.values():

@@ -31,7 +31,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.checkpoint import make_checkpoint
+from deepinfer.presets import make_checkpoint
 from deepinfer.forward_batch import ForwardBatch
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from fp8_check import check_fp8_close, per_position, record_routes

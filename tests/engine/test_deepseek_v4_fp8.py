@@ -15,7 +15,8 @@ import torch
 
 import deepinfer_ops
 from deepinfer import quantization as Q
-from deepinfer.checkpoint import QuantizedWeight, default_model_path, load_checkpoint
+from deepinfer.checkpoint import QuantizedWeight, load_checkpoint
+from deepinfer.presets import default_model_path
 from deepinfer.config import EngineConfig
 from deepinfer.models.deepseek_v4.config import TINY_CONFIG, DeepseekV4Config
 from deepinfer.models.deepseek_v4 import (

@@ -20,7 +20,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from deepinfer.checkpoint import load_checkpoint, make_checkpoint  # noqa: E402
+from deepinfer.checkpoint import load_checkpoint  # noqa: E402
+from deepinfer.presets import make_checkpoint  # noqa: E402
 from deepinfer.forward_batch import ForwardBatch  # noqa: E402
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 

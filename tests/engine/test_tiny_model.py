@@ -11,7 +11,7 @@ import pytest
 import torch
 
 try:
-    from deepinfer.checkpoint import default_model_path  # noqa: F401
+    from deepinfer.presets import default_model_path  # noqa: F401
     from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: F401
 
     _MISSING = None
@@ -97,7 +97,7 @@ def test_cli_examples_on_tiny_model(tmp_path):
 def test_engine_greedy_equals_transformers(llm):
     """The engine (paged cache, chunked prefill, batching) against transformers 5.23 loading the same tiny folder."""
     transformers = pytest.importorskip("transformers")
-    from deepinfer.checkpoint import default_model_path
+    from deepinfer.presets import default_model_path
 
     hf = transformers.DeepseekV4ForCausalLM.from_pretrained(
         default_model_path(), dtype=torch.float32, experts_implementation="eager",

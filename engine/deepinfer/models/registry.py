@@ -1,7 +1,8 @@
 """Model families by ``model_type`` (``config.json``): what the engine needs to load, size and run one.
 
-A family plugs in with one :class:`ModelFamily` entry (see ``docs/engine.md``): its config class, parameter
-inventory, cache spec, model class, tiny preset and plan builder.
+A family declares one :class:`ModelFamily` entry (see ``docs/engine.md``): the checkpoint loader and writer take
+its config class and parameter inventory by the ``config.json`` ``model_type``, ``LLM`` its model class and cache
+spec, the synthetic presets its random init and tiny config.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ class ModelFamily:
         expected_parameters: ``config -> {native name: (shape, kind)}``.
         cache_spec: ``(config, dtype, block_size) -> spec`` with ``bytes_per_block`` and ``bytes_per_token()``.
         model_class: built as ``model_class(config, dtype, gemm)``; ``forward(plan, cache)``, ``plan_builder(cache)``.
+        init_parameters: ``(config, seed) -> {name: tensor}`` deterministic random weights (synthetic presets).
         tiny_config: the ``config.json`` dict of its built-in tiny preset.
-        plan_builder: ``(config, block_size, num_blocks, device) -> builder`` of its step plans.
+        plan_builder_class: ``(config, block_size, num_blocks, device) -> builder`` of its step plans (the model's
+            ``plan_builder(cache)`` method returns one for a cache).
     """
 
     model_type: str
@@ -29,16 +32,17 @@ class ModelFamily:
     expected_parameters: Callable
     cache_spec: Callable
     model_class: Any
+    init_parameters: Callable
     tiny_config: dict
-    plan_builder: Callable
+    plan_builder_class: Callable
 
 
 def _deepseek_v4() -> ModelFamily:
     from .deepseek_v4 import TINY_CONFIG, CacheSpec, DeepseekV4Config, DeepseekV4ForCausalLM, PlanBuilder
-    from .deepseek_v4 import expected_parameters
+    from .deepseek_v4 import expected_parameters, init_parameters
 
     return ModelFamily("deepseek_v4", DeepseekV4Config, expected_parameters, CacheSpec.from_config,
-                       DeepseekV4ForCausalLM, TINY_CONFIG, PlanBuilder)
+                       DeepseekV4ForCausalLM, init_parameters, TINY_CONFIG, PlanBuilder)
 
 
 _FAMILIES: dict[str, Callable[[], ModelFamily]] = {"deepseek_v4": _deepseek_v4}
@@ -50,7 +54,10 @@ def model_family(model_type: str | None) -> ModelFamily:
     Raises:
         ValueError naming ``model_type`` and the known ones.
     """
-    key = model_type or "deepseek_v4"
-    if key not in _FAMILIES:
-        raise ValueError(f"model_type: {model_type!r} is not a known model family ({', '.join(sorted(_FAMILIES))})")
+    key = "deepseek_v4" if model_type is None else model_type
+    if not isinstance(key, str) or key not in _FAMILIES:
+        import reprlib
+
+        raise ValueError(f"model_type: {reprlib.repr(model_type)} is not a known model family "
+                         f"({', '.join(sorted(_FAMILIES))})")
     return _FAMILIES[key]()

@@ -186,7 +186,7 @@ def fp8_block_weight(t, device: torch.device | str | None = None) -> tuple[torch
     """One linear weight as FP8 e4m3 with float32 128x128 block scales, on ``device`` (default: where it is).
 
     Args:
-        t: a ``deepinfer.checkpoint.QuantizedWeight`` (``"fp8"`` with 128x128 blocks: kept as stored, UE8M0 scales
+        t: a ``deepinfer.quantization.QuantizedWeight`` (``"fp8"`` with 128x128 blocks: kept as stored, UE8M0 scales
             converted to float32 exactly; ``"fp4"`` with UE8M0 scales: :func:`deepinfer_ops.fp4_to_fp8_blockscaled`;
             other block sizes / float32 FP4 scales: dequantised, then quantised as below) or a float ``[out, in]``
             tensor (quantised: scale ``amax / 448`` per block, round to nearest even, see
@@ -197,7 +197,7 @@ def fp8_block_weight(t, device: torch.device | str | None = None) -> tuple[torch
         ValueError for non-finite float weights.
     """
     from deepinfer import quantization as Q
-    from deepinfer.checkpoint import QuantizedWeight
+    from deepinfer.quantization import QuantizedWeight
 
     if isinstance(t, QuantizedWeight):
         dev = device if device is not None else t.data.device

@@ -17,7 +17,7 @@ def load_native(model, tensors: dict, device: torch.device | str | None = None) 
     Args:
         tensors: every name of ``expected_parameters(config)`` (strict: missing / unexpected names and shape
             mismatches raise ValueError naming the tensor); values are float tensors or, for quantised linears,
-            ``deepinfer.checkpoint.QuantizedWeight`` (logical shape checked).
+            ``deepinfer.quantization.QuantizedWeight`` (logical shape checked).
         device: where the parameters go (default: where each tensor is; ``"auto"`` resolves on the device of
             ``embed.weight``).
     Path ``"dequant"``: quantised weights are dequantised exactly, integer ``tid2eid`` becomes int64,
@@ -26,7 +26,7 @@ def load_native(model, tensors: dict, device: torch.device | str | None = None) 
     (:func:`fp8_block_weight`), the routed experts of each MoE stacked (:meth:`MoE.set_fp8_experts`), the other
     tensors as in path ``"dequant"``. ``wo_a`` stays dequantised when its groups straddle 128-row scale blocks.
     """
-    from deepinfer.checkpoint import QuantizedWeight
+    from deepinfer.quantization import QuantizedWeight
 
     cfg = model.config
     spec = expected_parameters(cfg)
@@ -93,7 +93,7 @@ def _load_fp8_experts(model, moe: MoE, prefix: str, tensors: dict, dev: torch.de
     E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
     nb_i = -(-I // FP8_BLOCK)
     Ip, kb_d = nb_i * FP8_BLOCK, -(-D // FP8_BLOCK)
-    from deepinfer.checkpoint import QuantizedWeight
+    from deepinfer.quantization import QuantizedWeight
 
     first = tensors[f"{prefix}.experts.0.w1.weight"]
     d = dev if dev is not None else (first.data if isinstance(first, QuantizedWeight) else first).device

@@ -127,7 +127,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     @classmethod
     def from_parameters(cls, config: DeepseekV4Config, tensors: dict, dtype: torch.dtype = torch.float32,
                         gemm: str = "auto", device: torch.device | str | None = None) -> "DeepseekV4ForCausalLM":
-        """Build and load ``tensors`` (native names; float tensors or ``deepinfer.checkpoint.QuantizedWeight``)
+        """Build and load ``tensors`` (native names; float tensors or ``deepinfer.quantization.QuantizedWeight``)
         strictly: every expected name, no extra. The model is built on the meta device and takes the tensors over
         (see :meth:`load_native`: cast / converted to its format where needed, on ``device`` or where they are), so
         no second copy of the weights is ever allocated."""
