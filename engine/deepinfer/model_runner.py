@@ -167,23 +167,29 @@ class ModelRunner:
         B = self.cache.block_size
         return Capacity(bucket, -(-max_len // B), max_len)
 
+    def dummy_plan(self, bucket: int, max_len: int):
+        """(capacity, plan) captured for ``bucket``: ``bucket`` one-token sequences at position 0, all in block 0
+        (built unchecked: they alias that block on purpose; its contents are overwritten before any sequence reads
+        them), the derived lists left to the captured forward."""
+        from deepinfer.models.deepseek_v4.plan import SeqStep
+
+        cap = self._capacity(bucket, max_len)
+        seqs = [SeqStep(0, 1, (0,))] * bucket
+        return cap, self.builder.build(seqs, [0] * bucket, list(range(bucket)), self.batch_invariant, capacity=cap,
+                                       finalize=False, checked=True)
+
     @torch.inference_mode()
     def capture(self, buckets: list[int], max_len: int) -> None:
         """Capture the decode forward for every bucket (largest first, one memory pool): a dummy plan of ``bucket``
         one-token sequences at position 0 in block 0 (a free block: whatever it writes there is overwritten before
         any sequence reads it), warmed up eagerly once, then captured."""
-        from deepinfer.models.deepseek_v4.plan import SeqStep
-
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         mem0 = torch.cuda.memory_reserved(self.device)
         pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
         for bucket in sorted(buckets, reverse=True):
-            cap = self._capacity(bucket, max_len)
-            seqs = [SeqStep(0, 1, (0,))] * bucket
-            plan = self.builder.build(seqs, [0] * bucket, list(range(bucket)), self.batch_invariant, capacity=cap,
-                                      finalize=False)
+            cap, plan = self.dummy_plan(bucket, max_len)
             st = plan.input_ids.untyped_storage()
             flat = torch.empty(0, dtype=torch.int64, device=self.device).set_(st, 0, (st.nbytes() // 8,))
             stream.wait_stream(torch.cuda.current_stream(self.device))

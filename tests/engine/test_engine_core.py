@@ -203,3 +203,20 @@ def test_engine_core_add_step_abort(async_):
     assert [s.output_token_ids for s in seqs] == want
     assert victim.is_finished and victim.num_output_tokens == n_victim and victim.block_table == []
     assert eng.scheduler.block_manager.num_free_blocks == eng.scheduler.block_manager.num_blocks
+
+
+def test_graph_dummy_plans_build_for_every_bucket():
+    """The plans captured into CUDA graphs (built here on the CPU: capture itself needs a GPU) have the bucket's
+    fixed sizes, and a real decode step's plan of fewer sequences fits the same buffer."""
+    from deepinfer.model_runner import graph_buckets
+
+    llm = LLM("tiny", max_num_seqs=24)
+    runner = llm.runner
+    assert graph_buckets(24) == [1, 2, 4, 8, 16, 24] and graph_buckets(1) == [1]
+    for bucket in graph_buckets(24):
+        cap, plan = runner.dummy_plan(bucket, llm.max_model_len)
+        assert plan.num_rows == bucket and plan.graph and plan.tok_bt.shape == (bucket, cap.max_blocks)
+        flat = plan.input_ids.untyped_storage().nbytes() // 8
+        step = [SeqStep(300 + 5 * i, 1, tuple(range(4 * i, 4 * i + 4))) for i in range(max(1, bucket - 1))]
+        real = runner.builder.build(step, [5] * len(step), list(range(len(step))), capacity=cap, finalize=False)
+        assert real.input_ids.untyped_storage().nbytes() // 8 == flat
