@@ -49,6 +49,10 @@ class LLMEngine:
         """Queue ``seq``; False when it was refused (it is then finished with ``seq.error`` set)."""
         return self.scheduler.add(seq)
 
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` with ``reason`` (its step in flight, if any, drops its token)."""
+        self.scheduler.finish(seq, reason)
+
     def abort(self, seq: Sequence, error: dict | None = None) -> None:
         """End ``seq`` wherever it is (its step in flight, if any, drops its token)."""
         self.scheduler.abort(seq, error)
@@ -101,3 +105,39 @@ class LLMEngine:
         n_total = sum(s.num_new_tokens for s in scheduled)
         self.records.append(StepRecord(n_decode, n_total - n_decode, dt, out.host_seconds, host_s, out.gpu_seconds))
         return [s.seq for s in scheduled if s.needs_logits]
+
+
+class OutputProcessor:
+    """Per-request protocol work, after each applied step and off the scheduler (the next step is already enqueued
+    when it runs): each new token of a request goes to that request's handler, ``handler(token, logprob, top) ->
+    bool`` (a chat request's deepseek-recipe stream: reasoning, tool calls, stop strings). True ends the request
+    with ``"stop"`` (tokens the step in flight samples for it are dropped); an exception ends that request alone
+    with an ``output_processing_failed`` error record."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._handlers: dict[int, tuple[Sequence, object]] = {}
+        self._seen: dict[int, int] = {}
+
+    def add(self, seq: Sequence, handler) -> None:
+        self._handlers[seq.seq_id] = (seq, handler)
+        self._seen[seq.seq_id] = 0
+
+    def process(self, seqs: list[Sequence]) -> None:
+        """Feed the tokens ``seqs`` gained since the last call to their handlers."""
+        for seq in seqs:
+            entry = self._handlers.get(seq.seq_id)
+            if entry is None or seq.error is not None:
+                continue
+            handler = entry[1]
+            for k in range(self._seen[seq.seq_id], seq.num_output_tokens):
+                self._seen[seq.seq_id] = k + 1
+                try:
+                    stop = handler(seq.output_token_ids[k], seq.output_logprobs[k], seq.output_top_logprobs[k])
+                except Exception as e:  # noqa: BLE001 - one request's output parser must not take the batch down
+                    self.engine.abort(seq, {"type": "server_error", "code": "output_processing_failed",
+                                            "message": str(e)})
+                    break
+                if stop:
+                    self.engine.finish(seq, "stop")
+                    break

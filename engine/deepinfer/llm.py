@@ -18,7 +18,7 @@ import deepinfer_ops
 from deepinfer.block_manager import BlockManager
 from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record, resolve_tokenizer_json
 from deepinfer.config import EngineConfig
-from deepinfer.engine import LLMEngine
+from deepinfer.engine import LLMEngine, OutputProcessor
 from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed
@@ -319,7 +319,8 @@ class LLM:
         return list(self.frontend.tokenizer.encode(text))
 
     # ------------------------------------------------------------------ the loop
-    def _run(self, seqs: list[Sequence], use_tqdm: bool, desc: str) -> EngineStats:
+    def _run(self, seqs: list[Sequence], use_tqdm: bool, desc: str,
+             outputs: OutputProcessor | None = None) -> EngineStats:
         stats = EngineStats(num_requests=len(seqs))
         t_start = time.perf_counter()
         live = []
@@ -339,7 +340,9 @@ class LLM:
         done = 0
         try:
             while engine.has_unfinished_requests():
-                engine.step()
+                touched = engine.step()
+                if outputs is not None:
+                    outputs.process(touched)
                 if bar is not None:
                     n = sum(1 for s in live if s.is_finished)
                     bar.update(n - done)
@@ -464,6 +467,7 @@ class LLM:
         if api not in API_KINDS:  # the caller's mistake, not one request's: raised, not an error record per body
             raise ValueError(f"chat: api must be one of {API_KINDS}, got {api!r}")
         fe = self.frontend
+        outputs = OutputProcessor(self.engine)
         prepared: list[PreparedChat | None] = []
         results: list[dict | None] = []
         seqs: list[Sequence] = []
@@ -481,15 +485,11 @@ class LLM:
                                           "status_code": 400}})
                 continue
             seq = self._new_seq(pc.prompt_token_ids, pc.params)
-
-            def on_token(s: Sequence, t: int, pc=pc) -> bool:
-                return pc.push_token(t, s.output_logprobs[-1], s.output_top_logprobs[-1])
-
-            seq.on_token = on_token
+            outputs.add(seq, pc.push_token)
             prepared.append(pc)
             results.append(None)
             seqs.append(seq)
-        self._run(seqs, use_tqdm, api)
+        self._run(seqs, use_tqdm, api, outputs)
         it = iter(seqs)
         for i, pc in enumerate(prepared):
             if pc is None:

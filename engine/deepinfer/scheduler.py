@@ -214,9 +214,7 @@ class Scheduler:
                 seq.output_token_ids.append(token)
                 seq.output_logprobs.append(logprob)
                 seq.output_top_logprobs.append(top)
-                if seq.on_token is not None and self._call_on_token(seq, token):
-                    self._finish(seq, "stop", now)
-                elif seq.num_output_tokens >= params.max_tokens:
+                if seq.num_output_tokens >= params.max_tokens:
                     self._finish(seq, "length", now)
             if seq.is_finished:
                 finished.append(seq)
@@ -224,14 +222,13 @@ class Scheduler:
             raise RuntimeError(f"Scheduler.postprocess: {len(token_ids)} sampled tokens for {k} sequences")
         return finished
 
-    @staticmethod
-    def _call_on_token(seq: Sequence, token: int) -> bool:
-        """Run the output handler; if it raises, only this request ends, with an error record."""
-        try:
-            return bool(seq.on_token(seq, token))
-        except Exception as e:  # noqa: BLE001 - one request's output parser must not take the batch down
-            seq.error = {"type": "server_error", "code": "output_processing_failed", "message": str(e)}
-            return True
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End ``seq`` with ``reason`` now (an output processor saw a stop string); a sequence that ended at this
+        very token (``max_tokens``) takes the new reason."""
+        if seq.is_finished:
+            seq.finish_reason = reason
+            return
+        self._finish(seq, reason, time.perf_counter())
 
     def _finish(self, seq: Sequence, reason: str, now: float) -> None:
         seq.finish_reason = reason

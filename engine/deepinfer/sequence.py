@@ -6,7 +6,6 @@ import enum
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import Callable
 
 SEED_LIMIT = 1 << 63
 PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| <= 2 (OpenAI's range)
@@ -128,9 +127,6 @@ class Sequence:
     block ids covering them (block j covers positions ``[j * block_size, (j + 1) * block_size)``). Preemption by
     recompute frees the blocks and resets ``num_computed_tokens`` to 0; the output tokens are kept and are
     recomputed as part of the context.
-
-    ``on_token(seq, token_id) -> bool`` (optional) sees each new token after it is appended and returns True when
-    the request is done (e.g. the recipe's stream processor saw a stop sequence).
     """
 
     seq_id: int
@@ -150,7 +146,6 @@ class Sequence:
     # tokens sampled by scheduled steps whose results are not applied yet (0 or 1; 2 while an asynchronous step
     # runs behind one in flight): positions [num_tokens, num_tokens + num_pending) are in the model's hands
     num_pending: int = 0
-    on_token: Callable[["Sequence", int], bool] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -220,3 +220,34 @@ def test_graph_dummy_plans_build_for_every_bucket():
         step = [SeqStep(300 + 5 * i, 1, tuple(range(4 * i, 4 * i + 4))) for i in range(max(1, bucket - 1))]
         real = runner.builder.build(step, [5] * len(step), list(range(len(step))), capacity=cap, finalize=False)
         assert real.input_ids.untyped_storage().nbytes() // 8 == flat
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_output_processor_stops_and_fails_one_request(async_):
+    """A handler returning True ends its request with "stop" after that token (no token of the step in flight is
+    added); a handler that raises ends its request alone with an error record."""
+    from deepinfer.engine import OutputProcessor
+    from deepinfer.sequence import Sequence
+
+    llm = LLM("tiny", async_scheduling=async_)
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    eng = llm.engine
+    out = OutputProcessor(eng)
+    seqs = [Sequence(300 + i, [5 + i, 6, 7], sp, seed=0) for i in range(3)]
+    seen: list[int] = []
+
+    def stop_at_4(t, lp, top):
+        seen.append(t)
+        return len(seen) == 4
+
+    def boom(t, lp, top):
+        raise RuntimeError("parser broke")
+
+    for s, h in zip(seqs, (stop_at_4, boom, lambda t, lp, top: False)):
+        eng.add_request(s)
+        out.add(s, h)
+    while eng.has_unfinished_requests():
+        out.process(eng.step())
+    assert seqs[0].finish_reason == "stop" and seqs[0].output_token_ids == seen and len(seen) == 4
+    assert seqs[1].error["code"] == "output_processing_failed" and "parser broke" in seqs[1].error["message"]
+    assert seqs[2].error is None and seqs[2].num_output_tokens == 12 and seqs[2].finish_reason == "length"
