@@ -104,7 +104,7 @@ class HostStager:
 _STAGER = HostStager()
 
 
-def index_tensors(lists: list[list[int]], device: torch.device | str,
+def index_tensors(lists: list, device: torch.device | str,
                   dtype: torch.dtype = torch.int64) -> list[torch.Tensor]:
     """Host index lists as 1-D ``dtype`` tensors on ``device``, all from ONE host-to-device copy that does not wait
     for the device (consecutive views of one buffer, each contiguous; see :class:`HostStager`): every
@@ -124,5 +124,5 @@ def float_tensors(lists: list[list[float]], device: torch.device | str) -> list[
     travel as int64 and are reinterpreted on the device)."""
     import numpy as np
 
-    bits = [np.asarray(v, dtype=np.float32).view(np.int32).astype(np.int64).tolist() for v in lists]
+    bits = [np.asarray(v, dtype=np.float32).view(np.int32).astype(np.int64) for v in lists]
     return [t.to(torch.int32).view(torch.float32) for t in index_tensors(bits, device)]

@@ -48,16 +48,14 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(out + [max_num_seqs]))
 
 
-def _step_inputs(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int], list[int], list[tuple[int, int]]]:
+def _step_inputs(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
     """Host ids of the step's tokens (0 where the id is a pending token on the device), the token rows whose
-    logits are sampled, per sequence its first row, and ``(row, seq_id)`` of every token fed from the device."""
+    logits are sampled, and ``(row, seq_id)`` of every token fed from the device."""
     ids: list[int] = []
     logits_rows: list[int] = []
-    firsts: list[int] = []
     feed: list[tuple[int, int]] = []
     for item in scheduled:
         seq, n, start = item.seq, item.num_new_tokens, item.start
-        firsts.append(len(ids))
         known = min(start + n, seq.num_tokens)
         if known > start:
             ids.extend(seq.token_at(start, known))
@@ -66,7 +64,7 @@ def _step_inputs(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int], l
             ids.append(0)
         if item.needs_logits:
             logits_rows.append(len(ids) - 1)
-    return ids, logits_rows, firsts, feed
+    return ids, logits_rows, feed
 
 
 def build_forward_batch(scheduled: list[ScheduledSeq], device: torch.device | str,
@@ -76,7 +74,7 @@ def build_forward_batch(scheduled: list[ScheduledSeq], device: torch.device | st
     Sequence i contributes ``scheduled[i].num_new_tokens`` tokens at positions ``[start, start + num_new_tokens)``;
     a logits row is requested for each sequence whose step reaches the end of its context.
     """
-    ids, logits_rows, _, _ = _step_inputs(scheduled)
+    ids, logits_rows, _ = _step_inputs(scheduled)
     positions: list[int] = []
     max_blocks = max(len(item.seq.block_table) for item in scheduled)
     tables: list[list[int]] = []
@@ -220,7 +218,7 @@ class ModelRunner:
         """Enqueue one step: plan, forward, sampling. Tokens whose id is still pending (sampled by ``prev``, the step
         in flight) are read from ``prev.tokens`` on the device."""
         t0 = time.perf_counter()
-        ids, logits_rows, _, feed = _step_inputs(scheduled)
+        ids, logits_rows, feed = _step_inputs(scheduled)
         if feed and (prev is None or any(sid not in prev.seq_rows for _, sid in feed)):
             raise RuntimeError("ModelRunner.execute: a pending token's step is not the previous one")
         gpu_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda \

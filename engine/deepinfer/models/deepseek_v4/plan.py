@@ -8,8 +8,8 @@ device, once per step for all layers. The forward then does device work only.
 
 Graph mode (``capacity``): every list has a fixed length that depends on the number of sequences only (padded with
 harmless entries: ``-1`` slots are skipped by the cache writes, padding rows read a valid slot and are never
-written), so a CUDA graph captured for one plan replays for any other plan of the same bucket after
-:meth:`StepPlan.copy_from`. See ``docs/engine.md``.
+written), so a CUDA graph captured for one plan replays for any other plan of the same bucket built into the
+captured plan's buffer (``build(..., out=...)``). See ``docs/engine.md``.
 """
 
 from __future__ import annotations
@@ -137,26 +137,6 @@ class StepPlan:
                 self.derived["hca_idx"] = torch.where((w < n_vis.view(-1, 1)) & (blk >= 0),
                                                       blk * per_block + w % per_block, -1).to(torch.int32)
         return self
-
-    def tensors(self) -> dict[str, torch.Tensor]:
-        """Every index tensor the host fills (name -> tensor), for :meth:`copy_from`."""
-        out = {"input_ids": self.input_ids, "positions": self.positions, "token_slots": self.token_slots,
-               "tok_bt": self.tok_bt, "logits_indices": self.logits_indices}
-        if self.row_valid is not None:
-            out["row_valid"] = self.row_valid
-        for m, c in self.comp.items():
-            for name in ("ring_src", "cur", "prev", "prev_ok", "w_pos", "dst", "st_src", "st_dst"):
-                t = getattr(c, name)
-                if t is not None:
-                    out[f"{name}{m}"] = t
-        return out
-
-    def copy_from(self, other: "StepPlan") -> None:
-        """Copy ``other``'s index tensors into this plan's (same capacity: graph-mode static buffers)."""
-        mine, theirs = self.tensors(), other.tensors()
-        for k, t in mine.items():
-            t.copy_(theirs[k], non_blocking=True)
-        self.num_tokens, self.num_logits = other.num_tokens, other.num_logits
 
 
 def _is_int(v) -> bool:
