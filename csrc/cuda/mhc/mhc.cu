@@ -229,20 +229,29 @@ void launch_stream_typed(const HcStreamParams& p, cudaStream_t stream) {
   DEEPINFER_CHECK_LAUNCH(kPost ? "hc_post_kernel" : "hc_collapse_kernel");
 }
 
-// One thread per token: the shared per-token math (common/mhc_math.h), as on the CPU.
+// One thread per token: the shared per-token math (common/mhc_math.h), as on the CPU. HC: the stream count at
+// compile time (0: at run time), so that the hc x hc matrix stays in registers.
+template <int HC>
 __global__ void __launch_bounds__(128) hc_weights_kernel(HcWeightsParams p) {
   const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (t >= p.tokens) return;
   const int m = 2 * p.hc + p.hc * p.hc;
-  mhc_math::hc_weights_token(p.mix + t * m, p.base, p.scale, p.hc, p.eps, p.sinkhorn_iters, p.pre + t * p.hc,
-                             p.post + t * p.hc, p.comb + t * p.hc * p.hc);
+  mhc_math::hc_weights_token_n<HC>(p.mix + t * m, p.base, p.scale, p.hc, p.eps, p.sinkhorn_iters,
+                                   p.pre + t * p.hc, p.post + t * p.hc, p.comb + t * p.hc * p.hc);
 }
 
 }  // namespace
 
 void launch_hc_weights(const HcWeightsParams& p, cudaStream_t stream) {
   if (p.tokens == 0) return;
-  hc_weights_kernel<<<static_cast<unsigned>((p.tokens + 127) / 128), 128, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>((p.tokens + 127) / 128));
+  switch (p.hc) {
+    case 1: hc_weights_kernel<1><<<grid, 128, 0, stream>>>(p); break;
+    case 2: hc_weights_kernel<2><<<grid, 128, 0, stream>>>(p); break;
+    case 3: hc_weights_kernel<3><<<grid, 128, 0, stream>>>(p); break;
+    case 4: hc_weights_kernel<4><<<grid, 128, 0, stream>>>(p); break;
+    default: hc_weights_kernel<0><<<grid, 128, 0, stream>>>(p); break;
+  }
   DEEPINFER_CHECK_LAUNCH("hc_weights_kernel");
 }
 
