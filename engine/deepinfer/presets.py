@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from . import quantization as Q
-from .checkpoint import CONFIG_FILE, parse_config, write_checkpoint
+from .checkpoint import CONFIG_FILE, DEFAULT_SHARD_SIZE, parse_config, write_checkpoint
 from .models.registry import model_family
 from .quantization import QuantizedWeight
 

@@ -519,6 +519,19 @@ def test_tiny_preset_fp32_is_init_parameters_bitwise(tmp_path):
         assert ck.params[name].dtype == t.dtype and torch.equal(ck.params[name], t), name
 
 
+def test_large_preset_writes_with_the_default_shard_size(tmp_path, monkeypatch):
+    # v4-flash-shapes is GPU-sized: capture the writer's arguments instead of writing gigabytes
+    seen = {}
+
+    def fake_write(out_dir, cfg_dict, params, **kw):
+        seen.update(kw, n_params=len(params))
+        return Path(out_dir)
+
+    monkeypatch.setattr(P, "write_checkpoint", fake_write)
+    assert P.make_checkpoint("v4-flash-shapes", tmp_path / "f", num_layers=1, num_experts=8) == tmp_path / "f"
+    assert seen["shard_size"] == C.DEFAULT_SHARD_SIZE and seen["n_params"] > 0
+
+
 def test_tiny_preset_native_format_and_bad_config_key(tmp_path):
     folder = P.make_checkpoint("tiny", tmp_path / "t", seed=0)
     ck = C.load_checkpoint(folder)
