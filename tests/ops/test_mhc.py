@@ -143,7 +143,8 @@ def test_hc_ops_opcheck(device):
                           (torch.empty_like(streams), streams, x, pre, comb))
 
 
-@pytest.mark.parametrize("tokens,hc,iters", [(1, 4, 20), (37, 4, 20), (300, 4, 1), (5, 1, 3), (9, 8, 7), (4, 3, 0)])
+@pytest.mark.parametrize("tokens,hc,iters", [(1, 4, 20), (37, 4, 20), (300, 4, 1), (5, 1, 3), (9, 8, 7), (4, 3, 0),
+                                             (33, 2, 20), (131, 4, 20), (3, 4, 0)])
 def test_hc_weights_matches_reference(device, tokens, hc, iters):
     g = torch.Generator().manual_seed(tokens * 13 + hc + iters)
     m = 2 * hc + hc * hc

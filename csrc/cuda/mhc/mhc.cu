@@ -240,6 +240,60 @@ __global__ void __launch_bounds__(128) hc_weights_kernel(HcWeightsParams p) {
                                    p.pre + t * p.hc, p.post + t * p.hc, p.comb + t * p.hc * p.hc);
 }
 
+// hc_weights with HC * HC lanes per token (HC * HC divides 32): lane (i, j) holds comb[i][j]. Row and column sums
+// gather the HC values of a row or column to every lane by shuffles and add them in index order, so the result
+// equals hc_weights_token_n's bit for bit; the Sinkhorn passes run in parallel over the matrix instead of serially.
+template <int HC>
+__global__ void __launch_bounds__(128) hc_weights_lanes_kernel(HcWeightsParams p) {
+  constexpr int kLanes = HC * HC;
+  static_assert(32 % kLanes == 0, "a token's lanes stay in one warp");
+  const int64_t gid = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t t_raw = gid / kLanes;
+  const bool live = t_raw < p.tokens;
+  const int64_t t = live ? t_raw : p.tokens - 1;  // dead lanes still take part in the shuffles
+  const int e = static_cast<int>(gid % kLanes), i = e / HC, j = e % HC;
+  const int lane0 = static_cast<int>(threadIdx.x % 32) - e;  // the token's first lane in the warp
+  const float* mix = p.mix + t * (2 * HC + kLanes);
+  const float eps = p.eps;
+  if (live && e < HC) {
+    p.pre[t * HC + e] = mhc_math::sigmoid(mix[e] * p.scale[0] + p.base[e]) + eps;
+    p.post[t * HC + e] = 2.0f * mhc_math::sigmoid(mix[HC + e] * p.scale[1] + p.base[HC + e]);
+  }
+  float c = mix[2 * HC + e] * p.scale[2] + p.base[2 * HC + e];
+  float v[HC];
+  auto gather_row = [&](float x) {
+#pragma unroll
+    for (int k = 0; k < HC; ++k) v[k] = __shfl_sync(0xffffffffu, x, lane0 + i * HC + k);
+  };
+  auto gather_col = [&](float x) {
+#pragma unroll
+    for (int k = 0; k < HC; ++k) v[k] = __shfl_sync(0xffffffffu, x, lane0 + k * HC + j);
+  };
+  auto sum_v = [&] {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < HC; ++k) s += v[k];
+    return s;
+  };
+  gather_row(c);
+  float mx = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < HC; ++k) mx = v[k] > mx ? v[k] : mx;
+  c = expf(c - mx);
+  gather_row(c);
+  c = c / sum_v() + eps;
+  const int iters = p.sinkhorn_iters > 1 ? p.sinkhorn_iters : 1;
+  for (int it = 0; it < iters; ++it) {
+    if (it > 0) {
+      gather_row(c);
+      c = c / (sum_v() + eps);
+    }
+    gather_col(c);
+    c = c / (sum_v() + eps);
+  }
+  if (live) p.comb[t * kLanes + e] = c;
+}
+
 }  // namespace
 
 void launch_hc_weights(const HcWeightsParams& p, cudaStream_t stream) {
@@ -247,9 +301,11 @@ void launch_hc_weights(const HcWeightsParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((p.tokens + 127) / 128));
   switch (p.hc) {
     case 1: hc_weights_kernel<1><<<grid, 128, 0, stream>>>(p); break;
-    case 2: hc_weights_kernel<2><<<grid, 128, 0, stream>>>(p); break;
+    case 2: hc_weights_lanes_kernel<2><<<static_cast<unsigned>((p.tokens * 4 + 127) / 128), 128, 0, stream>>>(p);
+      break;
     case 3: hc_weights_kernel<3><<<grid, 128, 0, stream>>>(p); break;
-    case 4: hc_weights_kernel<4><<<grid, 128, 0, stream>>>(p); break;
+    case 4: hc_weights_lanes_kernel<4><<<static_cast<unsigned>((p.tokens * 16 + 127) / 128), 128, 0, stream>>>(p);
+      break;
     default: hc_weights_kernel<0><<<grid, 128, 0, stream>>>(p); break;
   }
   DEEPINFER_CHECK_LAUNCH("hc_weights_kernel");
