@@ -100,5 +100,19 @@ void indexer_k_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& k_cache,
 void indexer_k_cache_dequant_fp8_cuda(at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& slot_mapping);
 void compressor_pool_cpu(at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate);
 void compressor_pool_cuda(at::Tensor& out, const at::Tensor& kv, const at::Tensor& gate);
+void compressor_pool_rows_cpu(at::Tensor& out, const at::Tensor& ring_kv, const at::Tensor& ring_gate,
+                              const at::Tensor& new_kv, const at::Tensor& new_gate, const at::Tensor& ape,
+                              const at::Tensor& ring_src, const at::Tensor& cur, const std::optional<at::Tensor>& prev,
+                              const std::optional<at::Tensor>& prev_ok, const at::Tensor& dst);
+void compressor_state_write_cpu(at::Tensor& ring_kv, at::Tensor& ring_gate, const at::Tensor& new_kv,
+                                const at::Tensor& new_gate, const at::Tensor& ring_src, const at::Tensor& st_src,
+                                const at::Tensor& st_dst);
+void compressor_pool_rows_cuda(at::Tensor& out, const at::Tensor& ring_kv, const at::Tensor& ring_gate,
+                              const at::Tensor& new_kv, const at::Tensor& new_gate, const at::Tensor& ape,
+                              const at::Tensor& ring_src, const at::Tensor& cur, const std::optional<at::Tensor>& prev,
+                              const std::optional<at::Tensor>& prev_ok, const at::Tensor& dst);
+void compressor_state_write_cuda(at::Tensor& ring_kv, at::Tensor& ring_gate, const at::Tensor& new_kv,
+                                const at::Tensor& new_gate, const at::Tensor& ring_src, const at::Tensor& st_src,
+                                const at::Tensor& st_dst);
 
 }  // namespace deepinfer

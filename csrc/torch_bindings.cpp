@@ -60,6 +60,10 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("indexer_k_cache_write_fp8(Tensor! k_cache, Tensor k, Tensor slot_mapping) -> ()");
   m.def("indexer_k_cache_dequant_fp8(Tensor! out, Tensor k_cache, Tensor slot_mapping) -> ()");
   m.def("compressor_pool(Tensor! out, Tensor kv, Tensor gate) -> ()");
+  m.def("compressor_pool_rows(Tensor! out, Tensor ring_kv, Tensor ring_gate, Tensor new_kv, Tensor new_gate, "
+        "Tensor ape, Tensor ring_src, Tensor cur, Tensor? prev, Tensor? prev_ok, Tensor dst) -> ()");
+  m.def("compressor_state_write(Tensor! ring_kv, Tensor! ring_gate, Tensor new_kv, Tensor new_gate, Tensor ring_src, "
+        "Tensor st_src, Tensor st_dst) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
@@ -87,6 +91,8 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("indexer_k_cache_write_fp8", &deepinfer::indexer_k_cache_write_fp8_cpu);
   m.impl("indexer_k_cache_dequant_fp8", &deepinfer::indexer_k_cache_dequant_fp8_cpu);
   m.impl("compressor_pool", &deepinfer::compressor_pool_cpu);
+  m.impl("compressor_pool_rows", &deepinfer::compressor_pool_rows_cpu);
+  m.impl("compressor_state_write", &deepinfer::compressor_state_write_cpu);
   m.impl("logsumexp_rows", &deepinfer::logsumexp_rows_cpu);
 }
 
@@ -115,6 +121,8 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CUDA, m) {
   m.impl("indexer_k_cache_write_fp8", &deepinfer::indexer_k_cache_write_fp8_cuda);
   m.impl("indexer_k_cache_dequant_fp8", &deepinfer::indexer_k_cache_dequant_fp8_cuda);
   m.impl("compressor_pool", &deepinfer::compressor_pool_cuda);
+  m.impl("compressor_pool_rows", &deepinfer::compressor_pool_rows_cuda);
+  m.impl("compressor_state_write", &deepinfer::compressor_state_write_cuda);
   m.impl("logsumexp_rows", &deepinfer::logsumexp_rows_cuda);
 }
 #endif

@@ -2,6 +2,7 @@
 // shared by the CPU and CUDA implementations. Each check names the op and the tensor at fault.
 #pragma once
 
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -368,6 +369,102 @@ inline void check_compressor_pool(const at::Tensor& out, const at::Tensor& kv, c
   check_writable(op, out, "out");
   check_disjoint(op, out, "out", kv, "kv");
   check_disjoint(op, out, "out", gate, "gate");
+}
+
+// The compressor's row sources (compressor_pool_rows / compressor_state_write): row r of the virtual
+// all = cat(ring[ring_src], new) is ring row ring_src[r] for r < n_ring, else new row r - n_ring.
+// ring_kv / ring_gate [ring_slots, C] contiguous; new_kv / new_gate [new_rows, C] contiguous in C (any row stride);
+// one float dtype for all four; ring_src [n_ring] int64 contiguous.
+inline void check_compressor_rows(const char* op, const at::Tensor& ring_kv, const at::Tensor& ring_gate,
+                                  const at::Tensor& new_kv, const at::Tensor& new_gate, const at::Tensor& ring_src) {
+  DEEPINFER_CHECK(is_float_activation(ring_kv.scalar_type()), op,
+                  "ring_kv must be float32, bfloat16 or float16, got ", dtype_name(ring_kv.scalar_type()));
+  DEEPINFER_CHECK(ring_kv.dim() == 2 && ring_kv.is_contiguous(), op, "ring_kv must be a contiguous [slots, C], got ",
+                  ring_kv.sizes(), " strides ", ring_kv.strides());
+  const int64_t C = ring_kv.size(1);
+  const std::pair<const at::Tensor*, const char*> others[] = {{&ring_gate, "ring_gate"}, {&new_kv, "new_kv"},
+                                                              {&new_gate, "new_gate"}};
+  for (const auto& [t, name] : others) {
+    DEEPINFER_CHECK(t->scalar_type() == ring_kv.scalar_type(), op, name, " dtype ", dtype_name(t->scalar_type()),
+                    " != ring_kv dtype ", dtype_name(ring_kv.scalar_type()));
+    DEEPINFER_CHECK(t->dim() == 2 && t->size(1) == C, op, name, " must be [rows, ", C, "], got ", t->sizes());
+    DEEPINFER_CHECK(t->size(0) <= 1 || t->stride(0) >= C, op, name, " rows overlap (stride ", t->stride(0), ")");
+    DEEPINFER_CHECK(C <= 1 || t->stride(1) == 1, op, name, " must be contiguous in its last dim, got strides ",
+                    t->strides());
+    check_same_device(op, *t, name, ring_kv, "ring_kv");
+  }
+  DEEPINFER_CHECK(ring_gate.sizes() == ring_kv.sizes() && ring_gate.is_contiguous(), op,
+                  "ring_gate must be a contiguous ", ring_kv.sizes(), ", got ", ring_gate.sizes());
+  DEEPINFER_CHECK(new_gate.size(0) == new_kv.size(0), op, "new_gate has ", new_gate.size(0), " rows, new_kv ",
+                  new_kv.size(0));
+  check_dtype(op, ring_src, "ring_src", at::kLong);
+  DEEPINFER_CHECK(ring_src.dim() == 1 && ring_src.is_contiguous(), op, "ring_src must be a contiguous 1-D, got ",
+                  ring_src.sizes());
+  check_same_device(op, ring_src, "ring_src", ring_kv, "ring_kv");
+}
+
+inline void check_index_list(const char* op, const at::Tensor& t, const char* name, at::IntArrayRef shape,
+                             const at::Tensor& like) {
+  check_dtype(op, t, name, at::kLong);
+  DEEPINFER_CHECK(t.sizes() == shape && t.is_contiguous(), op, name, " must be a contiguous ", shape, ", got ",
+                  t.sizes(), " strides ", t.strides());
+  check_same_device(op, t, name, like, "ring_kv");
+}
+
+// compressor_pool_rows(out [n, hd]!, ring_kv, ring_gate, new_kv, new_gate, ape [m, C] float32, ring_src,
+//                      cur [n, m], prev [n, m]?, prev_ok [n]?, dst [n]); overlap (prev given): C = 2 hd, else C = hd.
+inline void check_compressor_pool_rows(const at::Tensor& out, const at::Tensor& ring_kv, const at::Tensor& ring_gate,
+                                       const at::Tensor& new_kv, const at::Tensor& new_gate, const at::Tensor& ape,
+                                       const at::Tensor& ring_src, const at::Tensor& cur,
+                                       const std::optional<at::Tensor>& prev,
+                                       const std::optional<at::Tensor>& prev_ok, const at::Tensor& dst) {
+  const char* op = "compressor_pool_rows";
+  check_compressor_rows(op, ring_kv, ring_gate, new_kv, new_gate, ring_src);
+  const int64_t C = ring_kv.size(1);
+  DEEPINFER_CHECK(cur.dim() == 2, op, "cur must be [windows, ratio], got ", cur.sizes());
+  const int64_t n = cur.size(0), m = cur.size(1);
+  check_index_list(op, cur, "cur", {n, m}, ring_kv);
+  DEEPINFER_CHECK(prev.has_value() == prev_ok.has_value(), op, "prev and prev_ok come together (overlap)");
+  const bool overlap = prev.has_value();
+  if (overlap) {
+    check_index_list(op, *prev, "prev", {n, m}, ring_kv);
+    check_index_list(op, *prev_ok, "prev_ok", {n}, ring_kv);
+    DEEPINFER_CHECK(C % 2 == 0, op, "with overlap the row width must be even (2 head_dim), got ", C);
+  }
+  check_index_list(op, dst, "dst", {n}, ring_kv);
+  check_dtype(op, ape, "ape", at::kFloat);
+  DEEPINFER_CHECK(ape.dim() == 2 && ape.size(0) == m && ape.size(1) == C && ape.is_contiguous(), op,
+                  "ape must be a contiguous [", m, ", ", C, "], got ", ape.sizes());
+  check_same_device(op, ape, "ape", ring_kv, "ring_kv");
+  const int64_t hd = overlap ? C / 2 : C;
+  DEEPINFER_CHECK(out.scalar_type() == ring_kv.scalar_type(), op, "out must be ", dtype_name(ring_kv.scalar_type()),
+                  ", got ", dtype_name(out.scalar_type()));
+  DEEPINFER_CHECK(out.dim() == 2 && out.size(0) == n && out.size(1) == hd && out.is_contiguous(), op,
+                  "out must be a contiguous [", n, ", ", hd, "], got ", out.sizes());
+  check_same_device(op, out, "out", ring_kv, "ring_kv");
+  check_writable(op, out, "out");
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&ring_kv, "ring_kv"}, {&ring_gate, "ring_gate"},
+                                {&new_kv, "new_kv"}, {&new_gate, "new_gate"}})
+    check_disjoint(op, out, "out", *t, name);
+}
+
+// compressor_state_write(ring_kv!, ring_gate!, new_kv, new_gate, ring_src, st_src [n_st], st_dst [n_st]).
+inline void check_compressor_state_write(const at::Tensor& ring_kv, const at::Tensor& ring_gate,
+                                         const at::Tensor& new_kv, const at::Tensor& new_gate,
+                                         const at::Tensor& ring_src, const at::Tensor& st_src,
+                                         const at::Tensor& st_dst) {
+  const char* op = "compressor_state_write";
+  check_compressor_rows(op, ring_kv, ring_gate, new_kv, new_gate, ring_src);
+  DEEPINFER_CHECK(st_src.dim() == 1, op, "st_src must be 1-D, got ", st_src.sizes());
+  check_index_list(op, st_src, "st_src", {st_src.size(0)}, ring_kv);
+  check_index_list(op, st_dst, "st_dst", {st_src.size(0)}, ring_kv);
+  check_writable(op, ring_kv, "ring_kv");
+  check_writable(op, ring_gate, "ring_gate");
+  check_disjoint(op, ring_kv, "ring_kv", ring_gate, "ring_gate");
+  for (const at::Tensor* w : {&ring_kv, &ring_gate}) {
+    check_disjoint(op, *w, "ring", new_kv, "new_kv");
+    check_disjoint(op, *w, "ring", new_gate, "new_gate");
+  }
 }
 
 }  // namespace deepinfer

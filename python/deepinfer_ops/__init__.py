@@ -13,6 +13,8 @@ from . import _C  # noqa: F401  (registers torch.ops.deepinfer_ops.*)
 from . import _fake  # noqa: F401
 from .attention import (
     compressor_pool,
+    compressor_pool_rows,
+    compressor_state_write,
     indexer_k_cache_dequant_fp8,
     indexer_k_cache_write_fp8,
     kv_cache_dequant_fp8,
@@ -45,6 +47,8 @@ __all__ = [
     "BackendUnavailableError",
     "FP8_E4M3_MAX",
     "compressor_pool",
+    "compressor_pool_rows",
+    "compressor_state_write",
     "device_for",
     "fp4_to_fp8_blockscaled",
     "fp8_gemm_nt",

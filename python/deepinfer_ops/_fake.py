@@ -246,6 +246,19 @@ def _compressor_pool_fake(out, kv, gate):
     return None
 
 
+@_register_fake("deepinfer_ops::compressor_pool_rows")
+def _compressor_pool_rows_fake(out, ring_kv, ring_gate, new_kv, new_gate, ape, ring_src, cur, prev, prev_ok, dst):
+    hd = ring_kv.shape[-1] // 2 if prev is not None else ring_kv.shape[-1]
+    torch._check(out.shape == (cur.shape[0], hd), lambda: "compressor_pool_rows: out must be [windows, head_dim]")
+    return None
+
+
+@_register_fake("deepinfer_ops::compressor_state_write")
+def _compressor_state_write_fake(ring_kv, ring_gate, new_kv, new_gate, ring_src, st_src, st_dst):
+    torch._check(st_src.shape == st_dst.shape, lambda: "compressor_state_write: st_src and st_dst must match")
+    return None
+
+
 @_register_fake("deepinfer_ops::logsumexp_rows")
 def _logsumexp_rows_fake(out, x):
     torch._check(out.shape == (x.shape[0],), lambda: "logsumexp_rows: out must be [rows]")

@@ -328,3 +328,55 @@ def compressor_pool(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     out = torch.empty(kv.shape[0], kv.shape[2], dtype=kv.dtype, device=kv.device)
     torch.ops.deepinfer_ops.compressor_pool(out, kv, gate)
     return out
+
+def compressor_pool_rows(ring_kv: torch.Tensor, ring_gate: torch.Tensor, new_kv: torch.Tensor,
+                         new_gate: torch.Tensor, ape: torch.Tensor, ring_src: torch.Tensor, cur: torch.Tensor,
+                         prev: torch.Tensor | None, prev_ok: torch.Tensor | None, dst: torch.Tensor) -> torch.Tensor:
+    """:func:`compressor_pool` of windows whose slot rows are picked by index lists (no gathered copies).
+
+    Row ``r`` of ``all = cat(ring[ring_src], new)`` is ring row ``ring_src[r]`` for ``r < len(ring_src)``, else new
+    row ``r - len(ring_src)``. Window ``w`` pools, in slot order:
+    - no overlap (HCA, ``prev`` None): the rows ``cur[w]``, channels ``[0, C)``, gate ``+ ape[s]``;
+    - overlap (CSA, ``C = 2 hd``): the rows ``prev[w]`` on channels ``[0, hd)`` (only if ``prev_ok[w]``), then the
+      rows ``cur[w]`` on channels ``[hd, 2 hd)``, gate ``+ ape[s]`` on the same channels.
+    The arithmetic equals :func:`compressor_pool` on the gathered ``[kv, gate + ape]`` (missing slots weigh 0).
+
+    Args:
+        ring_kv / ring_gate: ``[ring_slots, C]`` contiguous state rings (float32 / bfloat16 / float16).
+        new_kv / new_gate: ``[new_rows, C]`` this step's projections, same dtype, contiguous in C (any row stride).
+        ape: ``[m, C]`` float32 absolute position embedding of the window slots.
+        ring_src: ``[n_ring]`` int64 ring slots; cur / prev: ``[n, m]`` int64 rows of ``all``; prev_ok: ``[n]``
+            int64 (0: no previous window); dst: ``[n]`` int64, ``< 0``: window not needed (its row is 0, nothing
+            read).
+    Returns:
+        ``[n, hd]`` in the rings' dtype. A window with a row or ring slot out of range gives NaN.
+    Raises:
+        RuntimeError naming the tensor at fault.
+    Source: DeepSeek-V4 compressor (transformers ``modeling_deepseek_v4.py``), as :func:`compressor_pool`.
+    """
+    if cur.dim() != 2:
+        raise ValueError(f"compressor_pool_rows: cur must be [windows, ratio], got shape {tuple(cur.shape)}")
+    hd = ring_kv.shape[-1] // 2 if prev is not None else ring_kv.shape[-1]
+    out = torch.empty(cur.shape[0], hd, dtype=ring_kv.dtype, device=ring_kv.device)
+    torch.ops.deepinfer_ops.compressor_pool_rows(out, ring_kv, ring_gate, new_kv, new_gate, ape, ring_src, cur, prev,
+                                                 prev_ok, dst)
+    return out
+
+
+def compressor_state_write(ring_kv: torch.Tensor, ring_gate: torch.Tensor, new_kv: torch.Tensor,
+                           new_gate: torch.Tensor, ring_src: torch.Tensor, st_src: torch.Tensor,
+                           st_dst: torch.Tensor) -> None:
+    """Persist the compressor's open-window rows, in place: ``ring[st_dst[i]] = all[st_src[i]]`` for kv and gate
+    (``all`` as in :func:`compressor_pool_rows`).
+
+    Args:
+        ring_kv / ring_gate: ``[ring_slots, C]`` contiguous rings, written; new_kv / new_gate: ``[new_rows, C]``.
+        ring_src: ``[n_ring]`` int64; st_src / st_dst: ``[n_st]`` int64 (``st_dst < 0`` or past the ring: skipped;
+            an ``st_src`` out of range writes NaN).
+    A slot written must not be a ring slot that another ``st_src`` row reads (the step plan never does: state moves
+    to another block's ring, or only new rows are written).
+    Raises:
+        RuntimeError naming the tensor at fault.
+    """
+    torch.ops.deepinfer_ops.compressor_state_write(ring_kv, ring_gate, new_kv, new_gate, ring_src, st_src, st_dst)
+

@@ -220,6 +220,68 @@ void compressor_pool_cuda(at::Tensor& out, const at::Tensor& kv, const at::Tenso
   attention::launch_compressor_pool(p, current_stream());
 }
 
+namespace {
+attention::CompressorRows compressor_rows(const at::Tensor& ring_kv, const at::Tensor& ring_gate,
+                                          const at::Tensor& new_kv, const at::Tensor& new_gate,
+                                          const at::Tensor& ring_src) {
+  attention::CompressorRows r{};
+  r.ring_kv = ring_kv.const_data_ptr();
+  r.ring_gate = ring_gate.const_data_ptr();
+  r.new_kv = new_kv.const_data_ptr();
+  r.new_gate = new_gate.const_data_ptr();
+  r.ring_src = ring_src.const_data_ptr<int64_t>();
+  r.ring_slots = ring_kv.size(0);
+  r.new_rows = new_kv.size(0);
+  r.new_kv_ld = new_kv.stride(0);
+  r.new_gate_ld = new_gate.stride(0);
+  r.n_ring = ring_src.size(0);
+  r.C = ring_kv.size(1);
+  r.dtype = to_dtype(ring_kv.scalar_type());
+  return r;
+}
+}  // namespace
+
+void compressor_pool_rows_cuda(at::Tensor& out, const at::Tensor& ring_kv, const at::Tensor& ring_gate,
+                               const at::Tensor& new_kv, const at::Tensor& new_gate, const at::Tensor& ape,
+                               const at::Tensor& ring_src, const at::Tensor& cur, const std::optional<at::Tensor>& prev,
+                               const std::optional<at::Tensor>& prev_ok, const at::Tensor& dst) {
+  check_compressor_pool_rows(out, ring_kv, ring_gate, new_kv, new_gate, ape, ring_src, cur, prev, prev_ok, dst);
+  if (out.numel() == 0) return;
+  DEEPINFER_CHECK(out.numel() / 256 < (int64_t(1) << 31), "compressor_pool_rows", "out has ", out.numel(),
+                  " elements, beyond the CUDA grid limit");
+  const c10::cuda::CUDAGuard guard(ring_kv.device());
+  attention::CompressorPoolRowsParams p{};
+  p.rows = compressor_rows(ring_kv, ring_gate, new_kv, new_gate, ring_src);
+  p.ape = ape.const_data_ptr<float>();
+  p.cur = cur.const_data_ptr<int64_t>();
+  p.prev = prev.has_value() ? prev->const_data_ptr<int64_t>() : nullptr;
+  p.prev_ok = prev_ok.has_value() ? prev_ok->const_data_ptr<int64_t>() : nullptr;
+  p.dst = dst.const_data_ptr<int64_t>();
+  p.out = out.mutable_data_ptr();
+  p.n = cur.size(0);
+  p.m = cur.size(1);
+  p.hd = out.size(1);
+  attention::launch_compressor_pool_rows(p, current_stream());
+}
+
+void compressor_state_write_cuda(at::Tensor& ring_kv, at::Tensor& ring_gate, const at::Tensor& new_kv,
+                                 const at::Tensor& new_gate, const at::Tensor& ring_src, const at::Tensor& st_src,
+                                 const at::Tensor& st_dst) {
+  check_compressor_state_write(ring_kv, ring_gate, new_kv, new_gate, ring_src, st_src, st_dst);
+  if (st_src.numel() == 0 || ring_kv.numel() == 0) return;
+  DEEPINFER_CHECK(st_src.numel() * ring_kv.size(1) / 256 < (int64_t(1) << 31), "compressor_state_write",
+                  "too many state rows for the CUDA grid");
+  const c10::cuda::CUDAGuard guard(ring_kv.device());
+  attention::CompressorStateWriteParams p{};
+  p.rows = compressor_rows(ring_kv, ring_gate, new_kv, new_gate, ring_src);
+  p.ring_kv = ring_kv.mutable_data_ptr();
+  p.ring_gate = ring_gate.mutable_data_ptr();
+  p.st_src = st_src.const_data_ptr<int64_t>();
+  p.st_dst = st_dst.const_data_ptr<int64_t>();
+  p.n_st = st_src.size(0);
+  attention::launch_compressor_state_write(p, current_stream());
+}
+
 void indexer_k_cache_write_fp8_cuda(at::Tensor& k_cache, const at::Tensor& k, const at::Tensor& slot_mapping) {
   check_indexer_k_cache_fp8("indexer_k_cache_write_fp8", k_cache, k, "k", slot_mapping, /*writes_cache=*/true);
   if (k.size(0) == 0 || k_cache.numel() == 0) return;

@@ -42,6 +42,34 @@ def compressor_pool_ref(kv: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return (kv.float() * torch.softmax(gate.float(), dim=1)).sum(dim=1).to(kv.dtype)
 
 
+def _all_rows(ring: torch.Tensor, new: torch.Tensor, ring_src: torch.Tensor) -> torch.Tensor:
+    return torch.cat([ring[ring_src], new])
+
+
+def compressor_pool_rows_ref(ring_kv, ring_gate, new_kv, new_gate, ape, ring_src, cur, prev, prev_ok, dst):
+    """:func:`compressor_pool_ref` on the gathered slots (float32), rounded once; rows with ``dst < 0`` are 0."""
+    all_kv = _all_rows(ring_kv.float(), new_kv.float(), ring_src)
+    all_gate = _all_rows(ring_gate.float(), new_gate.float(), ring_src)
+    ape = ape.float()
+    kv, gate = all_kv[cur], all_gate[cur] + ape
+    if prev is not None:
+        hd = ring_kv.shape[-1] // 2
+        ok = (prev_ok != 0).view(-1, 1, 1)
+        kv = torch.cat([torch.where(ok, all_kv[prev][..., :hd], 0), kv[..., hd:]], dim=1)
+        gate = torch.cat([torch.where(ok, (all_gate[prev] + ape)[..., :hd], float("-inf")), gate[..., hd:]], dim=1)
+    out = (kv * torch.softmax(gate, dim=1)).sum(dim=1)
+    return torch.where((dst >= 0).view(-1, 1), out, 0).to(ring_kv.dtype)
+
+
+def compressor_state_write_ref(ring_kv, ring_gate, new_kv, new_gate, ring_src, st_src, st_dst):
+    """The rings after :func:`deepinfer_ops.compressor_state_write` (new tensors; the inputs are not changed)."""
+    out_kv, out_gate = ring_kv.clone(), ring_gate.clone()
+    keep = (st_dst >= 0) & (st_dst < ring_kv.shape[0])
+    for out, ring, new in ((out_kv, ring_kv, new_kv), (out_gate, ring_gate, new_gate)):
+        out[st_dst[keep]] = _all_rows(ring, new, ring_src)[st_src[keep]]
+    return out_kv, out_gate
+
+
 def moe_combine_ref(y: torch.Tensor, slot_rows: torch.Tensor, weights: torch.Tensor,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``sum_j weights[t, j] * y[slot_rows[t, j]]`` in float32 over the slots whose row is in ``[0, rows)``."""

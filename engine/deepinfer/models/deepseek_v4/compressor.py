@@ -40,36 +40,21 @@ class Compressor(nn.Module):
                 projected; ``ape`` is added in float32 when a window is pooled, as the reference does).
             cp: the step's lists for this ratio (:class:`~.plan.CompressorPlan`).
             state_kv / state_gate: ``[num_blocks, R, coff * hd]`` rings; pool: ``[num_blocks, 128 // m, hd]``.
-        Every read of the rings happens before any write (the gathered rows are a new tensor).
+        The rings are read (pooling) before they are written (state), and one state write never reads a slot it
+        writes: the plan moves state to another block's ring or writes new rows only.
         """
-        all_kv = torch.cat([state_kv.view(-1, state_kv.shape[-1])[cp.ring_src].to(kv_new.dtype), kv_new])
-        all_gate = torch.cat([state_gate.view(-1, state_gate.shape[-1])[cp.ring_src].to(gate_new.dtype), gate_new])
+        C = state_kv.shape[-1]
+        ring_kv, ring_gate = state_kv.view(-1, C), state_gate.view(-1, C)
+        kv_new, gate_new = kv_new.to(ring_kv.dtype), gate_new.to(ring_gate.dtype)
         if cp.n_close:
-            entries = self.pool_windows(all_kv, all_gate, cp)
+            entries = self.norm(deepinfer_ops.compressor_pool_rows(
+                ring_kv, ring_gate, kv_new, gate_new, self.ape.float(), cp.ring_src, cp.cur, cp.prev, cp.prev_ok,
+                cp.dst))
             deepinfer_ops.rotary_embedding(entries, cp.w_pos, rope_table)
             deepinfer_ops.kv_cache_write(pool, entries.to(pool.dtype), cp.dst)
         if cp.st_dst.shape[0]:
-            deepinfer_ops.kv_cache_write(state_kv, all_kv[cp.st_src].to(state_kv.dtype), cp.st_dst)
-            deepinfer_ops.kv_cache_write(state_gate, all_gate[cp.st_src].to(state_gate.dtype), cp.st_dst)
-
-    def pool_windows(self, all_kv: torch.Tensor, all_gate: torch.Tensor, cp: CompressorPlan) -> torch.Tensor:
-        """Compressed entries ``[n_close, hd]``. CSA (``overlap``): a window's slots are the ``Ca`` half of window
-        ``w - 1`` (``-inf`` gates where there is none: weight 0) followed by the ``Cb`` half of its own. Pooling:
-        the softmax over the slots of the float32 ``gate + ape`` and the gated sum
-        (:func:`deepinfer_ops.compressor_pool`: each window on its own in slot order, float32), then the RMS norm."""
-        hd = self.head_dim
-        ape = self.ape.float()
-        cur_kv = all_kv[cp.cur]  # [n, m, coff * hd]
-        cur_gate = all_gate[cp.cur].float() + ape
-        if self.overlap:
-            ok = cp.prev_ok.view(-1, 1, 1) != 0
-            prev_kv = torch.where(ok, all_kv[cp.prev][..., :hd], 0)
-            prev_gate = torch.where(ok, (all_gate[cp.prev].float() + ape)[..., :hd], float("-inf"))
-            slot_kv = torch.cat([prev_kv, cur_kv[..., hd:]], dim=1)
-            slot_gate = torch.cat([prev_gate, cur_gate[..., hd:]], dim=1)
-        else:
-            slot_kv, slot_gate = cur_kv, cur_gate
-        return self.norm(deepinfer_ops.compressor_pool(slot_kv.contiguous(), slot_gate.contiguous()))
+            deepinfer_ops.compressor_state_write(ring_kv, ring_gate, kv_new, gate_new, cp.ring_src, cp.st_src,
+                                                 cp.st_dst)
 
 
 class Indexer(nn.Module):
