@@ -406,7 +406,8 @@ class ChatFrontend:
         if media is not None:
             raise RequestError(f"this engine's models take no image or file input (a {media!r} content part)",
                                code="images_unsupported", param="messages" if "messages" in body else "input")
-        canonical = _digest(body)
+        # the transport fields do not change the answer: a streamed request and its non-streamed twin share ids
+        canonical = _digest({k: v for k, v in body.items() if k not in ("stream", "stream_options")})
         req_cls = {"chat": R.ChatCompletionRequest, "messages": R.MessagesRequest, "responses": R.ResponsesRequest}[api]
         try:
             req = req_cls(body)

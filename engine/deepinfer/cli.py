@@ -351,8 +351,11 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
               served_model_name=args.served_model_name, tokenizer=args.tokenizer)
     print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
     print(f"deepinfer: serving {llm.served_model_name!r} on http://{args.host}:{args.port}", file=sys.stderr)
-    run_server(llm, args.host, args.port, server_cfg, shutdown_timeout=args.shutdown_timeout,
-               log_level=args.log_level)
+    try:
+        run_server(llm, args.host, args.port, server_cfg, shutdown_timeout=args.shutdown_timeout,
+                   log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT / SIGTERM it handled: the shutdown was clean
+        pass
     return 0
 
 

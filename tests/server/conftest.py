@@ -54,6 +54,17 @@ class RunningServer:
             time.sleep(0.02)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_cpu_thread():
+    """Single-threaded torch for the module (the tiny model's small ops are slower with 2 threads on 2 cores)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def start_server():
     """``start_server(llm, config=None) -> RunningServer``; every server is shut down after the test."""

@@ -13,23 +13,12 @@ from conftest import RunningServer
 from deepinfer import LLM
 from deepinfer.server import ServerConfig
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 USER = [{"role": "user", "content": "Say something."}]
 KEY = "sk-test-key"
 
 
 @pytest.fixture(scope="module")
-def one_thread():
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-@pytest.fixture(scope="module")
-def server(one_thread):
+def server():
     s = RunningServer(LLM("tiny", max_num_seqs=16), ServerConfig(api_key=KEY))
     yield s
     s.close()
