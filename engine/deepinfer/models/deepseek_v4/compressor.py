@@ -14,6 +14,7 @@ from torch import nn
 
 import deepinfer_ops
 
+from .cache import write_cache
 from .config import DeepseekV4Config
 from .layers import Linear, RMSNorm, _param
 from .plan import CompressorPlan
@@ -39,7 +40,8 @@ class Compressor(nn.Module):
             kv_new / gate_new: ``[num_rows, coff * hd]`` projections of the step's tokens (ring rows keep them as
                 projected; ``ape`` is added in float32 when a window is pooled, as the reference does).
             cp: the step's lists for this ratio (:class:`~.plan.CompressorPlan`).
-            state_kv / state_gate: ``[num_blocks, R, coff * hd]`` rings; pool: ``[num_blocks, 128 // m, hd]``.
+            state_kv / state_gate: ``[window_blocks, R, coff * hd]`` rings; pool: ``[num_blocks, 128 // m, hd]``
+                (or its FP8 form, ``cache.py``).
         Every read of the rings happens before any write (the gathered rows are a new tensor).
         """
         all_kv = torch.cat([state_kv.view(-1, state_kv.shape[-1])[cp.ring_src].to(kv_new.dtype), kv_new])
@@ -47,7 +49,7 @@ class Compressor(nn.Module):
         if cp.n_close:
             entries = self.pool_windows(all_kv, all_gate, cp)
             deepinfer_ops.rotary_embedding(entries, cp.w_pos, rope_table)
-            deepinfer_ops.kv_cache_write(pool, entries.to(pool.dtype), cp.dst)
+            write_cache(pool, entries, cp.dst)
         if cp.st_dst.shape[0]:
             deepinfer_ops.kv_cache_write(state_kv, all_kv[cp.st_src].to(state_kv.dtype), cp.st_dst)
             deepinfer_ops.kv_cache_write(state_gate, all_gate[cp.st_src].to(state_gate.dtype), cp.st_dst)
