@@ -92,7 +92,8 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
                        seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
-                       enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
+                       enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+                       kv_cache_dtype=args.kv_cache_dtype)
     lines = _read_lines(args.input)
     if args.summary_json and not Path(args.summary_json).resolve().parent.is_dir():  # checked before the run
         raise ValueError(f"--summary-json: the folder of {args.summary_json!r} does not exist")
@@ -252,6 +253,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
                    help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
+    g.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
+                   help="window / compressed KV and indexer keys: the model dtype (auto), bfloat16, or FP8 entries")
     g.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
     g.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (decode steps on CUDA otherwise replay graphs captured at start-up)")

@@ -40,6 +40,9 @@ class EngineConfig:
             GEMMs). A model object passed to ``LLM`` keeps its own.
         enforce_eager: never capture or replay CUDA graphs (decode steps of the FP8 path on CUDA otherwise replay
             a graph captured per batch-size bucket at start-up).
+        kv_cache_dtype: storage of the window KV, compressed KV and indexer keys: ``"auto"`` (the model dtype),
+            ``"bf16"`` or ``"fp8"`` (DeepSeek-V4: MODEL1 FP8 entries and FP8 indexer keys; the compressor state stays
+            in the model dtype). A model that cannot store the choice refuses it naming ``kv_cache_dtype``.
         async_scheduling: schedule and enqueue step N + 1 while the device runs step N; the sampled ids stay on the
             device and feed the next step, stops and finishes are applied one step late (the extra token of a
             finished request is dropped). Steps of requests with frequency / presence penalties run in order.
@@ -62,6 +65,7 @@ class EngineConfig:
     gemm: str = "auto"
     enforce_eager: bool = False
     async_scheduling: bool = True
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting has the wrong type or is out of range."""
@@ -100,6 +104,8 @@ class EngineConfig:
                 f"EngineConfig.max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= prefill_chunk_align "
                 f"({align}) in batch-invariant mode, or a long prompt could never advance"
             )
+        if self.kv_cache_dtype not in ("auto", "bf16", "fp8"):
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be 'auto', 'bf16' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.gemm not in ("auto", "fp8", "dequant"):
             raise ValueError(f"EngineConfig.gemm must be 'auto', 'fp8' or 'dequant', got {self.gemm!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -15,7 +15,7 @@ import torch
 
 import deepinfer_ops
 
-from deepinfer.block_manager import BlockManager
+from deepinfer.block_manager import BlockManager, window_blocks_needed
 from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record, resolve_tokenizer_json
 from deepinfer.config import EngineConfig
 from deepinfer.engine import LLMEngine, OutputProcessor
@@ -231,18 +231,33 @@ class LLM:
         if not limits:
             raise ValueError("LLM: the context limit is unknown (set EngineConfig.max_model_len)")
         self.max_model_len = min(limits)
+        spec = self._cache_spec()
+        window_blocks = None  # a model with cache groups: the sliding-window group's blocks (never more than full's)
+        if spec is not None:
+            window_blocks = window_blocks_needed(spec.lookback, cfg.block_size, cfg.max_num_seqs,
+                                                 cfg.max_num_batched_tokens)
+        elif cfg.kv_cache_dtype != "auto":
+            raise ValueError(f"EngineConfig.kv_cache_dtype: {type(self.model).__name__} has no cache spec to store "
+                             f"{cfg.kv_cache_dtype!r} in; use 'auto'")
         if cfg.num_blocks is None:
-            cfg.num_blocks = self._derive_num_blocks()
-        self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
-        self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
+            cfg.num_blocks = self._derive_num_blocks(spec, window_blocks)
+        if spec is not None:
+            window_blocks = min(window_blocks, cfg.num_blocks)
+            self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size,
+                                              spec.cache_groups(cfg.num_blocks, window_blocks))
+            self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size, window_blocks=window_blocks,
+                                        kv_cache_dtype=cfg.kv_cache_dtype)
+        else:
+            self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
+            self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
                                   enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
                                   max_model_len=self.max_model_len)
-        spec = getattr(self.cache, "spec", None)
         self.engine = LLMEngine(cfg, self.scheduler, self.runner)
         self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
-                        "cache_bytes_per_token": spec.bytes_per_token() if hasattr(spec, "bytes_per_token") else None,
+                        "cache_bytes_per_token": spec.bytes_per_token() if spec is not None else None,
+                        "cache": spec.report(cfg.num_blocks, window_blocks) if spec is not None else None,
                         "cuda_graphs": sorted(self.runner.graphs),
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
                         "graph_memory_bytes": self.runner.graph_memory_bytes}
@@ -260,31 +275,38 @@ class LLM:
         self.last_stats = EngineStats()
 
     # ------------------------------------------------------------------ helpers
-    def _cache_bytes_per_block(self) -> int | None:
-        n = getattr(self.model, "cache_bytes_per_block", None)
-        if n:
-            return int(n)
+    def _cache_spec(self):
+        """The cache spec (cache groups, ``kv_cache_dtype``) of a model of a registered family, else None (a test
+        double). Raises ValueError naming ``kv_cache_dtype`` when the model cannot store it."""
+        from deepinfer.models.registry import model_family
+
         try:
-            from deepinfer.models.registry import model_family
-
-            spec = model_family(getattr(self.model.config, "extra", {}).get("model_type")).cache_spec
-            return spec(self.model.config, getattr(self.model, "dtype", torch.bfloat16),
-                        self.config.block_size).bytes_per_block
-        except Exception:  # noqa: BLE001 - a model without the V4 cache spec (e.g. a test double)
+            family = model_family(getattr(getattr(self.model, "config", None), "extra", {}).get("model_type"))
+        except (ValueError, AttributeError):
             return None
+        if not isinstance(self.model, family.model_class):
+            return None
+        return family.cache_spec(self.model.config, self.model.dtype, self.config.block_size,
+                                 self.config.kv_cache_dtype)
 
-    def _derive_num_blocks(self) -> int:
-        """Enough blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and, when the model
-        reports its bytes per block, by ``gpu_memory_utilization`` of the free CUDA memory or ``cpu_cache_gib``."""
+    def _derive_num_blocks(self, spec, window_blocks: int | None) -> int:
+        """Enough ``full``-group blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and,
+        when the model reports its bytes per block, by ``gpu_memory_utilization`` of the free CUDA memory or
+        ``cpu_cache_gib``, less the ``window`` group's ``window_blocks``. Not counted yet: CUDA-graph memory (the
+        graphs are captured after the cache is allocated)."""
         cfg = self.config
         per_seq = -(-self.max_model_len // cfg.block_size)
         n = min(cfg.max_cache_blocks, cfg.max_num_seqs * per_seq)
-        bytes_per_block = self._cache_bytes_per_block()
+        bytes_per_block, reserved = getattr(self.model, "cache_bytes_per_block", None), 0
+        if spec is not None:
+            per_group = spec.group_bytes_per_block()
+            bytes_per_block = per_group["full"] or 1
+            reserved = min(window_blocks, n) * per_group["window"]
         if bytes_per_block and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            n = min(n, int(free * cfg.gpu_memory_utilization) // bytes_per_block)
+            n = min(n, (int(free * cfg.gpu_memory_utilization) - reserved) // int(bytes_per_block))
         elif bytes_per_block and self.device.type == "cpu":
-            n = min(n, int(cfg.cpu_cache_gib * (1 << 30)) // bytes_per_block)
+            n = min(n, (int(cfg.cpu_cache_gib * (1 << 30)) - reserved) // int(bytes_per_block))
         return max(1, n)
 
     @property

@@ -17,16 +17,18 @@ import time
 
 import torch
 
+from deepinfer.block_manager import WINDOW_GROUP
 from deepinfer.forward_batch import ForwardBatch, index_tensors
 from deepinfer.sampler import Sampler
 from deepinfer.scheduler import ScheduledSeq
 
 
-def allocate_cache(model, num_blocks: int, block_size: int):
+def allocate_cache(model, num_blocks: int, block_size: int, **options):
     """Ask the model for its paged cache of ``num_blocks`` blocks of ``block_size`` tokens.
 
-    The model exposes ``allocate_cache(num_blocks)`` (its block size is fixed by its cache spec, which must equal
-    ``block_size``; checked when the model reports ``cache_spec.block_size`` or ``config_block_size``).
+    The model exposes ``allocate_cache(num_blocks, **options)`` (its block size is fixed by its cache spec, which
+    must equal ``block_size``; checked when the model reports ``cache_spec.block_size`` or ``config_block_size``);
+    ``options`` (e.g. ``window_blocks``, ``kv_cache_dtype``) are given only to a model with cache groups.
 
     Raises:
         ValueError: the model's block size differs from the engine's.
@@ -38,7 +40,7 @@ def allocate_cache(model, num_blocks: int, block_size: int):
         raise ValueError(f"EngineConfig.block_size ({block_size}) differs from the model's cache block size ({model_bs})")
     if not hasattr(model, "allocate_cache"):
         raise TypeError(f"{type(model).__name__} has no allocate_cache(num_blocks): it does not implement the engine contract")
-    return model.allocate_cache(num_blocks)
+    return model.allocate_cache(num_blocks, **options)
 
 
 def graph_buckets(max_num_seqs: int) -> list[int]:
@@ -65,6 +67,12 @@ def _step_inputs(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int], l
         if item.needs_logits:
             logits_rows.append(len(ids) - 1)
     return ids, logits_rows, feed
+
+
+def _window_ids(tables: dict[str, list[int]]) -> tuple[int, ...] | None:
+    """The ``window`` cache group's table (``None`` for a single-group cache)."""
+    t = tables.get(WINDOW_GROUP)
+    return None if t is None else tuple(t)
 
 
 def build_forward_batch(scheduled: list[ScheduledSeq], device: torch.device | str,
@@ -227,7 +235,8 @@ class ModelRunner:
         if self.builder is not None:
             from deepinfer.models.deepseek_v4.plan import SeqStep
 
-            seqs = [SeqStep(item.start, item.num_new_tokens, tuple(item.seq.block_table)) for item in scheduled]
+            seqs = [SeqStep(item.start, item.num_new_tokens, tuple(item.seq.block_table),
+                            _window_ids(item.seq.block_tables)) for item in scheduled]
             graph = self._graph_for(scheduled)
             if graph is not None:
                 plan = self.builder.build(seqs, ids, logits_rows, self.batch_invariant, capacity=graph.capacity,

@@ -18,7 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from deepinfer.block_manager import BlockManager, blocks_for
+from deepinfer.block_manager import BlockManager
 from deepinfer.config import EngineConfig
 from deepinfer.sequence import Sequence, SequenceStatus
 
@@ -69,12 +69,15 @@ class Scheduler:
                 seq, "context_length_exceeded",
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {need_len} "
                 f"exceeds the model's context length ({self.max_model_len})")
-        need_blocks = blocks_for(need_len, self.block_manager.block_size)
-        if need_blocks > self.block_manager.num_blocks:
-            return self._refuse(
-                seq, "cache_exhausted",
-                f"prompt + max_tokens = {need_len} tokens need {need_blocks} cache blocks of "
-                f"{self.block_manager.block_size}, but the cache holds only {self.block_manager.num_blocks}")
+        bm = self.block_manager
+        peak = bm.peak_blocks(need_len, self.config.max_num_batched_tokens)
+        for g in bm.groups:  # every cache group must hold the request alone
+            if peak[g.name] > g.num_blocks:
+                where = "" if g.name == bm.main else f" of cache group {g.name!r}"
+                return self._refuse(
+                    seq, "cache_exhausted",
+                    f"prompt + max_tokens = {need_len} tokens need {peak[g.name]} cache blocks{where} of "
+                    f"{bm.block_size}, but the cache holds only {g.num_blocks}")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
         return True

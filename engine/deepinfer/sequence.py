@@ -123,10 +123,11 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """One request inside the engine.
 
-    ``num_computed_tokens`` counts the context positions whose cache entries exist; ``block_table`` holds the
-    block ids covering them (block j covers positions ``[j * block_size, (j + 1) * block_size)``). Preemption by
-    recompute frees the blocks and resets ``num_computed_tokens`` to 0; the output tokens are kept and are
-    recomputed as part of the context.
+    ``num_computed_tokens`` counts the context positions whose cache entries exist; ``block_tables[group]`` holds
+    the block ids of each cache group covering them (block j covers positions ``[j * block_size, (j + 1) *
+    block_size)``; ``-1`` for a block a sliding-window group released, see ``deepinfer.block_manager``).
+    Preemption by recompute frees the blocks and resets ``num_computed_tokens`` to 0; the output tokens are kept
+    and are recomputed as part of the context.
     """
 
     seq_id: int
@@ -137,7 +138,7 @@ class Sequence:
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     num_computed_tokens: int = 0
-    block_table: list[int] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_token_id: int | None = None  # the EOS / stop id that ended it (not appended)
@@ -151,6 +152,11 @@ class Sequence:
     finish_time: float | None = None
     # (number of output tokens counted, {token_id: count}) for the penalties; kept up to date by the sampler
     _output_counts: tuple[int, dict[int, int]] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The table of the first cache group (``"full"``: the only one of a single-group model); read-only."""
+        return next(iter(self.block_tables.values()), [])
 
     @property
     def num_prompt_tokens(self) -> int:

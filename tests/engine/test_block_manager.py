@@ -40,7 +40,7 @@ def test_free_checks_ownership():
     bm = BlockManager(num_blocks=2, block_size=4)
     a, b = _seq(0), _seq(1)
     bm.allocate(a, 4)
-    b.block_table = list(a.block_table)  # a corrupted table
+    b.block_tables = {"full": list(a.block_table)}  # a corrupted table
     with pytest.raises(RuntimeError, match="owned by 0"):
         bm.free(b)
 

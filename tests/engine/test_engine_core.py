@@ -217,7 +217,8 @@ def test_graph_dummy_plans_build_for_every_bucket():
         cap, plan = runner.dummy_plan(bucket, llm.max_model_len)
         assert plan.num_rows == bucket and plan.graph and plan.tok_bt.shape == (bucket, cap.max_blocks)
         flat = plan.input_ids.untyped_storage().nbytes() // 8
-        step = [SeqStep(300 + 5 * i, 1, tuple(range(4 * i, 4 * i + 4))) for i in range(max(1, bucket - 1))]
+        step = [SeqStep(300 + 5 * i, 1, tuple(range(4 * i, 4 * i + 4)), (-1,) + tuple(range(3 * i, 3 * i + 3)))
+                for i in range(max(1, bucket - 1))]  # window block 0 released (before 300 - 127)
         real = runner.builder.build(step, [5] * len(step), list(range(len(step))), capacity=cap, finalize=False)
         assert real.input_ids.untyped_storage().nbytes() // 8 == flat
 

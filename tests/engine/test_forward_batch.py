@@ -25,9 +25,9 @@ def test_build_forward_batch_mixed_prefill_and_decode():
     """A prefill chunk (no logits row: its prompt is not done), a finishing prefill chunk and a decode: ids,
     positions, lengths, logits rows and the block tables padded with -1 to the longest."""
     p = SamplingParams()
-    chunk = Sequence(0, list(range(10, 20)), p, 0, block_table=[4, 9])
-    done = Sequence(1, [5, 6, 7], p, 0, num_computed_tokens=1, block_table=[2])
-    dec = Sequence(2, [8, 9], p, 0, output_token_ids=[42], num_computed_tokens=2, block_table=[7, 1, 3])
+    chunk = Sequence(0, list(range(10, 20)), p, 0, block_tables={"full": [4, 9]})
+    done = Sequence(1, [5, 6, 7], p, 0, num_computed_tokens=1, block_tables={"full": [2]})
+    dec = Sequence(2, [8, 9], p, 0, output_token_ids=[42], num_computed_tokens=2, block_tables={"full": [7, 1, 3]})
     fb = build_forward_batch([ScheduledSeq(chunk, 4, 0, False), ScheduledSeq(done, 2, 1, True),
                               ScheduledSeq(dec, 1, 2, True)], "cpu", True)
     assert fb.input_ids.tolist() == [10, 11, 12, 13, 6, 7, 42]

@@ -19,7 +19,9 @@ class ModelFamily:
         model_type: the ``config.json`` ``model_type`` it serves.
         config_class: ``from_dict(config_json) -> config`` (raises ValueError naming the key).
         expected_parameters: ``config -> {native name: (shape, kind)}``.
-        cache_spec: ``(config, dtype, block_size) -> spec`` with ``bytes_per_block`` and ``bytes_per_token()``.
+        cache_spec: ``(config, dtype, block_size, kv_cache_dtype) -> spec`` with ``bytes_per_block``,
+            ``bytes_per_token()``, ``group_bytes_per_block()``, ``lookback``, ``cache_groups(num_blocks,
+            window_blocks)`` and ``report(num_blocks, window_blocks)`` (``deepinfer.models.deepseek_v4.cache``).
         model_class: built as ``model_class(config, dtype, gemm)``; ``forward(plan, cache)``, ``plan_builder(cache)``.
         init_parameters: ``(config, seed) -> {name: tensor}`` deterministic random weights (synthetic presets).
         tiny_config: the ``config.json`` dict of its built-in tiny preset.

@@ -16,6 +16,7 @@ from torch import nn
 
 import deepinfer_ops
 
+from .cache import query_dtype, write_cache
 from .compressor import Compressor, Indexer
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
 from .layers import Linear, RMSNorm, _param, linear_rows, quant_act_fp8
@@ -112,8 +113,8 @@ class Attention(nn.Module):
         lt = self.layer_type
         # 1. the step's cache writes: raw K=V of every token (padding rows have slot -1: skipped), then every window
         #    closing in this step (compressed entries and indexer keys)
-        kv_cache = pools["kv"]  # [num_blocks, B, hd]
-        deepinfer_ops.kv_cache_write(kv_cache, kv.to(kv_cache.dtype), plan.token_slots)
+        kv_cache = pools["kv"]  # window group: [window_blocks, B, hd] (FP8: [.., 584] uint8)
+        write_cache(kv_cache, kv, plan.token_slots)
         comp_cache = comp_idx = None
         if lt != SLIDING:
             m = self.ratio
@@ -133,7 +134,8 @@ class Attention(nn.Module):
                     iq = idx.wq_b(qr, rows).view(T, idx.n_heads, idx.head_dim).contiguous()
                     deepinfer_ops.rotary_embedding(iq, positions, rope_table)
                     iw = proj[4].float() * (idx.n_heads ** -0.5)
-                    ent = idx.select(iq, iw, pools["idx"].to(iq.dtype), n_ent, plan.derived["tok_bt32"],
+                    ikeys = pools["idx"]
+                    ent = idx.select(iq.to(query_dtype(ikeys)), iw, ikeys, n_ent, plan.derived["tok_bt32"],
                                      plan.derived[f"n_vis{m}"], ties)
                     per_block = comp_cache.shape[1]
                     ec = ent.clamp(max=n_ent - 1)
@@ -142,7 +144,7 @@ class Attention(nn.Module):
                                            -1).to(torch.int32)
         # 2. sparse MQA over the window and the entries (K = V, one shared head), the per-head sink in the denominator
         out, _ = deepinfer_ops.sparse_mqa_prefill(
-            q.to(kv_cache.dtype).contiguous(), kv_cache, plan.derived["win_idx"], hd ** -0.5,
+            q.to(query_dtype(kv_cache)).contiguous(), kv_cache, plan.derived["win_idx"], hd ** -0.5,
             extra_kv_cache=comp_cache, extra_indices=comp_idx, attn_sink=self.attn_sink.float().contiguous())
         out = out.to(x.dtype)
         deepinfer_ops.rotary_embedding(out, positions, rope_table, inverse=True)

@@ -14,6 +14,7 @@ from torch import nn
 
 import deepinfer_ops
 
+from .cache import write_cache
 from .config import DeepseekV4Config
 from .layers import Linear, RMSNorm, _param
 from .plan import CompressorPlan
@@ -39,7 +40,8 @@ class Compressor(nn.Module):
             kv_new / gate_new: ``[num_rows, coff * hd]`` projections of the step's tokens (ring rows keep them as
                 projected; ``ape`` is added in float32 when a window is pooled, as the reference does).
             cp: the step's lists for this ratio (:class:`~.plan.CompressorPlan`).
-            state_kv / state_gate: ``[num_blocks, R, coff * hd]`` rings; pool: ``[num_blocks, 128 // m, hd]``.
+            state_kv / state_gate: ``[window_blocks, R, coff * hd]`` rings; pool: ``[num_blocks, 128 // m, hd]``
+                (or its FP8 form, ``cache.py``).
         The rings are read (pooling) before they are written (state), and one state write never reads a slot it
         writes: the plan moves state to another block's ring or writes new rows only.
         """
@@ -51,7 +53,7 @@ class Compressor(nn.Module):
                 ring_kv, ring_gate, kv_new, gate_new, self.ape.float(), cp.ring_src, cp.cur, cp.prev, cp.prev_ok,
                 cp.dst))
             deepinfer_ops.rotary_embedding(entries, cp.w_pos, rope_table)
-            deepinfer_ops.kv_cache_write(pool, entries.to(pool.dtype), cp.dst)
+            write_cache(pool, entries, cp.dst)
         if cp.st_dst.shape[0]:
             deepinfer_ops.compressor_state_write(ring_kv, ring_gate, kv_new, gate_new, cp.ring_src, cp.st_src,
                                                  cp.st_dst)

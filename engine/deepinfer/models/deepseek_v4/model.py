@@ -156,8 +156,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         """Take over native tensors as the parameters of this freshly built model (see :func:`.loading.load_native`).
         Raises ValueError naming the tensor for missing / unexpected names and shape mismatches."""
         load_native(self, tensors, device)
-    def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None) -> DeepseekV4Cache:
-        return allocate_cache(self.config, num_blocks, device or self.embed.weight.device, self.dtype)
+    def allocate_cache(self, num_blocks: int, device: torch.device | str | None = None,
+                       window_blocks: int | None = None, kv_cache_dtype: str = "auto") -> DeepseekV4Cache:
+        """:func:`.cache.allocate_cache` for this model's config and dtype (``window_blocks`` default
+        ``num_blocks``: one block table serves both cache groups)."""
+        return allocate_cache(self.config, num_blocks, device or self.embed.weight.device, self.dtype, window_blocks,
+                              kv_cache_dtype)
 
     # ---- rope ---------------------------------------------------------------------------------------------------
     def _rope(self, kind: str, max_pos: int, device: torch.device) -> torch.Tensor:
@@ -179,10 +183,11 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     def plan_builder(self, cache: DeepseekV4Cache) -> PlanBuilder:
         """The :class:`PlanBuilder` of ``cache``'s geometry (one per cache size and device, reused)."""
-        key = (cache.block_size, cache.num_blocks, cache.device)
+        key = (cache.block_size, cache.num_blocks, cache.window_blocks, cache.device)
         b = self._plan_builders.get(key)
         if b is None:
-            b = self._plan_builders[key] = PlanBuilder(self.config, cache.block_size, cache.num_blocks, cache.device)
+            b = self._plan_builders[key] = PlanBuilder(self.config, cache.block_size, cache.num_blocks, cache.device,
+                                                       cache.window_blocks)
         return b
 
     def step_pad(self, batch_invariant: bool, device: torch.device | str) -> int:

@@ -21,17 +21,21 @@ import torch
 
 from deepinfer.forward_batch import ForwardBatch, HostStager
 
+from .cache import window_lookback
 from .config import CSA, HCA, DeepseekV4Config
 
 
 @dataclass(frozen=True)
 class SeqStep:
-    """One sequence of a step (host data): tokens at positions ``[c0, c0 + q)``, cache blocks ``block_ids``
-    (block j covers positions ``[j * block_size, (j + 1) * block_size)``)."""
+    """One sequence of a step (host data): tokens at positions ``[c0, c0 + q)``, ``full``-group blocks
+    ``block_ids`` and ``window``-group blocks ``window_ids`` (block j of either covers positions
+    ``[j * block_size, (j + 1) * block_size)``; ``window_ids`` entries before the step's window, the blocks that end
+    at or before ``c0 - lookback``, are not read and may be -1; ``None``: ``block_ids`` serve both groups)."""
 
     c0: int
     q: int
     block_ids: tuple[int, ...]
+    window_ids: tuple[int, ...] | None = None
 
     @property
     def L(self) -> int:
@@ -89,8 +93,10 @@ class StepPlan:
         max_len: longest context of the step (or the capacity): the RoPE table covers it.
         block_size: tokens per cache block.
         input_ids, positions: ``[num_rows]`` int64 (padding rows: token 0 at position 0).
-        token_slots: ``[num_rows]`` int64 window-KV slot of each token (``-1`` on padding rows).
-        tok_bt: ``[num_rows, max_blocks]`` int64 block table of each token's sequence (``-1`` pads).
+        token_slots: ``[num_rows]`` int64 window-group slot of each token (``-1`` on padding rows).
+        tok_bt: ``[num_rows, max_blocks]`` int64 ``full``-group block table of each token's sequence (``-1`` pads).
+        tok_wbt: ``[num_rows, window_blocks]`` int64 ``window``-group blocks of each token's sequence from block
+            index ``win_base`` on (``-1`` pads); win_base: ``[num_rows]`` int64.
         logits_indices: ``[num_logit_rows]`` int64.
         row_valid: ``[num_rows]`` int64, 1 for real rows (graph mode) or None (every row up to ``num_tokens`` is real).
         comp: ``{ratio: CompressorPlan}``.
@@ -116,6 +122,8 @@ class StepPlan:
     n_ent: dict[int, int]
     graph: bool = False
     derived: dict = field(default_factory=dict)
+    tok_wbt: torch.Tensor | None = None
+    win_base: torch.Tensor | None = None
 
     def finalize(self, config: DeepseekV4Config) -> "StepPlan":
         """Derive the window / entry index lists (device ops only, once per step)."""
@@ -124,7 +132,8 @@ class StepPlan:
         pos = self.positions
         p = pos.view(-1, 1) + torch.arange(-W + 1, 1, device=dev)
         pc = p.clamp(min=0)
-        blk = self.tok_bt.gather(1, pc // B)
+        col = (pc // B - self.win_base.view(-1, 1)).clamp(0, self.tok_wbt.shape[1] - 1)
+        blk = self.tok_wbt.gather(1, col)
         self.derived["win_idx"] = torch.where((p >= 0) & (blk >= 0), blk * B + pc % B, -1).to(torch.int32)
         self.derived["tok_bt32"] = self.tok_bt.to(torch.int32)
         for m, n in self.n_ent.items():
@@ -153,14 +162,18 @@ class PlanBuilder:
     Args:
         config: the model config (ratios, sliding window).
         block_size: cache block size (a multiple of every compression ratio).
-        num_blocks: cache capacity; block ids must lie in ``[0, num_blocks)``.
+        num_blocks: ``full``-group capacity; its block ids must lie in ``[0, num_blocks)``.
         device: where the plan's tensors go.
+        window_blocks: ``window``-group capacity (default ``num_blocks``).
     """
 
-    def __init__(self, config: DeepseekV4Config, block_size: int, num_blocks: int, device: torch.device | str):
+    def __init__(self, config: DeepseekV4Config, block_size: int, num_blocks: int, device: torch.device | str,
+                 window_blocks: int | None = None):
         self.config = config
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.window_blocks = num_blocks if window_blocks is None else window_blocks
+        self.lookback = window_lookback(config)
         self.device = torch.device(device)
         self._stager = HostStager()
         kinds = {config.layer_type_of_ratio(r) for r in tuple(config.compress_ratios) + tuple(config.mtp_compress_ratios)}
@@ -188,26 +201,48 @@ class PlanBuilder:
                              f"integer): {list(ids)}")
         if len(set(ids)) != nb:
             raise ValueError(f"block_tables: sequence {i} lists a block twice: {list(ids)}")
+        if s.window_ids is not None:
+            w0 = self.first_window_block(s.c0)
+            if nb > len(s.window_ids):
+                raise ValueError(f"window_block_tables: sequence {i} needs {nb} blocks for {s.L} tokens, row has "
+                                 f"{len(s.window_ids)}")
+            wids = s.window_ids[w0:nb]
+            if any(not _is_int(b) or b < 0 or b >= self.window_blocks for b in wids):
+                raise ValueError(f"window_block_tables: sequence {i} uses a block id outside [0, "
+                                 f"{self.window_blocks}) (or not an integer) in blocks {w0}..{nb - 1}: {list(wids)}")
+            if len(set(wids)) != nb - w0:
+                raise ValueError(f"window_block_tables: sequence {i} lists a block twice: {list(wids)}")
+        elif nb and max(ids) >= self.window_blocks:
+            raise ValueError(f"block_tables: sequence {i} uses a block id outside the window group's [0, "
+                             f"{self.window_blocks}): {list(ids)}")
         if s.L > self.config.max_position_embeddings:
             raise ValueError(f"context_lens: {s.L} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}")
 
+    def first_window_block(self, c0: int) -> int:
+        """Index of the first ``window``-group block a step starting at ``c0`` reads."""
+        return max(0, c0 - self.lookback) // self.block_size
+
     def check_step(self, seqs: list[SeqStep]) -> None:
-        """Validate the whole step: every sequence (:meth:`check_seq`), and no block a sequence writes this step
-        (those holding positions ``c0 .. L - 1``) is used by another sequence of the step (full blocks read by
-        several sequences, a shared prefix, are fine). Raises ValueError naming the field."""
+        """Validate the whole step: every sequence (:meth:`check_seq`), and in each cache group no block a sequence
+        writes this step (those holding positions ``c0 .. L - 1``) is used by another sequence of the step (full
+        blocks read by several sequences, a shared prefix, are fine). Raises ValueError naming the field."""
         B = self.block_size
-        owner: dict[int, int] = {}
         for i, s in enumerate(seqs):
             self.check_seq(i, s)
-        for i, s in enumerate(seqs):
-            for b in s.block_ids[s.c0 // B:_blocks_for(s.L, B)]:
-                owner[b] = i
-        for i, s in enumerate(seqs):
-            for b in s.block_ids[:_blocks_for(s.L, B)]:
-                if owner.get(b, i) != i:
-                    raise ValueError(f"block_tables: block {b} is written by sequence {owner[b]} in this step and "
-                                     f"also used by sequence {i}")
+        for name, ids_of, first_of in (
+                ("block_tables", lambda s: s.block_ids, lambda s: 0),
+                ("window_block_tables", lambda s: s.block_ids if s.window_ids is None else s.window_ids,
+                 lambda s: self.first_window_block(s.c0))):
+            owner: dict[int, int] = {}
+            for i, s in enumerate(seqs):
+                for b in ids_of(s)[s.c0 // B:_blocks_for(s.L, B)]:
+                    owner[b] = i
+            for i, s in enumerate(seqs):
+                for b in ids_of(s)[first_of(s):_blocks_for(s.L, B)]:
+                    if owner.get(b, i) != i:
+                        raise ValueError(f"{name}: block {b} is written by sequence {owner[b]} in this step and "
+                                         f"also used by sequence {i}")
 
     def build(self, seqs: list[SeqStep], input_ids: list[int] | torch.Tensor, logits_indices: list[int],
               batch_invariant: bool = False, pad_multiple: int = 0, capacity: Capacity | None = None,
@@ -253,16 +288,20 @@ class PlanBuilder:
                                  f"{capacity}")
             rows = capacity.num_seqs
             nb = capacity.max_blocks
+            nwb = _blocks_for(self.lookback, B) + 1  # a decode's window spans at most this many blocks
             max_len = capacity.max_len
         else:
             rows = -(-T // pad_multiple) * pad_multiple if pad_multiple > 0 else T
             nb = max((_blocks_for(s.L, B) for s in seqs), default=1) or 1
+            nwb = max((_blocks_for(s.L, B) - self.first_window_block(s.c0) for s in seqs), default=1) or 1
             max_len = max((s.L for s in seqs), default=0)
         chunks: dict[str, np.ndarray] = {}
         S = len(seqs)
         positions = np.zeros(rows, dtype=np.int64)
         row_seq = np.full(rows, S, dtype=np.int64)  # padding rows -> the all -1 table row S
         seq_bt = np.full((S + 1, nb), -1, dtype=np.int64)
+        seq_wbt = np.full((S + 1, nwb), -1, dtype=np.int64)
+        seq_w0 = np.zeros(S + 1, dtype=np.int64)
         a = 0
         starts = []
         for i, s in enumerate(seqs):
@@ -270,14 +309,20 @@ class PlanBuilder:
             row_seq[a:a + s.q] = i
             k = _blocks_for(s.L, B)
             seq_bt[i, :k] = s.block_ids[:k]
+            w0 = seq_w0[i] = self.first_window_block(s.c0)
+            seq_wbt[i, :k - w0] = (s.block_ids if s.window_ids is None else s.window_ids)[w0:k]
             starts.append(a)
             a += s.q
         tok_bt = seq_bt[row_seq]
+        tok_wbt = seq_wbt[row_seq]
+        win_base = seq_w0[row_seq]
         slots = np.full(rows, -1, dtype=np.int64)
-        slots[:T] = tok_bt[np.arange(T), positions[:T] // B] * B + positions[:T] % B
+        slots[:T] = tok_wbt[np.arange(T), positions[:T] // B - win_base[:T]] * B + positions[:T] % B
         chunks["positions"] = positions
         chunks["token_slots"] = slots
         chunks["tok_bt"] = tok_bt
+        chunks["tok_wbt"] = tok_wbt
+        chunks["win_base"] = win_base
         n_logit_rows = capacity.num_seqs if capacity is not None else len(logits_indices)
         li = np.zeros(n_logit_rows, dtype=np.int64)
         li[:len(logits_indices)] = logits_indices
@@ -310,7 +355,7 @@ class PlanBuilder:
         plan = StepPlan(T, rows, len(logits_indices), max_len, B, batch_invariant, ids_t, views["positions"],
                         views["token_slots"], views["tok_bt"], views["logits_indices"],
                         views.get("row_valid"), comp, n_ent,
-                        graph=capacity is not None)
+                        graph=capacity is not None, tok_wbt=views["tok_wbt"], win_base=views["win_base"])
         return plan.finalize(self.config) if finalize else plan
 
     def check_ids(self, ids) -> None:
@@ -389,7 +434,8 @@ class PlanBuilder:
         ring_rows_cap = R - 1  # graph mode: ring reads per sequence (a decode reads at most R - 1 positions)
         for i, s in enumerate(seqs):
             c0, L = s.c0, s.L
-            bids = s.block_ids
+            bids = s.block_ids  # full group: compressed entries
+            wids = bids if s.window_ids is None else s.window_ids  # window group: the state rings
             s0 = max(0, (c0 // m) * m - m) if overlap else (c0 // m) * m
             first_w, end_w = c0 // m, L // m
             ends = list(range((c0 // B + 1) * B, L, B)) + [L]
@@ -399,7 +445,7 @@ class PlanBuilder:
             read = c0 > s0 and (end_w > first_w or any(st < c0 for st in starts_w))
             base = len(ring_src)
             if read:
-                blk = bids[(c0 - 1) // B]
+                blk = wids[(c0 - 1) // B]
                 ring_src.extend(blk * R + p % R for p in range(s0, c0))
             if capacity is not None:
                 ring_src.extend([0] * (base + ring_rows_cap - len(ring_src)))
@@ -420,7 +466,7 @@ class PlanBuilder:
                 w_pos.append(w * m)
                 dst.append(bids[(w * m) // B] * per_block + w % per_block)
             for E, st in zip(ends, starts_w):
-                blk = bids[(E - 1) // B]
+                blk = wids[(E - 1) // B]
                 for p in range(st, E):
                     st_src.append(row(p))
                     st_dst.append(blk * R + p % R)
