@@ -37,6 +37,7 @@ import gc
 import json
 import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -222,6 +223,12 @@ def profile_replays(llm, bucket: int, args, tag: str) -> None:
 
     g = llm.runner.graphs[bucket]
     torch.cuda.synchronize()
+    launch = []
+    for _ in range(10):  # the host cost of one replay call (the launch of every node), the GPU idle before it
+        t0 = time.perf_counter()
+        g.graph.replay()
+        launch.append(1e3 * (time.perf_counter() - t0))
+        torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(10):
             g.graph.replay()
@@ -231,7 +238,7 @@ def profile_replays(llm, bucket: int, args, tag: str) -> None:
     out = (args.out_dir or ROOT / "bench" / "results") / "profile_engine.txt"
     with open(out, "a") as f:
         f.write(f"\n==== {tag}: 10 replays of the decode graph of {bucket} sequences; {kernels / 10:.0f} kernels "
-                f"per replay\n{avg.table(sort_by='cuda_time_total', row_limit=40, max_name_column_width=90)}\n")
+                f"per replay; host ms per replay call: {statistics.median(launch):.3f}\n{avg.table(sort_by='cuda_time_total', row_limit=40, max_name_column_width=90)}\n")
 
 
 def best_of(runs: list[dict]) -> dict:

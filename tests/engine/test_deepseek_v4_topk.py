@@ -90,3 +90,18 @@ def test_hash_router_uses_tid2eid(model):
     ids = torch.tensor([0, 5, 129279, 5])
     _, idx = moe.route(torch.randn(4, c.hidden_size), ids)
     assert torch.equal(idx, moe.gate.tid2eid[ids])
+
+
+@pytest.mark.parametrize("rows,n,width", [(1, 1, 1), (7, 20, 32), (5, 33, 33), (3, 0, 4)])
+def test_pack_selected_equals_the_sorted_ids(rows, n, width):
+    from deepinfer.models.deepseek_v4.compressor import pack_selected
+
+    g = torch.Generator().manual_seed(rows * n + width)
+    keep = torch.rand(rows, n, generator=g) < 0.6
+    if rows > 1 and n:
+        keep[0] = True
+        keep[1] = False
+    got = pack_selected(keep, width)
+    ids = torch.where(keep, torch.arange(n), n)
+    want = torch.cat([ids, torch.full((rows, width - n), n)], dim=1).sort(dim=1).values
+    assert torch.equal(got, want)

@@ -9,7 +9,7 @@ namespace deepinfer {
 void hc_mix_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, double eps) {
   check_hc_mix(out, x, fn, eps);
   if (out.numel() == 0) return;
-  // one CTA row per 1024-wide part of K: gridDim.y <= 65535
+  // one CTA row per kHcMixPartK-wide part of K: gridDim.y <= 65535
   DEEPINFER_CHECK(x.size(1) <= mhc::kHcMixMaxK, "hc_mix", "x has K = ", x.size(1),
                   " columns; the CUDA kernel takes at most ", mhc::kHcMixMaxK);
   const c10::cuda::CUDAGuard guard(x.device());

@@ -95,14 +95,24 @@ class Indexer(nn.Module):
                                           block_table=bt32[r0:r1].contiguous(), k_end=k_end[r0:r1].contiguous())
             w = torch.arange(n_ent, device=dev).view(1, -1)
             visible = w < n_vis[r0:r1].view(-1, 1)
-            if n_ent <= self.topk:  # every visible entry with a finite score is selected: no ranking needed
-                ent[r0:r1, :n_ent] = torch.where(visible & torch.isfinite(sc), w, n_ent)
+            if n_ent <= self.topk:
+                ent[r0:r1] = pack_selected(visible & torch.isfinite(sc), self.topk)
                 continue
             ids, t = indexer_topk(sc, visible, self.topk)
             ties.append(t)
             ent[r0:r1, :ids.shape[1]] = torch.where(ids >= 0, ids, n_ent)
         # entry order (none last) so the keys are summed in the same order for any chunking or batch
-        return ent.sort(dim=1).values
+        return ent.sort(dim=1).values if n_ent > self.topk else ent
+
+
+def pack_selected(keep: torch.Tensor, width: int) -> torch.Tensor:
+    """The ids of the ``True`` entries of each row of ``keep [rows, n]`` (``n <= width``) in entry order, then ``n``:
+    ``[rows, width]`` int64, without a sort (each kept entry goes to the column of its running count)."""
+    rows, n = keep.shape
+    col = torch.where(keep, keep.cumsum(dim=1) - 1, width)  # the rest go to a spare column
+    packed = torch.full((rows, width + 1), n, dtype=torch.long, device=keep.device)
+    ids = torch.arange(n, device=keep.device).expand(rows, -1)
+    return packed.scatter_(1, col, ids)[:, :width]
 
 
 def indexer_topk(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,7 +8,7 @@ namespace deepinfer::mhc {
 
 inline constexpr int kMaxMix = 32;     // hc_mix outputs per token
 inline constexpr int kMaxStreams = 8;  // streams per token
-inline constexpr int64_t kHcMixPartK = 1024;  // hc_mix: K is cut into parts of this many columns (one CTA row each)
+inline constexpr int64_t kHcMixPartK = 256;  // hc_mix: K is cut into parts of this many columns (one CTA row each)
 inline constexpr int64_t kHcMixMaxK = 65535 * kHcMixPartK;  // at most 65535 parts (gridDim.y)
 
 struct HcMixParams {
