@@ -171,14 +171,19 @@ def json_text(v: Any) -> str:
     return "true" if v is True else "false" if v is False else _show(v)
 
 
-def _walk_strings(body: dict) -> None:
-    """Refuse nesting deeper than ``MAX_NESTING`` and strings with lone surrogates (not encodable as UTF-8),
-    naming the path. Iterative, so a deep body cannot exhaust the stack."""
+def _walk_values(body: dict) -> None:
+    """Refuse nesting deeper than ``MAX_NESTING``, strings with lone surrogates (not encodable as UTF-8), integers
+    beyond 64 bits and non-finite numbers anywhere, naming the path. Iterative, so a deep body cannot exhaust the stack."""
     stack: list[tuple[Any, str, int]] = [(v, k, 1) for k, v in body.items()]
     while stack:
         node, path, depth = stack.pop()
         if depth > MAX_NESTING:
             raise RequestError(f"{path}: nested deeper than {MAX_NESTING} levels", param=path.split(".")[0])
+        if isinstance(node, int) and not isinstance(node, bool) and not -INT63 <= node < 2 * INT63:
+            raise RequestError(f"{path}: integer {_show(node)} is outside the JSON number range (64 bits)",
+                               param=path)
+        if isinstance(node, float) and not math.isfinite(node):
+            raise RequestError(f"{path}: {node} is not a finite JSON number", param=path)
         if isinstance(node, str):
             try:
                 node.encode("utf-8")
@@ -246,7 +251,8 @@ def check_request(body: dict, api: str) -> None:
         RequestError: ``param`` is the field path: a field of the wrong JSON type, a number out of range or not
             finite, an unknown field (``code="unknown_parameter"``), a field or value the engine does not implement
             (``code="unsupported_parameter"``), a missing required field, more than ``MAX_STOP_SEQUENCES`` stop
-            strings, a string with a lone surrogate, nesting deeper than ``MAX_NESTING``, a tool type other than
+            strings, a string with a lone surrogate, an integer beyond 64 bits or a non-finite number at any depth,
+            nesting deeper than ``MAX_NESTING``, a tool type other than
             a function, or a ``tool_choice`` naming an undeclared tool.
         ValueError: an unknown ``api``.
     """
@@ -278,5 +284,5 @@ def check_request(body: dict, api: str) -> None:
         for i, s in enumerate(stops):
             if not isinstance(s, str) or not s:
                 raise RequestError(f"{key}[{i}] must be a non-empty string, got {_show(s)}", param=f"{key}[{i}]")
-    _walk_strings(body)
+    _walk_values(body)
     _check_tools(body, api)

@@ -10,6 +10,8 @@ json_object output, stop sequences, usage). This module only wires it to the eng
 * Tool-call ids (random in the recipe) are rewritten to ids derived from the request, so outputs are reproducible.
 * Unset seeds are drawn, used and reported in the response (``"seed"``).
 * Image URL fetching is off; when enabled, only public addresses are contacted and each image is byte-limited.
+* Top-level fields are checked first (``api_checks.check_request``); usage, hidden added tokens and tool calls the
+  request did not allow are settled from the sampled tokens (``PreparedChat.finish``; README "Outputs").
 """
 
 from __future__ import annotations
@@ -487,6 +489,23 @@ class ChatFrontend:
         self.image_fetcher = make_image_fetcher(image_max_bytes) if enable_image_fetch else None
         self.output_tokens = OutputTokens.from_file(str(tokenizer_json))
 
+    def _blame_field(self, req_cls, body: dict, api: str) -> str | None:
+        """The top-level field a recipe error without ``param`` is about: the first field whose removal (``model``:
+        the served name instead) lets the body convert; else the conversation itself (``messages`` / ``input``)."""
+        options = self.messages_options if api == "messages" else self.options
+        primary = "input" if api == "responses" else "messages"
+        for name in body:
+            if name == primary or (name == "max_tokens" and api == "messages"):
+                continue
+            trial = {**body, "model": self.served_model_name} if name == "model" else {
+                k: v for k, v in body.items() if k != name}
+            try:
+                req_cls(trial).convert(options)
+            except (R.ConversionError, ValueError, TypeError, OverflowError):
+                continue
+            return name
+        return primary if primary in body else None
+
     def prepare(self, body: Any, api: str = "chat", seed_source=None) -> PreparedChat:
         """Convert one request body.
 
@@ -496,7 +515,7 @@ class ChatFrontend:
             seed_source: callable returning a fresh seed for requests without one.
 
         Raises:
-            RequestError: malformed JSON, a body the recipe rejects (unknown role, empty messages, n > 1, bad
+            RequestError: malformed JSON, a field ``check_request`` refuses, a body the recipe rejects (unknown role, empty messages, n > 1, bad
                 max_tokens, unknown model, ...), a prompt beyond the context, or images while fetching is off.
         """
         if api not in API_KINDS:
@@ -509,7 +528,8 @@ class ChatFrontend:
         if not isinstance(body, dict):
             raise RequestError(f"a request body must be a JSON object, got {type(body).__name__}")
         body = dict(body)
-        body.setdefault("model", self.served_model_name)
+        if body.get("model") is None:
+            body["model"] = self.served_model_name
         check_request(body, api)
         if api == "chat" and body.get("max_completion_tokens") is not None:
             # OpenAI's current name of max_tokens (the recipe reads max_tokens only)
@@ -537,7 +557,10 @@ class ChatFrontend:
             # Messages follows Anthropic's contract: thinking only when the body asks for it
             conv = req.convert(self.messages_options if api == "messages" else self.options)
         except (R.ConversionError, ValueError, TypeError) as e:
-            raise _conversion_error(e) from None
+            err = _conversion_error(e)
+            if err.record["param"] is None:
+                err.record["param"] = self._blame_field(req_cls, body, api)
+            raise err from None
         if conv.model_version != self.model_version:
             # a recipe name of another model family would render the prompt in that family's format
             family = {R.ModelVersion.DeepseekV4Pro: "DeepSeek-V4", R.ModelVersion.DeepseekV41Flash: "DeepSeek-V4.1"}

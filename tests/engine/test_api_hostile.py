@@ -249,3 +249,33 @@ def test_logit_bias_toward_a_partial_utf8_token_keeps_its_tokens():
     assert out["usage"]["completion_tokens"] == 3 and choice["message"]["content"] == "\ufffd" * 3
     assert [e["bytes"] for e in choice["logprobs"]["content"]] == [[0xE4]] * 3
     assert all(e["logprob"] <= 0 for e in choice["logprobs"]["content"])
+
+
+# ------------------------------------------------------------------ item 5: seeded fuzz of every top-level field
+def _random_json(rng: random.Random, depth: int = 0):
+    kinds = [lambda: None, lambda: rng.choice([True, False]), lambda: rng.randrange(-5, 10),
+             lambda: rng.choice([0.5, -1.5, 1e308, float("nan"), float("-inf"), 3.0]),
+             lambda: rng.choice(["", "x", "a\ud800", "😀 ٣", "\u2028" * 3]), lambda: rng.randrange(-2 ** 70, 2 ** 70),
+             lambda: [_random_json(rng, depth + 1) for _ in range(rng.randrange(3))],
+             lambda: {rng.choice(["type", "name", "role", "x"]): _random_json(rng, depth + 1)},
+             lambda: {"type": rng.choice(["enabled", "disabled", "function", "text", "tool"])}]
+    return rng.choice(kinds[:6] if depth >= 3 else kinds)()
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_fuzzed_top_level_fields_answer_or_name_the_field(fe, api):
+    """Random JSON values (types, ranges, nesting, unicode) in every field each API knows or refuses, and an unknown
+    one: each body is prepared or refused with ``param`` rooted at that field; no other exception."""
+    from deepinfer.api_checks import FIELDS, UNSUPPORTED
+
+    rng = random.Random(25)
+    base = {"chat": {"messages": [USER], "max_tokens": 4}, "messages": {"messages": [USER], "max_tokens": 4},
+            "responses": {"input": "hi", "max_output_tokens": 4}}[api]
+    for name in [*FIELDS[api], *UNSUPPORTED, "zz_unknown"]:
+        for _ in range(12):
+            value = _random_json(rng)
+            try:
+                fe.prepare({**base, name: value}, api=api).close()
+            except RequestError as e:
+                param = e.record["param"] or ""
+                assert param.split("[")[0].split(".")[0] == name, (name, value, e.record)
