@@ -5,6 +5,8 @@ does not pull in the engine and the recipe.
 """
 
 __version__ = "0.1.0"
+#: model names ``LLM`` and the CLI take for the built-in tiny checkpoint (besides checkpoint folders)
+MODEL_PRESETS = ("tiny", "deepinfer-tiny")
 
 _EXPORTS = {
     "LLM": "deepinfer.llm",
@@ -13,7 +15,7 @@ _EXPORTS = {
     "SamplingParams": "deepinfer.sequence",
 }
 
-__all__ = [*_EXPORTS, "__version__"]
+__all__ = [*_EXPORTS, "__version__", "MODEL_PRESETS"]
 
 
 def __getattr__(name: str):

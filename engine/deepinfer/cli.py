@@ -21,6 +21,8 @@ import signal
 import sys
 from pathlib import Path
 
+from deepinfer import MODEL_PRESETS
+
 
 def _read_lines(path: str) -> list[bytes]:
     """The input's lines as bytes, split on ``\n`` only (JSON strings may hold raw U+2028 / U+0085), a trailing
@@ -114,6 +116,7 @@ def _generate_into(args: argparse.Namespace, model_obj, cfg, lines: list[bytes],
               tokenizer=args.tokenizer, created=args.created)
     print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
     records: list[dict | None] = [None] * len(lines)
+    custom_ids: list[str | None] = [None] * len(lines)  # the Batch API line's custom_id, None for a plain body
     bodies, where = [], []
     for i, raw in enumerate(lines):
         try:
@@ -133,17 +136,25 @@ def _generate_into(args: argparse.Namespace, model_obj, cfg, lines: list[bytes],
             records[i] = _line_error(i + 1, f"a request body must be a JSON object, got {type(body).__name__}",
                                      "invalid_request_error")
             continue
+        if is_batch_line(body):
+            body, records[i], custom_ids[i] = _unwrap_batch_line(body, i + 1, args.api, custom_ids)
+            if body is None:
+                continue
         bodies.append(body)
         where.append(i)
     results = llm.chat(bodies, api=args.api, use_tqdm=not args.no_progress)
     for i, res in zip(where, results):
-        records[i] = {"line": i + 1, "error": res["error"]} if is_error_record(res) else res
+        if custom_ids[i] is not None:
+            records[i] = _batch_output(custom_ids[i], res)
+        else:
+            records[i] = {"line": i + 1, "error": res["error"]} if is_error_record(res) else res
     with out_file as out:
         for rec in records:
             out.write(json.dumps(rec, ensure_ascii=False) + "\n")
     stats = llm.last_stats
     stats.num_requests = len(lines)
-    stats.num_errors = sum(1 for r in records if set(r) == {"line", "error"})
+    stats.num_errors = sum(1 for r in records if set(r) == {"line", "error"} or (
+        "custom_id" in r and (r["error"] is not None or r["response"]["status_code"] != 200)))
     print(stats.format(), file=sys.stderr)
     if args.summary_json:
         with open(args.summary_json, "w", encoding="utf-8") as f:
@@ -155,9 +166,71 @@ def _generate_into(args: argparse.Namespace, model_obj, cfg, lines: list[bytes],
     return 0
 
 
+# OpenAI Batch API lines (vLLM's run-batch reads the same): {"custom_id", "method", "url", "body"} in,
+# {"id", "custom_id", "response": {"status_code", "request_id", "body"}, "error"} out.
+BATCH_URLS = {"chat": "/v1/chat/completions", "messages": "/v1/messages", "responses": "/v1/responses"}
+BATCH_KEYS = ("custom_id", "method", "url", "body")
+
+
+def is_batch_line(body: dict) -> bool:
+    """A Batch API input line (it has ``custom_id``, or both ``url`` and ``body``), not a request body."""
+    return "custom_id" in body or ("url" in body and "body" in body)
+
+
+def _batch_id(custom_id: str) -> str:
+    import hashlib
+
+    return "batch_req_" + hashlib.sha256(custom_id.encode("utf-8", "surrogatepass")).hexdigest()[:24]
+
+
+def _batch_error(line_no: int, custom_id, message: str, param: str) -> dict:
+    cid = custom_id if isinstance(custom_id, str) else None
+    return {"id": _batch_id(cid or f"line-{line_no}"), "custom_id": cid, "response": None,
+            "error": {"code": "invalid_batch_line", "message": f"line {line_no}: {message}", "param": param,
+                      "line": line_no}}
+
+
+def _unwrap_batch_line(line: dict, line_no: int, api: str, custom_ids: list) -> tuple:
+    """``(request body, None, custom_id)`` for a valid Batch line of ``api``'s endpoint, else ``(None, error record,
+    None)`` naming the field at fault (unknown key, ``method`` not POST, ``url`` of another endpoint, a repeated
+    ``custom_id``)."""
+    cid = line.get("custom_id")
+    extra = [k for k in line if k not in BATCH_KEYS]
+    if extra:
+        return None, _batch_error(line_no, cid, f"unknown Batch line field {extra[0]!r}", extra[0]), None
+    if not isinstance(cid, str) or not cid or len(cid) > 512:
+        return None, _batch_error(line_no, cid, "custom_id must be a non-empty string (at most 512 characters)",
+                                  "custom_id"), None
+    if cid in custom_ids:
+        return None, _batch_error(line_no, cid, f"custom_id {cid!r} repeats line {custom_ids.index(cid) + 1}",
+                                  "custom_id"), None
+    if line.get("method") != "POST":
+        return None, _batch_error(line_no, cid, f"method must be \"POST\", got {line.get('method')!r}", "method"), None
+    if line.get("url") != BATCH_URLS[api]:
+        return None, _batch_error(line_no, cid, f"url must be {BATCH_URLS[api]!r} with --api {api}, got "
+                                  f"{line.get('url')!r}"[:300], "url"), None
+    if not isinstance(line.get("body"), dict):
+        return None, _batch_error(line_no, cid, "body must be a JSON object (the request)", "body"), None
+    return line["body"], None, cid
+
+
+def _batch_output(custom_id: str, result: dict) -> dict:
+    """The Batch output line of one answered request: a response (200) or its error record (its status code)."""
+    from deepinfer.chat import is_error_record
+
+    if is_error_record(result):
+        status, request_id = int(result["error"].get("status_code") or 400), None
+    else:
+        status, request_id = 200, result.get("id")
+    return {"id": _batch_id(custom_id), "custom_id": custom_id,
+            "response": {"status_code": status, "request_id": request_id, "body": result}, "error": None}
+
+
 def determinism_check(llm, batch_sizes: list[int], max_tokens: int = 16, temperature: float = 1.0, seed: int = 0,
-                      prompt_len: int = 64, max_filler_len: int = 300) -> dict:
+                      prompt_len: int = 64, max_filler_len: int = 300, progress=None) -> dict:
     """Run one request alone and inside batches of each size (at a random position, among random-length fillers).
+
+    ``progress``: called with one line of text before the lone run and after each batch (e.g. ``print`` to stderr).
 
     Returns ``{"distinct_outputs", "first_divergence", "logprobs_bitwise_equal", "max_abs_logprob_diff", "runs"}``;
     ``first_divergence`` is ``{"batch_size", "token_index"}`` of the first run whose tokens differ from the lone run.
@@ -170,6 +243,8 @@ def determinism_check(llm, batch_sizes: list[int], max_tokens: int = 16, tempera
     vocab = llm.vocab_size or 1000
     target = [rng.randrange(3, vocab) for _ in range(prompt_len)]
     params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    say = progress or (lambda line: None)
+    say(f"determinism-check: lone run, then {len(batch_sizes)} batch sizes {batch_sizes}")
     ref = llm.generate([target], params)[0]
     if ref.error is not None or not ref.token_ids:
         raise ValueError(f"determinism-check: the reference request produced no tokens ({ref.error or 'empty'}); "
@@ -195,6 +270,8 @@ def determinism_check(llm, batch_sizes: list[int], max_tokens: int = 16, tempera
         bitwise &= same and out.logprobs == ref.logprobs
         max_diff = max(max_diff, diff)
         runs.append({"batch_size": b, "position": pos, "tokens_equal": same, "max_abs_logprob_diff": diff})
+        say(f"determinism-check: batch {len(runs)}/{len(batch_sizes)} (size {b}): "
+            f"{'same tokens' if same else 'tokens differ'}, max |logprob diff| {diff:.3g}")
     return {"distinct_outputs": len(outputs), "first_divergence": first_div, "logprobs_bitwise_equal": bitwise,
             "max_abs_logprob_diff": max_diff, "batch_invariant": llm.config.batch_invariant, "runs": runs}
 
@@ -206,7 +283,9 @@ def run_determinism_check(args: argparse.Namespace, model_obj=None) -> int:
               device=args.device, max_num_batched_tokens=args.max_num_batched_tokens, num_blocks=args.num_blocks,
               gemm=args.gemm)
     sizes = args.batch_sizes if isinstance(args.batch_sizes, list) else _batch_sizes(args.batch_sizes)
-    report = determinism_check(llm, sizes, args.max_tokens, args.temperature, args.seed, args.prompt_len)
+    progress = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = determinism_check(llm, sizes, args.max_tokens, args.temperature, args.seed, args.prompt_len,
+                               progress=progress)
     print(json.dumps(report, indent=2))
     return 0 if report["distinct_outputs"] == 1 or not args.batch_invariant else 1
 
@@ -235,21 +314,40 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4-family inference")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that ends with each option's default, unless it says it already or there is none (None / False)."""
 
-    g = sub.add_parser("generate", help="offline generation for a JSONL file of request bodies")
-    g.add_argument("--model", default=None, help="checkpoint directory or preset (default: the built-in tiny checkpoint)")
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("default" in text or action.required or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS):
+            return text
+        return f"{text} (default: {action.default})".lstrip()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from deepinfer import __version__
+
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepSeek-V4-family inference")
+    parser.add_argument("--version", action="version", version=f"deepinfer {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    fmt = _DefaultsFormatter
+
+    g = sub.add_parser("generate", help="offline generation for a JSONL file of request bodies", formatter_class=fmt,
+                       description="Each input line is a request body, or an OpenAI Batch API line "
+                       "({custom_id, method, url, body}, answered by a Batch output line).")
+    g.add_argument("--model", default=None, help=f"checkpoint directory or preset ({', '.join(MODEL_PRESETS)}); "
+                   "none: the built-in tiny checkpoint")
     g.add_argument("--input", required=True, help="JSONL of request bodies, '-' for stdin")
     g.add_argument("--output", required=True, help="JSONL of responses / error records, '-' for stdout")
     g.add_argument("--api", choices=("chat", "messages", "responses"), default="chat",
                    help="protocol of the request bodies (default: Chat Completions)")
     g.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
-    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 tokens (default: derived)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit; none: the model's (the tiny preset: 4096)")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
                    help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
@@ -271,22 +369,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
     g.set_defaults(func=run_generate)
 
-    d = sub.add_parser("determinism-check",
+    d = sub.add_parser("determinism-check", formatter_class=fmt,
                        help="one request alone and inside batches of several sizes: count distinct outputs")
-    d.add_argument("--model", default=None, help="checkpoint directory or preset (default: tiny)")
+    d.add_argument("--model", default=None, help=f"checkpoint directory or preset ({', '.join(MODEL_PRESETS)}); "
+                   "none: tiny")
     d.add_argument("--batch-sizes", type=_batch_sizes, default="1,7,33,64", help="comma-separated batch sizes")
-    d.add_argument("--max-tokens", type=int, default=16)
-    d.add_argument("--temperature", type=float, default=1.0)
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument("--prompt-len", type=int, default=64)
-    d.add_argument("--batch-invariant", action="store_true")
-    d.add_argument("--device", default=None)
+    d.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    d.add_argument("--max-tokens", type=int, default=16, help="tokens sampled per request")
+    d.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    d.add_argument("--seed", type=int, default=0, help="seed of the request and of the batch layout")
+    d.add_argument("--prompt-len", type=int, default=64, help="prompt tokens of the checked request")
+    d.add_argument("--batch-invariant", action="store_true", help="run with batch-invariant kernels")
+    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     d.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto", help="GEMM path (see generate)")
-    d.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    d.add_argument("--num-blocks", type=int, default=None)
+    d.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
+    d.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 tokens (default: derived)")
     d.set_defaults(func=run_determinism_check)
 
-    _add_make_checkpoint(sub)
+    _add_make_checkpoint(sub, fmt)
     _add_serve(sub)
     return parser
 
@@ -362,17 +462,17 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
     return 0
 
 
-def _add_make_checkpoint(sub) -> None:
+def _add_make_checkpoint(sub, fmt) -> None:
     p = sub.add_parser(
-        "make-checkpoint",
+        "make-checkpoint", formatter_class=fmt,
         help="write a deterministic random checkpoint in the native DeepSeek-V4 format",
         description="Write a deterministic random DeepSeek-V4 checkpoint (native format: FP8 dense weights with 128x128 "
         "UE8M0 block scales, FP4 experts; the real V4 tokenizer). Presets: tiny (the built-in test model) and "
         "v4-flash-shapes (real V4-Flash dimensions at reduced depth, for GPU benchmarks).",
     )
-    p.add_argument("--preset", required=True, choices=("tiny", "v4-flash-shapes"))
+    p.add_argument("--preset", required=True, choices=("tiny", "v4-flash-shapes"), help="which model shapes")
     p.add_argument("--out", required=True, help="output folder (must hold no weight files yet)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--quant", choices=("fp8", "none"), default="fp8", help="dense linear format (default fp8)")
     p.add_argument("--expert-quant", choices=("fp4", "fp8", "none"), default=None,
                    help="routed expert format (default fp4, or none when --quant none)")
@@ -388,21 +488,25 @@ def _add_make_checkpoint(sub) -> None:
 def _run_make_checkpoint(args: argparse.Namespace) -> int:
     import torch
 
-    from .presets import make_checkpoint
+    import shutil
+
+    from .presets import checkpoint_size, make_checkpoint
 
     expert_quant = args.expert_quant or ("none" if args.quant == "none" else "fp4")
-    out = make_checkpoint(
-        args.preset,
-        args.out,
-        args.seed,
-        quant=args.quant,
-        expert_quant=expert_quant,
-        scale_fmt=args.scale_fmt,
-        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype),
-        num_layers=args.num_layers,
-        num_experts=args.num_experts,
-        shard_size=args.shard_size_mb * 1024**2 if args.shard_size_mb is not None else None,
-    )
+    options = dict(quant=args.quant, expert_quant=expert_quant, scale_fmt=args.scale_fmt,
+                   dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype),
+                   num_layers=args.num_layers, num_experts=args.num_experts)
+    size = checkpoint_size(args.preset, **options)
+    target = Path(args.out)
+    parent = next((p for p in (target, *target.parents) if p.is_dir()), Path("."))
+    free = shutil.disk_usage(parent).free
+    print(f"deepinfer: make-checkpoint: writing {size / 2**30:.2f} GiB ({size:,} bytes) to {target}",
+          file=sys.stderr)
+    if size > free:
+        raise OSError(f"--out {args.out}: {size / 2**30:.2f} GiB needed, {free / 2**30:.2f} GiB free on that disk "
+                      "(--num-layers / --num-experts make it smaller)")
+    out = make_checkpoint(args.preset, args.out, args.seed, **options,
+                          shard_size=args.shard_size_mb * 1024**2 if args.shard_size_mb is not None else None)
     print(out)
     return 0
 

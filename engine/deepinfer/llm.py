@@ -15,6 +15,7 @@ import torch
 
 import deepinfer_ops
 
+from deepinfer import MODEL_PRESETS
 from deepinfer.block_manager import BlockManager, window_blocks_needed
 from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record, resolve_tokenizer_json
 from deepinfer.config import EngineConfig
@@ -23,7 +24,7 @@ from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed
 
-PRESETS = ("tiny", "deepinfer-tiny")
+PRESETS = MODEL_PRESETS
 # Context limit the tiny preset runs with unless EngineConfig.max_model_len says otherwise: its config declares the
 # V4 1M-token window, and default max_tokens (8192 / 65536, as the recipe resolves them) are clamped to what is left.
 TINY_MAX_MODEL_LEN = 4096
@@ -133,12 +134,55 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gem
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     path_kind = resolve_gemm(gemm, device)
+    check_load_memory(path, path_kind, dtype, device)
     ck = checkpoint.load_checkpoint(path, dequantize=path_kind == "dequant", dtype=dtype,
                                     device="cpu" if path_kind == "fp8" else device)
     family = model_family(ck.config.extra.get("model_type"))
     # the model is built on the meta device and takes the tensors over where they are / go (no second copy)
     model = family.model_class.from_parameters(ck.config, ck.params, dtype, path_kind, device=device)
     return model.eval()
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Free bytes where the weights go: ``MemAvailable`` of ``/proc/meminfo`` for the CPU, the free CUDA memory for
+    a GPU; None when unknown."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_load_memory(path: str, gemm: str, dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse, before reading any weight, a load whose weights alone exceed the free memory where they go.
+
+    Raises:
+        ValueError: the figure needed, the figure free, and the alternatives (the other GEMM path when it needs
+            less, a checkpoint with fewer experts).
+    """
+    from deepinfer import checkpoint
+
+    cfg = checkpoint.read_config(path)
+    need = checkpoint.load_memory_bytes(cfg, gemm, dtype, Path(path) / checkpoint.CONFIG_FILE)
+    free = available_memory(device)
+    if free is None or need <= free:
+        return
+    gib = 1 << 30
+    alt = []
+    if gemm == "dequant":
+        fp8 = checkpoint.load_memory_bytes(cfg, "fp8", dtype)
+        if fp8 < need:
+            alt.append(f"--gemm fp8 (gemm='fp8'; about {fp8 / gib:.1f} GiB)")
+    alt.append("a checkpoint with fewer routed experts or layers (deepinfer make-checkpoint --num-experts N "
+               "--num-layers N)")
+    raise ValueError(f"{path}: loading on {device.type} with --gemm {gemm} needs at least {need / gib:.1f} GiB for "
+                     f"the weights ({str(dtype).removeprefix('torch.')}), but only {free / gib:.1f} GiB is free; "
+                     f"alternatives: {'; '.join(alt)}")
 
 
 def _model_limits(model) -> tuple[int, tuple[int, ...], int]:

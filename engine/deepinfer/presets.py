@@ -207,6 +207,17 @@ def _synthetic_value(
     return 0.1 * torch.randn(shape, generator=g)
 
 
+def checkpoint_size(preset: str, *, quant: str = "fp8", expert_quant: str = "fp4", scale_fmt: str = "ue8m0",
+                    dtype: torch.dtype | None = None, num_layers: int | None = None,
+                    num_experts: int | None = None) -> int:
+    """Bytes :func:`make_checkpoint` writes for these arguments (tensor data). Raises ValueError like it."""
+    from .checkpoint import checkpoint_bytes
+
+    cfg_dict = preset_config(preset, num_layers=num_layers, num_experts=num_experts)
+    spec = model_family("deepseek_v4").expected_parameters(parse_config(cfg_dict, f"preset {preset!r}"))
+    return checkpoint_bytes(spec, quant=quant, expert_quant=expert_quant, scale_fmt=scale_fmt, dtype=dtype)
+
+
 def make_checkpoint(
     preset: str,
     out_dir: str | os.PathLike,

@@ -111,7 +111,7 @@ def test_hostile_lines_each_get_their_own_record(tmp_path):
         b'{"messages":[{"role":"user","content":"\\ud800"}],"max_tokens":1}',           # 3: lone surrogate
         b'{"messages":[{"role":"user","content":"hi"}],"x":' + b"[" * 200 + b"]" * 200 + b"}",  # 4: deep nesting
         b'{"messages":[{"role":"user","content":"bad \xff byte"}]}',                      # 5: invalid UTF-8
-        ok.replace("hi", "a\u2028b\u0085c").encode(),                                    # 6: raw U+2028 / U+0085 -> fine
+        ok.replace('"hi"', '"a\u2028b\u0085c"').encode(),                                # 6: raw U+2028 / U+0085 -> fine
         json.dumps(ok).encode(),                                                         # 7: a JSON string, not an object
         b"[" * 100000,                                                                   # 8: parser recursion
         ok.encode() + b"\r",                                                             # 9: CRLF -> fine

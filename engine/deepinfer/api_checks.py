@@ -1,0 +1,288 @@
+"""Top-level field checks of the three request bodies, before deepseek-recipe sees them.
+
+Each API has a table of the fields the engine handles: JSON type, range, and whether the engine refuses a value
+(``stream: true`` offline, ``store: true``). Fields the engine does not implement and that would change the answer
+(``previous_response_id``, ``guided_json``, ...) are refused with the reason; fields in neither table are refused as
+unknown, as OpenAI's and Anthropic's APIs do. Every error is a ``RequestError`` whose ``param`` is the field path in
+OpenAI's form (``max_tokens``, ``tools[1].type``, ``tool_choice.function.name``). The offline CLI and the
+HTTP server share these tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+API_KINDS = ("chat", "messages", "responses")
+INT63 = 2 ** 63
+INT31 = 2 ** 31
+MAX_STOP_SEQUENCES = 16
+MAX_NESTING = 64  # deeper bodies are refused before the recipe walks them
+
+
+class RequestError(Exception):
+    """A request that cannot run; ``record`` is the OpenAI-style error object (``param``: the field path)."""
+
+    def __init__(self, message: str, code: str = "invalid_request_error", status_code: int = 400,
+                 param: str | None = None) -> None:
+        super().__init__(message)
+        self.record = {"message": message, "type": "invalid_request_error", "param": param, "code": code,
+                       "status_code": status_code}
+
+
+@dataclass(frozen=True)
+class Field:
+    """One top-level field: its JSON kinds (``int``, ``number``, ``bool``, ``string``, ``object``, ``array``), the
+    closed range of a number, and a value the engine refuses (with the reason)."""
+
+    kinds: tuple[str, ...]
+    lo: float | None = None
+    hi: float | None = None
+    refuse_value: Any = None
+    refuse_reason: str = ""
+
+
+def _f(*kinds: str, lo=None, hi=None, refuse=None, why: str = "") -> Field:
+    return Field(kinds, lo, hi, refuse, why)
+
+
+_OFFLINE = "this engine answers each request in one response (no streaming yet)"
+_NO_STORE = "this engine stores no responses"
+_COMMON = {
+    "model": _f("string"),
+    "stream": _f("bool", refuse=True, why=_OFFLINE),
+    "metadata": _f("object"),
+    "seed": _f("int", lo=0, hi=INT63 - 1),
+    "service_tier": _f("string"),
+    "user": _f("string"),
+}
+CHAT_FIELDS = {
+    **_COMMON,
+    "messages": _f("array"),
+    "max_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "max_completion_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "temperature": _f("number", lo=0, hi=2),
+    "top_p": _f("number", lo=0, hi=1),
+    "top_k": _f("int", lo=-1, hi=INT31 - 1),
+    "n": _f("int", lo=1, hi=1),
+    "stop": _f("string", "array"),
+    "stream_options": _f("object"),
+    "logprobs": _f("bool"),
+    "top_logprobs": _f("int", lo=0, hi=20),
+    "frequency_penalty": _f("number", lo=-2, hi=2),
+    "presence_penalty": _f("number", lo=-2, hi=2),
+    "logit_bias": _f("object"),
+    "tools": _f("array"),
+    "tool_choice": _f("string", "object"),
+    "parallel_tool_calls": _f("bool"),
+    "response_format": _f("object"),
+    "thinking": _f("object"),
+    "reasoning_effort": _f("string"),
+    "store": _f("bool", refuse=True, why=_NO_STORE),
+    "prompt_cache_key": _f("string"),
+    "safety_identifier": _f("string"),
+}
+MESSAGES_FIELDS = {
+    **_COMMON,
+    "messages": _f("array"),
+    "max_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "system": _f("string", "array"),
+    "temperature": _f("number", lo=0, hi=1),
+    "top_p": _f("number", lo=0, hi=1),
+    "top_k": _f("int", lo=0, hi=INT31 - 1),
+    "stop_sequences": _f("array"),
+    "tools": _f("array"),
+    "tool_choice": _f("object"),
+    "thinking": _f("object"),
+}
+RESPONSES_FIELDS = {
+    **_COMMON,
+    "input": _f("string", "array"),
+    "instructions": _f("string"),
+    "max_output_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "temperature": _f("number", lo=0, hi=2),
+    "top_p": _f("number", lo=0, hi=1),
+    "top_logprobs": _f("int", lo=0, hi=20),
+    "tools": _f("array"),
+    "tool_choice": _f("string", "object"),
+    "parallel_tool_calls": _f("bool"),
+    "text": _f("object"),
+    "reasoning": _f("object"),
+    "store": _f("bool", refuse=True, why=_NO_STORE),
+    "background": _f("bool", refuse=True, why=_OFFLINE),
+    "truncation": _f("string"),
+    "prompt_cache_key": _f("string"),
+    "safety_identifier": _f("string"),
+}
+FIELDS = {"chat": CHAT_FIELDS, "messages": MESSAGES_FIELDS, "responses": RESPONSES_FIELDS}
+REQUIRED = {"chat": ("messages",), "messages": ("messages", "max_tokens"), "responses": ("input",)}
+
+_GUIDED = "structured output is not enforced by this engine yet"
+# Fields other engines or API versions implement and this engine does not: refused, never ignored.
+UNSUPPORTED = {
+    "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
+    "guided_decoding_backend": _GUIDED, "structured_outputs": _GUIDED,
+    "functions": "the legacy functions API is not supported; use tools", "function_call": "use tool_choice",
+    "audio": "these models are text-only", "modalities": "these models are text-only",
+    "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",
+    "previous_response_id": _NO_STORE, "conversation": _NO_STORE, "prompt": "stored prompts are not supported",
+    "include": "extra output items are not supported", "max_tool_calls": "tool-call limits are not enforced",
+    "mcp_servers": "MCP servers are not supported", "container": "code execution is not supported",
+    "context_management": "context management is not supported",
+}
+# Tool types each API may declare (the recipe drops Responses' web_search / mcp tools silently).
+TOOL_TYPES = {"chat": ("function",), "responses": ("function", "namespace")}
+
+_KIND_NAMES = {"int": "an integer", "number": "a number", "bool": "a boolean", "string": "a string",
+               "object": "an object", "array": "an array"}
+
+
+_JSON_KINDS = ((bool, "bool"), (int, "int"), (float, "number"), (str, "string"), (dict, "object"), (list, "array"))
+
+
+def _kind(v: Any) -> str:
+    return next((name for t, name in _JSON_KINDS if isinstance(v, t)), type(v).__name__)  # bool before int
+
+
+def _show(v: Any) -> str:
+    return repr(v)[:80]
+
+
+def _check_field(name: str, spec: Field, v: Any) -> None:
+    kind = _kind(v)
+    ok = kind in spec.kinds or (kind == "int" and "number" in spec.kinds)
+    if not ok:
+        want = " or ".join(_KIND_NAMES[k] for k in spec.kinds)
+        raise RequestError(f"{name} must be {want}, got {_KIND_NAMES.get(kind, kind)} {_show(v)}", param=name)
+    if kind == "number" and not math.isfinite(v):
+        raise RequestError(f"{name} must be a finite number, got {v}", param=name)
+    if kind in ("int", "number") and (spec.lo is not None or spec.hi is not None):
+        if (spec.lo is not None and v < spec.lo) or (spec.hi is not None and v > spec.hi):
+            hi = "2**63 - 1" if spec.hi == INT63 - 1 else "2**31 - 1" if spec.hi == INT31 - 1 else spec.hi
+            rng = f"[{spec.lo}, {hi}]" if spec.hi is not None else f">= {spec.lo}"
+            raise RequestError(f"{name} must be in {rng}, got {_show(v)}", param=name)
+    if spec.refuse_value is not None and v == spec.refuse_value:
+        raise RequestError(f"{name}: {json_text(v)} is not supported: {spec.refuse_reason}",
+                           code="unsupported_parameter", param=name)
+
+
+def json_text(v: Any) -> str:
+    return "true" if v is True else "false" if v is False else _show(v)
+
+
+def _walk_values(body: dict) -> None:
+    """Refuse nesting deeper than ``MAX_NESTING``, strings with lone surrogates (not encodable as UTF-8), integers
+    beyond 64 bits and non-finite numbers anywhere, naming the path. Iterative, so a deep body cannot exhaust the stack."""
+    stack: list[tuple[Any, str, int]] = [(v, k, 1) for k, v in body.items()]
+    while stack:
+        node, path, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise RequestError(f"{path}: nested deeper than {MAX_NESTING} levels", param=path.split(".")[0])
+        if isinstance(node, int) and not isinstance(node, bool) and not -INT63 <= node < 2 * INT63:
+            raise RequestError(f"{path}: integer {_show(node)} is outside the JSON number range (64 bits)",
+                               param=path)
+        if isinstance(node, float) and not math.isfinite(node):
+            raise RequestError(f"{path}: {node} is not a finite JSON number", param=path)
+        if isinstance(node, str):
+            try:
+                node.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise RequestError(f"{path}: lone surrogate {node[e.start]!r} at character {e.start} (a string "
+                                   "must be valid Unicode)", param=path) from None
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(k, str):
+                    try:
+                        k.encode("utf-8")
+                    except UnicodeEncodeError:
+                        raise RequestError(f"{path}: an object key holds a lone surrogate", param=path) from None
+                stack.append((v, f"{path}.{k}", depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+
+
+def declared_tool_names(body: dict, api: str) -> frozenset[str] | None:
+    """Names of the function tools a body declares; None when a Responses namespace tool makes names compound."""
+    tools = body.get("tools")
+    if not isinstance(tools, list):
+        return frozenset()
+    names = set()
+    for t in tools:
+        if not isinstance(t, dict):
+            continue
+        if api == "responses" and t.get("type") == "namespace":
+            return None
+        fn = t.get("function") if api == "chat" else t
+        if isinstance(fn, dict) and isinstance(fn.get("name"), str):
+            names.add(fn["name"])
+    return frozenset(names)
+
+
+def _check_tools(body: dict, api: str) -> None:
+    tools = body.get("tools")
+    allowed = TOOL_TYPES.get(api)
+    if isinstance(tools, list) and allowed:
+        for i, t in enumerate(tools):
+            ty = t.get("type") if isinstance(t, dict) else None
+            if isinstance(ty, str) and ty not in allowed:
+                raise RequestError(f"tools[{i}].type: {ty!r} tools are not supported by this engine (only "
+                                   f"{', '.join(allowed)})", code="unsupported_parameter", param=f"tools[{i}].type")
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict):
+        return
+    if api == "chat":
+        fn = choice.get("function")
+        name, path = (fn.get("name"), "tool_choice.function.name") if isinstance(fn, dict) else (None, "")
+    else:
+        name, path = choice.get("name"), "tool_choice.name"
+    names = declared_tool_names(body, api)
+    if isinstance(name, str) and names is not None:
+        if name not in names:
+            raise RequestError(f"{path}: {name!r} is not one of the declared tools "
+                               f"({', '.join(sorted(names)) or 'none'})", param=path)
+
+
+def check_request(body: dict, api: str) -> None:
+    """Check the top-level fields of one request body of ``api`` (``"chat"``, ``"messages"``, ``"responses"``).
+
+    Null fields pass (the recipe applies its defaults), except required ones (``max_tokens`` for Messages).
+    Raises:
+        RequestError: ``param`` is the field path: a field of the wrong JSON type, a number out of range or not
+            finite, an unknown field (``code="unknown_parameter"``), a field or value the engine does not implement
+            (``code="unsupported_parameter"``), a missing required field, more than ``MAX_STOP_SEQUENCES`` stop
+            strings, a string with a lone surrogate, an integer beyond 64 bits or a non-finite number at any depth,
+            nesting deeper than ``MAX_NESTING``, a tool type other than
+            a function, or a ``tool_choice`` naming an undeclared tool.
+        ValueError: an unknown ``api``.
+    """
+    if api not in FIELDS:
+        raise ValueError(f"api must be one of {API_KINDS}, got {api!r}")
+    table = FIELDS[api]
+    for name, v in body.items():
+        if not isinstance(name, str):
+            raise RequestError(f"field names must be strings, got {_show(name)}")
+        if name in UNSUPPORTED:
+            if v is None:
+                continue
+            raise RequestError(f"{name} is not supported: {UNSUPPORTED[name]}", code="unsupported_parameter",
+                               param=name)
+        spec = table.get(name)
+        if spec is None:
+            raise RequestError(f"unrecognized request field {name!r} for the {api} API", code="unknown_parameter",
+                               param=name)
+        if v is not None:
+            _check_field(name, spec, v)
+    for name in REQUIRED[api]:
+        if body.get(name) is None:
+            raise RequestError(f"{name} is required", param=name)
+    stops = body.get("stop_sequences" if api == "messages" else "stop")
+    key = "stop_sequences" if api == "messages" else "stop"
+    if isinstance(stops, list):
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise RequestError(f"{key}: at most {MAX_STOP_SEQUENCES} stop strings, got {len(stops)}", param=key)
+        for i, s in enumerate(stops):
+            if not isinstance(s, str) or not s:
+                raise RequestError(f"{key}[{i}] must be a non-empty string, got {_show(s)}", param=f"{key}[{i}]")
+    _walk_values(body)
+    _check_tools(body, api)

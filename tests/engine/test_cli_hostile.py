@@ -1,0 +1,125 @@
+"""Issue 25, item 7 (newcomer's run): memory before a load, make-checkpoint's size, OpenAI Batch lines in
+``deepinfer generate``, defaults in ``--help``, ``--version``, determinism-check progress."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from deepinfer import __version__, checkpoint, llm as llm_mod
+from deepinfer.cli import build_parser, main, run_determinism_check, run_generate
+from deepinfer.presets import checkpoint_size, default_model_path, preset_config
+from fake_model import FakeConfig, FakeModel
+
+HI = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "thinking": {"type": "disabled"}}
+
+
+# ------------------------------------------------------------------ memory
+def test_load_memory_estimate_matches_the_loaded_weights():
+    from deepinfer import LLM
+
+    cfg = checkpoint.read_config(default_model_path())
+    need = checkpoint.load_memory_bytes(cfg, "dequant", torch.float32)
+    model = LLM("tiny", num_blocks=4).model
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert 0.9 * held <= need <= held  # a lower bound, within 10%
+    assert checkpoint.load_memory_bytes(cfg, "fp8", torch.float32) < need
+
+
+def test_a_load_that_cannot_fit_is_refused_with_the_figure_and_the_alternatives(monkeypatch):
+    from deepinfer import LLM
+
+    monkeypatch.setattr(llm_mod, "available_memory", lambda device: 1 << 20)  # 1 MiB free
+    calls = []
+    monkeypatch.setattr(checkpoint, "load_checkpoint", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError) as e:
+        LLM("tiny", gemm="dequant")
+    msg = str(e.value)
+    assert "needs at least 0.1 GiB" in msg and "0.0 GiB is free" in msg
+    assert "--gemm fp8" in msg and "--num-experts" in msg
+    assert not calls  # refused before any weight was read
+
+
+def test_make_checkpoint_states_its_size(tmp_path, capsys):
+    out = tmp_path / "ck"
+    assert main(["make-checkpoint", "--preset", "tiny", "--out", str(out), "--num-layers", "2"]) == 0
+    err = capsys.readouterr().err
+    size = checkpoint_size("tiny", num_layers=2)
+    assert f"({size:,} bytes)" in err
+    written = sum(f.stat().st_size for f in out.glob("*.safetensors"))
+    assert size <= written <= size * 1.05  # the headers on top
+    flash = checkpoint_size("v4-flash-shapes")
+    assert flash > 15 * 2 ** 30  # the ~20 GB a newcomer was never told about
+    assert checkpoint_size("v4-flash-shapes", num_experts=16) < flash / 4
+    assert preset_config("v4-flash-shapes")["n_routed_experts"] == 256
+
+
+# ------------------------------------------------------------------ OpenAI Batch lines
+def _generate(tmp_path, lines, api="chat"):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("\n".join(json.dumps(x) if not isinstance(x, str) else x for x in lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    args = build_parser().parse_args(["generate", "--input", str(inp), "--output", str(out), "--created", "0",
+                                      "--no-progress", "--api", api])
+    assert run_generate(args, model_obj=FakeModel(FakeConfig(max_position_embeddings=1024))) == 0
+    return [json.loads(x) for x in out.read_text().splitlines()]
+
+
+def test_batch_api_lines_in_and_out(tmp_path):
+    ok = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": HI}
+    recs = _generate(tmp_path, [
+        ok,
+        HI,                                                         # a plain body beside them
+        {**ok, "custom_id": "b", "body": {**HI, "max_tokens": 0}},  # the request's own error
+        {**ok, "custom_id": "a"},                                   # repeated custom_id
+        {**ok, "custom_id": "c", "url": "/v1/messages"},            # another endpoint
+        {**ok, "custom_id": "d", "method": "GET"},
+        {**ok, "custom_id": "e", "extra": 1},
+        {**ok, "custom_id": 5},
+    ])
+    a = recs[0]
+    assert set(a) == {"id", "custom_id", "response", "error"} and a["custom_id"] == "a" and a["error"] is None
+    assert a["response"]["status_code"] == 200 and a["response"]["body"]["object"] == "chat.completion"
+    assert a["response"]["request_id"] == a["response"]["body"]["id"] and a["id"].startswith("batch_req_")
+    assert recs[1]["object"] == "chat.completion"
+    b = recs[2]["response"]
+    assert b["status_code"] == 400 and b["body"]["error"]["param"] == "max_tokens"
+    for rec, param in zip(recs[3:], ["custom_id", "url", "method", "extra", "custom_id"]):
+        assert rec["response"] is None and rec["error"]["param"] == param, rec
+        assert rec["error"]["line"] == recs.index(rec) + 1
+
+
+def test_batch_lines_for_the_messages_endpoint(tmp_path):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    recs = _generate(tmp_path, [{"custom_id": "m", "method": "POST", "url": "/v1/messages", "body": body}],
+                     api="messages")
+    assert recs[0]["response"]["status_code"] == 200 and recs[0]["response"]["body"]["type"] == "message"
+
+
+# ------------------------------------------------------------------ --help, --version, progress
+def test_help_shows_defaults_and_presets(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: 2048)" in out and "(default: 64)" in out and "tiny, deepinfer-tiny" in out
+    assert "4096" in out  # the tiny preset's real context default
+    with pytest.raises(SystemExit):
+        main(["determinism-check", "--help"])
+    assert "(default: 1,7,33,64)" in capsys.readouterr().out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"deepinfer {__version__}"
+
+
+def test_determinism_check_shows_progress(capsys):
+    args = build_parser().parse_args(["determinism-check", "--batch-sizes", "1,3", "--max-tokens", "2",
+                                      "--prompt-len", "4", "--num-blocks", "32"])
+    assert run_determinism_check(args, model_obj=FakeModel(FakeConfig(max_position_embeddings=1024))) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("determinism-check: lone run, then 2 batch sizes")
+    assert err[1].startswith("determinism-check: batch 1/2 (size 1)") and err[2].startswith("determinism-check: batch 2/2 (size 3)")
