@@ -9,7 +9,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import RunningServer
+from server_util import RunningServer
 from deepinfer import LLM
 from deepinfer.server import ServerConfig
 

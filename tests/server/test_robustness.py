@@ -20,7 +20,7 @@ import httpx2
 import openai
 import pytest
 
-from conftest import RunningServer
+from server_util import RunningServer
 from deepinfer import LLM
 from deepinfer.server import ServerConfig
 from fake_model import FakeConfig, FakeModel
