@@ -292,3 +292,15 @@ def test_fp8_model_reads_the_cuda_scale_layout_on_cpu(pair, monkeypatch):
     for name in ("per_token_group_quant_fp8", "swiglu_clamp_quant_fp8"):  # the padded layout was used
         assert any(f == name and r % 4 and st == (1, -(-r // 4) * 4) for f, r, st in seen), (name, set(seen))
     assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("T,G,K", [(5, 8, 256), (33, 4, 200), (1, 2, 128)])
+def test_quant_groups_in_place_equals_the_transposed_quant(device, T, G, K):
+    from deepinfer.models.deepseek_v4.attention import quant_groups_fp8
+
+    g = torch.Generator().manual_seed(T * G + K)
+    x = (torch.randn(T, G * K, generator=g) * 3).bfloat16().to(device).view(T, G, K)
+    q0, s0 = quant_groups_fp8(x, min_rows=T + 1)  # transposed copy, then one quantisation
+    q1, s1 = quant_groups_fp8(x, min_rows=1)  # each group's strided rows in place
+    assert torch.equal(q0.view(torch.uint8), q1.view(torch.uint8))
+    assert s0.stride() == s1.stride() and torch.equal(s0, s1)

@@ -15,13 +15,31 @@ import torch
 from torch import nn
 
 import deepinfer_ops
+from deepinfer_ops.quant import scale_buffer
 
 from .cache import query_dtype, write_cache
 from .compressor import Compressor, Indexer
 from .config import CSA, HCA, SLIDING, DeepseekV4Config
-from .layers import Linear, RMSNorm, _param, linear_rows, quant_act_fp8
+from .layers import FP8_BLOCK, Linear, RMSNorm, _param, linear_rows, quant_act_fp8
 from .plan import StepPlan
 
+GROUP_QUANT_MIN_ROWS = 512  # from here on, quantise each group in place rather than transposing the bf16 input
+
+
+def quant_groups_fp8(x: torch.Tensor, min_rows: int = GROUP_QUANT_MIN_ROWS) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [T, G, K]`` -> the FP8 codes ``[G * T, K]`` in group-major row order and their column-major 1x128 scales:
+    :func:`quant_act_fp8` of ``x.transpose(0, 1)`` bit for bit (a row's codes depend on that row only). Large ``T``
+    (``>= min_rows``) quantises each group's strided rows straight into its slice (no transposed bf16 copy); small
+    ``T`` (decode, where launches count) transposes first."""
+    T, G, K = x.shape
+    if T < min_rows:
+        return quant_act_fp8(x.transpose(0, 1).reshape(G * T, K))
+    xq = torch.empty(G * T, K, dtype=torch.float8_e4m3fn, device=x.device)
+    xs = scale_buffer(G * T, -(-K // FP8_BLOCK), x.device, x.is_cuda)
+    for g in range(G):
+        torch.ops.deepinfer_ops.per_token_group_quant_fp8(xq[g * T:(g + 1) * T], xs[g * T:(g + 1) * T], x[:, g],
+                                                          FP8_BLOCK, False)
+    return xq, xs
 
 class Attention(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, ratio: int, dtype: torch.dtype):
@@ -157,8 +175,7 @@ class Attention(nn.Module):
         G, olr = cfg.o_groups, cfg.o_lora_rank
         if self.wo_a.is_fp8:  # the G groups as one masked grouped FP8 GEMM, every group all T rows (batch-invariant
             #                   by construction, any mode; bfloat16 out, which wo_b re-quantises to FP8 anyway)
-            per_group = out.view(T, G, -1).transpose(0, 1).contiguous()  # [G, T, H * hd / G]
-            xq, xs = quant_act_fp8(per_group.view(G * T, -1))
+            xq, xs = quant_groups_fp8(out.view(T, G, -1))
             w, ws = self.wo_a.fp8_groups(G)
             o = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(xq.view(G, T, -1), xs.view(G, T, -1), w, ws,
                                                            torch.full((G,), T, dtype=torch.int32, device=out.device))
