@@ -10,6 +10,8 @@ from collections import deque
 
 from deepinfer.sequence import Sequence
 
+KV_GROUP = "kv"  # the one cache group of today: every cache kind behind one block id
+
 
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """Blocks needed to hold ``num_tokens`` context positions: ``ceil(num_tokens / block_size)``."""
@@ -44,8 +46,9 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, num_context_tokens: int) -> bool:
         return self.blocks_needed(seq, num_context_tokens) <= len(self.free_blocks)
 
-    def allocate(self, seq: Sequence, num_context_tokens: int) -> None:
-        """Grow ``seq.block_table`` to cover ``num_context_tokens`` positions.
+    def allocate(self, seq: Sequence, num_context_tokens: int) -> list[int]:
+        """Grow ``seq.block_table`` to cover ``num_context_tokens`` positions; returns the new block ids (in table
+        order, possibly none).
 
         Raises:
             RuntimeError: not enough free blocks (callers check ``can_allocate`` first).
@@ -55,10 +58,11 @@ class BlockManager:
             raise RuntimeError(
                 f"BlockManager.allocate: sequence {seq.seq_id} needs {need} blocks, {len(self.free_blocks)} free"
             )
-        for _ in range(need):
-            block = self.free_blocks.popleft()
+        new = [self.free_blocks.popleft() for _ in range(need)]
+        for block in new:
             self._owner[block] = seq.seq_id
-            seq.block_table.append(block)
+        seq.block_table.extend(new)
+        return new
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks to the free list and empty its table."""

@@ -39,6 +39,42 @@ class SeqStep:
 
 
 @dataclass(frozen=True)
+class StepSeqs:
+    """A step's sequences as arrays (host data, the runner's form): sequence i has tokens at positions
+    ``[c0[i], c0[i] + q[i])`` and its block ids in ``block_tables[i]`` (table order, ``-1`` after them).
+
+    Attributes:
+        c0, q: ``[num_seqs]`` int64.
+        block_tables: ``[num_seqs, width]`` int64, ``width`` at least the blocks of the longest context.
+    """
+
+    c0: np.ndarray
+    q: np.ndarray
+    block_tables: np.ndarray
+
+    @classmethod
+    def from_list(cls, seqs: list[SeqStep], block_size: int) -> "StepSeqs":
+        """Arrays of validated :class:`SeqStep` s (each row keeps the blocks its context needs)."""
+        c0 = np.fromiter((s.c0 for s in seqs), np.int64, len(seqs))
+        q = np.fromiter((s.q for s in seqs), np.int64, len(seqs))
+        nbs = [_blocks_for(s.L, block_size) for s in seqs]
+        bt = np.full((len(seqs), max(nbs, default=0) or 1), -1, dtype=np.int64)
+        for i, (s, k) in enumerate(zip(seqs, nbs)):
+            bt[i, :k] = s.block_ids[:k]
+        return cls(c0, q, bt)
+
+    def to_list(self) -> list[SeqStep]:
+        """:class:`SeqStep` s of the rows (a row ends before its trailing ``-1`` s)."""
+        out = []
+        for c0, q, row in zip(self.c0.tolist(), self.q.tolist(), self.block_tables.tolist()):
+            k = len(row)
+            while k and row[k - 1] == -1:
+                k -= 1
+            out.append(SeqStep(c0, q, tuple(row[:k])))
+        return out
+
+
+@dataclass(frozen=True)
 class Capacity:
     """Fixed list lengths of a graph-mode plan: ``num_seqs`` decode sequences (one token each), block tables of
     ``max_blocks`` ids, contexts up to ``max_len`` tokens."""
@@ -209,6 +245,38 @@ class PlanBuilder:
                     raise ValueError(f"block_tables: block {b} is written by sequence {owner[b]} in this step and "
                                      f"also used by sequence {i}")
 
+    def check_arrays(self, seqs: StepSeqs) -> None:
+        """:meth:`check_step` for the array form, vectorised over the sequences; on a fault the per-sequence
+        checks name it (the same messages). Raises ValueError naming the field."""
+        c0, q, bt = seqs.c0, seqs.q, seqs.block_tables
+        S = len(c0)
+        ok = (isinstance(c0, np.ndarray) and isinstance(q, np.ndarray) and isinstance(bt, np.ndarray)
+              and c0.shape == (S,) and q.shape == (S,) and bt.ndim == 2 and bt.shape[0] == S
+              and all(a.dtype.kind in "iu" for a in (c0, q, bt)))
+        if ok and S:
+            L = c0 + q
+            nb = -(-L // self.block_size)
+            ok = bool((q >= 1).all() and (c0 >= 0).all() and int(nb.max()) <= bt.shape[1]
+                      and int(L.max()) <= self.config.max_position_embeddings)
+            if ok:
+                used = np.arange(bt.shape[1])[None, :] < nb[:, None]
+                r, c = np.nonzero(used)
+                b = bt[r, c]
+                ok = bool(((b >= 0) & (b < self.num_blocks)).all())
+                if ok:
+                    # no block twice in a row; a block written this step is used by its writer alone
+                    key = np.unique(r * self.num_blocks + b)
+                    blocks, counts = np.unique(b, return_counts=True)
+                    shared = blocks[counts > 1]
+                    written = b[c >= (c0 // self.block_size)[r]]
+                    ok = key.size == b.size and not np.isin(written, shared).any()
+        if not ok:
+            if not (isinstance(bt, np.ndarray) and bt.ndim == 2 and len(c0) == len(q) == bt.shape[0]):
+                raise ValueError("seqs: StepSeqs needs c0 [num_seqs], q [num_seqs] and block_tables "
+                                 "[num_seqs, width] integer arrays")
+            self.check_step(seqs.to_list())
+            raise ValueError("seqs: StepSeqs arrays must be int64 / int32 / uint arrays")
+
     def build(self, seqs: list[SeqStep], input_ids: list[int] | torch.Tensor, logits_indices: list[int],
               batch_invariant: bool = False, pad_multiple: int = 0, capacity: Capacity | None = None,
               out: torch.Tensor | None = None, finalize: bool = True, checked: bool = False) -> StepPlan:
@@ -228,11 +296,21 @@ class PlanBuilder:
         Raises:
             ValueError naming the field at fault (lengths, block ids, logits rows, capacity).
         """
-        if not checked:
-            self.check_step(seqs)
+        if isinstance(seqs, StepSeqs):
+            if not checked:
+                self.check_arrays(seqs)
+        else:
+            if not checked:
+                self.check_step(seqs)
+            seqs = StepSeqs.from_list(seqs, self.block_size)
         B = self.block_size
-        T = sum(s.q for s in seqs)
-        if any(not _is_int(r) or r < 0 or r >= T for r in logits_indices):
+        c0s, qs = seqs.c0.astype(np.int64, copy=False), seqs.q.astype(np.int64, copy=False)
+        Ls = c0s + qs
+        S = len(c0s)
+        T = int(qs.sum())
+        li_host = np.asarray(logits_indices)
+        if li_host.size and (li_host.dtype.kind not in "iu" or li_host.ndim != 1 or int(li_host.min()) < 0
+                             or int(li_host.max()) >= T):
             raise ValueError(f"logits_indices: integers in [0, {T}) expected")
         if not _is_int(pad_multiple) or pad_multiple < 0:
             raise ValueError(f"pad_multiple: an integer >= 0 expected, got {pad_multiple!r}")
@@ -244,34 +322,30 @@ class PlanBuilder:
             if len(input_ids) != T:
                 raise ValueError(f"input_ids: {len(input_ids)} ids for {T} tokens (sum of query_lens)")
             self.check_ids(input_ids)
+        max_L = int(Ls.max()) if S else 0
         if capacity is not None:
-            if len(seqs) > capacity.num_seqs or any(s.q != 1 for s in seqs) or \
-                    max((s.L for s in seqs), default=0) > capacity.max_len or len(logits_indices) > capacity.num_seqs \
-                    or _blocks_for(capacity.max_len, B) > capacity.max_blocks:
-                raise ValueError(f"capacity: the step ({len(seqs)} sequences, query lens "
-                                 f"{sorted({s.q for s in seqs})}, {len(logits_indices)} logits rows) does not fit "
+            if S > capacity.num_seqs or (qs != 1).any() or max_L > capacity.max_len \
+                    or len(logits_indices) > capacity.num_seqs or _blocks_for(capacity.max_len, B) > capacity.max_blocks:
+                raise ValueError(f"capacity: the step ({S} sequences, query lens "
+                                 f"{sorted(set(qs.tolist()))}, {len(logits_indices)} logits rows) does not fit "
                                  f"{capacity}")
             rows = capacity.num_seqs
             nb = capacity.max_blocks
             max_len = capacity.max_len
         else:
             rows = -(-T // pad_multiple) * pad_multiple if pad_multiple > 0 else T
-            nb = max((_blocks_for(s.L, B) for s in seqs), default=1) or 1
-            max_len = max((s.L for s in seqs), default=0)
+            nb = (_blocks_for(max_L, B) if S else 1) or 1
+            max_len = max_L
         chunks: dict[str, np.ndarray] = {}
-        S = len(seqs)
+        starts = np.cumsum(qs) - qs  # each sequence's first token row
         positions = np.zeros(rows, dtype=np.int64)
+        positions[:T] = np.repeat(c0s - starts, qs) + np.arange(T)
         row_seq = np.full(rows, S, dtype=np.int64)  # padding rows -> the all -1 table row S
+        row_seq[:T] = np.repeat(np.arange(S), qs)
         seq_bt = np.full((S + 1, nb), -1, dtype=np.int64)
-        a = 0
-        starts = []
-        for i, s in enumerate(seqs):
-            positions[a:a + s.q] = np.arange(s.c0, s.L)
-            row_seq[a:a + s.q] = i
-            k = _blocks_for(s.L, B)
-            seq_bt[i, :k] = s.block_ids[:k]
-            starts.append(a)
-            a += s.q
+        w = min(nb, seqs.block_tables.shape[1])
+        need = -(-Ls // B)
+        seq_bt[:S, :w] = np.where(np.arange(w)[None, :] < need[:, None], seqs.block_tables[:, :w], -1)
         tok_bt = seq_bt[row_seq]
         slots = np.full(rows, -1, dtype=np.int64)
         slots[:T] = tok_bt[np.arange(T), positions[:T] // B] * B + positions[:T] % B
@@ -280,7 +354,7 @@ class PlanBuilder:
         chunks["tok_bt"] = tok_bt
         n_logit_rows = capacity.num_seqs if capacity is not None else len(logits_indices)
         li = np.zeros(n_logit_rows, dtype=np.int64)
-        li[:len(logits_indices)] = logits_indices
+        li[:li_host.size] = li_host
         chunks["logits_indices"] = li
         host_ids = not isinstance(input_ids, torch.Tensor)
         ids = np.zeros(rows, dtype=np.int64)
@@ -291,7 +365,11 @@ class PlanBuilder:
             chunks["row_valid"] = (np.arange(rows) < T).astype(np.int64)
         meta = []
         for m, overlap in self.ratios:
-            lists = self._compressor_lists(seqs, starts, m, overlap, capacity)
+            if S and (qs == 1).all():
+                lists = self._decode_compressor_lists(c0s, seq_bt, m, overlap, capacity)
+            else:
+                lists = self._compressor_lists(c0s.tolist(), Ls.tolist(), seq_bt.tolist(), starts.tolist(), m,
+                                               overlap, capacity)
             meta.append((m, overlap, lists["n_close"]))
             for name, arr in lists.items():
                 if name != "n_close":
@@ -366,9 +444,10 @@ class PlanBuilder:
         self.check_step(seqs)
         return self.build(seqs, ids, li.cpu().tolist(), batch.batch_invariant, pad_multiple, checked=True)
 
-    def _compressor_lists(self, seqs: list[SeqStep], starts: list[int], m: int, overlap: bool,
-                          capacity: Capacity | None) -> dict:
-        """The :class:`CompressorPlan` lists of ratio ``m`` as numpy arrays (padded to ``capacity`` in graph mode).
+    def _compressor_lists(self, c0s: list[int], Ls: list[int], bts: list[list[int]], starts: list[int], m: int,
+                          overlap: bool, capacity: Capacity | None) -> dict:
+        """The :class:`CompressorPlan` lists of ratio ``m`` as numpy arrays (padded to ``capacity`` in graph mode),
+        per sequence in Python: steps with prefill chunks (a decode step takes :meth:`_decode_compressor_lists`).
 
         Per sequence (positions ``[c0, L)`` new): windows ``w`` in ``[c0 // m, L // m)`` close; the open window(s)
         of ``c0`` start at ``s0`` (CSA: one window earlier, whose first half feeds the next entry). Ring rows
@@ -387,9 +466,7 @@ class PlanBuilder:
         st_src: list[int] = []
         st_dst: list[int] = []
         ring_rows_cap = R - 1  # graph mode: ring reads per sequence (a decode reads at most R - 1 positions)
-        for i, s in enumerate(seqs):
-            c0, L = s.c0, s.L
-            bids = s.block_ids
+        for i, (c0, L, bids) in enumerate(zip(c0s, Ls, bts)):
             s0 = max(0, (c0 // m) * m - m) if overlap else (c0 // m) * m
             first_w, end_w = c0 // m, L // m
             ends = list(range((c0 // B + 1) * B, L, B)) + [L]
@@ -449,4 +526,77 @@ class PlanBuilder:
         if overlap:
             out["prev"] = rows(prev).reshape(-1, m)
             out["prev_ok"] = np.array(prev_ok, dtype=np.int64)
+        return out
+
+    def _decode_compressor_lists(self, p: np.ndarray, bt: np.ndarray, m: int, overlap: bool,
+                                 capacity: Capacity | None) -> dict:
+        """:meth:`_compressor_lists` of a decode step (one new token per sequence, at position ``p[i]``, token row
+        ``i``; ``bt [num_seqs + 1, nb]`` the step's block tables), vectorised over the sequences: the same lists in
+        the same order."""
+        B = self.block_size
+        R = 2 * m if overlap else m
+        per_block = B // m
+        S = len(p)
+        i = np.arange(S)
+        s0 = np.maximum(0, (p // m) * m - m) if overlap else (p // m) * m
+        closes = (p + 1) % m == 0
+        r0 = np.maximum(0, ((p + 1) // m) * m - m) if overlap else ((p + 1) // m) * m
+        same = (p > 0) & (p % B != 0)
+        st = np.where(same, np.maximum(r0, p), r0)
+        read = (p > s0) & (closes | (st < p))
+        n_read = np.where(read, p - s0, 0)
+        # ring reads: positions s0 .. p - 1 from the ring of the block of p - 1 (R - 1 per sequence in graph mode)
+        k = np.arange(R - 1)
+        blk_prev = bt[i, np.maximum(p - 1, 0) // B]
+        ring_slot = blk_prev[:, None] * R + (s0[:, None] + k[None, :]) % R
+        valid = k[None, :] < n_read[:, None]
+        if capacity is not None:
+            ring_src = np.zeros(capacity.num_seqs * (R - 1), dtype=np.int64)
+            ring_src[:S * (R - 1)] = np.where(valid, ring_slot, 0).reshape(-1)
+            base = i * (R - 1)
+        else:
+            ring_src = ring_slot[valid]
+            base = np.cumsum(n_read) - n_read
+        n_ring = ring_src.size
+
+        def row(pos: np.ndarray, at: np.ndarray) -> np.ndarray:
+            """Rows of ``all`` for positions ``pos`` of sequences ``at`` (broadcast): the new token's row follows
+            every ring row."""
+            return np.where(pos >= p[at], n_ring + at, base[at] + pos - s0[at])
+
+        c = i[closes]
+        w = p[c] // m
+        win = (w * m)[:, None] + np.arange(m)[None, :]
+        cur = row(win, c[:, None])
+        w_pos = w * m
+        dst = bt[c, w_pos // B] * per_block + w % per_block
+        n_close = c.size
+        if overlap:
+            has_prev = w >= 1
+            prev = np.where(has_prev[:, None], row(win - m, c[:, None]), 0)
+            prev_ok = has_prev.astype(np.int64)
+        # state writes: positions st .. p to the ring of the block of p, in sequence order
+        j = np.arange(R)
+        pos = st[:, None] + j[None, :]
+        keep = pos <= p[:, None]
+        st_src = row(pos, i[:, None])[keep]
+        st_dst = (bt[i, p // B][:, None] * R + pos % R)[keep]
+        if capacity is not None:
+            n = capacity.num_seqs
+            pad = n - n_close
+            cur = np.concatenate([cur, np.zeros((pad, m), dtype=np.int64)])
+            w_pos = np.concatenate([w_pos, np.zeros(pad, dtype=np.int64)])
+            dst = np.concatenate([dst, np.full(pad, -1, dtype=np.int64)])
+            if overlap:
+                prev = np.concatenate([prev, np.zeros((pad, m), dtype=np.int64)])
+                prev_ok = np.concatenate([prev_ok, np.zeros(pad, dtype=np.int64)])
+            pad = n * R - st_dst.size
+            st_src = np.concatenate([st_src, np.zeros(pad, dtype=np.int64)])
+            st_dst = np.concatenate([st_dst, np.full(pad, -1, dtype=np.int64)])
+        out = {"ring_src": ring_src.astype(np.int64), "cur": cur.reshape(-1, m).astype(np.int64),
+               "w_pos": w_pos.astype(np.int64), "dst": dst.astype(np.int64), "st_src": st_src.astype(np.int64),
+               "st_dst": st_dst.astype(np.int64), "n_close": n_close}
+        if overlap:
+            out["prev"] = prev.reshape(-1, m).astype(np.int64)
+            out["prev_ok"] = prev_ok.astype(np.int64)
         return out

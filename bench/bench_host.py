@@ -1,0 +1,146 @@
+"""Host time per decode step of the engine on the CPU: scheduling, step plan, enqueue, sampling, applying results.
+
+Usage (from the repository root, PYTHONPATH=python:engine):
+    python bench/bench_host.py                      # 1, 64 and 256 decoding sequences, eager and graph-mode plans
+    python bench/bench_host.py --batches 64 --profile  # also a cProfile table of the decode steps
+
+The model is a stand-in with the tiny preset's DeepSeek-V4 config (every layer kind, so every compressor list of the
+plan is built) and a vocabulary of ``--vocab`` tokens: the real :class:`PlanBuilder` and sampler run, the forward
+returns zero logits. So the figures are the host work of the engine alone, on this CPU (not the H200's).
+``--graphs`` also runs the graph-mode path: every decode step builds its plan into a captured bucket's buffer
+(``ModelRunner`` with stand-in graphs whose replay does nothing), as decode steps do on CUDA.
+
+Method: ``batch`` requests of ``--prompt-len`` tokens run to ``--max-tokens`` output tokens (greedy, EOS
+ignored); the figure is the median host time of the pure decode steps (``StepRecord.host_seconds``), after one
+warm-up run. One JSON line per (batch, path); ``--out`` also writes them as a list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import sys
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class HostOnlyModel:
+    """The engine contract of a DeepSeek-V4 model with a step plan, without the model: ``forward`` returns
+    ``[num_logits, vocab]`` zero logits."""
+
+    def __init__(self, vocab: int, block_size: int = 128) -> None:
+        from deepinfer.models.deepseek_v4 import DeepseekV4Config, PlanBuilder
+        from deepinfer.models.registry import model_family
+
+        tiny = dict(model_family("deepseek_v4").tiny_config)
+        tiny["vocab_size"] = vocab
+        self.config = DeepseekV4Config.from_dict(tiny)
+        self.config_block_size = block_size
+        self.gemm = "fp8"
+        self._builder_class = PlanBuilder
+        self._builders: dict = {}
+
+    def parameters(self):
+        return iter(())
+
+    def allocate_cache(self, num_blocks: int):
+        return types.SimpleNamespace(block_size=self.config_block_size, num_blocks=num_blocks,
+                                     device=torch.device("cpu"))
+
+    def plan_builder(self, cache):
+        key = (cache.block_size, cache.num_blocks)
+        if key not in self._builders:
+            self._builders[key] = self._builder_class(self.config, cache.block_size, cache.num_blocks, cache.device)
+        return self._builders[key]
+
+    def step_pad(self, batch_invariant: bool, device) -> int:
+        return 0
+
+    def forward(self, plan, cache):
+        return torch.zeros(plan.num_logits, self.config.vocab_size)
+
+
+class _NoGraph:
+    def replay(self) -> None:
+        pass
+
+
+def install_graphs(llm) -> None:
+    """Stand-in CUDA graphs for every bucket: decode steps take the graph-mode plan path, replay does nothing."""
+    from deepinfer.model_runner import _Graph, graph_buckets
+
+    runner = llm.runner
+    vocab = llm.model.config.vocab_size
+    for bucket in graph_buckets(llm.config.max_num_seqs):
+        cap, plan = runner.dummy_plan(bucket, llm.max_model_len)
+        st = plan.input_ids.untyped_storage()
+        flat = torch.empty(0, dtype=torch.int64).set_(st, 0, (st.nbytes() // 8,))
+        runner.graphs[bucket] = _Graph(bucket, cap, plan, _NoGraph(), torch.zeros(bucket, vocab), flat, {})
+    runner.max_model_len = llm.max_model_len
+
+
+def run(batch: int, graphs: bool, args) -> tuple[dict, pstats.Stats | None]:
+    from deepinfer import LLM, SamplingParams
+
+    model = HostOnlyModel(args.vocab)
+    max_len = args.prompt_len + args.max_tokens + 128
+    llm = LLM(model, max_num_seqs=batch, max_model_len=max_len, max_num_batched_tokens=max(2048, batch),
+              num_blocks=batch * -(-max_len // 128))
+    if graphs:
+        install_graphs(llm)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
+    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+    llm.generate(prompts, sp)  # warm-up
+    prof = cProfile.Profile() if args.profile else None
+    if prof is not None:
+        prof.enable()
+    llm.generate(prompts, sp)
+    if prof is not None:
+        prof.disable()
+    st = llm.last_stats.summary()
+    row = {"op": "engine_host_decode", "device": "cpu", "shape": {"batch": batch, "graph_plans": graphs,
+           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "vocab": args.vocab},
+           "host_ms": round(st["decode_host_ms_median"], 4), "enqueue_ms": round(st["decode_enqueue_ms_median"], 4),
+           "step_ms": round(st["decode_step_ms_median"], 4)}
+    return row, (pstats.Stats(prof) if prof is not None else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--max-tokens", type=int, default=48)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--paths", default="eager,graphs", help="eager, graphs or both")
+    p.add_argument("--profile", action="store_true", help="cProfile table of the measured run (stdout)")
+    p.add_argument("--out", type=Path, help="also write the rows as a JSON list here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        for path in args.paths.split(","):
+            row, stats = run(b, path == "graphs", args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if stats is not None:
+                s = io.StringIO()
+                stats.stream = s
+                stats.sort_stats("cumulative").print_stats(40)
+                print(s.getvalue())
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
