@@ -10,9 +10,11 @@ returns zero logits. So the figures are the host work of the engine alone, on th
 ``--graphs`` also runs the graph-mode path: every decode step builds its plan into a captured bucket's buffer
 (``ModelRunner`` with stand-in graphs whose replay does nothing), as decode steps do on CUDA.
 
-Method: ``batch`` requests of ``--prompt-len`` tokens run to ``--max-tokens`` output tokens (greedy, EOS
-ignored); the figure is the median host time of the pure decode steps (``StepRecord.host_seconds``), after one
-warm-up run. One JSON line per (batch, path); ``--out`` also writes them as a list.
+Method: ``batch`` requests of ``--prompt-len`` tokens are prefilled and decode ``--warmup`` tokens, then
+``--steps`` decode steps of ``LLMEngine.step`` (asynchronous scheduling: scheduling, plan, enqueue, sampling and
+applying the step before) are timed one by one: ``host_ms`` is the median wall time per step, ``host_cpu_ms`` the
+median CPU time of this thread (robust to other processes on a shared machine). One JSON line per (batch, path);
+``--out`` also writes them as a list.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import io
 import json
 import pstats
 import random
+import statistics
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -90,28 +94,37 @@ def install_graphs(llm) -> None:
 
 def run(batch: int, graphs: bool, args) -> tuple[dict, pstats.Stats | None]:
     from deepinfer import LLM, SamplingParams
+    from deepinfer.sequence import Sequence
 
     model = HostOnlyModel(args.vocab)
-    max_len = args.prompt_len + args.max_tokens + 128
+    max_len = args.prompt_len + args.steps + 2 * args.warmup + 128
     llm = LLM(model, max_num_seqs=batch, max_model_len=max_len, max_num_batched_tokens=max(2048, batch),
               num_blocks=batch * -(-max_len // 128))
     if graphs:
         install_graphs(llm)
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, args.vocab) for _ in range(args.prompt_len)] for _ in range(batch)]
-    sp = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
-    llm.generate(prompts, sp)  # warm-up
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 2 * args.warmup, ignore_eos=True)
+    seqs = [Sequence(i, [rng.randrange(3, args.vocab) for _ in range(args.prompt_len)], sp, seed=i)
+            for i in range(batch)]
+    engine = llm.engine
+    for seq in seqs:
+        engine.add_request(seq)
+    while min(s.num_output_tokens for s in seqs) < args.warmup:  # prefill, then a few decode steps
+        engine.step()
     prof = cProfile.Profile() if args.profile else None
-    if prof is not None:
-        prof.enable()
-    llm.generate(prompts, sp)
-    if prof is not None:
-        prof.disable()
-    st = llm.last_stats.summary()
+    wall, cpu = [], []
+    for _ in range(args.steps):
+        if prof is not None:
+            prof.enable()
+        t, c = time.perf_counter(), time.thread_time()
+        engine.step()
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - t)
+        if prof is not None:
+            prof.disable()
     row = {"op": "engine_host_decode", "device": "cpu", "shape": {"batch": batch, "graph_plans": graphs,
-           "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "vocab": args.vocab},
-           "host_ms": round(st["decode_host_ms_median"], 4), "enqueue_ms": round(st["decode_enqueue_ms_median"], 4),
-           "step_ms": round(st["decode_step_ms_median"], 4)}
+           "prompt_len": args.prompt_len, "vocab": args.vocab, "temperature": args.temperature},
+           "host_ms": round(1e3 * statistics.median(wall), 4), "host_cpu_ms": round(1e3 * statistics.median(cpu), 4)}
     return row, (pstats.Stats(prof) if prof is not None else None)
 
 
@@ -119,8 +132,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,64,256")
     p.add_argument("--prompt-len", type=int, default=200)
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=60, help="measured decode steps")
+    p.add_argument("--warmup", type=int, default=4, help="decode steps before the measured ones")
+    p.add_argument("--vocab", type=int, default=512, help="small: the stand-in's sampling work stays negligible")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy rows; > 0: drawn rows")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--paths", default="eager,graphs", help="eager, graphs or both")
     p.add_argument("--profile", action="store_true", help="cProfile table of the measured run (stdout)")

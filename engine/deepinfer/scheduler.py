@@ -159,11 +159,13 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """New tokens for ``seq`` this step within ``budget`` (0: none; also when its pending tokens already reach
         ``max_tokens``: it finishes when they are applied)."""
-        if seq.num_output_tokens + seq.num_pending >= seq.params.max_tokens:
+        num_out = len(seq.output_token_ids) + seq.num_pending
+        if num_out >= seq.params.max_tokens:
             return 0
-        n = min(seq.num_uncomputed_tokens, budget)
+        context = len(seq.prompt_token_ids) + num_out  # pending tokens included: their ids come from the device
+        n = min(context - seq.num_computed_tokens, budget)
         end = seq.num_computed_tokens + n
-        if self.config.batch_invariant and end < seq.num_tokens + seq.num_pending:
+        if end < context and self.config.batch_invariant:
             align = self.config.chunk_align
             n = (end // align) * align - seq.num_computed_tokens
         return max(n, 0)
@@ -176,6 +178,8 @@ class Scheduler:
             RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
         """
         budget = self.config.max_num_batched_tokens
+        bm = self.block_manager
+        B = bm.block_size
         scheduled: list[ScheduledRequest] = []
         sampled: list[Sequence] = []
         new_requests: list[NewRequestData] = []
@@ -188,15 +192,18 @@ class Scheduler:
                 i += 1
                 continue
             target = seq.num_computed_tokens + n
-            while not self.block_manager.can_allocate(seq, target):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted.append(victim.seq_id)
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break  # seq itself was preempted: everything after it is gone too
-            scheduled.append(self._take(seq, n, self.block_manager.allocate(seq, target), sampled))
+            new_ids: list[int] = []
+            if target > len(seq.block_table) * B:  # most decode steps fit the blocks the request holds
+                while not bm.can_allocate(seq, target):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    break  # seq itself was preempted: everything after it is gone too
+                new_ids = bm.allocate(seq, target)
+            scheduled.append(self._take(seq, n, new_ids, sampled))
             budget -= n
             i += 1
 
@@ -239,7 +246,7 @@ class Scheduler:
         """Schedule ``n`` tokens of ``seq``: they count as computed from now on (the next step may be scheduled
         before this one's results are applied); a step that reaches the end of the context adds a pending token."""
         start = seq.num_computed_tokens
-        needs = start + n == seq.num_tokens + seq.num_pending
+        needs = start + n == len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending
         seq.num_computed_tokens = start + n
         if needs:
             seq.num_pending += 1

@@ -570,7 +570,6 @@ class PlanBuilder:
         cur = row(win, c[:, None])
         w_pos = w * m
         dst = bt[c, w_pos // B] * per_block + w % per_block
-        n_close = c.size
         if overlap:
             has_prev = w >= 1
             prev = np.where(has_prev[:, None], row(win - m, c[:, None]), 0)
@@ -583,7 +582,7 @@ class PlanBuilder:
         st_dst = (bt[i, p // B][:, None] * R + pos % R)[keep]
         if capacity is not None:
             n = capacity.num_seqs
-            pad = n - n_close
+            pad = n - c.size
             cur = np.concatenate([cur, np.zeros((pad, m), dtype=np.int64)])
             w_pos = np.concatenate([w_pos, np.zeros(pad, dtype=np.int64)])
             dst = np.concatenate([dst, np.full(pad, -1, dtype=np.int64)])
@@ -595,7 +594,7 @@ class PlanBuilder:
             st_dst = np.concatenate([st_dst, np.full(pad, -1, dtype=np.int64)])
         out = {"ring_src": ring_src.astype(np.int64), "cur": cur.reshape(-1, m).astype(np.int64),
                "w_pos": w_pos.astype(np.int64), "dst": dst.astype(np.int64), "st_src": st_src.astype(np.int64),
-               "st_dst": st_dst.astype(np.int64), "n_close": n_close}
+               "st_dst": st_dst.astype(np.int64), "n_close": w_pos.size}  # graph mode: the capacity
         if overlap:
             out["prev"] = prev.reshape(-1, m).astype(np.int64)
             out["prev_ok"] = prev_ok.astype(np.int64)
