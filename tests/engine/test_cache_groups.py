@@ -252,5 +252,5 @@ def test_engine_holds_a_bounded_window_and_returns_every_block():
     for q, p in zip(seqs, prompts):
         ctx = list(p)
         for _ in range(sp.max_tokens):
-            ctx.append(int(llm.model.forward_full(torch.tensor(ctx))[-1].argmax()))
+            ctx.append(int(llm.model.forward_full(torch.tensor(ctx, device=llm.model.embed.weight.device))[-1].argmax()))
         assert q.output_token_ids == ctx[len(p):]

@@ -214,11 +214,80 @@ __global__ void __launch_bounds__(256) hc_stream_kernel(HcStreamParams p) {
   }
 }
 
+// hc_stream_kernel for 4 streams (V4's hc_mult), the same arithmetic: the coefficients as float4 loads and two
+// vectors per thread, so a thread's coefficient reads are amortised over 2V elements.
+template <typename T, bool kPost>
+__global__ void __launch_bounds__(256) hc_stream4_kernel(HcStreamParams p) {
+  constexpr int V = 16 / sizeof(T), kRep = 2, kHc = 4;
+  const int64_t per_row = p.hidden / (V * kRep);
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= p.tokens * per_row) return;
+  const int64_t t = idx / per_row, d0 = (idx % per_row) * V * kRep;
+  const T* s = static_cast<const T*>(p.streams) + t * kHc * p.hidden + d0;
+  float in[kHc][kRep][V];
+#pragma unroll
+  for (int i = 0; i < kHc; ++i) {
+#pragma unroll
+    for (int r = 0; r < kRep; ++r) {
+      const Vec<T, V> q = *reinterpret_cast<const Vec<T, V>*>(s + i * p.hidden + r * V);
+#pragma unroll
+      for (int e = 0; e < V; ++e) in[i][r][e] = to_float(q.v[e]);
+    }
+  }
+  const float4 pre = *reinterpret_cast<const float4*>(p.pre + t * kHc);
+  const float pv[kHc] = {pre.x, pre.y, pre.z, pre.w};
+  if constexpr (!kPost) {
+#pragma unroll
+    for (int r = 0; r < kRep; ++r) {
+      Vec<T, V> o;
+#pragma unroll
+      for (int e = 0; e < V; ++e) {
+        float acc = pv[0] * in[0][r][e];
+#pragma unroll
+        for (int i = 1; i < kHc; ++i) acc += pv[i] * in[i][r][e];
+        o.v[e] = from_float<T>(acc);
+      }
+      *reinterpret_cast<Vec<T, V>*>(static_cast<T*>(p.out) + t * p.hidden + d0 + r * V) = o;
+    }
+  } else {
+    float cb[kHc][kHc];
+#pragma unroll
+    for (int i = 0; i < kHc; ++i) {
+      const float4 c = *reinterpret_cast<const float4*>(p.comb + t * kHc * kHc + i * kHc);
+      cb[i][0] = c.x, cb[i][1] = c.y, cb[i][2] = c.z, cb[i][3] = c.w;
+    }
+    const T* xr = static_cast<const T*>(p.x) + t * p.hidden + d0;
+    T* out = static_cast<T*>(p.out) + t * kHc * p.hidden + d0;
+#pragma unroll
+    for (int r = 0; r < kRep; ++r) {
+      const Vec<T, V> xq = *reinterpret_cast<const Vec<T, V>*>(xr + r * V);
+#pragma unroll
+      for (int j = 0; j < kHc; ++j) {
+        Vec<T, V> o;
+#pragma unroll
+        for (int e = 0; e < V; ++e) {
+          float acc = pv[j] * to_float(xq.v[e]);
+#pragma unroll
+          for (int i = 0; i < kHc; ++i) acc += cb[i][j] * in[i][r][e];
+          o.v[e] = from_float<T>(acc);
+        }
+        *reinterpret_cast<Vec<T, V>*>(out + j * p.hidden + r * V) = o;
+      }
+    }
+  }
+}
+
 template <typename T, bool kPost>
 void launch_stream_typed(const HcStreamParams& p, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
   const bool vec = p.hidden % kVec == 0 && is_aligned(p.streams, 16) && is_aligned(p.out, 16) &&
                    (!kPost || is_aligned(p.x, 16));
+  if (vec && p.hc == 4 && p.hidden % (2 * kVec) == 0 && is_aligned(p.pre, 16) && (!kPost || is_aligned(p.comb, 16))) {
+    const int64_t n4 = p.tokens * (p.hidden / (2 * kVec));
+    hc_stream4_kernel<T, kPost><<<static_cast<unsigned>((n4 + 255) / 256), 256, 0, stream>>>(p);
+    DEEPINFER_CHECK_LAUNCH(kPost ? "hc_post_kernel" : "hc_collapse_kernel");
+    return;
+  }
   const int64_t n = p.tokens * (vec ? p.hidden / kVec : p.hidden);
   const dim3 grid(static_cast<unsigned>((n + 255) / 256));
   if (vec) {
