@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from deepinfer.sequence import Sequence
 
@@ -39,6 +40,15 @@ class CacheGroup:
     name: str
     num_blocks: int
     lookback: int | None = None
+
+
+class BlockChanges(NamedTuple):
+    """What :meth:`BlockManager.allocate_step` did to one sequence's tables, per group: ``new`` block ids (appended,
+    in table order) and ``released`` ones (their entries became ``-1``; they went back to the pool first, so a block
+    may be in both lists of a group)."""
+
+    new: dict[str, list[int]]
+    released: dict[str, list[int]]
 
 
 class _Pool:
@@ -157,15 +167,42 @@ class BlockManager:
                 return False
         return True
 
+    def fits_held(self, seq: Sequence, num_context_tokens: int) -> bool:
+        """Whether ``seq``'s step (from ``seq.num_computed_tokens`` to ``num_context_tokens``) needs no allocation:
+        every table already covers the step and no sliding-window group has a block to release. O(1) per group (a
+        window group's held blocks are one run at the end of its table: blocks are released oldest first)."""
+        if not seq.block_tables:
+            return False
+        end = blocks_for(num_context_tokens, self.block_size)
+        for g in self.groups:
+            table = seq.block_tables.get(g.name)
+            if table is None or len(table) < end:
+                return False
+            if g.lookback is not None:
+                first = self.first_needed_block(g, seq.num_computed_tokens)
+                if first > 0 and table[min(first, len(table)) - 1] >= 0:
+                    return False
+        return True
+
     def allocate(self, seq: Sequence, num_context_tokens: int, group: str | None = None) -> dict[str, list[int]]:
         """Release the blocks ``seq``'s step (from ``seq.num_computed_tokens``) no longer reads, then grow its tables
         to cover ``num_context_tokens`` positions, for ``group`` (None: every group).
 
         Returns:
-            ``{group: new block ids}`` in table order.
+            ``{group: new block ids}`` in table order (they extend the table: a table has no gap before its end).
         Raises:
             RuntimeError: not enough free blocks in a group (callers check :meth:`can_allocate` first); nothing
             changes then.
+        """
+        return self.allocate_step(seq, num_context_tokens, group).new
+
+    def allocate_step(self, seq: Sequence, num_context_tokens: int, group: str | None = None) -> BlockChanges:
+        """:meth:`allocate`, also returning the block ids it released (``BlockChanges.released``: ``{group: ids}``
+        whose table entries became ``-1``; empty lists for groups that keep their blocks). The scheduler hands both
+        to the model runner, which keeps its own copy of the tables.
+
+        Raises:
+            RuntimeError: as :meth:`allocate`.
         """
         names = [group] if group is not None else [g.name for g in self.groups]
         for name in names:
@@ -177,11 +214,14 @@ class BlockManager:
         for g in self.groups:  # every table exists, in group order (``Sequence.block_table`` is the first)
             seq.block_tables.setdefault(g.name, [])
         new: dict[str, list[int]] = {}
+        released: dict[str, list[int]] = {}
         for name in names:
             pool = self._pools[name]
             table = seq.block_tables[name]
+            gone = []
             for j in self._releasable(seq, pool.group):
                 self._give_back(pool, table[j], seq)
+                gone.append(table[j])
                 table[j] = -1
             first = self.first_needed_block(pool.group, seq.num_computed_tokens)
             end = blocks_for(num_context_tokens, self.block_size)
@@ -196,7 +236,8 @@ class BlockManager:
                 table[j] = block
                 got.append(block)
             new[name] = got
-        return new
+            released[name] = gone
+        return BlockChanges(new, released)
 
     def free(self, seq: Sequence) -> None:
         """Return all of ``seq``'s blocks of every group to their free lists and empty its tables.

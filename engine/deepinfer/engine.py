@@ -9,8 +9,24 @@ from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
 from deepinfer.model_runner import ModelRunner, StepOutput
-from deepinfer.scheduler import ScheduledSeq, Scheduler
-from deepinfer.sequence import Sequence
+from deepinfer.scheduler import Scheduler, SchedulerOutput
+from deepinfer.sequence import RequestFailure, Sequence
+
+# failure kinds that refuse a request as invalid (400); every other kind is a server error
+_INVALID_REQUEST_KINDS = frozenset({"invalid_request", "context_length_exceeded", "cache_exhausted"})
+# kinds whose records carry an explicit HTTP status (the record shapes users have seen stay as they were)
+_STATUS_CODES = {"nan_logits": 500}
+
+
+def error_record(failure: RequestFailure) -> dict:
+    """The error record of a failed request, as ``LLM.generate`` / ``LLM.chat`` return it: ``{"type", "code",
+    "message"}`` (``type`` ``"invalid_request_error"`` for a refusal, else ``"server_error"``; ``status_code`` for
+    kinds that fix one)."""
+    rec = {"type": "invalid_request_error" if failure.kind in _INVALID_REQUEST_KINDS else "server_error",
+           "code": failure.kind, "message": failure.message}
+    if failure.kind in _STATUS_CODES:
+        rec["status_code"] = _STATUS_CODES[failure.kind]
+    return rec
 
 
 @dataclass(frozen=True)
@@ -32,9 +48,10 @@ class LLMEngine:
 
     ``step()`` runs one iteration: with asynchronous scheduling (``config.async_scheduling``) it schedules and
     enqueues the next step, then applies the one in flight; otherwise it schedules, runs and applies one step. It
-    returns the sequences that got tokens or finished in the applied step, and appends a :class:`StepRecord` to
+    returns the sequences that gained a token or finished in the applied step, and appends a :class:`StepRecord` to
     ``records``. Requests with frequency / presence penalties make it run in order (they need every drawn token on
-    the host).
+    the host). The scheduler hands the runner a :class:`SchedulerOutput` (plain data) per step; a failed request's
+    ``Sequence.error`` is its error record (:func:`error_record` of the scheduler's ``Sequence.failure``).
     """
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner) -> None:
@@ -42,20 +59,37 @@ class LLMEngine:
         self.scheduler = scheduler
         self.runner = runner
         self.records: list[StepRecord] = []
-        self._in_flight: tuple[list[ScheduledSeq], StepOutput, float] | None = None
+        self._in_flight: tuple[SchedulerOutput, StepOutput, float] | None = None
         self._last = time.perf_counter()
 
     def add_request(self, seq: Sequence) -> bool:
         """Queue ``seq``; False when it was refused (it is then finished with ``seq.error`` set)."""
-        return self.scheduler.add(seq)
+        if self.scheduler.add(seq):
+            return True
+        seq.error = error_record(seq.failure)
+        return False
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` with ``reason`` (its step in flight, if any, drops its token)."""
         self.scheduler.finish(seq, reason)
 
     def abort(self, seq: Sequence, error: dict | None = None) -> None:
-        """End ``seq`` wherever it is (its step in flight, if any, drops its token)."""
-        self.scheduler.abort(seq, error)
+        """End ``seq`` wherever it is (its step in flight, if any, drops its token): with ``error``, the record the
+        API layer returns for it (``{"code", "message", ...}``; finish reason ``"error"``), else finish reason
+        ``"abort"``.
+
+        Raises:
+            TypeError: ``error`` is not a dict with string ``code`` and ``message``.
+        """
+        failure = None
+        if error is not None:
+            if not isinstance(error, dict) or not isinstance(error.get("code"), str) \
+                    or not isinstance(error.get("message"), str):
+                raise TypeError(f"LLMEngine.abort: error must be a record dict with string 'code' and 'message', "
+                                f"got {error!r}")
+            failure = RequestFailure(error["code"], error["message"])
+        self.scheduler.abort(seq, failure)
+        seq.error = error
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -68,43 +102,48 @@ class LLMEngine:
         """One iteration; returns the sequences touched by the step applied in it (empty when none was)."""
         sched = self.scheduler
         touched: list[Sequence] = []
-        if self._in_flight is not None and (not self.config.async_scheduling or any(
-                s.params.frequency_penalty or s.params.presence_penalty for s in sched.running)):
+        if self._in_flight is not None and (not self.config.async_scheduling or sched.num_running_in_order):
             touched = self._apply(self._in_flight)
             self._in_flight = None
         t = time.perf_counter()
-        scheduled = sched.schedule() if sched.has_unfinished() else []
+        output = sched.schedule()
         host_s = time.perf_counter() - t
         prev = self._in_flight
-        out = self.runner.execute(scheduled, prev[1] if prev is not None else None) if scheduled else None
+        out = None
+        if output.scheduled:
+            out = self.runner.execute(output, prev[1] if prev is not None else None)
+        else:
+            self.runner.update_states(output)  # finished requests leave the runner
         if prev is not None:
             touched = self._apply(prev)
-        self._in_flight = (scheduled, out, host_s + out.host_seconds) if out is not None else None
+        self._in_flight = (output, out, host_s + out.host_seconds) if out is not None else None
         if self._in_flight is not None and not self.config.async_scheduling:
             touched = self._apply(self._in_flight)
             self._in_flight = None
+        if self._in_flight is None and not sched.has_unfinished():
+            self.runner.update_states(sched.schedule())  # the last finished requests leave the runner
         return touched
 
     def drop_in_flight(self) -> None:
         """Forget the step in flight (after an interrupt: its requests are aborted, its results unused)."""
         if self._in_flight is not None:
-            for item in self._in_flight[0]:
-                if item.needs_logits:
-                    item.seq.num_pending -= 1
+            self.scheduler.drop(self._in_flight[0])
         self._in_flight = None
 
-    def _apply(self, step: tuple[list[ScheduledSeq], StepOutput, float]) -> list[Sequence]:
-        scheduled, out, host_s = step
+    def _apply(self, step: tuple[SchedulerOutput, StepOutput, float]) -> list[Sequence]:
+        output, out, host_s = step
         tokens, logprobs, tops, _ = out.result()
         t = time.perf_counter()
-        self.scheduler.postprocess(scheduled, tokens, logprobs, tops)
+        touched = self.scheduler.postprocess(output, tokens, logprobs, tops)
+        for seq in touched:
+            if seq.failure is not None and seq.error is None:
+                seq.error = error_record(seq.failure)
         host_s += time.perf_counter() - t
         dt, self._last = t - self._last, t
-        n_decode = sum(1 for s in scheduled if s.num_new_tokens == 1 and s.needs_logits
-                       and s.start >= s.seq.num_prompt_tokens)
-        n_total = sum(s.num_new_tokens for s in scheduled)
-        self.records.append(StepRecord(n_decode, n_total - n_decode, dt, out.host_seconds, host_s, out.gpu_seconds))
-        return [s.seq for s in scheduled if s.needs_logits]
+        n_decode = out.num_decode_tokens
+        self.records.append(StepRecord(n_decode, output.num_scheduled_tokens - n_decode, dt, out.host_seconds,
+                                       host_s, out.gpu_seconds))
+        return touched
 
 
 class OutputProcessor:
@@ -140,8 +179,7 @@ class OutputProcessor:
                 try:
                     stop = handler(seq.output_token_ids[k], seq.output_logprobs[k], seq.output_top_logprobs[k])
                 except Exception as e:  # noqa: BLE001 - one request's output parser must not take the batch down
-                    self.engine.abort(seq, {"type": "server_error", "code": "output_processing_failed",
-                                            "message": str(e)})
+                    self.engine.abort(seq, error_record(RequestFailure("output_processing_failed", str(e))))
                     break
                 if stop:
                     self.engine.finish(seq, "stop")

@@ -403,18 +403,20 @@ class LLM:
         engine = self.engine
         engine.reset_clock()
         first = len(engine.records)
-        done = 0
+        generated0 = self.scheduler.num_generated_tokens
+        counted: set[int] = set()  # finished requests the bar has counted (no recount over all requests per step)
         try:
             while engine.has_unfinished_requests():
                 touched = engine.step()
                 if outputs is not None:
                     outputs.process(touched)
                 if bar is not None:
-                    n = sum(1 for s in live if s.is_finished)
-                    bar.update(n - done)
-                    done = n
+                    ended = [s.seq_id for s in touched if s.is_finished and s.seq_id not in counted]
+                    counted.update(ended)
+                    bar.update(len(ended))
                     el = time.perf_counter() - t_start
-                    bar.set_postfix_str(f"{sum(s.num_output_tokens for s in live) / el:.1f} tok/s", refresh=False)
+                    rate = (self.scheduler.num_generated_tokens - generated0) / el
+                    bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         except KeyboardInterrupt:  # finished requests keep their results, the others end with an error record
             stats.interrupted = True
         finally:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
-from deepinfer.block_manager import WINDOW_GROUP
+from deepinfer.block_manager import FULL_GROUP, WINDOW_GROUP
 from deepinfer.forward_batch import ForwardBatch, index_tensors
 from deepinfer.sampler import Sampler
-from deepinfer.scheduler import ScheduledSeq
+from deepinfer.scheduler import NewRequestData, SchedulerOutput
 
 
 def allocate_cache(model, num_blocks: int, block_size: int, **options):
@@ -50,71 +51,111 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
     return sorted(set(out + [max_num_seqs]))
 
 
-def _step_inputs(scheduled: list[ScheduledSeq]) -> tuple[list[int], list[int], list[tuple[int, int]]]:
-    """Host ids of the step's tokens (0 where the id is a pending token on the device), the token rows whose
-    logits are sampled, and ``(row, seq_id)`` of every token fed from the device."""
-    ids: list[int] = []
-    logits_rows: list[int] = []
-    feed: list[tuple[int, int]] = []
-    for item in scheduled:
-        seq, n, start = item.seq, item.num_new_tokens, item.start
-        known = min(start + n, seq.num_tokens)
-        if known > start:
-            ids.extend(seq.token_at(start, known))
-        for _ in range(max(start, seq.num_tokens), start + n):  # pending tokens: sampled by the step in flight
-            feed.append((len(ids), seq.seq_id))
-            ids.append(0)
-        if item.needs_logits:
-            logits_rows.append(len(ids) - 1)
-    return ids, logits_rows, feed
+class RequestState:
+    """The runner's own record of one request, updated only from scheduler outputs and sampled tokens.
 
-
-def _window_ids(tables: dict[str, list[int]]) -> tuple[int, ...] | None:
-    """The ``window`` cache group's table (``None`` for a single-group cache)."""
-    t = tables.get(WINDOW_GROUP)
-    return None if t is None else tuple(t)
-
-
-def build_forward_batch(scheduled: list[ScheduledSeq], device: torch.device | str,
-                        batch_invariant: bool = False, input_ids: torch.Tensor | None = None) -> ForwardBatch:
-    """The ``ForwardBatch`` of one step for a model without a step plan (``batch_invariant`` is copied into it).
-
-    Sequence i contributes ``scheduled[i].num_new_tokens`` tokens at positions ``[start, start + num_new_tokens)``;
-    a logits row is requested for each sequence whose step reaches the end of its context.
+    Attributes:
+        req_id, params, seed: from the request's :class:`NewRequestData`.
+        token_ids: its context as far as the host knows it (prompt, then output tokens; a token sampled by the step
+            in flight is appended when that step's result is read).
+        num_prompt_tokens: the prompt's length (later tokens are output: the draw counter and the penalties).
+        slot: its row in the runner's :class:`BlockTable` s.
     """
-    ids, logits_rows, _ = _step_inputs(scheduled)
-    positions: list[int] = []
-    max_blocks = max(len(item.seq.block_table) for item in scheduled)
-    tables: list[list[int]] = []
-    for item in scheduled:
-        positions.extend(range(item.start, item.start + item.num_new_tokens))
-        tables.append(list(item.seq.block_table) + [-1] * (max_blocks - len(item.seq.block_table)))
-    ids_t, pos_t, logits_t = index_tensors([ids, positions, logits_rows], device)  # one copy
-    return ForwardBatch(
-        input_ids=ids_t if input_ids is None else input_ids,
-        positions=pos_t,
-        query_lens=[item.num_new_tokens for item in scheduled],
-        context_lens=[item.start + item.num_new_tokens for item in scheduled],
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
-        logits_indices=logits_t,
-        batch_invariant=batch_invariant,
-    )
+
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "seed", "slot", "_counts")
+
+    def __init__(self, data: NewRequestData, slot: int) -> None:
+        self.req_id = data.req_id
+        self.token_ids = list(data.prompt_token_ids) + list(data.output_token_ids)
+        self.num_prompt_tokens = len(data.prompt_token_ids)
+        self.params = data.params
+        self.seed = data.seed
+        self.slot = slot
+        self._counts: tuple[int, dict[int, int]] = (self.num_prompt_tokens, {})
+
+    def output_token_counts(self) -> dict[int, int]:
+        """``{token_id: occurrences}`` over the output tokens (updated incrementally: O(new tokens) per call)."""
+        done, counts = self._counts
+        for t in self.token_ids[done:]:
+            counts[t] = counts.get(t, 0) + 1
+        self._counts = (len(self.token_ids), counts)
+        return counts
+
+
+class BlockTable:
+    """Block ids of one cache group for the runner's requests: ``ids [num_slots, max_blocks]`` int64, row ``slot``
+    holds that request's table (block ``j`` covers positions ``[j * block_size, (j + 1) * block_size)``; ``-1``
+    for a block a sliding-window group released) and ``-1`` after it. Rows and columns grow by doubling, so they
+    are bounded by the live requests and the longest table."""
+
+    def __init__(self, num_slots: int = 8, max_blocks: int = 8) -> None:
+        self.ids = np.full((max(num_slots, 1), max(max_blocks, 1)), -1, dtype=np.int64)
+        self.num_blocks = np.zeros(self.ids.shape[0], dtype=np.int64)
+
+    def clear(self, slot: int) -> None:
+        if slot >= len(self.num_blocks):
+            return
+        self.ids[slot, :self.num_blocks[slot]] = -1
+        self.num_blocks[slot] = 0
+
+    def rows(self, slots: np.ndarray) -> np.ndarray:
+        """``[len(slots), width]`` copies of the rows of ``slots`` (slots beyond the table read as empty rows)."""
+        if len(slots) and int(slots.max()) >= self.ids.shape[0]:
+            self._grow(int(slots.max()) + 1, self.ids.shape[1])
+        return self.ids[slots]
+
+    def _grow(self, rows_needed: int, cols_needed: int) -> None:
+        rows, cols = self.ids.shape
+        grown = np.full((max(rows, rows_needed) * (2 if rows_needed > rows else 1),
+                         max(cols, cols_needed) * (2 if cols_needed > cols else 1)), -1, dtype=np.int64)
+        grown[:rows, :cols] = self.ids
+        self.ids = grown
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(grown.shape[0] - rows, dtype=np.int64)])
+
+    def append(self, slot: int, block_ids: tuple[int, ...]) -> None:
+        rows, cols = self.ids.shape
+        n = int(self.num_blocks[slot]) if slot < rows else 0
+        end = n + len(block_ids)
+        if slot >= rows or end > cols:
+            self._grow(slot + 1, end)
+        self.ids[slot, n:end] = block_ids
+        self.num_blocks[slot] = end
+
+    def release(self, slot: int, block_ids: tuple[int, ...]) -> list[int]:
+        """Set the entries of ``block_ids`` in row ``slot`` to ``-1``; returns the ids the row does not hold (an
+        empty list when all were found)."""
+        n = int(self.num_blocks[slot]) if slot < self.ids.shape[0] else 0
+        row = self.ids[slot, :n] if n else self.ids[:0, 0]
+        missing = []
+        for b in block_ids:
+            hit = np.flatnonzero(row == b)
+            if hit.size:
+                row[hit[0]] = -1
+            else:
+                missing.append(b)
+        return missing
 
 
 class StepOutput:
-    """One enqueued step: its sampled ids on the device and, once :meth:`result` is called, on the host."""
+    """One enqueued step: its sampled ids on the device and, once :meth:`result` is called, on the host (where they
+    are also appended to the requests' runner state)."""
 
     def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, tops: list, seq_rows: dict[int, int],
-                 host: tuple[torch.Tensor, torch.Tensor] | None, event, gpu_events, t0: float, host_s: float,
-                 graph: bool):
+                 states: list[RequestState], host: tuple[torch.Tensor, torch.Tensor] | None, event, gpu_events,
+                 t0: float, host_s: float, graph: bool, num_decode_tokens: int):
         self.tokens, self.logprobs, self.tops = tokens, logprobs, tops
-        self.seq_rows = seq_rows  # seq_id -> row of ``tokens``
+        self.seq_rows = seq_rows  # req_id -> row of ``tokens``
+        self.states = states  # row -> the request's state when the step was enqueued
         self._host, self._event, self._gpu_events = host, event, gpu_events
         self.t0, self.host_seconds, self.graph = t0, host_s, graph
+        self.num_decode_tokens = num_decode_tokens
         self.gpu_seconds = 0.0
+        self._result: tuple | None = None
 
     def result(self) -> tuple[list[int], list[float], list, float]:
         """``(token_ids, logprobs, top_logprobs, seconds)`` (waits for the step; seconds since it was enqueued)."""
+        if self._result is not None:
+            return self._result
         if self._event is not None:
             self._event.synchronize()
             toks, lps = self._host
@@ -123,7 +164,12 @@ class StepOutput:
         else:
             toks, lps = self.tokens, self.logprobs
         n = self.tokens.shape[0]
-        return toks[:n].tolist(), lps[:n].tolist(), self.tops, time.perf_counter() - self.t0
+        ids = toks[:n].tolist()
+        for state, t in zip(self.states, ids):
+            if t >= 0:  # -1: NaN logits, the request fails
+                state.token_ids.append(t)
+        self._result = (ids, lps[:n].tolist(), self.tops, time.perf_counter() - self.t0)
+        return self._result
 
 
 class _Graph:
@@ -162,6 +208,10 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         self.graph_memory_bytes = 0
         self.max_model_len = max_model_len
+        self.requests: dict[int, RequestState] = {}
+        # one table per cache group, the first (kept) group always; others appear with their first blocks
+        self.block_tables: dict[str, BlockTable] = {FULL_GROUP: BlockTable()}
+        self._free_slots: list[int] = []
         if (not enforce_eager and self.cuda and self.builder is not None and getattr(model, "gemm", None) == "fp8"
                 and max_num_seqs and max_model_len):
             self.capture(graph_buckets(max_num_seqs), max_model_len)
@@ -211,33 +261,126 @@ class ModelRunner:
         self.graph_capture_seconds = time.perf_counter() - t0
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - mem0
 
-    def _graph_for(self, scheduled: list[ScheduledSeq]) -> _Graph | None:
-        if not self.graphs or any(item.num_new_tokens != 1 for item in scheduled):
+    def _graph_for(self, q: np.ndarray, ends: np.ndarray) -> _Graph | None:
+        if not self.graphs or (q != 1).any() or int(ends.max()) > self.max_model_len:
             return None
-        if max(item.start + 1 for item in scheduled) > self.max_model_len:
-            return None
-        n = len(scheduled)
+        n = len(q)
         fits = [b for b in self.graphs if b >= n]
         return self.graphs[min(fits)] if fits else None
 
+    # ---------------------------------------------------------------------------------------------------- state
+    def update_states(self, output: SchedulerOutput) -> None:
+        """Apply ``output`` to the runner's per-request state: drop finished and preempted requests, add new ones,
+        mark each scheduled request's released block ids ``-1`` in its tables, then append its new block ids.
+
+        Raises:
+            RuntimeError: a scheduled request the runner has no state for, a new one it already has, or a released
+            block id its table does not hold (naming ``released_block_ids``, the request and the group).
+        """
+        for rid in output.finished_req_ids + output.preempted_req_ids:
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                for table in self.block_tables.values():
+                    table.clear(state.slot)
+                self._free_slots.append(state.slot)
+        for data in output.new_requests:
+            if data.req_id in self.requests:
+                raise RuntimeError(f"ModelRunner: request {data.req_id} is new but already has state")
+            slot = self._free_slots.pop() if self._free_slots else len(self.requests)
+            self.requests[data.req_id] = RequestState(data, slot)
+        for item in output.scheduled:
+            state = self.requests.get(item.req_id)
+            if state is None:
+                raise RuntimeError(f"ModelRunner: scheduled request {item.req_id} has no state (never added)")
+            for group, ids in item.released_block_ids.items():
+                table = self.block_tables.get(group)
+                missing = list(ids) if table is None else table.release(state.slot, ids)
+                if missing:
+                    raise RuntimeError(f"ModelRunner: released_block_ids of request {item.req_id} in cache group "
+                                       f"{group!r} lists blocks its table does not hold: {missing}")
+            for group, ids in item.new_block_ids.items():
+                table = self.block_tables.get(group)
+                if table is None:
+                    table = self.block_tables[group] = BlockTable()
+                table.append(state.slot, ids)
+
+    def _step_inputs(self, output: SchedulerOutput, states: list[RequestState]):
+        """Host ids of the step's tokens (0 where the id is a pending token on the device), the token rows whose
+        logits are sampled, and ``(row, req_id)`` of every token fed from the device."""
+        ids: list[int] = []
+        logits_rows: list[int] = []
+        feed: list[tuple[int, int]] = []
+        for item, state in zip(output.scheduled, states):
+            n, start = item.num_new_tokens, item.start
+            toks = state.token_ids
+            have = len(toks)
+            if start + n <= have:
+                ids.extend(toks[start:start + n])
+            else:
+                ids.extend(toks[start:have])
+                for _ in range(max(start, have), start + n):  # pending tokens: sampled by the step in flight
+                    feed.append((len(ids), item.req_id))
+                    ids.append(0)
+            if item.needs_logits:
+                logits_rows.append(len(ids) - 1)
+        return ids, logits_rows, feed
+
+    def forward_batch(self, output: SchedulerOutput, input_ids: torch.Tensor | None = None) -> ForwardBatch:
+        """The ``ForwardBatch`` of ``output`` (already applied by :meth:`update_states`) for a model without a step
+        plan. Request i contributes ``num_new_tokens`` tokens at positions ``[start, start + num_new_tokens)``;
+        block tables are padded with -1 to the longest."""
+        states = [self.requests[item.req_id] for item in output.scheduled]
+        ids, logits_rows, _ = self._step_inputs(output, states)
+        positions: list[int] = []
+        for item in output.scheduled:
+            positions.extend(range(item.start, item.start + item.num_new_tokens))
+        table = self.block_tables[FULL_GROUP]
+        slots = np.array([st.slot for st in states], dtype=np.int64)
+        width = max(int(table.num_blocks[slots].max()), 1)
+        ids_t, pos_t, logits_t = index_tensors([ids, positions, logits_rows], self.device)  # one copy
+        return ForwardBatch(
+            input_ids=ids_t if input_ids is None else input_ids,
+            positions=pos_t,
+            query_lens=[item.num_new_tokens for item in output.scheduled],
+            context_lens=[item.start + item.num_new_tokens for item in output.scheduled],
+            block_tables=torch.from_numpy(table.ids[slots, :width].astype(np.int32)).to(self.device),
+            logits_indices=logits_t,
+            batch_invariant=self.batch_invariant,
+        )
+
     # ---------------------------------------------------------------------------------------------------- steps
     @torch.inference_mode()
-    def execute(self, scheduled: list[ScheduledSeq], prev: StepOutput | None = None) -> StepOutput:
-        """Enqueue one step: plan, forward, sampling. Tokens whose id is still pending (sampled by ``prev``, the step
-        in flight) are read from ``prev.tokens`` on the device."""
+    def execute(self, output: SchedulerOutput, prev: StepOutput | None = None) -> StepOutput:
+        """Apply ``output`` (:meth:`update_states`) and enqueue its step: plan, forward, sampling. Tokens whose id is
+        still pending (sampled by ``prev``, the step in flight) are read from ``prev.tokens`` on the device.
+
+        Raises:
+            RuntimeError: nothing scheduled, or a pending token whose step is not ``prev``.
+        """
         t0 = time.perf_counter()
-        ids, logits_rows, feed = _step_inputs(scheduled)
-        if feed and (prev is None or any(sid not in prev.seq_rows for _, sid in feed)):
+        self.update_states(output)
+        scheduled = output.scheduled
+        if not scheduled:
+            raise RuntimeError("ModelRunner.execute: the scheduler output schedules nothing")
+        states = [self.requests[item.req_id] for item in scheduled]
+        ids, logits_rows, feed = self._step_inputs(output, states)
+        if feed and (prev is None or any(rid not in prev.seq_rows for _, rid in feed)):
             raise RuntimeError("ModelRunner.execute: a pending token's step is not the previous one")
         gpu_events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self.cuda \
             else None
+        starts = np.fromiter((item.start for item in scheduled), np.int64, len(scheduled))
+        q = np.fromiter((item.num_new_tokens for item in scheduled), np.int64, len(scheduled))
+        prompt = np.fromiter((st.num_prompt_tokens for st in states), np.int64, len(states))
+        decode = (q == 1) & (starts >= prompt)
         graph = None
         if self.builder is not None:
-            from deepinfer.models.deepseek_v4.plan import SeqStep
+            from deepinfer.models.deepseek_v4.plan import StepSeqs
 
-            seqs = [SeqStep(item.start, item.num_new_tokens, tuple(item.seq.block_table),
-                            _window_ids(item.seq.block_tables)) for item in scheduled]
-            graph = self._graph_for(scheduled)
+            slots = np.fromiter((st.slot for st in states), np.int64, len(states))
+            window = self.block_tables.get(WINDOW_GROUP)
+            seqs = StepSeqs(starts, q, self.block_tables[FULL_GROUP].rows(slots),
+                            None if window is None else window.rows(slots))
+            graph = self._graph_for(q, starts + q)
             if graph is not None:
                 plan = self.builder.build(seqs, ids, logits_rows, self.batch_invariant, capacity=graph.capacity,
                                           out=graph.flat, finalize=False)
@@ -248,10 +391,10 @@ class ModelRunner:
                                           self.model.step_pad(self.batch_invariant, self.device))
                 input_ids = plan.input_ids
         else:
-            batch = build_forward_batch(scheduled, self.device, self.batch_invariant)
+            batch = self.forward_batch(output)
             input_ids = batch.input_ids
         if feed:
-            rows, src = index_tensors([[r for r, _ in feed], [prev.seq_rows[sid] for _, sid in feed]], self.device)
+            rows, src = index_tensors([[r for r, _ in feed], [prev.seq_rows[rid] for _, rid in feed]], self.device)
             input_ids.index_copy_(0, rows, prev.tokens.index_select(0, src).clamp(min=0))
         if gpu_events is not None:
             gpu_events[0].record()
@@ -267,14 +410,16 @@ class ModelRunner:
         n_logits = len(logits_rows)
         if logits.dim() != 2 or logits.shape[0] != n_logits:
             raise RuntimeError(f"model.forward returned logits of shape {tuple(logits.shape)}, expected [{n_logits}, vocab]")
-        seqs_l = [item.seq for item in scheduled if item.needs_logits]
-        if seqs_l:
-            tokens, logprobs, tops = self.sampler.sample_device(logits, seqs_l)
+        sampled = np.fromiter((item.needs_logits for item in scheduled), bool, len(scheduled))
+        states_l = [st for st, k in zip(states, sampled) if k]
+        if states_l:
+            counters = (starts + q - prompt)[sampled]  # the index of the output token each row draws
+            tokens, logprobs, tops = self.sampler.sample_device(logits, states_l, counters)
         else:
             tokens = torch.empty(0, dtype=torch.long, device=self.device)
             logprobs = torch.empty(0, dtype=torch.float32, device=self.device)
             tops = []
-        seq_rows = {s.seq_id: k for k, s in enumerate(seqs_l)}
+        seq_rows = {st.req_id: k for k, st in enumerate(states_l)}
         host = event = None
         if self.cuda:  # the ids reach the host on a side stream; the main stream goes on with the next step
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -285,10 +430,10 @@ class ModelRunner:
             tokens.record_stream(self.copy_stream)
             logprobs.record_stream(self.copy_stream)
         self.last_enqueue_seconds = time.perf_counter() - t0
-        return StepOutput(tokens, logprobs, tops, seq_rows, host, event, gpu_events, t0, self.last_enqueue_seconds,
-                          graph is not None)
+        return StepOutput(tokens, logprobs, tops, seq_rows, states_l, host, event, gpu_events, t0,
+                          self.last_enqueue_seconds, graph is not None, int(decode.sum()))
 
-    def step(self, scheduled: list[ScheduledSeq]) -> tuple[list[int], list[float], list, float]:
-        """:meth:`execute` then wait: ``(token_ids, logprobs, top_logprobs, seconds)`` for the sequences with
+    def step(self, output: SchedulerOutput) -> tuple[list[int], list[float], list, float]:
+        """:meth:`execute` then wait: ``(token_ids, logprobs, top_logprobs, seconds)`` for the requests with
         ``needs_logits``, in order."""
-        return self.execute(scheduled).result()
+        return self.execute(output).result()

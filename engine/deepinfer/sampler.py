@@ -14,6 +14,7 @@ logits.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 import deepinfer_ops
@@ -187,14 +188,16 @@ def adjust_logits(logits: torch.Tensor, rows: torch.Tensor, token_ids: torch.Ten
 MIN_SAMPLING_TEMPERATURE = 1e-5
 
 
-def row_kinds(temperature: list[float], top_k: list[int], top_p: list[float], vocab: int) -> tuple[list, list]:
-    """Host split of the rows (from the request parameters): (rows drawn without filtering, rows filtered by top-k /
-    top-p); the others are greedy. Lets the sampler skip the device-side split, which reads back to the host."""
-    plain, filtered = [], []
-    for i, (t, k, p) in enumerate(zip(temperature, top_k, top_p)):
-        if t >= MIN_SAMPLING_TEMPERATURE:
-            (filtered if 0 < k < vocab or p < 1.0 else plain).append(i)
-    return plain, filtered
+def row_kinds(temperature, top_k, top_p, vocab: int) -> tuple[list, list]:
+    """Host split of the rows (from the request parameters, ``[n]`` array-likes): (rows drawn without filtering, rows
+    filtered by top-k / top-p); the others are greedy. Lets the sampler skip the device-side split, which reads
+    back to the host."""
+    t = np.asarray(temperature, dtype=np.float32)
+    k = np.asarray(top_k, dtype=np.int64)
+    p = np.asarray(top_p, dtype=np.float32)
+    drawn = t >= MIN_SAMPLING_TEMPERATURE
+    filtered = drawn & (((k > 0) & (k < vocab)) | (p < 1.0))
+    return np.flatnonzero(drawn & ~filtered).tolist(), np.flatnonzero(filtered).tolist()
 
 
 def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -209,17 +212,19 @@ def _sample_rows(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
         filtered = do_sample & ((k < vocab) | (top_p < 1.0))
         plain = do_sample & ~filtered
         kinds = (plain.nonzero().squeeze(1).tolist(), filtered.nonzero().squeeze(1).tolist())
-    plain_rows, filtered_rows = kinds
+    plain_rows, filtered_rows = kinds[:2]
     if plain_rows or filtered_rows:
+        plain_t, filtered_t = kinds[2:] if len(kinds) == 4 else index_tensors([plain_rows, filtered_rows],
+                                                                              logits.device)
         k = torch.where((top_k > 0) & (top_k < vocab), top_k, torch.full_like(top_k, vocab))
         do_sample = temperature >= MIN_SAMPLING_TEMPERATURE
         temp = torch.where(do_sample, temperature, torch.ones_like(temperature))
         if plain_rows:
-            rows, = index_tensors([plain_rows], logits.device)
+            rows = plain_t
             score = logits[rows] / temp[rows, None] + gumbel_noise(seeds[rows], counters[rows], vocab)
             sampled[rows] = torch.argmax(score, dim=-1)
         if filtered_rows:
-            rows, = index_tensors([filtered_rows], logits.device)
+            rows = filtered_t
             scaled = logits[rows] / temp[rows, None]
             if batch_invariant:  # sort / cumsum / logsumexp see one row at a time (see ``sample``)
                 sampled[rows] = torch.cat([
@@ -315,43 +320,57 @@ class Sampler:
         tokens, logprobs, tops = self.sample_device(logits, seqs)
         return tokens.tolist(), logprobs.tolist(), tops
 
-    def sample_device(self, logits: torch.Tensor, seqs: list) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """Sample one token for each sequence in ``seqs`` (row i of ``logits`` belongs to ``seqs[i]``).
+    def sample_device(self, logits: torch.Tensor, seqs: list, counters=None) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """Sample one token for each request in ``seqs`` (row i of ``logits`` belongs to ``seqs[i]``; each has
+        ``params``, ``seed`` and ``output_token_counts()``: a ``Sequence`` or the runner's ``RequestState``).
 
-        The draw counter of a sequence is the index of the token being drawn: its output tokens so far plus those
-        sampled but not yet applied (``Sequence.num_pending``, asynchronous scheduling). Penalties and ``logit_bias``
-        of the sequences' ``SamplingParams`` are applied first (``adjust_logits``; counts over each sequence's
-        output tokens, so a penalised sequence must have no pending token: the engine runs such steps in order).
+        ``counters``: ``[n]`` ints, the index of the output token each row draws (default: ``num_output_tokens``
+        of each, a sequence with nothing pending). Penalties and ``logit_bias`` of the sequences' ``SamplingParams``
+        are applied first (``adjust_logits``; counts over each request's output tokens, so a penalised request must
+        have no pending token: the engine runs such steps in order).
         Returns token ids ``[n]`` int64 and their log-probabilities ``[n]`` float32 on the logits' device (no host
-        synchronisation), and per row the ``params.top_logprobs`` most likely ``(token_id, logprob)`` (see
-        ``top_logprobs``; empty when not asked; a host read for the rows that ask), from the unmodified logits. A
-        row whose logits hold a NaN or +inf (a broken checkpoint or kernel; its log-softmax is NaN in both modes)
-        gets token ``NAN_LOGITS_TOKEN`` (-1): the scheduler ends that request with an error instead of emitting
-        whatever argmax makes of NaN.
+        synchronisation; at most one host-to-device copy, none when every row is greedy), and per row the
+        ``params.top_logprobs`` most likely ``(token_id, logprob)`` (see ``top_logprobs``; empty when not asked; a
+        host read for the rows that ask), from the unmodified logits. A row whose logits hold a NaN or +inf (a
+        broken checkpoint or kernel; its log-softmax is NaN in both modes) gets token ``NAN_LOGITS_TOKEN`` (-1):
+        the scheduler ends that request with an error instead of emitting whatever argmax makes of NaN.
         """
         dev = logits.device
+        n = len(seqs)
+        params = [s.params for s in seqs]
         raw = None
-        if any(s.params.adjusts_logits for s in seqs):
+        if any(p.adjusts_logits for p in params):
             raw = logits
             logits = adjust_logits(logits, *_adjustments(seqs, dev))
-        # two host-to-device copies (float and integer parameters) instead of five, neither waiting for the device
-        temps, top_ps, top_ks = ([s.params.temperature for s in seqs], [s.params.top_p for s in seqs],
-                                 [s.params.top_k for s in seqs])
-        temperature, top_p = float_tensors([temps, top_ps], dev)
-        top_k, seeds, counters = index_tensors([top_ks, [s.seed for s in seqs],
-                                                [s.num_output_tokens + max(s.num_pending - 1, 0) for s in seqs]],
-                                               dev)
-        kinds = row_kinds(temps, top_ks, top_ps, logits.shape[-1])
-        tokens, logprobs = sample(logits, temperature, top_k, top_p, seeds, counters, self.batch_invariant, raw,
-                                  kinds)
+        temps = np.fromiter((p.temperature for p in params), np.float32, n)
+        drawn = temps >= MIN_SAMPLING_TEMPERATURE
+        if not drawn.any():  # all greedy: no parameter reaches the device
+            tokens, logprobs = _sample_rows(logits, None, None, None, None, None, raw, self.batch_invariant,
+                                            ([], []))
+        else:
+            top_ps = np.fromiter((p.top_p for p in params), np.float32, n)
+            top_ks = np.fromiter((p.top_k for p in params), np.int64, n)
+            seeds = np.fromiter((s.seed for s in seqs), np.int64, n)
+            if counters is None:
+                counters = [s.num_output_tokens for s in seqs]
+            plain_rows, filtered_rows = row_kinds(temps, top_ks, top_ps, logits.shape[-1])
+            # one host-to-device copy: integer parameters, float32 bits, and the row split
+            up = index_tensors([top_ks, seeds, np.asarray(counters, dtype=np.int64),
+                                temps.view(np.int32).astype(np.int64), top_ps.view(np.int32).astype(np.int64),
+                                plain_rows, filtered_rows], dev)
+            top_k, seed_t, counter_t = up[:3]
+            temperature, top_p = (t.to(torch.int32).view(torch.float32) for t in up[3:5])
+            kinds = (plain_rows, filtered_rows, up[5], up[6])
+            tokens, logprobs = _sample_rows(logits, temperature, top_k, top_p, seed_t, counter_t, raw,
+                                            self.batch_invariant, kinds)
         raw = logits if raw is None else raw
         # a NaN logit makes the row's log-softmax NaN everywhere, so the drawn token's logprob shows it (no extra
         # pass over the vocabulary)
         tokens = torch.where(torch.isnan(logprobs), torch.full_like(tokens, NAN_LOGITS_TOKEN), tokens)
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
-        for i, s in enumerate(seqs):
-            if s.params.top_logprobs > 0:
-                tops[i] = top_logprobs(raw[i], s.params.top_logprobs)
+        for i, p in enumerate(params):
+            if p.top_logprobs > 0:
+                tops[i] = top_logprobs(raw[i], p.top_logprobs)
         return tokens, logprobs, tops
 
 

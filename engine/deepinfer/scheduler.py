@@ -8,7 +8,7 @@ Each step (``schedule``):
 2. If nothing was preempted, waiting sequences are admitted in arrival order while their first chunk's blocks are
    free, the budget lasts and fewer than ``max_num_seqs`` run.
 
-Requests that can never run are refused when added (``Sequence.error`` set, status FINISHED): prompt + max_tokens
+Requests that can never run are refused when added (``Sequence.failure`` set, status FINISHED): prompt + max_tokens
 beyond the context limit, or more blocks than the whole cache holds. So a request alone always completes: no hang.
 """
 
@@ -17,22 +17,80 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Mapping, NamedTuple
 
-from deepinfer.block_manager import BlockManager
+from deepinfer.block_manager import BlockChanges, BlockManager
 from deepinfer.config import EngineConfig
-from deepinfer.sequence import Sequence, SequenceStatus
+from deepinfer.sequence import RequestFailure, SamplingParams, Sequence, SequenceStatus
+
+_NO_BLOCKS: Mapping[str, tuple[int, ...]] = MappingProxyType({})
 
 
-@dataclass(frozen=True)
-class ScheduledSeq:
-    """One sequence's share of a step: ``num_new_tokens`` tokens at positions ``[start, start + num_new_tokens)``;
-    ``needs_logits``: the step reaches the end of its context, so the next token is sampled (it is pending on the
-    sequence until :meth:`Scheduler.postprocess` applies it)."""
+class ScheduledRequest(NamedTuple):
+    """One request's share of a step (plain data).
 
-    seq: Sequence
+    Attributes:
+        req_id: the request (``Sequence.seq_id``).
+        num_new_tokens: tokens computed this step, at positions ``[start, start + num_new_tokens)``.
+        start: the first of them (the tokens before it are in the cache).
+        needs_logits: the step reaches the end of the request's context, so its next token is sampled.
+        new_block_ids: ``{cache group: block ids}`` appended to the request's tables by this step (every block of a
+            request that is new to the runner); groups without new blocks are left out.
+        released_block_ids: ``{cache group: block ids}`` a sliding-window group took back from the request when
+            this step was allocated (the blocks before the step's window): their entries in the request's table
+            become ``-1`` before ``new_block_ids`` are appended (a released block may come straight back among
+            them); groups without released blocks are left out.
+        num_draft_tokens: room for speculative draft tokens after the sampled one (0: none).
+    """
+
+    req_id: int
     num_new_tokens: int
     start: int
     needs_logits: bool
+    new_block_ids: Mapping[str, tuple[int, ...]] = _NO_BLOCKS
+    released_block_ids: Mapping[str, tuple[int, ...]] = _NO_BLOCKS
+    num_draft_tokens: int = 0
+
+
+class NewRequestData(NamedTuple):
+    """A request the runner has no state for: first admitted, or resumed after preemption (its context is then
+    ``prompt_token_ids + output_token_ids``, recomputed from position 0)."""
+
+    req_id: int
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What one step runs, as plain data (vLLM's ``SchedulerOutput``); the runner keeps its own per-request state
+    and updates it from these alone.
+
+    Attributes:
+        step_id: counts the scheduler's outputs from 0.
+        scheduled: the step's requests in token-row order.
+        new_requests: requests new to the runner, before ``scheduled`` refers to them.
+        finished_req_ids: requests finished or aborted since the previous output (the runner drops their state).
+        preempted_req_ids: requests preempted by this output (blocks freed; they come back as new requests).
+    """
+
+    step_id: int
+    scheduled: tuple[ScheduledRequest, ...]
+    new_requests: tuple[NewRequestData, ...] = ()
+    finished_req_ids: tuple[int, ...] = ()
+    preempted_req_ids: tuple[int, ...] = ()
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.scheduled)
+
+    @property
+    def num_logits(self) -> int:
+        """Requests whose next token this step samples (rows of the sampled tokens, in order)."""
+        return sum(1 for r in self.scheduled if r.needs_logits)
 
 
 class Scheduler:
@@ -43,6 +101,9 @@ class Scheduler:
         block_manager: the cache allocator.
         max_model_len: context limit in tokens (prompt + output).
         eos_token_ids: ids that end a request unless its params say ``ignore_eos`` (an int, a tuple, or ``None``).
+
+    A failed request gets ``Sequence.failure`` (a :class:`RequestFailure`: kind and message) and finish reason
+    ``"error"``; the engine's output processor builds the error record from it.
     """
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
@@ -56,12 +117,21 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_generated_tokens = 0  # output tokens appended so far (progress without a recount)
+        self.num_running_in_order = 0  # running requests with frequency / presence penalties
+        self._live: dict[int, Sequence] = {}  # queued or running, by request id
+        self._steps: dict[int, list[Sequence]] = {}  # step_id -> its sampled requests, until postprocess
+        self._finished_ids: list[int] = []
+        self._next_step = 0
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
-        """Queue ``seq``; or refuse it (error record, status FINISHED, returns False) when it can never run."""
+        """Queue ``seq``; or refuse it (``seq.failure`` set, status FINISHED, returns False) when it can never run
+        or its id is already in use."""
         seq.arrival_time = seq.arrival_time or time.perf_counter()
         need_len = seq.num_prompt_tokens + seq.params.max_tokens
+        if seq.seq_id in self._live:
+            return self._refuse(seq, "invalid_request", f"request id {seq.seq_id} is already in use")
         if seq.num_prompt_tokens == 0:
             return self._refuse(seq, "invalid_request", "the prompt is empty")
         if need_len > self.max_model_len:
@@ -80,10 +150,11 @@ class Scheduler:
                     f"{bm.block_size}, but the cache holds only {g.num_blocks}")
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self._live[seq.seq_id] = seq
         return True
 
-    def _refuse(self, seq: Sequence, code: str, message: str) -> bool:
-        seq.error = {"type": "invalid_request_error", "code": code, "message": message}
+    def _refuse(self, seq: Sequence, kind: str, message: str) -> bool:
+        seq.failure = RequestFailure(kind, message)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         seq.finish_time = time.perf_counter()
@@ -96,20 +167,30 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """New tokens for ``seq`` this step within ``budget`` (0: none; also when its pending tokens already reach
         ``max_tokens``: it finishes when they are applied)."""
-        if seq.num_output_tokens + seq.num_pending >= seq.params.max_tokens:
+        num_out = len(seq.output_token_ids) + seq.num_pending
+        if num_out >= seq.params.max_tokens:
             return 0
-        n = min(seq.num_uncomputed_tokens, budget)
+        context = len(seq.prompt_token_ids) + num_out  # pending tokens included: their ids come from the device
+        n = min(context - seq.num_computed_tokens, budget)
         end = seq.num_computed_tokens + n
-        if self.config.batch_invariant and end < seq.num_tokens + seq.num_pending:
+        if end < context and self.config.batch_invariant:
             align = self.config.chunk_align
             n = (end // align) * align - seq.num_computed_tokens
         return max(n, 0)
 
-    def schedule(self) -> list[ScheduledSeq]:
-        """Pick this step's work and allocate its blocks. Returns an empty list only when nothing is queued."""
+    def schedule(self) -> SchedulerOutput:
+        """Pick this step's work and allocate its blocks. ``scheduled`` is empty only when nothing can run now (no
+        request queued, or every one waits for a token in flight).
+
+        Raises:
+            RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
+        """
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        preempted = False
+        bm = self.block_manager
+        scheduled: list[ScheduledRequest] = []
+        sampled: list[Sequence] = []
+        new_requests: list[NewRequestData] = []
+        preempted: list[int] = []
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -118,16 +199,18 @@ class Scheduler:
                 i += 1
                 continue
             target = seq.num_computed_tokens + n
-            while not self.block_manager.can_allocate(seq, target):
-                victim = self.running[-1]
-                self._preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
-                break  # seq itself was preempted: everything after it is gone too
-            self.block_manager.allocate(seq, target)
-            scheduled.append(self._take(seq, n))
+            changes = None
+            if not bm.fits_held(seq, target):  # most decode steps fit the blocks the request holds
+                while not bm.can_allocate(seq, target):
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    preempted.append(victim.seq_id)
+                    if victim is seq:
+                        break
+                if seq.status != SequenceStatus.RUNNING:
+                    break  # seq itself was preempted: everything after it is gone too
+                changes = bm.allocate_step(seq, target)
+            scheduled.append(self._take(seq, n, changes, sampled))
             budget -= n
             i += 1
 
@@ -143,10 +226,13 @@ class Scheduler:
                 if not self.block_manager.can_allocate(seq, target):
                     break
                 self.waiting.popleft()
-                self.block_manager.allocate(seq, target)
+                changes = self.block_manager.allocate_step(seq, target)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                scheduled.append(self._take(seq, n))
+                self.num_running_in_order += _in_order(seq)
+                new_requests.append(NewRequestData(seq.seq_id, tuple(seq.prompt_token_ids),
+                                                   tuple(seq.output_token_ids), seq.params, seq.seed))
+                scheduled.append(self._take(seq, n, changes, sampled))
                 budget -= n
 
         if not scheduled and self.has_unfinished() and not any(s.num_pending for s in self.running + list(self.waiting)):
@@ -154,22 +240,31 @@ class Scheduler:
             raise RuntimeError(
                 f"Scheduler made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "
                 f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free")
-        return scheduled
+        out = SchedulerOutput(self._next_step, tuple(scheduled), tuple(new_requests), tuple(self._finished_ids),
+                              tuple(preempted))
+        self._next_step += 1
+        self._finished_ids = []
+        if sampled:
+            self._steps[out.step_id] = sampled
+        return out
 
     @staticmethod
-    def _take(seq: Sequence, n: int) -> ScheduledSeq:
+    def _take(seq: Sequence, n: int, changes: BlockChanges | None, sampled: list[Sequence]) -> ScheduledRequest:
         """Schedule ``n`` tokens of ``seq``: they count as computed from now on (the next step may be scheduled
         before this one's results are applied); a step that reaches the end of the context adds a pending token."""
         start = seq.num_computed_tokens
-        needs = start + n == seq.num_tokens + seq.num_pending
+        needs = start + n == len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending
         seq.num_computed_tokens = start + n
         if needs:
             seq.num_pending += 1
-        return ScheduledSeq(seq, n, start, needs)
+            sampled.append(seq)
+        if changes is None:
+            return ScheduledRequest(seq.seq_id, n, start, needs)
+        return ScheduledRequest(seq.seq_id, n, start, needs, _per_group(changes.new), _per_group(changes.released))
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, keep the tokens, requeue at the front."""
-        self.running.remove(seq)
+        self._leave_running(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
@@ -177,37 +272,41 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def _leave_running(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.num_running_in_order -= _in_order(seq)
+
     # ---------------------------------------------------------------- after the model ran
-    def postprocess(self, scheduled: list[ScheduledSeq], token_ids: list[int], logprobs: list[float],
+    def postprocess(self, output: SchedulerOutput, token_ids: list[int], logprobs: list[float],
                     top_logprobs: list | None = None) -> list[Sequence]:
         """Apply a step's sampled tokens (in step order; asynchronously one step late): append them and finish
-        sequences (a sequence finished since the step was scheduled drops its token).
+        requests (a request finished since the step was scheduled drops its token). A negative id (the sampler's
+        NaN mark) fails its request alone (``failure.kind`` ``"nan_logits"``).
 
-        ``token_ids``/``logprobs`` (and ``top_logprobs``) hold one entry per scheduled sequence with ``needs_logits``,
-        in order.
-        Returns the sequences that finished this step (their blocks are freed).
+        ``token_ids``/``logprobs`` (and ``top_logprobs``) hold one entry per scheduled request with
+        ``needs_logits``, in order. Returns the requests that gained a token or finished here.
+
+        Raises:
+            RuntimeError: the number of tokens is not the step's number of sampled requests.
         """
-        finished: list[Sequence] = []
+        seqs = self._steps.pop(output.step_id, [])
+        if len(seqs) != len(token_ids):
+            raise RuntimeError(f"Scheduler.postprocess: {len(token_ids)} sampled tokens for {len(seqs)} requests")
+        touched: list[Sequence] = []
         now = time.perf_counter()
-        k = 0
-        for item in scheduled:
-            seq = item.seq
-            if not item.needs_logits:
-                continue
-            token, logprob = token_ids[k], logprobs[k]
-            top = top_logprobs[k] if top_logprobs is not None else []
-            k += 1
+        for k, seq in enumerate(seqs):
+            token = token_ids[k]
             seq.num_pending -= 1
             if seq.is_finished:  # it ended while this step ran (asynchronous scheduling): its token is dropped
                 continue
+            touched.append(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if token < 0:  # the sampler's mark for NaN logits: the request fails, the others go on
-                seq.error = {"type": "server_error", "code": "nan_logits", "status_code": 500,
-                             "message": f"the model produced NaN logits at output token {seq.num_output_tokens} "
-                                        "(broken weights or a kernel error)"}
+                seq.failure = RequestFailure(
+                    "nan_logits", f"the model produced NaN logits at output token {seq.num_output_tokens} "
+                                  "(broken weights or a kernel error)")
                 self._finish(seq, "error", now)
-                finished.append(seq)
                 continue
             params = seq.params
             if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
@@ -215,15 +314,17 @@ class Scheduler:
                 self._finish(seq, "stop", now)
             else:
                 seq.output_token_ids.append(token)
-                seq.output_logprobs.append(logprob)
-                seq.output_top_logprobs.append(top)
+                seq.output_logprobs.append(logprobs[k])
+                seq.output_top_logprobs.append(top_logprobs[k] if top_logprobs is not None else [])
+                self.num_generated_tokens += 1
                 if seq.num_output_tokens >= params.max_tokens:
                     self._finish(seq, "length", now)
-            if seq.is_finished:
-                finished.append(seq)
-        if k != len(token_ids):
-            raise RuntimeError(f"Scheduler.postprocess: {len(token_ids)} sampled tokens for {k} sequences")
-        return finished
+        return touched
+
+    def drop(self, output: SchedulerOutput) -> None:
+        """Forget ``output``'s results (its step's tokens will never be applied: an interrupted run)."""
+        for seq in self._steps.pop(output.step_id, []):
+            seq.num_pending -= 1
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` with ``reason`` now (an output processor saw a stop string); a sequence that ended at this
@@ -237,20 +338,41 @@ class Scheduler:
         seq.finish_reason = reason
         seq.status = SequenceStatus.FINISHED
         seq.finish_time = now
+        self._remove(seq)
+
+    def _remove(self, seq: Sequence) -> None:
+        """Out of the queues, blocks freed, reported to the runner by the next output."""
         if seq in self.running:
-            self.running.remove(seq)
+            self._leave_running(seq)
         elif seq in self.waiting:  # preempted while its last token was in flight
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        if self._live.pop(seq.seq_id, None) is not None:
+            self._finished_ids.append(seq.seq_id)
 
-    def abort(self, seq: Sequence, error: dict | None = None) -> None:
-        """Remove ``seq`` wherever it is (e.g. its output handler failed), freeing its blocks."""
-        if seq in self.running:
-            self.running.remove(seq)
-            self.block_manager.free(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+    def abort(self, seq: Sequence, failure: RequestFailure | None = None) -> None:
+        """Remove ``seq`` wherever it is, freeing its blocks: finish reason ``"error"`` with ``failure`` (e.g. its
+        output handler failed), else ``"abort"``. A request that finished at this very token takes the new end.
+
+        Raises:
+            TypeError: ``failure`` is not a RequestFailure.
+        """
+        if failure is not None and not isinstance(failure, RequestFailure):
+            raise TypeError(f"Scheduler.abort: failure must be a RequestFailure or None, got {type(failure).__name__}")
+        if not seq.is_finished:
+            self._remove(seq)
         seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = "error" if error else "abort"
-        seq.error = error
+        seq.finish_reason = "error" if failure else "abort"
+        seq.failure = failure
         seq.finish_time = time.perf_counter()
+
+
+def _per_group(ids: dict[str, list[int]]) -> Mapping[str, tuple[int, ...]]:
+    """``{group: ids}`` frozen, groups without ids left out."""
+    kept = {name: tuple(b) for name, b in ids.items() if b}
+    return MappingProxyType(kept) if kept else _NO_BLOCKS
+
+
+def _in_order(seq: Sequence) -> int:
+    """1 when ``seq``'s steps must run in order (frequency / presence penalties need every drawn token)."""
+    return int(bool(seq.params.frequency_penalty or seq.params.presence_penalty))

@@ -113,6 +113,16 @@ def draw_seed() -> int:
     return secrets.randbits(63)
 
 
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why a request failed, as the scheduler reports it: ``kind`` (a short code such as ``"cache_exhausted"``,
+    ``"nan_logits"``) and a message for people. The output processor turns it into the error record the API layer
+    returns (``deepinfer.engine.error_record``)."""
+
+    kind: str
+    message: str
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -142,7 +152,8 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_token_id: int | None = None  # the EOS / stop id that ended it (not appended)
-    error: dict | None = None
+    failure: RequestFailure | None = None  # set by the scheduler when the request failed (finish_reason "error")
+    error: dict | None = None  # the error record the API returns, built from ``failure`` by the engine
     num_preemptions: int = 0
     # tokens sampled by scheduled steps whose results are not applied yet (0 or 1; 2 while an asynchronous step
     # runs behind one in flight): positions [num_tokens, num_tokens + num_pending) are in the model's hands

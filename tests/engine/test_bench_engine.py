@@ -102,3 +102,20 @@ def test_sweep_rows_and_rooflines():
     for r in rows:
         assert r["step_ms"] > 0 and r["roofline_ms"] > 0 and not r["shape"]["cuda_graphs"]
     assert rows[1]["roofline_ms"] > rows[0]["roofline_ms"]  # more sequences read more KV
+
+
+def test_bench_host_runs_both_plan_paths():
+    """bench/bench_host.py: the stand-in model runs real plans, eager and into captured-bucket buffers (a plan
+    that does not fit its bucket raises), with drawn rows, with one cache group and with the window group, and
+    reports both timings."""
+    spec = importlib.util.spec_from_file_location("bench_host_under_test", BENCH.parent / "bench_host.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    for window_group in (False, True):  # with the window group, 300 tokens: decodes release their first block
+        args = argparse.Namespace(vocab=64, prompt_len=300 if window_group else 130, steps=3, warmup=1, temperature=0.7, profile=False,
+                                  window_group=window_group)
+        for graphs in (False, True):
+            row, _ = mod.run(5, graphs, args)
+            assert row["shape"]["batch"] == 5 and row["shape"]["graph_plans"] == graphs
+            assert row["shape"]["window_group"] == window_group
+            assert row["host_ms"] > 0 and row["host_cpu_ms"] > 0

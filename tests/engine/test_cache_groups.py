@@ -11,10 +11,12 @@ from deepinfer.block_manager import FULL_GROUP, WINDOW_GROUP, BlockManager, Cach
 from deepinfer.config import EngineConfig
 from deepinfer.models import TINY_CONFIG, DeepseekV4Config, init_parameters
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM, SeqStep
+from deepinfer.model_runner import ModelRunner
 from deepinfer.models.deepseek_v4.cache import WINDOW_POOLS, CacheSpec
 from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import Sequence, SequenceStatus
 from deepinfer_ops.testing.compare import TOLERANCES, assert_close
+from fake_model import FakeModel
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
 
@@ -94,6 +96,29 @@ def test_peak_blocks_bound_the_window_group():
     assert bm.peak_blocks(400, 8) == {FULL_GROUP: 100, WINDOW_GROUP: blocks_for(5 + 8, 4) + 1}
 
 
+def test_allocate_step_reports_released_ids_and_fits_held_waits_for_nothing():
+    """``allocate_step`` returns the released window ids with the new ones (a released block may come straight
+    back); ``fits_held`` is False as soon as a window block is due back, even when the tables cover the step."""
+    bm = _bm(full=8, window=2, lookback=3, block_size=4)
+    a = _seq(0, 24)
+    assert not bm.fits_held(a, 1)  # no tables yet
+    ch = bm.allocate_step(a, 7)
+    assert ch.new == {FULL_GROUP: [0, 1], WINDOW_GROUP: [0, 1]} and ch.released == {FULL_GROUP: [], WINDOW_GROUP: []}
+    a.num_computed_tokens = 6
+    assert bm.fits_held(a, 8)  # [6, 8) reads from 3 on: block 0 is still needed
+    a.num_computed_tokens = 7
+    assert not bm.fits_held(a, 8)  # [7, 8) reads from 4 on: block 0 is due back
+    ch = bm.allocate_step(a, 12)  # the window pool is empty: block 0 goes back and comes straight back
+    assert ch.released == {FULL_GROUP: [], WINDOW_GROUP: [0]} and ch.new == {FULL_GROUP: [2], WINDOW_GROUP: [0]}
+    assert a.block_tables[WINDOW_GROUP] == [-1, 1, 0]
+    a.num_computed_tokens = 12
+    ch = bm.allocate_step(a, 13)
+    assert ch.released[WINDOW_GROUP] == [1] and ch.new[WINDOW_GROUP] == [1]
+    assert a.block_tables[WINDOW_GROUP] == [-1, -1, 0, 1]
+    a.num_computed_tokens = 13
+    assert bm.fits_held(a, 14)
+
+
 # ---------------------------------------------------------------------------------------------------- scheduler
 def _sched(bm, budget=16, max_num_seqs=4):
     cfg = EngineConfig(block_size=bm.block_size, num_blocks=bm.num_blocks, max_num_batched_tokens=budget,
@@ -103,22 +128,39 @@ def _sched(bm, budget=16, max_num_seqs=4):
 
 def test_preemption_when_the_window_group_runs_out_frees_both_groups():
     """Plenty of full blocks, few window blocks: the scheduler preempts on the window group, every request still
-    completes with all its tokens, and both pools are full again at the end."""
+    completes with all its tokens, and both pools are full again at the end. The model runner, fed the scheduler
+    outputs alone (new and released block ids per group), holds the scheduler's tables, ``-1`` entries included, so
+    no freed block stays in its tables."""
     bm = _bm(full=64, window=8, lookback=5, block_size=4)
     s = _sched(bm, budget=16, max_num_seqs=4)
+    runner = ModelRunner(FakeModel(block_size=4), FakeModel(block_size=4).allocate_cache(64), "cpu")
     seqs = [_seq(i, 10 + 3 * i, max_tokens=12) for i in range(4)]
+    by_id = {q.seq_id: q for q in seqs}
     for q in seqs:
         assert s.add(q)
+    released = skipped = 0
     for _ in range(500):
         if not s.has_unfinished():
             break
-        sch = s.schedule()
-        for it in sch:  # every scheduled step holds the window blocks it reads
-            wt = it.seq.block_tables[WINDOW_GROUP]
+        out = s.schedule()
+        runner.update_states(out)
+        for it in out.scheduled:  # every scheduled step holds the window blocks it reads
+            seq = by_id[it.req_id]
+            wt = seq.block_tables[WINDOW_GROUP]
             first = max(0, it.start - 5) // 4
             assert all(b >= 0 for b in wt[first:blocks_for(it.start + it.num_new_tokens, 4)])
-        n = sum(1 for it in sch if it.needs_logits)
-        s.postprocess(sch, [7] * n, [0.0] * n)
+            released += len(it.released_block_ids.get(WINDOW_GROUP, ()))
+            assert FULL_GROUP not in it.released_block_ids  # the full group keeps its blocks
+            skipped += not it.new_block_ids and not it.released_block_ids
+        for q in s.running:
+            st = runner.requests[q.seq_id]
+            for g in (FULL_GROUP, WINDOW_GROUP):
+                t = runner.block_tables[g]
+                assert t.ids[st.slot, :t.num_blocks[st.slot]].tolist() == q.block_tables[g], (q.seq_id, g)
+        s.postprocess(out, [7] * out.num_logits, [0.0] * out.num_logits)
+    runner.update_states(s.schedule())  # the last finished requests leave the runner
+    assert not runner.requests
+    assert released > 0 and skipped > 0  # window blocks went back; decodes inside held blocks allocated nothing
     assert not s.has_unfinished() and s.num_preemptions > 0
     assert all(q.finish_reason == "length" and q.num_output_tokens == 12 for q in seqs)
     assert bm.num_free_blocks == 64 and bm.num_free(WINDOW_GROUP) == 8
@@ -129,8 +171,8 @@ def test_a_request_the_window_group_cannot_hold_alone_is_refused():
     s = _sched(bm, budget=16)
     q = _seq(0, 30)
     assert not s.add(q)
-    assert q.status == SequenceStatus.FINISHED and q.error["code"] == "cache_exhausted"
-    assert "cache group 'window'" in q.error["message"]
+    assert q.status == SequenceStatus.FINISHED and q.failure.kind == "cache_exhausted"
+    assert "cache group 'window'" in q.failure.message
 
 
 # ---------------------------------------------------------------------------------------------------- model

@@ -27,9 +27,9 @@ def _seq(i, n, max_tokens=8):
                     params=SamplingParams(temperature=0, max_tokens=max_tokens), seed=0)
 
 
-def _fake_step(s, scheduled, token=7):
-    n = sum(1 for it in scheduled if it.needs_logits)
-    return s.postprocess(scheduled, [token] * n, [0.0] * n)
+def _fake_step(s, out, token=7):
+    n = out.num_logits
+    return s.postprocess(out, [token] * n, [0.0] * n)
 
 
 def test_chunked_prefill_within_budget_then_decode_batching():
@@ -40,8 +40,8 @@ def test_chunked_prefill_within_budget_then_decode_batching():
     steps = []
     while s.has_unfinished():
         sch = s.schedule()
-        assert sum(it.num_new_tokens for it in sch) <= 64
-        steps.append([(it.seq.seq_id, it.num_new_tokens) for it in sch])
+        assert sch.num_scheduled_tokens <= 64
+        steps.append([(it.req_id, it.num_new_tokens) for it in sch.scheduled])
         _fake_step(s, sch)
     # the long prompt is cut into 64-token chunks; the short one is admitted once the budget allows
     assert steps[0] == [(0, 64)]
@@ -60,7 +60,7 @@ def test_batch_invariant_chunks_end_at_alignment():
     ends = []
     while a.num_computed_tokens < a.num_prompt_tokens:
         sch = s.schedule()
-        ends.append(sch[0].start + sch[0].num_new_tokens)
+        ends.append(sch.scheduled[0].start + sch.scheduled[0].num_new_tokens)
         _fake_step(s, sch)
     assert ends == [48, 70]  # 50 cut back to 48 (a multiple of 16); the last chunk ends the prompt
 
@@ -76,7 +76,7 @@ def test_admission_waits_for_free_blocks_and_max_num_seqs():
     for q in seqs:
         s.add(q)
     sch = s.schedule()
-    assert [it.seq.seq_id for it in sch] == [0, 1]  # max_num_seqs = 2 and only 4 blocks
+    assert [it.req_id for it in sch.scheduled] == [0, 1]  # max_num_seqs = 2 and only 4 blocks
     assert s.block_manager.num_free_blocks == 0 and seqs[2].status == SequenceStatus.WAITING
     _fake_step(s, sch)  # a schedule is applied before the next one (or, asynchronously, right after it)
     while s.has_unfinished():
@@ -89,9 +89,12 @@ def test_refusals_are_error_records():
     too_long = _seq(0, 95, max_tokens=8)  # 103 > 100
     too_big = _seq(1, 60, max_tokens=8)  # 68 tokens -> 5 blocks > 4
     empty = _seq(2, 0)
-    assert not s.add(too_long) and too_long.error["code"] == "context_length_exceeded"
-    assert not s.add(too_big) and too_big.error["code"] == "cache_exhausted"
-    assert not s.add(empty) and empty.error["code"] == "invalid_request"
+    assert not s.add(too_long) and too_long.failure.kind == "context_length_exceeded"
+    assert not s.add(too_big) and too_big.failure.kind == "cache_exhausted"
+    assert not s.add(empty) and empty.failure.kind == "invalid_request"
+    assert "103 exceeds the model's context length (100)" in too_long.failure.message
+    # the scheduler reports kinds, never records: those are the engine's
+    assert too_long.error is None and too_long.finish_reason == "error"
     assert not s.has_unfinished()
 
 

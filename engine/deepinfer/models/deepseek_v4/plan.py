@@ -43,6 +43,56 @@ class SeqStep:
 
 
 @dataclass(frozen=True)
+class StepSeqs:
+    """A step's sequences as arrays (host data, the runner's form): sequence i has tokens at positions
+    ``[c0[i], c0[i] + q[i])``, its ``full``-group block ids in ``block_tables[i]`` and its ``window``-group ones in
+    ``window_tables[i]`` (both in table order: column ``j`` covers positions ``[j * block_size, (j + 1) *
+    block_size)``, ``-1`` after the table; a window row also reads ``-1`` for the blocks its group released, those
+    before the step's window).
+
+    Attributes:
+        c0, q: ``[num_seqs]`` int64.
+        block_tables: ``[num_seqs, width]`` int64, ``width`` at least the blocks of the longest context.
+        window_tables: ``[num_seqs, width_w]`` int64 (same rule), or ``None``: ``block_tables`` serve both groups.
+    """
+
+    c0: np.ndarray
+    q: np.ndarray
+    block_tables: np.ndarray
+    window_tables: np.ndarray | None = None
+
+    @classmethod
+    def from_list(cls, seqs: list[SeqStep], block_size: int) -> "StepSeqs":
+        """Arrays of validated :class:`SeqStep` s (each row keeps the blocks its context needs; a window table
+        when any sequence has ``window_ids``, where a sequence without takes its ``block_ids``)."""
+        c0 = np.fromiter((s.c0 for s in seqs), np.int64, len(seqs))
+        q = np.fromiter((s.q for s in seqs), np.int64, len(seqs))
+        nbs = [_blocks_for(s.L, block_size) for s in seqs]
+        width = max(nbs, default=0) or 1
+        bt = np.full((len(seqs), width), -1, dtype=np.int64)
+        for i, (s, k) in enumerate(zip(seqs, nbs)):
+            bt[i, :k] = s.block_ids[:k]
+        wt = None
+        if any(s.window_ids is not None for s in seqs):
+            wt = np.full((len(seqs), width), -1, dtype=np.int64)
+            for i, (s, k) in enumerate(zip(seqs, nbs)):
+                wt[i, :k] = (s.block_ids if s.window_ids is None else s.window_ids)[:k]
+        return cls(c0, q, bt, wt)
+
+    def to_list(self) -> list[SeqStep]:
+        """:class:`SeqStep` s of the rows (a row ends before its trailing ``-1`` s)."""
+        def trim(row: list[int]) -> tuple[int, ...]:
+            k = len(row)
+            while k and row[k - 1] == -1:
+                k -= 1
+            return tuple(row[:k])
+
+        wrows = self.window_tables.tolist() if self.window_tables is not None else [None] * len(self.c0)
+        return [SeqStep(c0, q, trim(row), None if wrow is None else trim(wrow))
+                for c0, q, row, wrow in zip(self.c0.tolist(), self.q.tolist(), self.block_tables.tolist(), wrows)]
+
+
+@dataclass(frozen=True)
 class Capacity:
     """Fixed list lengths of a graph-mode plan: ``num_seqs`` decode sequences (one token each), block tables of
     ``max_blocks`` ids, contexts up to ``max_len`` tokens."""
@@ -156,6 +206,21 @@ def _blocks_for(n: int, block_size: int) -> int:
     return -(-n // block_size)
 
 
+def _group_ok(table: np.ndarray, first: np.ndarray, end: np.ndarray, written_from: np.ndarray, limit: int) -> bool:
+    """One cache group of a step, vectorised: the ids of columns ``[first[i], end[i])`` of row ``i`` lie in
+    ``[0, limit)``, no row lists a block twice, and a block a row writes (columns from ``written_from[i]`` on) is
+    used by no other row."""
+    cols = np.arange(table.shape[1])[None, :]
+    r, c = np.nonzero((cols >= first[:, None]) & (cols < end[:, None]))
+    b = table[r, c]
+    if not ((b >= 0) & (b < limit)).all():
+        return False
+    if np.unique(r * limit + b).size != b.size:
+        return False
+    blocks, counts = np.unique(b, return_counts=True)
+    return not np.isin(b[c >= written_from[r]], blocks[counts > 1]).any()
+
+
 class PlanBuilder:
     """Builds :class:`StepPlan` s for one config and cache geometry.
 
@@ -244,6 +309,35 @@ class PlanBuilder:
                         raise ValueError(f"{name}: block {b} is written by sequence {owner[b]} in this step and "
                                          f"also used by sequence {i}")
 
+    def check_arrays(self, seqs: StepSeqs) -> None:
+        """:meth:`check_step` for the array form, vectorised over the sequences (both cache groups); on a fault the
+        per-sequence checks name it (the same messages). Raises ValueError naming the field."""
+        c0, q, bt, wt = seqs.c0, seqs.q, seqs.block_tables, seqs.window_tables
+        S = len(c0) if isinstance(c0, np.ndarray) and c0.ndim == 1 else -1
+        tables = (bt,) if wt is None else (bt, wt)
+        shapes_ok = S >= 0 and all(isinstance(t, np.ndarray) and t.ndim == 2 and t.shape[0] == S for t in tables)
+        ok = (shapes_ok and isinstance(q, np.ndarray) and q.shape == (S,)
+              and all(a.dtype.kind in "iu" for a in (c0, q) + tables))
+        if ok and S:
+            L = c0 + q
+            nb = -(-L // self.block_size)
+            ok = bool((q >= 1).all() and (c0 >= 0).all() and all(int(nb.max()) <= t.shape[1] for t in tables)
+                      and int(L.max()) <= self.config.max_position_embeddings)
+            if ok:
+                ok = _group_ok(bt, np.zeros(S, dtype=np.int64), nb, c0 // self.block_size, self.num_blocks)
+            if ok and wt is not None:
+                w0 = np.maximum(c0 - self.lookback, 0) // self.block_size
+                ok = _group_ok(wt, w0, nb, c0 // self.block_size, self.window_blocks)
+            elif ok:  # one table for both groups: its ids must also lie in the window group
+                used = np.arange(bt.shape[1])[None, :] < nb[:, None]
+                ok = int(bt[used].max()) < self.window_blocks
+        if not ok:
+            if not (shapes_ok and isinstance(q, np.ndarray) and len(q) == S):
+                raise ValueError("seqs: StepSeqs needs c0 [num_seqs], q [num_seqs], block_tables [num_seqs, width] "
+                                 "and window_tables (None or [num_seqs, width_w]) integer arrays")
+            self.check_step(seqs.to_list())
+            raise ValueError("seqs: StepSeqs arrays must be int64 / int32 / uint arrays")
+
     def build(self, seqs: list[SeqStep], input_ids: list[int] | torch.Tensor, logits_indices: list[int],
               batch_invariant: bool = False, pad_multiple: int = 0, capacity: Capacity | None = None,
               out: torch.Tensor | None = None, finalize: bool = True, checked: bool = False) -> StepPlan:
@@ -263,11 +357,21 @@ class PlanBuilder:
         Raises:
             ValueError naming the field at fault (lengths, block ids, logits rows, capacity).
         """
-        if not checked:
-            self.check_step(seqs)
+        if isinstance(seqs, StepSeqs):
+            if not checked:
+                self.check_arrays(seqs)
+        else:
+            if not checked:
+                self.check_step(seqs)
+            seqs = StepSeqs.from_list(seqs, self.block_size)
         B = self.block_size
-        T = sum(s.q for s in seqs)
-        if any(not _is_int(r) or r < 0 or r >= T for r in logits_indices):
+        c0s, qs = seqs.c0.astype(np.int64, copy=False), seqs.q.astype(np.int64, copy=False)
+        Ls = c0s + qs
+        S = len(c0s)
+        T = int(qs.sum())
+        li_host = np.asarray(logits_indices)
+        if li_host.size and (li_host.dtype.kind not in "iu" or li_host.ndim != 1 or int(li_host.min()) < 0
+                             or int(li_host.max()) >= T):
             raise ValueError(f"logits_indices: integers in [0, {T}) expected")
         if not _is_int(pad_multiple) or pad_multiple < 0:
             raise ValueError(f"pad_multiple: an integer >= 0 expected, got {pad_multiple!r}")
@@ -279,12 +383,13 @@ class PlanBuilder:
             if len(input_ids) != T:
                 raise ValueError(f"input_ids: {len(input_ids)} ids for {T} tokens (sum of query_lens)")
             self.check_ids(input_ids)
+        max_L = int(Ls.max()) if S else 0
+        w0s = np.maximum(c0s - self.lookback, 0) // B  # each sequence's first window-group block
         if capacity is not None:
-            if len(seqs) > capacity.num_seqs or any(s.q != 1 for s in seqs) or \
-                    max((s.L for s in seqs), default=0) > capacity.max_len or len(logits_indices) > capacity.num_seqs \
-                    or _blocks_for(capacity.max_len, B) > capacity.max_blocks:
-                raise ValueError(f"capacity: the step ({len(seqs)} sequences, query lens "
-                                 f"{sorted({s.q for s in seqs})}, {len(logits_indices)} logits rows) does not fit "
+            if S > capacity.num_seqs or (qs != 1).any() or max_L > capacity.max_len \
+                    or len(logits_indices) > capacity.num_seqs or _blocks_for(capacity.max_len, B) > capacity.max_blocks:
+                raise ValueError(f"capacity: the step ({S} sequences, query lens "
+                                 f"{sorted(set(qs.tolist()))}, {len(logits_indices)} logits rows) does not fit "
                                  f"{capacity}")
             rows = capacity.num_seqs
             nb = capacity.max_blocks
@@ -292,27 +397,28 @@ class PlanBuilder:
             max_len = capacity.max_len
         else:
             rows = -(-T // pad_multiple) * pad_multiple if pad_multiple > 0 else T
-            nb = max((_blocks_for(s.L, B) for s in seqs), default=1) or 1
-            nwb = max((_blocks_for(s.L, B) - self.first_window_block(s.c0) for s in seqs), default=1) or 1
-            max_len = max((s.L for s in seqs), default=0)
+            nb = (_blocks_for(max_L, B) if S else 1) or 1
+            nwb = int((-(-Ls // B) - w0s).max()) if S else 1
+            max_len = max_L
         chunks: dict[str, np.ndarray] = {}
-        S = len(seqs)
+        starts = np.cumsum(qs) - qs  # each sequence's first token row
         positions = np.zeros(rows, dtype=np.int64)
+        positions[:T] = np.repeat(c0s - starts, qs) + np.arange(T)
         row_seq = np.full(rows, S, dtype=np.int64)  # padding rows -> the all -1 table row S
+        row_seq[:T] = np.repeat(np.arange(S), qs)
         seq_bt = np.full((S + 1, nb), -1, dtype=np.int64)
+        w = min(nb, seqs.block_tables.shape[1])
+        need = -(-Ls // B)
+        seq_bt[:S, :w] = np.where(np.arange(w)[None, :] < need[:, None], seqs.block_tables[:, :w], -1)
+        # window group: blocks w0 .. need - 1 of each sequence, from column 0 of its row (win_base = w0)
+        wt = seqs.block_tables if seqs.window_tables is None else seqs.window_tables
         seq_wbt = np.full((S + 1, nwb), -1, dtype=np.int64)
         seq_w0 = np.zeros(S + 1, dtype=np.int64)
-        a = 0
-        starts = []
-        for i, s in enumerate(seqs):
-            positions[a:a + s.q] = np.arange(s.c0, s.L)
-            row_seq[a:a + s.q] = i
-            k = _blocks_for(s.L, B)
-            seq_bt[i, :k] = s.block_ids[:k]
-            w0 = seq_w0[i] = self.first_window_block(s.c0)
-            seq_wbt[i, :k - w0] = (s.block_ids if s.window_ids is None else s.window_ids)[w0:k]
-            starts.append(a)
-            a += s.q
+        seq_w0[:S] = w0s
+        if S and wt.shape[1]:
+            cols = w0s[:, None] + np.arange(nwb)[None, :]
+            inside = (cols < need[:, None]) & (cols < wt.shape[1])
+            seq_wbt[:S] = np.where(inside, wt[np.arange(S)[:, None], np.minimum(cols, wt.shape[1] - 1)], -1)
         tok_bt = seq_bt[row_seq]
         tok_wbt = seq_wbt[row_seq]
         win_base = seq_w0[row_seq]
@@ -325,7 +431,7 @@ class PlanBuilder:
         chunks["win_base"] = win_base
         n_logit_rows = capacity.num_seqs if capacity is not None else len(logits_indices)
         li = np.zeros(n_logit_rows, dtype=np.int64)
-        li[:len(logits_indices)] = logits_indices
+        li[:li_host.size] = li_host
         chunks["logits_indices"] = li
         host_ids = not isinstance(input_ids, torch.Tensor)
         ids = np.zeros(rows, dtype=np.int64)
@@ -336,7 +442,11 @@ class PlanBuilder:
             chunks["row_valid"] = (np.arange(rows) < T).astype(np.int64)
         meta = []
         for m, overlap in self.ratios:
-            lists = self._compressor_lists(seqs, starts, m, overlap, capacity)
+            if S and (qs == 1).all():
+                lists = self._decode_compressor_lists(c0s, seq_bt, seq_wbt, w0s, m, overlap, capacity)
+            else:
+                lists = self._compressor_lists(c0s.tolist(), Ls.tolist(), seq_bt.tolist(), seq_wbt.tolist(),
+                                               w0s.tolist(), starts.tolist(), m, overlap, capacity)
             meta.append((m, overlap, lists["n_close"]))
             for name, arr in lists.items():
                 if name != "n_close":
@@ -411,9 +521,12 @@ class PlanBuilder:
         self.check_step(seqs)
         return self.build(seqs, ids, li.cpu().tolist(), batch.batch_invariant, pad_multiple, checked=True)
 
-    def _compressor_lists(self, seqs: list[SeqStep], starts: list[int], m: int, overlap: bool,
-                          capacity: Capacity | None) -> dict:
-        """The :class:`CompressorPlan` lists of ratio ``m`` as numpy arrays (padded to ``capacity`` in graph mode).
+    def _compressor_lists(self, c0s: list[int], Ls: list[int], bts: list[list[int]], wbts: list[list[int]],
+                          w0s: list[int], starts: list[int], m: int, overlap: bool, capacity: Capacity | None) -> dict:
+        """The :class:`CompressorPlan` lists of ratio ``m`` as numpy arrays (padded to ``capacity`` in graph mode),
+        per sequence in Python: steps with prefill chunks (a decode step takes :meth:`_decode_compressor_lists`).
+        ``bts``: ``full``-group tables (compressed entries); ``wbts``: ``window``-group blocks (the state rings)
+        from block ``w0s[i]`` on.
 
         Per sequence (positions ``[c0, L)`` new): windows ``w`` in ``[c0 // m, L // m)`` close; the open window(s)
         of ``c0`` start at ``s0`` (CSA: one window earlier, whose first half feeds the next entry). Ring rows
@@ -432,10 +545,7 @@ class PlanBuilder:
         st_src: list[int] = []
         st_dst: list[int] = []
         ring_rows_cap = R - 1  # graph mode: ring reads per sequence (a decode reads at most R - 1 positions)
-        for i, s in enumerate(seqs):
-            c0, L = s.c0, s.L
-            bids = s.block_ids  # full group: compressed entries
-            wids = bids if s.window_ids is None else s.window_ids  # window group: the state rings
+        for i, (c0, L, bids, wrow, w0) in enumerate(zip(c0s, Ls, bts, wbts, w0s)):
             s0 = max(0, (c0 // m) * m - m) if overlap else (c0 // m) * m
             first_w, end_w = c0 // m, L // m
             ends = list(range((c0 // B + 1) * B, L, B)) + [L]
@@ -445,7 +555,7 @@ class PlanBuilder:
             read = c0 > s0 and (end_w > first_w or any(st < c0 for st in starts_w))
             base = len(ring_src)
             if read:
-                blk = wids[(c0 - 1) // B]
+                blk = wrow[(c0 - 1) // B - w0]
                 ring_src.extend(blk * R + p % R for p in range(s0, c0))
             if capacity is not None:
                 ring_src.extend([0] * (base + ring_rows_cap - len(ring_src)))
@@ -466,7 +576,7 @@ class PlanBuilder:
                 w_pos.append(w * m)
                 dst.append(bids[(w * m) // B] * per_block + w % per_block)
             for E, st in zip(ends, starts_w):
-                blk = wids[(E - 1) // B]
+                blk = wrow[(E - 1) // B - w0]
                 for p in range(st, E):
                     st_src.append(row(p))
                     st_dst.append(blk * R + p % R)
@@ -495,4 +605,77 @@ class PlanBuilder:
         if overlap:
             out["prev"] = rows(prev).reshape(-1, m)
             out["prev_ok"] = np.array(prev_ok, dtype=np.int64)
+        return out
+
+    def _decode_compressor_lists(self, p: np.ndarray, bt: np.ndarray, wbt: np.ndarray, w0: np.ndarray, m: int,
+                                 overlap: bool, capacity: Capacity | None) -> dict:
+        """:meth:`_compressor_lists` of a decode step (one new token per sequence, at position ``p[i]``, token row
+        ``i``; ``bt [num_seqs + 1, nb]`` the step's ``full``-group tables, ``wbt [num_seqs + 1, nwb]`` its
+        ``window``-group blocks from block ``w0[i]`` on), vectorised over the sequences: the same lists in the same
+        order."""
+        B = self.block_size
+        R = 2 * m if overlap else m
+        per_block = B // m
+        S = len(p)
+        i = np.arange(S)
+        s0 = np.maximum(0, (p // m) * m - m) if overlap else (p // m) * m
+        closes = (p + 1) % m == 0
+        r0 = np.maximum(0, ((p + 1) // m) * m - m) if overlap else ((p + 1) // m) * m
+        same = (p > 0) & (p % B != 0)
+        st = np.where(same, np.maximum(r0, p), r0)
+        read = (p > s0) & (closes | (st < p))
+        n_read = np.where(read, p - s0, 0)
+        # ring reads: positions s0 .. p - 1 from the ring of the block of p - 1 (R - 1 per sequence in graph mode)
+        k = np.arange(R - 1)
+        blk_prev = wbt[i, np.maximum(p - 1, 0) // B - w0]  # the window starts at or before p - 1
+        ring_slot = blk_prev[:, None] * R + (s0[:, None] + k[None, :]) % R
+        valid = k[None, :] < n_read[:, None]
+        if capacity is not None:
+            ring_src = np.zeros(capacity.num_seqs * (R - 1), dtype=np.int64)
+            ring_src[:S * (R - 1)] = np.where(valid, ring_slot, 0).reshape(-1)
+            base = i * (R - 1)
+        else:
+            ring_src = ring_slot[valid]
+            base = np.cumsum(n_read) - n_read
+        n_ring = ring_src.size
+
+        def row(pos: np.ndarray, at: np.ndarray) -> np.ndarray:
+            """Rows of ``all`` for positions ``pos`` of sequences ``at`` (broadcast): the new token's row follows
+            every ring row."""
+            return np.where(pos >= p[at], n_ring + at, base[at] + pos - s0[at])
+
+        c = i[closes]
+        w = p[c] // m
+        win = (w * m)[:, None] + np.arange(m)[None, :]
+        cur = row(win, c[:, None])
+        w_pos = w * m
+        dst = bt[c, w_pos // B] * per_block + w % per_block
+        if overlap:
+            has_prev = w >= 1
+            prev = np.where(has_prev[:, None], row(win - m, c[:, None]), 0)
+            prev_ok = has_prev.astype(np.int64)
+        # state writes: positions st .. p to the ring of the block of p, in sequence order
+        j = np.arange(R)
+        pos = st[:, None] + j[None, :]
+        keep = pos <= p[:, None]
+        st_src = row(pos, i[:, None])[keep]
+        st_dst = (wbt[i, p // B - w0][:, None] * R + pos % R)[keep]
+        if capacity is not None:
+            n = capacity.num_seqs
+            pad = n - c.size
+            cur = np.concatenate([cur, np.zeros((pad, m), dtype=np.int64)])
+            w_pos = np.concatenate([w_pos, np.zeros(pad, dtype=np.int64)])
+            dst = np.concatenate([dst, np.full(pad, -1, dtype=np.int64)])
+            if overlap:
+                prev = np.concatenate([prev, np.zeros((pad, m), dtype=np.int64)])
+                prev_ok = np.concatenate([prev_ok, np.zeros(pad, dtype=np.int64)])
+            pad = n * R - st_dst.size
+            st_src = np.concatenate([st_src, np.zeros(pad, dtype=np.int64)])
+            st_dst = np.concatenate([st_dst, np.full(pad, -1, dtype=np.int64)])
+        out = {"ring_src": ring_src.astype(np.int64), "cur": cur.reshape(-1, m).astype(np.int64),
+               "w_pos": w_pos.astype(np.int64), "dst": dst.astype(np.int64), "st_src": st_src.astype(np.int64),
+               "st_dst": st_dst.astype(np.int64), "n_close": w_pos.size}  # graph mode: the capacity
+        if overlap:
+            out["prev"] = prev.reshape(-1, m).astype(np.int64)
+            out["prev_ok"] = prev_ok.astype(np.int64)
         return out

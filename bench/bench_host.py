@@ -1,0 +1,184 @@
+"""Host time per decode step of the engine on the CPU: scheduling, step plan, enqueue, sampling, applying results.
+
+Usage (from the repository root, PYTHONPATH=python:engine):
+    python bench/bench_host.py                      # 1, 64 and 256 decoding sequences, eager and graph-mode plans
+    python bench/bench_host.py --batches 64 --profile  # also a cProfile table of the decode steps
+
+The model is a stand-in with the tiny preset's DeepSeek-V4 config (every layer kind, so every compressor list of the
+plan is built) and a vocabulary of ``--vocab`` tokens: the real :class:`PlanBuilder` and sampler run, the forward
+returns zero logits. So the figures are the host work of the engine alone, on this CPU (not the H200's).
+``--window-group`` gives the stand-in DeepSeek-V4's two cache groups (the default is one group, as the committed
+figures were measured). ``--graphs`` also runs the graph-mode path: every decode step builds its plan into a captured bucket's buffer
+(``ModelRunner`` with stand-in graphs whose replay does nothing), as decode steps do on CUDA.
+
+Method: ``batch`` requests of ``--prompt-len`` tokens are prefilled and decode ``--warmup`` tokens, then
+``--steps`` decode steps of ``LLMEngine.step`` (asynchronous scheduling: scheduling, plan, enqueue, sampling and
+applying the step before) are timed one by one: ``host_ms`` is the median wall time per step, ``host_cpu_ms`` the
+median CPU time of this thread (robust to other processes on a shared machine). One JSON line per (batch, path);
+``--out`` also writes them as a list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import random
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+class HostOnlyModel:
+    """The engine contract of a DeepSeek-V4 model with a step plan, without the model: ``forward`` returns
+    ``[num_logits, vocab]`` zero logits."""
+
+    def __init__(self, vocab: int, block_size: int = 128) -> None:
+        from deepinfer.models.deepseek_v4 import DeepseekV4Config, PlanBuilder
+        from deepinfer.models.registry import model_family
+
+        tiny = dict(model_family("deepseek_v4").tiny_config)
+        tiny["vocab_size"] = vocab
+        self.config = DeepseekV4Config.from_dict(tiny)
+        self.config_block_size = block_size
+        self.gemm = "fp8"
+        self._builder_class = PlanBuilder
+        self._builders: dict = {}
+
+    def parameters(self):
+        return iter(())
+
+    def allocate_cache(self, num_blocks: int):
+        return types.SimpleNamespace(block_size=self.config_block_size, num_blocks=num_blocks,
+                                     device=torch.device("cpu"))
+
+    def plan_builder(self, cache):
+        key = (cache.block_size, cache.num_blocks)
+        if key not in self._builders:
+            self._builders[key] = self._builder_class(self.config, cache.block_size, cache.num_blocks, cache.device)
+        return self._builders[key]
+
+    def step_pad(self, batch_invariant: bool, device) -> int:
+        return 0
+
+    def forward(self, plan, cache):
+        return torch.zeros(plan.num_logits, self.config.vocab_size)
+
+
+class _NoGraph:
+    def replay(self) -> None:
+        pass
+
+
+def install_graphs(llm) -> None:
+    """Stand-in CUDA graphs for every bucket: decode steps take the graph-mode plan path, replay does nothing."""
+    from deepinfer.model_runner import _Graph, graph_buckets
+
+    runner = llm.runner
+    vocab = llm.model.config.vocab_size
+    for bucket in graph_buckets(llm.config.max_num_seqs):
+        cap, plan = runner.dummy_plan(bucket, llm.max_model_len)
+        st = plan.input_ids.untyped_storage()
+        flat = torch.empty(0, dtype=torch.int64).set_(st, 0, (st.nbytes() // 8,))
+        runner.graphs[bucket] = _Graph(bucket, cap, plan, _NoGraph(), torch.zeros(bucket, vocab), flat, {})
+    runner.max_model_len = llm.max_model_len
+
+
+def use_window_group(llm) -> None:
+    """DeepSeek-V4's two cache groups for the stand-in (``LLM`` gives a model outside the registry one group): a
+    ``window`` group that releases blocks after the sliding window, so steps carry released ids and the plans read
+    window tables, as with the real model."""
+    from deepinfer.block_manager import FULL_GROUP, WINDOW_GROUP, BlockManager, CacheGroup, window_blocks_needed
+    from deepinfer.models.deepseek_v4.cache import window_lookback
+
+    cfg = llm.config
+    lookback = window_lookback(llm.model.config)
+    window = min(window_blocks_needed(lookback, cfg.block_size, cfg.max_num_seqs, cfg.max_num_batched_tokens),
+                 cfg.num_blocks)
+    llm.block_manager = llm.scheduler.block_manager = BlockManager(
+        cfg.num_blocks, cfg.block_size, [CacheGroup(FULL_GROUP, cfg.num_blocks),
+                                         CacheGroup(WINDOW_GROUP, window, lookback)])
+
+
+def run(batch: int, graphs: bool, args) -> tuple[dict, pstats.Stats | None]:
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.sequence import Sequence
+
+    model = HostOnlyModel(args.vocab)
+    max_len = args.prompt_len + args.steps + 2 * args.warmup + 128
+    llm = LLM(model, max_num_seqs=batch, max_model_len=max_len, max_num_batched_tokens=max(2048, batch),
+              num_blocks=batch * -(-max_len // 128))
+    window_group = getattr(args, "window_group", False)
+    if window_group:
+        use_window_group(llm)
+    if graphs:
+        install_graphs(llm)
+    rng = random.Random(0)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 2 * args.warmup, ignore_eos=True)
+    seqs = [Sequence(i, [rng.randrange(3, args.vocab) for _ in range(args.prompt_len)], sp, seed=i)
+            for i in range(batch)]
+    engine = llm.engine
+    for seq in seqs:
+        engine.add_request(seq)
+    while min(s.num_output_tokens for s in seqs) < args.warmup:  # prefill, then a few decode steps
+        engine.step()
+    prof = cProfile.Profile() if args.profile else None
+    wall, cpu = [], []
+    for _ in range(args.steps):
+        if prof is not None:
+            prof.enable()
+        t, c = time.perf_counter(), time.thread_time()
+        engine.step()
+        cpu.append(time.thread_time() - c)
+        wall.append(time.perf_counter() - t)
+        if prof is not None:
+            prof.disable()
+    row = {"op": "engine_host_decode", "device": "cpu", "shape": {"batch": batch, "graph_plans": graphs,
+           "prompt_len": args.prompt_len, "vocab": args.vocab, "temperature": args.temperature,
+           "window_group": window_group},
+           "host_ms": round(1e3 * statistics.median(wall), 4), "host_cpu_ms": round(1e3 * statistics.median(cpu), 4)}
+    return row, (pstats.Stats(prof) if prof is not None else None)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--batches", default="1,64,256")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--steps", type=int, default=60, help="measured decode steps")
+    p.add_argument("--warmup", type=int, default=4, help="decode steps before the measured ones")
+    p.add_argument("--vocab", type=int, default=512, help="small: the stand-in's sampling work stays negligible")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy rows; > 0: drawn rows")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    p.add_argument("--paths", default="eager,graphs", help="eager, graphs or both")
+    p.add_argument("--window-group", action="store_true",
+                   help="DeepSeek-V4's two cache groups (window blocks released after the sliding window)")
+    p.add_argument("--profile", action="store_true", help="cProfile table of the measured run (stdout)")
+    p.add_argument("--out", type=Path, help="also write the rows as a JSON list here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = []
+    for b in [int(x) for x in args.batches.split(",")]:
+        for path in args.paths.split(","):
+            row, stats = run(b, path == "graphs", args)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if stats is not None:
+                s = io.StringIO()
+                stats.stream = s
+                stats.sort_stats("cumulative").print_stats(40)
+                print(s.getvalue())
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
