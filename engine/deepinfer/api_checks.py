@@ -278,9 +278,9 @@ def check_request(body: dict, api: str, stream: bool = False) -> None:
         RequestError: ``param`` is the field path: a field of the wrong JSON type, a number out of range or not
             finite, an unknown field (``code="unknown_parameter"``), a field or value the engine does not implement
             (``code="unsupported_parameter"``), a missing required field, more than ``MAX_STOP_SEQUENCES`` stop
-            strings or an empty one, a string with a lone surrogate, an integer beyond 64 bits or a non-finite number at any depth,
-            nesting deeper than ``MAX_NESTING``, a tool type other than
-            a function, or a ``tool_choice`` naming an undeclared tool.
+            strings or an empty one, a string with a lone surrogate, an integer beyond 64 bits or a non-finite
+            number at any depth, nesting deeper than ``MAX_NESTING``, a tool type other than a function, or a
+            ``tool_choice`` naming an undeclared tool.
         ValueError: an unknown ``api``.
     """
     if api not in FIELDS:

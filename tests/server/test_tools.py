@@ -166,7 +166,8 @@ def test_messages_and_responses_invalid_call_stream_equals_answer(start_server):
         {"type": "text", "text": text, "citations": None}]
     assert m.stop_reason == final.stop_reason == "end_turn" and final.usage.output_tokens == m.usage.output_tokens
     assert not [ev for ev in events if ev.type == "content_block_start" and ev.content_block.type == "tool_use"]
-    rkw = dict(model="scripted", input="Weather in Paris?", max_output_tokens=200, reasoning={"effort": "none"}, extra_body={"seed": 1},
+    rkw = dict(model="scripted", input="Weather in Paris?", max_output_tokens=200, reasoning={"effort": "none"},
+               extra_body={"seed": 1},
                tools=[{"type": "function", "name": "get_weather", "description": "w", "parameters": PARAMS}])
     r = oai.responses.create(**rkw)
     events = list(oai.responses.create(stream=True, **rkw))
