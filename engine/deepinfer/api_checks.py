@@ -1,11 +1,13 @@
-"""Top-level field checks of the three request bodies, before deepseek-recipe sees them.
+"""Top-level field checks of the request bodies (Chat Completions, Messages, Responses, Completions), before
+deepseek-recipe sees them.
 
-Each API has a table of the fields the engine handles: JSON type, range, and whether the engine refuses a value
-(``stream: true`` offline, ``store: true``). Fields the engine does not implement and that would change the answer
-(``previous_response_id``, ``guided_json``, ...) are refused with the reason; fields in neither table are refused as
-unknown, as OpenAI's and Anthropic's APIs do. Every error is a ``RequestError`` whose ``param`` is the field path in
-OpenAI's form (``max_tokens``, ``tools[1].type``, ``tool_choice.function.name``). The offline CLI and the
-HTTP server share these tables.
+Each API has a table of the fields the engine handles: JSON type, range, and the one value the engine implements
+when it implements only one (``stream: false`` offline, ``store: false``, ``echo: false``). Fields the engine does
+not implement and that would change the answer (``previous_response_id``, ``guided_json``, ...) are refused with the
+reason; fields in neither table are refused as unknown, as OpenAI's and Anthropic's APIs do. Every error is a
+``RequestError`` whose ``param`` is the field path in OpenAI's form (``max_tokens``, ``tools[1].type``,
+``tool_choice.function.name``). The offline CLI and the HTTP server share these tables; the server allows
+``stream: true`` (``check_request(..., stream=True)``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-API_KINDS = ("chat", "messages", "responses")
+API_KINDS = ("chat", "messages", "responses")  # the chat-template APIs (``ChatFrontend.prepare``)
 INT63 = 2 ** 63
 INT31 = 2 ** 31
 MAX_STOP_SEQUENCES = 16
@@ -34,24 +36,25 @@ class RequestError(Exception):
 @dataclass(frozen=True)
 class Field:
     """One top-level field: its JSON kinds (``int``, ``number``, ``bool``, ``string``, ``object``, ``array``), the
-    closed range of a number, and a value the engine refuses (with the reason)."""
+    closed range of a number, and, when set, the only value the engine implements (others refused, with the
+    reason)."""
 
     kinds: tuple[str, ...]
     lo: float | None = None
     hi: float | None = None
-    refuse_value: Any = None
-    refuse_reason: str = ""
+    only: Any = None
+    why: str = ""
 
 
-def _f(*kinds: str, lo=None, hi=None, refuse=None, why: str = "") -> Field:
-    return Field(kinds, lo, hi, refuse, why)
+def _f(*kinds: str, lo=None, hi=None, only=None, why: str = "") -> Field:
+    return Field(kinds, lo, hi, only, why)
 
 
-_OFFLINE = "this engine answers each request in one response (no streaming yet)"
+_OFFLINE = "offline generation answers each request in one response (deepinfer serve streams)"
 _NO_STORE = "this engine stores no responses"
 _COMMON = {
     "model": _f("string"),
-    "stream": _f("bool", refuse=True, why=_OFFLINE),
+    "stream": _f("bool", only=False, why=_OFFLINE),
     "metadata": _f("object"),
     "seed": _f("int", lo=0, hi=INT63 - 1),
     "service_tier": _f("string"),
@@ -79,7 +82,7 @@ CHAT_FIELDS = {
     "response_format": _f("object"),
     "thinking": _f("object"),
     "reasoning_effort": _f("string"),
-    "store": _f("bool", refuse=True, why=_NO_STORE),
+    "store": _f("bool", only=False, why=_NO_STORE),
     "prompt_cache_key": _f("string"),
     "safety_identifier": _f("string"),
 }
@@ -109,14 +112,37 @@ RESPONSES_FIELDS = {
     "parallel_tool_calls": _f("bool"),
     "text": _f("object"),
     "reasoning": _f("object"),
-    "store": _f("bool", refuse=True, why=_NO_STORE),
-    "background": _f("bool", refuse=True, why=_OFFLINE),
+    "store": _f("bool", only=False, why=_NO_STORE),
+    "background": _f("bool", only=False, why="background responses need stored responses"),
     "truncation": _f("string"),
     "prompt_cache_key": _f("string"),
     "safety_identifier": _f("string"),
 }
-FIELDS = {"chat": CHAT_FIELDS, "messages": MESSAGES_FIELDS, "responses": RESPONSES_FIELDS}
-REQUIRED = {"chat": ("messages",), "messages": ("messages", "max_tokens"), "responses": ("input",)}
+COMPLETIONS_FIELDS = {  # /v1/completions (the server's; no chat template)
+    "model": _f("string"),
+    "stream": _COMMON["stream"],
+    "seed": _COMMON["seed"],
+    "user": _f("string"),
+    "prompt": _f("string", "array"),
+    "max_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "temperature": _f("number", lo=0, hi=2),
+    "top_p": _f("number", lo=0, hi=1),
+    "top_k": _f("int", lo=-1, hi=INT31 - 1),
+    "n": _f("int", lo=1, hi=1),
+    "best_of": _f("int", lo=1, hi=20, only=1, why="one completion per request"),
+    "stop": _f("string", "array"),
+    "stream_options": _f("object"),
+    "frequency_penalty": _f("number", lo=-2, hi=2),
+    "presence_penalty": _f("number", lo=-2, hi=2),
+    "logit_bias": _f("object"),
+    "logprobs": _f("int", lo=0, hi=5, only=0, why="use /v1/chat/completions for logprobs"),
+    "echo": _f("bool", only=False, why="the prompt is not echoed"),
+    "suffix": _f("string", only="", why="insertion (a suffix) is not supported"),
+}
+FIELDS = {"chat": CHAT_FIELDS, "messages": MESSAGES_FIELDS, "responses": RESPONSES_FIELDS,
+          "completions": COMPLETIONS_FIELDS}
+REQUIRED = {"chat": ("messages",), "messages": ("messages", "max_tokens"), "responses": ("input",),
+            "completions": ("prompt",)}
 
 _GUIDED = "structured output is not enforced by this engine yet"
 # Fields other engines or API versions implement and this engine does not: refused, never ignored.
@@ -162,8 +188,8 @@ def _check_field(name: str, spec: Field, v: Any) -> None:
             hi = "2**63 - 1" if spec.hi == INT63 - 1 else "2**31 - 1" if spec.hi == INT31 - 1 else spec.hi
             rng = f"[{spec.lo}, {hi}]" if spec.hi is not None else f">= {spec.lo}"
             raise RequestError(f"{name} must be in {rng}, got {_show(v)}", param=name)
-    if spec.refuse_value is not None and v == spec.refuse_value:
-        raise RequestError(f"{name}: {json_text(v)} is not supported: {spec.refuse_reason}",
+    if spec.only is not None and v != spec.only:
+        raise RequestError(f"{name}: {json_text(v)} is not supported: {spec.why}",
                            code="unsupported_parameter", param=name)
 
 
@@ -243,31 +269,32 @@ def _check_tools(body: dict, api: str) -> None:
                                f"({', '.join(sorted(names)) or 'none'})", param=path)
 
 
-def check_request(body: dict, api: str) -> None:
-    """Check the top-level fields of one request body of ``api`` (``"chat"``, ``"messages"``, ``"responses"``).
+def check_request(body: dict, api: str, stream: bool = False) -> None:
+    """Check the top-level fields of one request body of ``api`` (``"chat"``, ``"messages"``, ``"responses"``,
+    ``"completions"``). ``stream``: the caller streams the answer (the server), so ``stream: true`` is allowed.
 
     Null fields pass (the recipe applies its defaults), except required ones (``max_tokens`` for Messages).
     Raises:
         RequestError: ``param`` is the field path: a field of the wrong JSON type, a number out of range or not
             finite, an unknown field (``code="unknown_parameter"``), a field or value the engine does not implement
             (``code="unsupported_parameter"``), a missing required field, more than ``MAX_STOP_SEQUENCES`` stop
-            strings, a string with a lone surrogate, an integer beyond 64 bits or a non-finite number at any depth,
-            nesting deeper than ``MAX_NESTING``, a tool type other than
-            a function, or a ``tool_choice`` naming an undeclared tool.
+            strings or an empty one, a string with a lone surrogate, an integer beyond 64 bits or a non-finite
+            number at any depth, nesting deeper than ``MAX_NESTING``, a tool type other than a function, or a
+            ``tool_choice`` naming an undeclared tool.
         ValueError: an unknown ``api``.
     """
     if api not in FIELDS:
-        raise ValueError(f"api must be one of {API_KINDS}, got {api!r}")
-    table = FIELDS[api]
+        raise ValueError(f"api must be one of {tuple(FIELDS)}, got {api!r}")
+    table = {**FIELDS[api], "stream": _f("bool")} if stream else FIELDS[api]
     for name, v in body.items():
         if not isinstance(name, str):
             raise RequestError(f"field names must be strings, got {_show(name)}")
-        if name in UNSUPPORTED:
+        spec = table.get(name)
+        if spec is None and name in UNSUPPORTED:  # Completions' prompt is a field; elsewhere a stored prompt
             if v is None:
                 continue
             raise RequestError(f"{name} is not supported: {UNSUPPORTED[name]}", code="unsupported_parameter",
                                param=name)
-        spec = table.get(name)
         if spec is None:
             raise RequestError(f"unrecognized request field {name!r} for the {api} API", code="unknown_parameter",
                                param=name)
@@ -276,8 +303,10 @@ def check_request(body: dict, api: str) -> None:
     for name in REQUIRED[api]:
         if body.get(name) is None:
             raise RequestError(f"{name} is required", param=name)
-    stops = body.get("stop_sequences" if api == "messages" else "stop")
     key = "stop_sequences" if api == "messages" else "stop"
+    stops = body.get(key)
+    if stops == "":
+        raise RequestError(f"{key} must be a non-empty string", param=key)
     if isinstance(stops, list):
         if len(stops) > MAX_STOP_SEQUENCES:
             raise RequestError(f"{key}: at most {MAX_STOP_SEQUENCES} stop strings, got {len(stops)}", param=key)

@@ -88,31 +88,23 @@ def is_error_record(result: dict) -> bool:
 
 def chat_logit_options(body: dict, thinking: bool = False) -> dict:
     """``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and ``top_k`` of a Chat Completions body as
-    ``SamplingParams`` keyword arguments (absent or null fields are left out; ranges are checked by
-    ``SamplingParams.validate``).
+    ``SamplingParams`` keyword arguments (absent or null fields are left out; JSON types are checked by
+    ``check_request`` first, ranges by ``SamplingParams.validate``).
 
     ``thinking``: the request runs in thinking mode. There, as in DeepSeek's API (whose rule the recipe applies to
     ``temperature`` and ``top_p``), the two penalties are checked but have no effect; ``logit_bias`` applies in both
     modes.
 
     ``logit_bias`` is a JSON object whose keys are token ids written as decimal strings (OpenAI's form; ints are
-    accepted too). Raises RequestError with ``param`` naming the field for a non-number penalty, a non-object
-    ``logit_bias`` or a key that is not a token id.
+    accepted too). Raises RequestError with ``param="logit_bias"`` for a key that is not a token id or a bias that
+    is not a number.
     """
     out: dict = {}
     for name in ("frequency_penalty", "presence_penalty"):
-        v = body.get(name)
-        if v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise RequestError(f"{name} must be a number in [-2, 2], got {v!r}", param=name)
-        if not thinking:
-            out[name] = float(v)
+        if body.get(name) is not None and not thinking:
+            out[name] = float(body[name])
     lb = body.get("logit_bias")
     if lb is not None:
-        if not isinstance(lb, dict):
-            raise RequestError(f"logit_bias must be an object {{token_id: bias}}, got {type(lb).__name__}",
-                               param="logit_bias")
         parsed: dict[int, float] = {}
         for k, v in lb.items():
             key = k.strip() if isinstance(k, str) else k
@@ -263,8 +255,13 @@ def _logprob_entry(tokens: OutputTokens, token_id: int, logprob: float, top) -> 
 class PreparedChat:
     """One converted request, ready for the engine, and the parser that turns its tokens into a response.
 
-    ``new_stream(api, parse_tool_calls)`` builds a fresh recipe processor and response for the same conversation;
-    ``finish`` replays the sampled tokens through one when the first parse must be checked or redone.
+    ``new_stream(api, parse_tool_calls)`` builds a fresh recipe processor, response and ready chunks for the same
+    conversation; ``finish`` replays the sampled tokens through one when the first parse must be checked or redone.
+
+    Streaming with tool-call parsing runs a ``shadow``: the same tokens through a processor without it (what
+    ``finish`` answers when the calls are invalid). Only the events both streams agree on are released; from the
+    first difference (a DSML block, text that may start one) the rest is held until ``finish`` knows which stream
+    the answer is, then released from that one. So a stream always adds up to the non-streamed answer.
     """
 
     api: str
@@ -289,6 +286,9 @@ class PreparedChat:
     # the consumer takes them out (``take_events``). ``None``: not recorded (offline).
     sse: list | None = None
     tool_ids: "ToolCallIds | None" = None
+    shadow: tuple | None = None  # streaming with tool-call parsing: (processor, response) without it
+    held: tuple = ((), ())  # with a shadow: the events not yet released, (tool-parsing stream, shadow)
+    diverged: bool = False  # the two streams differed: nothing more is released before ``finish``
     num_sampled: int = 0  # every token the engine sampled and pushed here (hidden ones included), EOS excluded
     num_reasoning: int = 0  # of those, the ones before ``</think>`` in thinking mode
     visible: list[tuple[int, Any]] = field(default_factory=list)  # (token id, logprob tuple) pushed to the parser
@@ -298,16 +298,28 @@ class PreparedChat:
         self._in_reasoning = self.starts_in_reasoning
 
     # ------------------------------------------------------------ streaming side
-    def _accumulate(self, chunks, response=None) -> None:
+    def _accumulate(self, chunks, response=None, log: list | None = None) -> None:
+        """Accumulate ``chunks`` into ``response`` (default: the main one) and record them as events in ``log``;
+        the main response's events always go to its log (``sse``, or the held events with a shadow; none offline)."""
+        if response is None or response is self.response:
+            response, log = self.response, (self.held[0] if self.shadow is not None else self.sse)
         for c in chunks:
-            target = response or self.response
-            if self.sse is not None and target is self.response:
-                self._record(c)
-            target.accumulate(c)
+            if log is not None:
+                log.append((type(response).sse_event_name(c), self.tool_ids.rewrite(json.loads(c.to_json()))))
+            response.accumulate(c)
             self.events += 1
 
-    def _record(self, c) -> None:
-        self.sse.append((type(self.response).sse_event_name(c), self.tool_ids.rewrite(json.loads(c.to_json()))))
+    def _release(self) -> None:
+        """With a shadow: move the events both streams agree on to ``sse``, until they first differ."""
+        on, off = self.held
+        n = 0
+        while not self.diverged and n < min(len(on), len(off)):
+            if on[n] != off[n]:
+                self.diverged = True
+                break
+            n += 1
+        self.sse.extend(on[:n])
+        del on[:n], off[:n]
 
     def take_events(self) -> list:
         """The recorded stream events since the last call (empty when not streaming)."""
@@ -332,26 +344,39 @@ class PreparedChat:
         lp = (float(logprob), list(top or [])) if self.want_logprobs and logprob is not None else None
         self.visible.append((token_id, lp))
         self._accumulate(self.processor.push(R.InferenceChunk.tokens([token_id], [lp] if lp else None)))
+        if self.shadow is not None:
+            processor, response = self.shadow
+            if not processor.finished:
+                self._accumulate(processor.push(R.InferenceChunk.tokens([token_id], [lp] if lp else None)), response,
+                                 self.held[1])
+            self._release()
         return self.processor.finished
 
-    def _end(self, processor, response, finish_reason: str) -> dict:
-        """Flush the recipe's held tail as text (it drops it otherwise), finish, return the response JSON."""
+    def _end(self, processor, response, finish_reason: str, log: list | None = None) -> dict:
+        """Flush the recipe's held tail as text (it drops it otherwise), finish, return the response JSON; the
+        events go to ``log`` (the main response: its own log)."""
         tail = self.tokens.held_tail([t for t, _ in self.visible]) if self.tokens and not processor.finished else 0
         if tail:
             text = self.tokens.hf.decode([t for t, _ in self.visible[-tail:]], skip_special_tokens=False)
-            self._accumulate(processor.push(R.InferenceChunk.text(text, 0)), response)
+            self._accumulate(processor.push(R.InferenceChunk.text(text, 0)), response, log)
         if not processor.finished:
             reason = R.InferenceFinishReason.Length if finish_reason == "length" else R.InferenceFinishReason.Stop
-            self._accumulate(processor.push(R.InferenceChunk.finish(reason)), response)
+            self._accumulate(processor.push(R.InferenceChunk.finish(reason)), response, log)
         if not processor.finished:
-            self._accumulate(processor.finish(), response)
+            self._accumulate(processor.finish(), response, log)
         out = json.loads(response.to_json())
         if tail and self.want_logprobs and self.api == "chat":
             self._add_tail_logprobs(out, self.visible[-tail:])
         return out
 
+    def open_stream(self, api: str, parse_tool_calls: bool, log: list | None = None) -> tuple:
+        """``(processor, response)`` of a fresh stream (``new_stream``), its ready chunks accumulated and logged."""
+        processor, response, ready = self.new_stream(api, parse_tool_calls)
+        self._accumulate(ready, response, log)
+        return processor, response
+
     def _replay(self, api: str, parse_tool_calls: bool, finish_reason: str) -> dict:
-        processor, response = self.new_stream(api, parse_tool_calls)
+        processor, response = self.open_stream(api, parse_tool_calls)
         try:
             for t, lp in self.visible:
                 self._accumulate(processor.push(R.InferenceChunk.tokens([t], [lp] if lp else None)), response)
@@ -388,9 +413,16 @@ class PreparedChat:
         Tool calls to undeclared tools, with arguments that are not a JSON object, or a DSML block that does not
         parse (cut by ``max_tokens``) are not returned as calls: the answer is parsed again without tool-call
         parsing, so the raw DSML text is the ``content`` (a ``text`` block; Responses: an output message) and the
-        finish reason is ``stop`` / ``length``. Usage counts the sampled tokens."""
+        finish reason is ``stop`` / ``length``; a stream's held events come from the same parse (see the class).
+        Usage counts the sampled tokens."""
         out = self._end(self.processor, self.response, finish_reason)
-        if not self._tool_calls_valid(finish_reason):
+        valid = self._tool_calls_valid(finish_reason)
+        if self.shadow is not None:  # the shadow is the text-only replay, run alongside
+            if not valid:
+                out = self._end(*self.shadow, finish_reason, self.held[1])
+            self.sse.extend(self.held[0] if valid else self.held[1])
+            self.held = ([], [])
+        elif not valid:
             out = self._replay(self.api, False, finish_reason)
         self._fix_usage(out)
         if self.api == "chat" and self.want_logprobs:
@@ -404,7 +436,19 @@ class PreparedChat:
             out["content"].append({"type": "text", "text": ""})  # clients read a text block
         (self.tool_ids or ToolCallIds(self.request_id)).rewrite(out)
         out["seed"] = self.params.seed
+        self._final_events_match(out)
         return out
+
+    def _final_events_match(self, out: dict) -> None:
+        """The stream's closing events carry the final response's usage (Responses: the whole response)."""
+        for _, data in self.sse or []:
+            kind = data.get("type")
+            if kind in ("response.completed", "response.incomplete") and isinstance(data.get("response"), dict):
+                data["response"] = json.loads(json.dumps(out))
+            elif kind == "message_delta" and isinstance(data.get("usage"), dict) and "usage" in out:
+                data["usage"]["output_tokens"] = out["usage"]["output_tokens"]
+            elif self.api in ("chat", "completions") and isinstance(data.get("usage"), dict) and "usage" in out:
+                data["usage"] = dict(out["usage"])
 
     def _fix_usage(self, out: dict) -> None:
         """Completion and reasoning counts from the sampled tokens (the recipe re-tokenises the text)."""
@@ -431,10 +475,11 @@ class PreparedChat:
             choice["logprobs"] = lp
 
     def close(self) -> None:
-        try:
-            self.processor.close()
-        except Exception:  # noqa: BLE001 - already closed
-            pass
+        for processor in (self.processor, *(self.shadow or ())[:1]):
+            try:
+                processor.close()
+            except Exception:  # noqa: BLE001 - already closed
+                pass
 
 
 class ToolCallIds:
@@ -548,7 +593,8 @@ class ChatFrontend:
             body: the request as a dict, or JSON text.
             api: ``"chat"`` (Chat Completions), ``"messages"`` or ``"responses"``.
             seed_source: callable returning a fresh seed for requests without one.
-            stream: record the recipe's stream events (``PreparedChat.take_events``), from the first one on.
+            stream: the answer is streamed: ``stream: true`` is allowed and the recipe's events are recorded
+                (``PreparedChat.take_events``), from the first one on.
 
         Raises:
             RequestError: malformed JSON, a field ``check_request`` refuses, a body the recipe rejects (unknown role, empty messages, n > 1, bad
@@ -566,7 +612,7 @@ class ChatFrontend:
         body = dict(body)
         if body.get("model") is None:
             body["model"] = self.served_model_name
-        check_request(body, api)
+        check_request(body, api, stream=stream)
         if api == "chat" and body.get("max_completion_tokens") is not None:
             # OpenAI's current name of max_tokens (the recipe reads max_tokens only)
             mct = body.pop("max_completion_tokens")
@@ -657,10 +703,9 @@ class ChatFrontend:
         created = self.created if self.created is not None else int(time.time())
         popts = conv.parsing_options
 
-        ready_chunks: list = []  # the first stream's ready chunks (streamed requests record them)
-
         def new_stream(kind: str, parse_tool_calls: bool):
-            """A fresh processor and response of ``kind`` for this conversation, the prompt usage pushed."""
+            """A fresh processor and response of ``kind`` for this conversation, and the chunks of its ready push
+            (the prompt usage), not yet accumulated."""
             if kind == "chat":
                 gen = R.ChatCompletionRequest.chunk_generator(conv, request_id, model_name)
                 resp = R.ChatCompletionResponse(request_id, model_name, created, len(ids), 0)
@@ -673,25 +718,24 @@ class ChatFrontend:
             opts = conv.parsing_options
             opts.parse_tool_calls = parse_tool_calls and popts.parse_tool_calls
             processor = R.StreamProcessor(gen, opts, self.tokenizer)
-            chunks = list(processor.push(R.InferenceChunk.ready(prompt_usage=R.PromptUsage(prompt_tokens=len(ids)))))
-            for c in chunks:
-                resp.accumulate(c)
-            if not ready_chunks:
-                ready_chunks.append(chunks)
-            return processor, resp
+            return processor, resp, processor.push(R.InferenceChunk.ready(prompt_usage=R.PromptUsage(
+                prompt_tokens=len(ids))))
 
-        processor, resp = new_stream(api, True)
         stage = popts.thinking_initial_stage
         prepared = PreparedChat(
             api=api, request_id=request_id, model_name=model_name, prompt_token_ids=ids, params=params,
-            seed_drawn=drawn, want_logprobs=bool(io.logprobs), processor=processor, response=resp,
+            seed_drawn=drawn, want_logprobs=bool(io.logprobs), processor=None, response=None,
             thinking=conv.conversation.thinking_mode, new_stream=new_stream, tokens=self.output_tokens,
             tool_names=declared_tool_names(body, api), parse_tool_calls=bool(popts.parse_tool_calls),
             starts_in_tool_calls=bool(popts.starts_in_tool_calls),
             starts_in_reasoning=bool(stage is not None and stage.starts_in_reasoning()) and not popts.starts_in_tool_calls,
             stop_sequences=list(popts.stop_sequences), sse=[] if stream else None, tool_ids=ToolCallIds(request_id))
-        if prepared.sse is not None:  # the stream opens with the events of the ready chunk
-            for c in ready_chunks[0]:
-                prepared._record(c)
+        if stream and prepared.parse_tool_calls:
+            prepared.held = ([], [])
+            prepared.shadow = prepared.open_stream(api, False, prepared.held[1])
+        prepared.processor, prepared.response = prepared.open_stream(
+            api, True, prepared.held[0] if prepared.shadow is not None else prepared.sse)
+        if prepared.shadow is not None:
+            prepared._release()
         return prepared
 

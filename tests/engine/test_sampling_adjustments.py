@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from deepinfer import LLM
-from deepinfer.chat import (PACKAGED_TOKENIZER, ChatFrontend, RequestError, chat_logit_options,
+from deepinfer.chat import (PACKAGED_TOKENIZER, ChatFrontend, RequestError,
                             packaged_tokenizer_json, resolve_tokenizer_json)
 from deepinfer.sampler import Sampler, adjust_logits, sample
 from deepinfer.sequence import SamplingParamError, SamplingParams, Sequence
@@ -154,9 +154,9 @@ def test_chat_reads_penalties_and_bias_and_names_bad_fields():
         with pytest.raises(RequestError) as e:
             fe.prepare({**base, **extra})
         assert e.value.record["param"] == "logit_bias" and "logit_bias" in e.value.record["message"], extra
-    with pytest.raises(RequestError) as e:
-        chat_logit_options({"presence_penalty": "high"})
-    assert e.value.record["param"] == "presence_penalty"
+    with pytest.raises(RequestError) as e:  # the JSON type is check_request's
+        fe.prepare({**base, "presence_penalty": "high"})
+    assert e.value.record["param"] == "presence_penalty" and "presence_penalty" in str(e.value)
 
 
 def test_llm_applies_bias_end_to_end_and_records_errors():

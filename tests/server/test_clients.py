@@ -3,6 +3,8 @@ thinking on and off, Responses, Messages, Completions, error statuses and /metri
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx2
 import openai
@@ -147,6 +149,49 @@ def test_error_statuses(server, oai, claude):
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     assert httpx2.post(server.url + "/v1/chat/completions", json={"messages": USER}).status_code == 401
     assert httpx2.get(server.url + "/health").json()["status"] == "ok"  # no key needed
+    server.wait_idle()
+
+
+@pytest.mark.parametrize("path,body,param,code", [
+    ("/v1/chat/completions", {"messages": USER, "frobnicate": 1}, "frobnicate", "unknown_parameter"),
+    ("/v1/chat/completions", {"messages": USER, "stream": "yes"}, "stream", "invalid_request_error"),
+    ("/v1/chat/completions", {"messages": USER, "store": True}, "store", "unsupported_parameter"),
+    ("/v1/chat/completions", {"messages": USER, "stop": ["a", ""]}, "stop[1]", "invalid_request_error"),
+    ("/v1/responses", {"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id",
+     "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "end"}, "suffix", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "best_of": 3}, "best_of", "unsupported_parameter"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, "n", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2.5}, "max_tokens", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "hi", "stop": ["s"] * 17}, "stop", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, "stop", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "hi", "messages": USER}, "messages", "unknown_parameter"),
+    ("/v1/completions", {"max_tokens": 2}, "prompt", "invalid_request_error"),
+    ("/v1/completions", {"prompt": "hi", "temperature": float("inf")}, "temperature", "invalid_request_error"),
+])
+def test_field_checks_are_api_checks_in_openai_format(server, path, body, param, code):
+    """The server checks fields with ``api_checks.check_request`` (the offline path's tables; Completions has its
+    own): 400, ``param`` names the field, the message too."""
+    r = httpx2.post(server.url + path, content=json.dumps(body, allow_nan=True),
+                    headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+    err = r.json()["error"]
+    assert r.status_code == 400 and (err["param"], err["code"]) == (param, code), err
+    assert param.split("[")[0] in err["message"]
+
+
+def test_field_checks_in_anthropic_format_and_stream_allowed(server, claude):
+    r = httpx2.post(server.url + "/v1/messages", json={"messages": USER, "max_tokens": 2, "frobnicate": 1},
+                    headers={"x-api-key": KEY})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "invalid_request_error" and "frobnicate" in r.json()["error"]["message"]
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model=_model(server), max_tokens=2, messages=USER, extra_body={"top_k": -3})
+    assert "top_k" in e.value.body["error"]["message"]
+    # stream: true is refused offline only: served, it streams (the same table)
+    with claude.messages.stream(model=_model(server), max_tokens=2, messages=USER) as stream:
+        assert stream.get_final_message().usage.output_tokens == 2
     server.wait_idle()
 
 

@@ -61,15 +61,20 @@ def test_chat_tool_calls_streamed_without_markup(start_server):
     s.wait_idle()
 
 
-def test_messages_tool_use_stream(start_server):
-    s, _ = _scripted_server(start_server, CALL)
+def _messages_both_ways(s, max_tokens: int):
+    """``(claude, kw, message, stream events, streamed final message)`` of one Messages request with the tool."""
     claude = anthropic.Anthropic(base_url=s.url, api_key="x", max_retries=0, timeout=60)
-    kw = dict(model="scripted", max_tokens=80, messages=USER, extra_body=NO_THINK,
+    kw = dict(model="scripted", max_tokens=max_tokens, messages=USER, extra_body=NO_THINK,
               tools=[{"name": "get_weather", "description": "w", "input_schema": PARAMS}])
     m = claude.messages.create(**kw)
     with claude.messages.stream(**kw) as stream:
         events = list(stream)
-        final = stream.get_final_message()
+        return claude, kw, m, events, stream.get_final_message()
+
+
+def test_messages_tool_use_stream(start_server):
+    s, _ = _scripted_server(start_server, CALL)
+    claude, kw, m, events, final = _messages_both_ways(s, 80)
     assert m.stop_reason == final.stop_reason == "tool_use"
     use = [b for b in final.content if b.type == "tool_use"]
     assert use and use[0].input == {"city": "Paris"} == [b for b in m.content if b.type == "tool_use"][0].input
@@ -113,3 +118,90 @@ def test_json_object(start_server):
     streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kw)
                        if c.choices)
     assert streamed == full.choices[0].message.content
+
+
+# ------------------------------------------------------------------ invalid DSML: streamed as the final answer shows it
+def _dsml(name: str, value: str, string: str = "true") -> str:
+    return CALL.replace("get_weather", name).replace('string="true">Paris', f'string="{string}">{value}')
+
+
+BAD_CALLS = {"undeclared tool": (_dsml("launch_missiles", "Paris"), 200),
+             "arguments not JSON": (_dsml("get_weather", "{not json", "false"), 200),
+             "block cut by max_tokens": ("Checking. " + CALL, 20)}
+
+
+def _chat_stream(oai, kw) -> tuple[str, list, str | None]:
+    content, calls, finish = "", [], None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            calls += c.delta.tool_calls or []
+            finish = c.finish_reason or finish
+    return content, calls, finish
+
+
+@pytest.mark.parametrize("case", list(BAD_CALLS))
+def test_chat_invalid_call_streams_as_the_raw_text_it_answers(start_server, case):
+    """An invalid DSML block is answered as text (issue 25); the stream shows the same text and no tool-call delta
+    (issue 21: a stream adds up to its non-streamed twin)."""
+    text, max_tokens = BAD_CALLS[case]
+    s, oai = _scripted_server(start_server, text)
+    kw = dict(model="scripted", messages=USER, tools=TOOLS, max_tokens=max_tokens, seed=1, extra_body=NO_THINK)
+    full = oai.chat.completions.create(**kw)
+    msg = full.choices[0].message
+    assert not msg.tool_calls and "<｜DSML｜tool_calls>" in msg.content
+    assert full.choices[0].finish_reason == ("length" if max_tokens < 100 else "stop")
+    if max_tokens > 100:
+        assert msg.content == text
+    content, calls, finish = _chat_stream(oai, kw)
+    assert (content, calls, finish) == (msg.content, [], full.choices[0].finish_reason)
+    s.wait_idle()
+
+
+def test_messages_and_responses_invalid_call_stream_equals_answer(start_server):
+    text = _dsml("get_weather", "{not json", "false")
+    s, oai = _scripted_server(start_server, text)
+    _, _, m, events, final = _messages_both_ways(s, 200)
+    assert [b.model_dump() for b in m.content] == [b.model_dump() for b in final.content] == [
+        {"type": "text", "text": text, "citations": None}]
+    assert m.stop_reason == final.stop_reason == "end_turn" and final.usage.output_tokens == m.usage.output_tokens
+    assert not [ev for ev in events if ev.type == "content_block_start" and ev.content_block.type == "tool_use"]
+    rkw = dict(model="scripted", input="Weather in Paris?", max_output_tokens=200, reasoning={"effort": "none"},
+               extra_body={"seed": 1},
+               tools=[{"type": "function", "name": "get_weather", "description": "w", "parameters": PARAMS}])
+    r = oai.responses.create(**rkw)
+    events = list(oai.responses.create(stream=True, **rkw))
+    assert not [e for e in events if e.type.startswith("response.function_call")]
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == r.output_text and text in r.output_text
+    assert [o.model_dump() for o in events[-1].response.output] == [o.model_dump() for o in r.output]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    s.wait_idle()
+
+
+def test_text_streams_as_it_comes_and_a_call_is_held_until_validated():
+    """With tools declared, text (also text with a '<' that could open a DSML block) is released token by token;
+    tool-call deltas are held until the answer ends and the call is known valid."""
+    from deepinfer.chat import ChatFrontend
+
+    fe = ChatFrontend(packaged_tokenizer_json(), "scripted", max_model_len=4096, eos_token_id=1, created=0)
+    body = {"messages": USER, "tools": TOOLS, "max_tokens": 200, "seed": 1, **NO_THINK, "stream": True}
+    text = "if a < b and c <d then x</y done"
+    pc = fe.prepare(body, stream=True)
+    released = []
+    for t in fe.tokenizer.encode(text):
+        pc.push_token(t, None)
+        released.append("".join(d["choices"][0]["delta"].get("content") or "" for _, d in pc.take_events()
+                                if d["choices"]))
+    assert "".join(released) == text and sum(1 for r in released if r) >= len(released) - 3
+    pc = fe.prepare(body, stream=True)
+    before = []
+    for t in fe.tokenizer.encode("Checking. " + CALL):
+        pc.push_token(t, None)
+        before += pc.take_events()
+    assert not [d for _, d in before if d["choices"] and d["choices"][0]["delta"].get("tool_calls")]
+    out = pc.finish("stop")
+    after = [d for _, d in pc.take_events()]
+    assert [tc["function"]["name"] for d in after if d["choices"] for tc in d["choices"][0]["delta"].get(
+        "tool_calls") or [] if tc.get("function", {}).get("name")] == ["get_weather"]
+    assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"

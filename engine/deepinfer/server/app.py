@@ -185,11 +185,8 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
 
     def check_model(body: dict) -> None:
         name = body.get("model")
-        if name is None:
+        if not isinstance(name, str):  # absent (the served model), or refused by check_request
             return
-        if not isinstance(name, str):
-            raise _Refused(error_record(f"model must be a string, got {type(name).__name__}", 400,
-                                        "invalid_request_error", "model"))
         if name not in accepted:
             raise _Refused(error_record(f"the model {name!r} does not exist; this server serves "
                                         f"{fe.served_model_name!r}", 404, "model_not_found", "model"))
@@ -222,11 +219,8 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             check_auth(request, api)
             body = await read_json(request)
             check_model(body)
-            stream = body.get("stream", False)
-            if stream is not None and not isinstance(stream, bool):
-                raise _Refused(error_record(f"stream must be a boolean, got {stream!r}"[:200], 400,
-                                            "invalid_request_error", "stream"))
-            pc = prepare(api, body, bool(stream))
+            stream = body.get("stream") is True  # any other non-null value is refused by check_request
+            pc = prepare(api, body, stream)
             handle = submit(pc)
         except _Refused as e:
             return error_response(api, e.record, e.retry_after)

@@ -9,12 +9,11 @@ from dataclasses import dataclass
 
 import deepseek_recipe as R
 
-from deepinfer.chat import PreparedChat, RequestError, ToolCallIds, _digest, chat_logit_options, check_numeric_fields
+from deepinfer.api_checks import check_request
+from deepinfer.chat import PreparedChat, RequestError, ToolCallIds, _digest, chat_logit_options
 from deepinfer.sequence import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for this endpoint
-MAX_STOP_SEQUENCES = 4
-UNSUPPORTED = {"echo": False, "suffix": None, "best_of": 1, "n": 1}  # field -> the one value accepted
 
 
 @dataclass
@@ -74,30 +73,19 @@ def _prompt_ids(llm, prompt) -> list[int]:
 def prepare_completion(llm, body: dict, stream: bool = False) -> PreparedCompletion:
     """Check and convert one Completions body for ``llm``.
 
-    Fields: ``prompt`` (text, or token ids; a list holding one of them), ``max_tokens`` (default 16),
-    ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop`` (a string or up to 4), ``frequency_penalty``,
-    ``presence_penalty``, ``logit_bias``. ``n``, ``best_of`` > 1, ``echo``, ``suffix`` and ``logprobs`` are refused.
+    Fields (``api_checks.COMPLETIONS_FIELDS``, checked by ``check_request``): ``prompt`` (text, or token ids; a list
+    holding one of them), ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
+    ``frequency_penalty``, ``presence_penalty``, ``logit_bias``; ``n``, ``best_of`` > 1, ``echo``, ``suffix`` and
+    ``logprobs`` are refused.
 
     Raises:
         RequestError naming the field; ``context_length_exceeded`` when prompt + max_tokens exceed the context.
     """
     fe = llm.frontend
-    check_numeric_fields(body)
-    for name, ok in UNSUPPORTED.items():
-        if body.get(name) is not None and body.get(name) != ok:
-            raise RequestError(f"{name}={body[name]!r} is not supported by this server (only {ok!r})", param=name)
-    if body.get("logprobs") not in (None, 0):
-        raise RequestError("logprobs is not supported on /v1/completions; use /v1/chat/completions",
-                           param="logprobs")
-    if "prompt" not in body:
-        raise RequestError("prompt is required", param="prompt")
+    check_request(body, "completions", stream=stream)
     ids = _prompt_ids(llm, body["prompt"])
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
-    if not isinstance(stop, list) or len(stop) > MAX_STOP_SEQUENCES or not all(
-            isinstance(s, str) and s for s in stop):
-        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP_SEQUENCES} of them",
-                           param="stop")
     max_tokens = body.get("max_tokens", DEFAULT_MAX_TOKENS)
     max_tokens = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     if len(ids) + max_tokens > fe.max_model_len:
@@ -113,7 +101,9 @@ def prepare_completion(llm, body: dict, stream: bool = False) -> PreparedComplet
         params.validate(fe.vocab_size)
     except ValueError as e:
         raise RequestError(str(e), param=getattr(e, "param", None)) from None
-    request_id = "cmpl-" + _digest(body, params.seed)[:24]
+    # as for chat: a streamed request and its non-streamed twin share the id
+    request_id = "cmpl-" + _digest({k: v for k, v in body.items() if k not in ("stream", "stream_options")},
+                                   params.seed)[:24]
     conv = R.ConversationRequest(R.Conversation([R.UserMessage("")], thinking_mode=False), fe.model_version)
     gen = R.ChatCompletionRequest.chunk_generator(conv, request_id, fe.served_model_name)
     processor = R.StreamProcessor(gen, R.ParsingOptions(parse_tool_calls=False, stop_sequences=stop), fe.tokenizer)
