@@ -84,9 +84,9 @@ class LLMEngine:
         seq.error = error_record(seq.failure)
         return False
 
-    def _refuse(self, seq: Sequence, message: str) -> bool:
+    def _refuse(self, seq: Sequence, message: str, param: str = "structured_outputs") -> bool:
         seq.failure = RequestFailure("invalid_request", message)
-        seq.error = error_record(seq.failure)
+        seq.error = dict(error_record(seq.failure), param=param)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         seq.finish_time = time.perf_counter()
@@ -110,7 +110,7 @@ class LLMEngine:
                     seq.grammar = fut.result()
                 except Exception as e:  # noqa: BLE001 - a bad grammar fails its own request only
                     msg = str(e) if isinstance(e, ValueError) else f"structured_outputs: compilation failed: {e}"
-                    self._refuse(seq, msg)
+                    self._refuse(seq, msg, getattr(e, "param", "structured_outputs"))
                     failed.append(seq)
                     continue
                 if not self.add_request(seq):

@@ -104,6 +104,7 @@ def test_bad_constraints_fail_alone(llm):
     for o, s in zip(outs[1:5], bad):
         assert o.error is not None and o.error["code"] == "invalid_request", o.error
         assert f"structured_outputs.{s.kind()}" in o.error["message"]
+        assert o.error["param"] == f"structured_outputs.{s.kind()}"
     assert outs[5].error is None and len(outs[5].token_ids) == 4
 
 
@@ -168,3 +169,43 @@ def test_rejected_token_fails_that_request(llm, monkeypatch):
                                       SamplingParams(temperature=0, max_tokens=3)])
     assert out[0].error["code"] == "grammar_violation"
     assert out[1].error is None and len(out[1].token_ids) == 3
+
+
+def test_chat_fields(llm):
+    import json
+    import re
+
+    import jsonschema
+
+    base = {"messages": [{"role": "user", "content": "reply in json"}], "max_tokens": 40, "temperature": 0,
+            "thinking": {"type": "disabled"}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"type": "string", "enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    bodies = [dict(base, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                                 "strict": True}}),
+              dict(base, response_format={"type": "json_object"}),
+              dict(base, structured_outputs={"regex": "[a-z]{2,4}-[0-9]"}),
+              dict(base, structured_outputs={"choice": ["yes", "no"]}),
+              dict(base, structured_outputs={"grammar": 'root ::= "x" ("," "x")? ("," "x")?'}),
+              dict(base, structured_outputs={"json": schema}),
+              dict(base, structured_outputs={"regex": "[a-"}),
+              dict(base, structured_outputs={"foo": 1}),
+              dict(base, structured_outputs={"regex": "a", "choice": ["a"]}),
+              dict(base, response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+              # thinking: the reasoning is free; the bias forces </think> first, then only the grammar counts
+              dict(base, thinking={"type": "enabled"}, logit_bias={"128822": 100},
+                   structured_outputs={"choice": ["yes", "no"]}),
+              base]
+    r = llm.chat(bodies)
+    text = [x["choices"][0]["message"]["content"] if "choices" in x else None for x in r]
+    jsonschema.validate(json.loads(text[0]), schema)
+    assert isinstance(json.loads(text[1]), dict)
+    assert re.fullmatch("[a-z]{2,4}-[0-9]", text[2]) and text[3] in ("yes", "no")
+    assert re.fullmatch("x(,x)*", text[4])
+    jsonschema.validate(json.loads(text[5]), schema)
+    assert r[6]["error"]["param"] == "structured_outputs.regex" and "Unclosed" in r[6]["error"]["message"]
+    assert r[7]["error"]["param"] == "structured_outputs.foo"
+    assert r[8]["error"]["param"] == "structured_outputs" and r[9]["error"]["param"] == "structured_outputs"
+    assert text[10] in ("yes", "no") and r[10]["choices"][0]["finish_reason"] == "stop"
+    assert text[11] is not None
