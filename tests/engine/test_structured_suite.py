@@ -38,7 +38,7 @@ SCHEMAS = [
     {"const": "fixed"},
     {"type": "string", "format": "date"},
     {"type": "string", "enum": ["\u03b1", "\u03b2\u03b3"]},
-    {"type": "string", "format": "ipv4"},
+    {"type": "string", "pattern": "^[a-z]{1,4}@[a-z]{1,3}\\.com$"},
     {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 5},
     {"type": "array", "items": INT, "maxItems": 3},
     {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 3},
