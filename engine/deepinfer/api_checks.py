@@ -80,6 +80,7 @@ CHAT_FIELDS = {
     "tool_choice": _f("string", "object"),
     "parallel_tool_calls": _f("bool"),
     "response_format": _f("object"),
+    "structured_outputs": _f("object"),  # vLLM's extension: {json | regex | grammar | choice | json_object}
     "thinking": _f("object"),
     "reasoning_effort": _f("string"),
     "store": _f("bool", only=False, why=_NO_STORE),
@@ -144,11 +145,11 @@ FIELDS = {"chat": CHAT_FIELDS, "messages": MESSAGES_FIELDS, "responses": RESPONS
 REQUIRED = {"chat": ("messages",), "messages": ("messages", "max_tokens"), "responses": ("input",),
             "completions": ("prompt",)}
 
-_GUIDED = "structured output is not enforced by this engine yet"
+_GUIDED = "use structured_outputs {json, regex, grammar, choice} (vLLM's current spelling)"
 # Fields other engines or API versions implement and this engine does not: refused, never ignored.
 UNSUPPORTED = {
     "guided_json": _GUIDED, "guided_regex": _GUIDED, "guided_choice": _GUIDED, "guided_grammar": _GUIDED,
-    "guided_decoding_backend": _GUIDED, "structured_outputs": _GUIDED,
+    "guided_decoding_backend": _GUIDED,
     "functions": "the legacy functions API is not supported; use tools", "function_call": "use tool_choice",
     "audio": "these models are text-only", "modalities": "these models are text-only",
     "prediction": "predicted outputs are not supported", "web_search_options": "web search is not supported",

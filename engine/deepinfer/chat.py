@@ -16,6 +16,7 @@ json_object output, stop sequences, usage). This module only wires it to the eng
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import json
@@ -27,6 +28,7 @@ import deepseek_recipe as R
 
 from deepinfer.api_checks import API_KINDS, RequestError, check_request, declared_tool_names  # noqa: F401
 from deepinfer.sequence import SamplingParams, draw_seed
+from deepinfer.structured import StructuredOutputsParams
 
 # RequestError, API_KINDS and check_request are re-exported: the frontend's callers import them from here
 
@@ -126,6 +128,47 @@ def chat_logit_options(body: dict, thinking: bool = False) -> dict:
 
 # Content-part types that carry images or files in the Chat Completions, Messages and Responses bodies.
 MEDIA_PART_TYPES = frozenset({"image_url", "image", "input_image", "file", "input_file", "document"})
+
+
+_STRUCTURED_KEYS = ("json", "regex", "grammar", "choice", "json_object")
+
+
+def structured_outputs_of(body: dict, constraint, api: str) -> StructuredOutputsParams | None:
+    """The request's output constraint: the recipe's ``output_constraint`` (``response_format`` json_schema /
+    json_object, Responses' ``text.format``; a ``tool_call`` constraint is not enforced) or the ``structured_outputs`` extension of the Chat API
+    (``{"json": schema} | {"regex": str} | {"grammar": ebnf} | {"choice": [str, ...]} | {"json_object": true}``).
+
+    Raises:
+        RequestError naming the field: an unknown ``structured_outputs`` key, not exactly one constraint, or both
+        ``structured_outputs`` and a ``response_format`` constraint.
+    """
+    ext = body.get("structured_outputs") if api == "chat" else None
+    spec = None
+    if constraint is not None:
+        if constraint.kind == "json":
+            spec = StructuredOutputsParams(json=constraint.schema) if constraint.schema else \
+                StructuredOutputsParams(json_object=True)
+        elif constraint.kind == "regex":
+            spec = StructuredOutputsParams(regex=constraint.schema)
+        # "tool_call" (tools given): parsed by the recipe, not constrained yet (xgrammar's structural tag is next)
+    if ext is None:
+        return spec
+    if spec is not None:
+        raise RequestError("structured_outputs cannot be combined with a response_format constraint",
+                           param="structured_outputs")
+    unknown = sorted(set(ext) - set(_STRUCTURED_KEYS))
+    if unknown:
+        raise RequestError(f"structured_outputs.{unknown[0]} is not supported (use one of "
+                           f"{', '.join(_STRUCTURED_KEYS)})", param=f"structured_outputs.{unknown[0]}",
+                           code="unsupported_parameter")
+    given = {k: v for k, v in ext.items() if v is not None}
+    if len(given) != 1:
+        raise RequestError(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KEYS)}",
+                           param="structured_outputs")
+    (key, v), = given.items()
+    if key == "choice" and isinstance(v, list):
+        v = tuple(v)
+    return StructuredOutputsParams(**{key: v})
 
 
 def find_media_part(body: dict) -> str | None:
@@ -675,13 +718,10 @@ class ChatFrontend:
             err.record["code"] = "context_length_exceeded"
             raise err from None
         io = conv.inference_options
-        oc = io.output_constraint
-        if oc is not None and ((oc.kind == "json" and oc.schema) or oc.kind == "regex"):
-            # The recipe passes JSON-schema / regex constraints through without enforcing them; until the sampler
-            # enforces them (xgrammar), refusing is better than returning text that silently violates them.
-            raise RequestError(f"structured output ({'regex' if oc.kind == 'regex' else 'json_schema'}) is not "
-                               "enforced by this engine yet; use response_format json_object or text",
-                               code="unsupported_constraint")
+        structured = structured_outputs_of(body, io.output_constraint, api)
+        if structured is not None and conv.conversation.thinking_mode and self.output_tokens is not None:
+            # the reasoning is free; the constraint starts after </think>
+            structured = dataclasses.replace(structured, after_token_id=self.output_tokens.thinking_end_id)
         seed = io.seed if io.seed is not None else body.get("seed")  # the recipe reads seed in Chat bodies only
         drawn = seed is None
         if drawn:
@@ -694,7 +734,7 @@ class ChatFrontend:
             temperature=float(io.temperature if io.temperature is not None else 1.0),
             top_p=float(io.top_p if io.top_p is not None else 1.0),
             max_tokens=int(max_tokens), seed=int(seed),
-            top_logprobs=int(io.top_logprobs or 0) if io.logprobs else 0, **extra)
+            top_logprobs=int(io.top_logprobs or 0) if io.logprobs else 0, structured_outputs=structured, **extra)
         try:
             params.validate(self.vocab_size)
         except ValueError as e:

@@ -4,13 +4,14 @@ runner. ``LLM.generate`` / ``LLM.chat`` and the CLI are loops over it; see ``doc
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
 from deepinfer.model_runner import ModelRunner, StepOutput
 from deepinfer.scheduler import Scheduler, SchedulerOutput
-from deepinfer.sequence import RequestFailure, Sequence
+from deepinfer.sequence import RequestFailure, Sequence, SequenceStatus
 
 # failure kinds that refuse a request as invalid (400); every other kind is a server error
 _INVALID_REQUEST_KINDS = frozenset({"invalid_request", "context_length_exceeded", "cache_exhausted"})
@@ -52,22 +53,76 @@ class LLMEngine:
     ``records``. Requests with frequency / presence penalties make it run in order (they need every drawn token on
     the host). The scheduler hands the runner a :class:`SchedulerOutput` (plain data) per step; a failed request's
     ``Sequence.error`` is its error record (:func:`error_record` of the scheduler's ``Sequence.failure``).
+
+    A request with ``structured_outputs`` is compiled by ``grammars`` (a ``structured.GrammarCompiler``, off the
+    step loop) before it reaches the scheduler; a constraint that fails to compile, or compiles for longer than
+    ``grammars.timeout_s``, ends that request alone with an ``invalid_request`` record naming the field. Constrained
+    requests run in order (their mask needs the previous token on the host).
     """
 
-    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner) -> None:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, grammars=None) -> None:
         self.config = config
         self.scheduler = scheduler
         self.runner = runner
+        self.grammars = grammars
+        self._compiling: list[tuple[Sequence, concurrent.futures.Future, float]] = []
         self.records: list[StepRecord] = []
         self._in_flight: tuple[SchedulerOutput, StepOutput, float] | None = None
         self._last = time.perf_counter()
 
     def add_request(self, seq: Sequence) -> bool:
-        """Queue ``seq``; False when it was refused (it is then finished with ``seq.error`` set)."""
+        """Queue ``seq`` (a constrained one once its grammar is compiled); False when it was refused (it is then
+        finished with ``seq.error`` set)."""
+        spec = seq.params.structured_outputs
+        if spec is not None and seq.grammar is None:
+            if self.grammars is None:
+                return self._refuse(seq, "structured_outputs: this engine has no grammar compiler (no tokenizer)")
+            self._compiling.append((seq, self.grammars.submit(spec), time.perf_counter() + self.grammars.timeout_s))
+            return True
         if self.scheduler.add(seq):
             return True
         seq.error = error_record(seq.failure)
         return False
+
+    def _refuse(self, seq: Sequence, message: str, param: str = "structured_outputs") -> bool:
+        seq.failure = RequestFailure("invalid_request", message)
+        seq.error = dict(error_record(seq.failure), param=param)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = "error"
+        seq.finish_time = time.perf_counter()
+        return False
+
+    def _admit_compiled(self) -> list[Sequence]:
+        """Queue the requests whose grammar is ready; fail those whose compilation failed or timed out. Waits
+        (up to the nearest deadline) when nothing else can run. Returns the requests that failed here."""
+        if not self._compiling:
+            return []
+        if not self.scheduler.has_unfinished() and self._in_flight is None:
+            deadline = min(d for _, _, d in self._compiling)
+            concurrent.futures.wait([f for _, f, _ in self._compiling], max(0.0, deadline - time.perf_counter()),
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        now = time.perf_counter()
+        failed: list[Sequence] = []
+        keep = []
+        for seq, fut, deadline in self._compiling:
+            if fut.done():
+                try:
+                    seq.grammar = fut.result()
+                except Exception as e:  # noqa: BLE001 - a bad grammar fails its own request only
+                    msg = str(e) if isinstance(e, ValueError) else f"structured_outputs: compilation failed: {e}"
+                    self._refuse(seq, msg, getattr(e, "param", "structured_outputs"))
+                    failed.append(seq)
+                    continue
+                if not self.add_request(seq):
+                    failed.append(seq)
+            elif now >= deadline:
+                self._refuse(seq, f"structured_outputs: compiling the constraint took more than "
+                                  f"{self.grammars.timeout_s:g} s")
+                failed.append(seq)
+            else:
+                keep.append((seq, fut, deadline))
+        self._compiling = keep
+        return failed
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End ``seq`` with ``reason`` (its step in flight, if any, drops its token)."""
@@ -81,6 +136,7 @@ class LLMEngine:
         Raises:
             TypeError: ``error`` is not a dict with string ``code`` and ``message``.
         """
+        self._compiling = [c for c in self._compiling if c[0] is not seq]
         failure = None
         if error is not None:
             if not isinstance(error, dict) or not isinstance(error.get("code"), str) \
@@ -92,7 +148,7 @@ class LLMEngine:
         seq.error = error
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._compiling)
 
     def reset_clock(self) -> None:
         """Start the next step's time from now (call before a run)."""
@@ -101,9 +157,9 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """One iteration; returns the sequences touched by the step applied in it (empty when none was)."""
         sched = self.scheduler
-        touched: list[Sequence] = []
+        touched: list[Sequence] = self._admit_compiled()
         if self._in_flight is not None and (not self.config.async_scheduling or sched.num_running_in_order):
-            touched = self._apply(self._in_flight)
+            touched += self._apply(self._in_flight)
             self._in_flight = None
         t = time.perf_counter()
         output = sched.schedule()
@@ -115,12 +171,12 @@ class LLMEngine:
         else:
             self.runner.update_states(output)  # finished requests leave the runner
         if prev is not None:
-            touched = self._apply(prev)
+            touched += self._apply(prev)
         self._in_flight = (output, out, host_s + out.host_seconds) if out is not None else None
         if self._in_flight is not None and not self.config.async_scheduling:
-            touched = self._apply(self._in_flight)
+            touched += self._apply(self._in_flight)
             self._in_flight = None
-        if self._in_flight is None and not sched.has_unfinished():
+        if self._in_flight is None and not sched.has_unfinished() and not self._compiling:
             self.runner.update_states(sched.schedule())  # the last finished requests leave the runner
         return touched
 

@@ -298,7 +298,11 @@ class LLM:
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
                                   enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
                                   max_model_len=self.max_model_len)
-        self.engine = LLMEngine(cfg, self.scheduler, self.runner)
+        from deepinfer.structured import GrammarCompiler
+
+        self.grammars = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.eos_token_ids) \
+            if self.vocab_size else None
+        self.engine = LLMEngine(cfg, self.scheduler, self.runner, self.grammars)
         self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
                         "cache_bytes_per_token": spec.bytes_per_token() if spec is not None else None,
                         "cache": spec.report(cfg.num_blocks, window_blocks) if spec is not None else None,

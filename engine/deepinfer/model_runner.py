@@ -21,7 +21,7 @@ import torch
 from deepinfer.block_manager import FULL_GROUP, WINDOW_GROUP
 from deepinfer.forward_batch import ForwardBatch, index_tensors
 from deepinfer.sampler import Sampler
-from deepinfer.scheduler import NewRequestData, SchedulerOutput
+from deepinfer.scheduler import GRAMMAR_VIOLATION_TOKEN, NewRequestData, SchedulerOutput
 
 
 def allocate_cache(model, num_blocks: int, block_size: int, **options):
@@ -60,9 +60,10 @@ class RequestState:
             in flight is appended when that step's result is read).
         num_prompt_tokens: the prompt's length (later tokens are output: the draw counter and the penalties).
         slot: its row in the runner's :class:`BlockTable` s.
+        matcher: its ``structured.RequestMatcher`` (a request with ``structured_outputs``), else None.
     """
 
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "seed", "slot", "_counts")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "seed", "slot", "matcher", "_counts")
 
     def __init__(self, data: NewRequestData, slot: int) -> None:
         self.req_id = data.req_id
@@ -71,6 +72,12 @@ class RequestState:
         self.params = data.params
         self.seed = data.seed
         self.slot = slot
+        self.matcher = None
+        if data.grammar is not None:
+            from deepinfer.structured import RequestMatcher
+
+            self.matcher = RequestMatcher(data.grammar, data.params.structured_outputs.after_token_id,
+                                          data.output_token_ids)
         self._counts: tuple[int, dict[int, int]] = (self.num_prompt_tokens, {})
 
     def output_token_counts(self) -> dict[int, int]:
@@ -165,9 +172,11 @@ class StepOutput:
             toks, lps = self.tokens, self.logprobs
         n = self.tokens.shape[0]
         ids = toks[:n].tolist()
-        for state, t in zip(self.states, ids):
+        for k, (state, t) in enumerate(zip(self.states, ids)):
             if t >= 0:  # -1: NaN logits, the request fails
                 state.token_ids.append(t)
+                if state.matcher is not None and not state.matcher.accept(t):
+                    ids[k] = GRAMMAR_VIOLATION_TOKEN
         self._result = (ids, lps[:n].tolist(), self.tops, time.perf_counter() - self.t0)
         return self._result
 
@@ -414,7 +423,9 @@ class ModelRunner:
         states_l = [st for st, k in zip(states, sampled) if k]
         if states_l:
             counters = (starts + q - prompt)[sampled]  # the index of the output token each row draws
-            tokens, logprobs, tops = self.sampler.sample_device(logits, states_l, counters)
+            # the grammar rows' bitmask is filled on the host while the device runs the forward
+            masks = self._grammar_masks(states_l, logits.shape[1])
+            tokens, logprobs, tops = self.sampler.sample_device(logits, states_l, counters, masks)
         else:
             tokens = torch.empty(0, dtype=torch.long, device=self.device)
             logprobs = torch.empty(0, dtype=torch.float32, device=self.device)
@@ -432,6 +443,18 @@ class ModelRunner:
         self.last_enqueue_seconds = time.perf_counter() - t0
         return StepOutput(tokens, logprobs, tops, seq_rows, states_l, host, event, gpu_events, t0,
                           self.last_enqueue_seconds, graph is not None, int(decode.sum()))
+
+    def _grammar_masks(self, states: list[RequestState], vocab: int):
+        """``(rows [m] int64, bitmask [m, ceil(V / 32)] int32)`` on the device for the rows of ``states`` whose
+        matcher is active (filled on the host, one copy each), or None when no row is constrained."""
+        rows = [i for i, st in enumerate(states) if st.matcher is not None and st.matcher.active]
+        if not rows:
+            return None
+        bitmask = torch.empty((len(rows), -(-vocab // 32)), dtype=torch.int32, pin_memory=self.cuda)
+        for j, i in enumerate(rows):
+            states[i].matcher.fill(bitmask, j)
+        (rows_t,) = index_tensors([rows], self.device)
+        return rows_t, bitmask.to(self.device, non_blocking=True)
 
     def step(self, output: SchedulerOutput) -> tuple[list[int], list[float], list, float]:
         """:meth:`execute` then wait: ``(token_ids, logprobs, top_logprobs, seconds)`` for the requests with

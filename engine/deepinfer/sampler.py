@@ -320,14 +320,17 @@ class Sampler:
         tokens, logprobs, tops = self.sample_device(logits, seqs)
         return tokens.tolist(), logprobs.tolist(), tops
 
-    def sample_device(self, logits: torch.Tensor, seqs: list, counters=None) -> tuple[torch.Tensor, torch.Tensor, list]:
+    def sample_device(self, logits: torch.Tensor, seqs: list, counters=None,
+                      masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Sample one token for each request in ``seqs`` (row i of ``logits`` belongs to ``seqs[i]``; each has
         ``params``, ``seed`` and ``output_token_counts()``: a ``Sequence`` or the runner's ``RequestState``).
 
         ``counters``: ``[n]`` ints, the index of the output token each row draws (default: ``num_output_tokens``
         of each, a sequence with nothing pending). Penalties and ``logit_bias`` of the sequences' ``SamplingParams``
         are applied first (``adjust_logits``; counts over each request's output tokens, so a penalised request must
-        have no pending token: the engine runs such steps in order).
+        have no pending token: the engine runs such steps in order). ``masks``: ``(rows [m] int64, bitmask [m,
+        ceil(V / 32)] int32)`` on the device, the structured-output rows and their allowed tokens
+        (``structured.apply_token_bitmask``, after the penalties and bias; the other tokens get ``-inf``).
         Returns token ids ``[n]`` int64 and their log-probabilities ``[n]`` float32 on the logits' device (no host
         synchronisation; at most one host-to-device copy, none when every row is greedy), and per row the
         ``params.top_logprobs`` most likely ``(token_id, logprob)`` (see ``top_logprobs``; empty when not asked; a
@@ -342,6 +345,11 @@ class Sampler:
         if any(p.adjusts_logits for p in params):
             raw = logits
             logits = adjust_logits(logits, *_adjustments(seqs, dev))
+        if masks is not None:
+            from deepinfer.structured import apply_token_bitmask
+
+            raw = logits if raw is None else raw
+            logits = apply_token_bitmask(logits, *masks)
         temps = np.fromiter((p.temperature for p in params), np.float32, n)
         drawn = temps >= MIN_SAMPLING_TEMPERATURE
         if not drawn.any():  # all greedy: no parameter reaches the device

@@ -24,6 +24,7 @@ from deepinfer.block_manager import BlockChanges, BlockManager
 from deepinfer.config import EngineConfig
 from deepinfer.sequence import RequestFailure, SamplingParams, Sequence, SequenceStatus
 
+GRAMMAR_VIOLATION_TOKEN = -2  # the runner's mark for a token its request's grammar rejected
 _NO_BLOCKS: Mapping[str, tuple[int, ...]] = MappingProxyType({})
 
 
@@ -62,6 +63,7 @@ class NewRequestData(NamedTuple):
     output_token_ids: tuple[int, ...]
     params: SamplingParams
     seed: int
+    grammar: object | None = None  # the compiled ``params.structured_outputs`` (immutable), else None
 
 
 @dataclass(frozen=True)
@@ -231,7 +233,8 @@ class Scheduler:
                 self.running.append(seq)
                 self.num_running_in_order += _in_order(seq)
                 new_requests.append(NewRequestData(seq.seq_id, tuple(seq.prompt_token_ids),
-                                                   tuple(seq.output_token_ids), seq.params, seq.seed))
+                                                   tuple(seq.output_token_ids), seq.params, seq.seed,
+                                                   seq.grammar))
                 scheduled.append(self._take(seq, n, changes, sampled))
                 budget -= n
 
@@ -281,7 +284,8 @@ class Scheduler:
                     top_logprobs: list | None = None) -> list[Sequence]:
         """Apply a step's sampled tokens (in step order; asynchronously one step late): append them and finish
         requests (a request finished since the step was scheduled drops its token). A negative id (the sampler's
-        NaN mark) fails its request alone (``failure.kind`` ``"nan_logits"``).
+        NaN mark) fails its request alone (``failure.kind`` ``"nan_logits"``; ``GRAMMAR_VIOLATION_TOKEN``:
+        ``"grammar_violation"``).
 
         ``token_ids``/``logprobs`` (and ``top_logprobs``) hold one entry per scheduled request with
         ``needs_logits``, in order. Returns the requests that gained a token or finished here.
@@ -302,6 +306,12 @@ class Scheduler:
             touched.append(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if token == GRAMMAR_VIOLATION_TOKEN:  # the runner's mark: the grammar rejected the drawn token
+                seq.failure = RequestFailure(
+                    "grammar_violation", f"output token {seq.num_output_tokens} broke the structured_outputs "
+                                         "constraint (an engine error)")
+                self._finish(seq, "error", now)
+                continue
             if token < 0:  # the sampler's mark for NaN logits: the request fails, the others go on
                 seq.failure = RequestFailure(
                     "nan_logits", f"the model produced NaN logits at output token {seq.num_output_tokens} "
@@ -374,5 +384,7 @@ def _per_group(ids: dict[str, list[int]]) -> Mapping[str, tuple[int, ...]]:
 
 
 def _in_order(seq: Sequence) -> int:
-    """1 when ``seq``'s steps must run in order (frequency / presence penalties need every drawn token)."""
-    return int(bool(seq.params.frequency_penalty or seq.params.presence_penalty))
+    """1 when ``seq``'s steps must run in order (frequency / presence penalties and a grammar's mask need every
+    drawn token)."""
+    p = seq.params
+    return int(bool(p.frequency_penalty or p.presence_penalty or p.structured_outputs is not None))

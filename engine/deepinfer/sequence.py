@@ -39,6 +39,9 @@ class SamplingParams:
             its number of occurrences in the output; the prompt does not count) -- OpenAI's definition.
         logit_bias: ``{token_id: bias}``, bias in [-100, 100], added to that token's logit after the penalties and
             before temperature (also for greedy requests; -100 in practice bans a token, +100 forces it).
+        structured_outputs: a ``deepinfer.structured.StructuredOutputsParams`` (JSON schema, JSON object, regex,
+            EBNF grammar or choice list): tokens the constraint forbids are masked out after the penalties and bias
+            (incompatible with ``ignore_eos``: a constrained output ends when its grammar is complete).
         Reported log-probabilities stay those of the unmodified model distribution.
     """
 
@@ -53,6 +56,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    structured_outputs: "StructuredOutputsParams | None" = None
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ``SamplingParamError`` (a ValueError; the field in ``.param``) when a parameter has the wrong type or
@@ -101,6 +105,17 @@ class SamplingParams:
                 if not number(bias) or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                     raise SamplingParamError("logit_bias", f"logit_bias[{tok}] must be a number in [-100, 100], "
                                                            f"got {bias!r}")
+
+        if self.structured_outputs is not None:
+            from deepinfer.structured import StructuredOutputsParams
+
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise SamplingParamError("structured_outputs", "structured_outputs must be a "
+                                         f"StructuredOutputsParams, got {type(self.structured_outputs).__name__}")
+            self.structured_outputs.validate()
+            if self.ignore_eos:
+                raise SamplingParamError("ignore_eos", "ignore_eos cannot be combined with structured_outputs (a "
+                                         "constrained output ends when its grammar is complete)")
 
     @property
     def adjusts_logits(self) -> bool:
@@ -154,6 +169,7 @@ class Sequence:
     stop_token_id: int | None = None  # the EOS / stop id that ended it (not appended)
     failure: RequestFailure | None = None  # set by the scheduler when the request failed (finish_reason "error")
     error: dict | None = None  # the error record the API returns, built from ``failure`` by the engine
+    grammar: object | None = None  # the compiled ``structured_outputs`` (an ``xgrammar.CompiledGrammar``)
     num_preemptions: int = 0
     # tokens sampled by scheduled steps whose results are not applied yet (0 or 1; 2 while an asynchronous step
     # runs behind one in flight): positions [num_tokens, num_tokens + num_pending) are in the model's hands

@@ -1,0 +1,211 @@
+"""Structured output: parameter checks, the compiler's cache and pool, the bitmask, per-request error records."""
+
+import time
+
+import pytest
+import torch
+
+from deepinfer.sequence import SamplingParamError, SamplingParams
+from deepinfer.structured import GrammarCompiler, GrammarError, StructuredOutputsParams as S, apply_token_bitmask
+
+pytest.importorskip("xgrammar")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from deepinfer.llm import LLM
+
+    return LLM("tiny")
+
+
+@pytest.mark.parametrize("spec, field", [
+    (S(), "structured_outputs"),
+    (S(regex="a", grammar="root ::= \"a\""), "structured_outputs"),
+    (S(json=3), "structured_outputs.json"),
+    (S(json="{bad"), "structured_outputs.json"),
+    (S(json="[1]"), "structured_outputs.json"),
+    (S(regex=""), "structured_outputs.regex"),
+    (S(grammar=5), "structured_outputs.grammar"),
+    (S(choice=()), "structured_outputs.choice"),
+    (S(choice="ab"), "structured_outputs.choice"),
+    (S(choice=("a", "")), "structured_outputs.choice"),
+    (S(json_object="yes"), "structured_outputs.json_object"),
+    (S(regex="a", after_token_id=-1), "structured_outputs.after_token_id"),
+])
+def test_bad_params_name_the_field(spec, field):
+    with pytest.raises(SamplingParamError) as e:
+        SamplingParams(structured_outputs=spec).validate()
+    assert e.value.param == field and field in str(e.value)
+
+
+def test_params_type_and_ignore_eos():
+    with pytest.raises(SamplingParamError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"}).validate()
+    with pytest.raises(SamplingParamError) as e:
+        SamplingParams(ignore_eos=True, structured_outputs=S(regex="a")).validate()
+    assert e.value.param == "ignore_eos"
+
+
+def test_cache_key_is_canonical():
+    assert S(json={"b": 1, "a": 2}).cache_key() == S(json='{"a": 2, "b": 1}').cache_key()
+    assert S(regex="a").cache_key() != S(grammar="a").cache_key()
+
+
+def test_bitmask_is_elementwise_and_batch_invariant():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 70, generator=g)
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (2, 3), generator=g, dtype=torch.int64).to(torch.int32)
+    rows = torch.tensor([1, 3])
+    out = apply_token_bitmask(logits, rows, bits)
+    for j, r in enumerate(rows.tolist()):
+        allowed = [(int(bits[j, t // 32]) >> (t % 32)) & 1 for t in range(70)]
+        for t in range(70):
+            assert out[r, t] == (logits[r, t] if allowed[t] else float("-inf"))
+    assert torch.equal(out[[0, 2, 4]], logits[[0, 2, 4]])
+    alone = apply_token_bitmask(logits[3:4], torch.tensor([0]), bits[1:2])
+    assert torch.equal(alone[0], out[3])
+    with pytest.raises(ValueError, match="bitmask must be"):
+        apply_token_bitmask(logits, rows, bits[:, :2])
+
+
+def test_compiled_once_and_byte_limited(llm):
+    comp = GrammarCompiler(llm.tokenizer_json, llm.vocab_size, llm.eos_token_ids, cache_bytes=1 << 20)
+    n0 = comp.num_compiled
+    a = comp.submit(S(json={"type": "integer"}))
+    b = comp.submit(S(json='{"type": "integer"}'))
+    assert a.result(60) is b.result(60) and comp.num_compiled == n0 + 1
+    assert comp.submit(S(json={"type": "integer"})).result(60) is a.result()
+    assert comp.num_compiled == n0 + 1
+    for i in range(40):  # more than the byte limit holds: the oldest go, the total stays bounded
+        comp.submit(S(regex=f"x{i}[a-z]{{1,3}}")).result(60)
+        assert comp.cached_bytes <= comp.cache_bytes
+    assert comp.submit(S(json={"type": "integer"})).result(60) is not a.result()  # evicted, compiled again
+    err = comp.submit(S(grammar="root ::= foo")).exception(60)
+    assert isinstance(err, GrammarError) and err.param == "structured_outputs.grammar" and "foo" in str(err)
+    comp.shutdown()
+
+
+def test_pending_compilations_are_bounded(llm):
+    comp = GrammarCompiler(llm.tokenizer_json, llm.vocab_size, llm.eos_token_ids, max_workers=1, max_pending=1)
+    first = comp.submit(S(regex="[0-9]{1,4}"))
+    second = comp.submit(S(regex="[a-f]{1,4}"))
+    if not first.done():  # the pool is busy with the first: the second is refused at once
+        assert isinstance(second.exception(0), GrammarError)
+    first.result(60)
+    comp.shutdown()
+
+
+def test_bad_constraints_fail_alone(llm):
+    good = SamplingParams(temperature=0, max_tokens=8, structured_outputs=S(choice=("yes", "no")))
+    bad = [S(json={"type": "objectx"}), S(regex="[a-"), S(grammar="root ::= missing"), S(json='{"$ref": "#/x"}')]
+    outs = llm.generate(["hi"] * 6, [good] + [SamplingParams(max_tokens=8, structured_outputs=s) for s in bad]
+                        + [SamplingParams(temperature=0, max_tokens=4)])
+    assert outs[0].error is None and outs[0].text in ("yes", "no")
+    for o, s in zip(outs[1:5], bad):
+        assert o.error is not None and o.error["code"] == "invalid_request", o.error
+        assert f"structured_outputs.{s.kind()}" in o.error["message"]
+        assert o.error["param"] == f"structured_outputs.{s.kind()}"
+    assert outs[5].error is None and len(outs[5].token_ids) == 4
+
+
+def test_compile_timeout_fails_the_request(llm):
+    from concurrent.futures import Future
+
+    class Stuck:
+        timeout_s = 0.2
+
+        def submit(self, spec):
+            return Future()  # never completes
+
+    engine = llm.engine
+    saved = engine.grammars
+    engine.grammars = Stuck()
+    try:
+        t = time.perf_counter()
+        out = llm.generate(["hi", "hi"], [SamplingParams(max_tokens=4, structured_outputs=S(regex="a+")),
+                                          SamplingParams(temperature=0, max_tokens=3)])
+        assert time.perf_counter() - t < 30
+    finally:
+        engine.grammars = saved
+    assert out[0].error["code"] == "invalid_request" and "took more than" in out[0].error["message"]
+    assert out[1].error is None and len(out[1].token_ids) == 3
+
+
+def test_constraint_after_think(llm):
+    """With ``after_token_id`` the output is free until that token, then constrained (the bias forces the token
+    first; after it only the grammar's tokens are allowed, so the bias cannot force it again)."""
+    end = 128822  # </think>
+    p = SamplingParams(temperature=0, max_tokens=12, logit_bias={end: 100.0},
+                       structured_outputs=S(choice=("alpha", "beta"), after_token_id=end))
+    out = llm.generate(["hi"], p)[0]
+    assert out.error is None and out.token_ids[0] == end
+    assert llm.decode(out.token_ids[1:]) in ("alpha", "beta") and out.finish_reason == "stop"
+
+
+def test_preempted_request_replays_its_matcher():
+    from deepinfer.structured import RequestMatcher
+
+    import xgrammar as xgr
+
+    # the matcher of a resumed request starts from its output so far
+    info = xgr.TokenizerInfo(["<eos>", "a", "b", "c"], stop_token_ids=[0])
+    g = xgr.GrammarCompiler(info, cache_enabled=False).compile_regex("ab+c")
+    m = RequestMatcher(g, None, [1, 2, 2])
+    assert not m.failed and m.accept(3) and m.accept(0)
+    assert not RequestMatcher(g, None, [2]).accept(1)  # "b" first breaks the grammar
+    later = RequestMatcher(g, 9, [2, 9, 1])
+    assert later.active and not later.failed
+
+
+def test_rejected_token_fails_that_request(llm, monkeypatch):
+    from deepinfer.structured import RequestMatcher
+
+    def reject(self, token_id):
+        self.failed = True
+        return False
+
+    monkeypatch.setattr(RequestMatcher, "accept", reject)
+    out = llm.generate(["hi", "hi"], [SamplingParams(temperature=0, max_tokens=4, structured_outputs=S(regex="a+")),
+                                      SamplingParams(temperature=0, max_tokens=3)])
+    assert out[0].error["code"] == "grammar_violation"
+    assert out[1].error is None and len(out[1].token_ids) == 3
+
+
+def test_chat_fields(llm):
+    import json
+    import re
+
+    import jsonschema
+
+    base = {"messages": [{"role": "user", "content": "reply in json"}], "max_tokens": 40, "temperature": 0,
+            "thinking": {"type": "disabled"}}
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "b": {"type": "string", "enum": ["x", "y"]}},
+              "required": ["a", "b"], "additionalProperties": False}
+    bodies = [dict(base, response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema,
+                                                                                 "strict": True}}),
+              dict(base, response_format={"type": "json_object"}),
+              dict(base, structured_outputs={"regex": "[a-z]{2,4}-[0-9]"}),
+              dict(base, structured_outputs={"choice": ["yes", "no"]}),
+              dict(base, structured_outputs={"grammar": 'root ::= "x" ("," "x")? ("," "x")?'}),
+              dict(base, structured_outputs={"json": schema}),
+              dict(base, structured_outputs={"regex": "[a-"}),
+              dict(base, structured_outputs={"foo": 1}),
+              dict(base, structured_outputs={"regex": "a", "choice": ["a"]}),
+              dict(base, response_format={"type": "json_object"}, structured_outputs={"regex": "a"}),
+              # thinking: the reasoning is free; the bias forces </think> first, then only the grammar counts
+              dict(base, thinking={"type": "enabled"}, logit_bias={"128822": 100},
+                   structured_outputs={"choice": ["yes", "no"]}),
+              base]
+    r = llm.chat(bodies)
+    text = [x["choices"][0]["message"]["content"] if "choices" in x else None for x in r]
+    jsonschema.validate(json.loads(text[0]), schema)
+    assert isinstance(json.loads(text[1]), dict)
+    assert re.fullmatch("[a-z]{2,4}-[0-9]", text[2]) and text[3] in ("yes", "no")
+    assert re.fullmatch("x(,x)*", text[4])
+    jsonschema.validate(json.loads(text[5]), schema)
+    assert r[6]["error"]["param"] == "structured_outputs.regex" and "Unclosed" in r[6]["error"]["message"]
+    assert r[7]["error"]["param"] == "structured_outputs.foo"
+    assert r[8]["error"]["param"] == "structured_outputs" and r[9]["error"]["param"] == "structured_outputs"
+    assert text[10] in ("yes", "no") and r[10]["choices"][0]["finish_reason"] == "stop"
+    assert text[11] is not None
