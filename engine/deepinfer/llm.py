@@ -22,7 +22,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine import LLMEngine, OutputProcessor
 from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.scheduler import Scheduler
-from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed
+from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed, interrupted_error
 
 PRESETS = MODEL_PRESETS
 # Context limit the tiny preset runs with unless EngineConfig.max_model_len says otherwise: its config declares the
@@ -425,10 +425,9 @@ class LLM:
             engine.drop_in_flight()
             for seq in live:  # after a model error: leave no request (or block) behind for the next call
                 if not seq.is_finished:
-                    engine.abort(seq, {
-                        "type": "server_error", "code": "interrupted" if stats.interrupted else "engine_error",
-                        "message": "the run was interrupted before this request finished" if stats.interrupted
-                        else "the engine stopped before this request finished"})
+                    engine.abort(seq, interrupted_error() if stats.interrupted else {
+                        "type": "server_error", "code": "engine_error",
+                        "message": "the engine stopped before this request finished"})
         stats.wall_time = time.perf_counter() - t_start
         for r in engine.records[first:]:
             stats.num_steps += 1
