@@ -20,6 +20,7 @@ import json
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from deepinfer import MODEL_PRESETS
@@ -375,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 tokens (default: derived)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit; none: the model's (the tiny preset: 4096)")
+                   help="context limit; none: the model's (the tiny preset: 4096); a value above what the model was "
+                   "built for (its max_position_embeddings) is lowered to it, with a warning")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
                    help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
@@ -440,7 +442,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests in the running batch")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="per-step token budget")
     s.add_argument("--num-blocks", type=_positive_int, default=None, help="cache blocks of 128 tokens (default: derived)")
-    s.add_argument("--max-model-len", type=_positive_int, default=None, help="context limit (default: the model's)")
+    s.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context limit (default: the model's; the tiny preset: 4096)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto", help="GEMM path (see generate)")
     s.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
@@ -565,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     handler = _Interrupts()
     previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    show = warnings.showwarning
+    warnings.showwarning = lambda message, *rest: print(f"deepinfer: warning: {message}", file=sys.stderr)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:  # outside generate's own handling (e.g. make-checkpoint, determinism-check)
@@ -578,6 +583,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepinfer: error: {e}", file=sys.stderr)
         return 2
     finally:
+        warnings.showwarning = show
         for sig, prev in previous.items():
             signal.signal(sig, prev)
 

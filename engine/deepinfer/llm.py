@@ -7,6 +7,7 @@ import operator
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence as Seq
@@ -271,6 +272,9 @@ class LLM:
         self.tokenizer_json = resolve_tokenizer_json(tokenizer, None)  # a folder's was resolved before loading
         max_pos, self.eos_token_ids, self.vocab_size = _model_limits(self.model)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        if cfg.max_model_len and max_pos and cfg.max_model_len > max_pos:
+            warnings.warn(f"max_model_len {cfg.max_model_len} exceeds the {max_pos} tokens the model was built for "
+                          f"(its max_position_embeddings); using {max_pos}", stacklevel=2)
         limits = [x for x in (cfg.max_model_len, max_pos) if x]
         if not limits:
             raise ValueError("LLM: the context limit is unknown (set EngineConfig.max_model_len)")
