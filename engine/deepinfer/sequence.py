@@ -138,6 +138,13 @@ class RequestFailure:
     message: str
 
 
+def interrupted_error() -> dict:
+    """The error record of a request that a Ctrl-C / SIGTERM stopped before it finished (during loading or a run):
+    ``{"type": "server_error", "code": "interrupted", "message", "param": None, "status_code": 500}``."""
+    return {"type": "server_error", "code": "interrupted", "message": "the run was interrupted before this request "
+            "finished", "param": None, "status_code": 500}
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"

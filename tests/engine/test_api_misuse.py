@@ -33,3 +33,70 @@ def test_summary_json_in_a_missing_folder_fails_before_the_run(tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc == 2 and "--summary-json" in err and "does not exist" in err
     assert "start-up" not in err and not out.exists()  # refused before the model was loaded
+
+
+# ------------------------------------------------------------------ a model-emitted </think> with thinking off
+def test_a_sampled_think_end_stays_in_the_answer_with_thinking_off():
+    from fake_model import ScriptedModel
+
+    ids = LLM(ScriptedModel([0]), num_blocks=16, max_model_len=1024).encode("hello</think>world")
+    assert len(ids) == 3  # the middle one is the added </think> token, the one the parser knows
+    llm = LLM(ScriptedModel(ids), num_blocks=16, max_model_len=1024, created=0)
+    off = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "thinking": {"type": "disabled"},
+           "logprobs": True}
+    choice = llm.chat([off])[0]["choices"][0]
+    assert choice["message"]["content"] == "hello</think>world"
+    assert [e["token"] for e in choice["logprobs"]["content"]] == ["hello", "</think>", "world"]
+    msg = llm.chat([{k: v for k, v in off.items() if k != "logprobs"}], api="messages")[0]
+    assert msg["content"] == [{"type": "text", "text": "hello</think>world"}]
+    on = llm.chat([{**off, "thinking": {"type": "enabled"}, "logprobs": False}])[0]["choices"][0]["message"]
+    assert on["reasoning_content"] == "hello" and on["content"] == "world"  # thinking on: it ends the reasoning
+
+
+# ------------------------------------------------------------------ images and the image fetcher
+@pytest.mark.parametrize("addr", ["64:ff9b::7f00:1", "64:ff9b::a00:1", "2002:7f00:1::1", "2002:c0a8:101::1",
+                                  "::7f00:1", "::ffff:127.0.0.1", "64:ff9b:1::808:808"])
+def test_ipv6_forms_of_private_ipv4_addresses_are_not_public(addr):
+    from deepinfer.chat import public_address_only
+
+    assert not public_address_only("h", addr)
+
+
+@pytest.mark.parametrize("addr", ["64:ff9b::808:808", "2002:808:808::1", "2606:4700::1111", "8.8.8.8"])
+def test_ipv6_forms_of_public_addresses_stay_public(addr):
+    from deepinfer.chat import public_address_only
+
+    assert public_address_only("h", addr)
+
+
+IMAGE_BODIES = [
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x"}}]}]}),
+    ("messages", {"max_tokens": 4, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}]}),
+    ("responses", {"max_output_tokens": 2, "input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": "data:image/png;base64,AA"}]}]}),
+]
+
+
+@pytest.mark.parametrize("api,body", IMAGE_BODIES)
+def test_v4_images_become_unsupported_image_text(llm, api, body):
+    """As deepseek-recipe and DeepSeek's API do for V4: each image is the literal text "[Unsupported Image]" in the
+    prompt, never fetched, and the request runs."""
+    fe = llm.frontend
+    pc = fe.prepare(body, api=api)
+    prompt = llm.decode(pc.prompt_token_ids)
+    assert prompt.count("[Unsupported Image]") == 1, prompt
+    pc.close()
+    res = llm.chat([dict(body, max_tokens=2) if api != "responses" else body], api=api)[0]
+    assert "error" not in res or res["error"] is None, res
+
+
+@pytest.mark.parametrize("api,body", IMAGE_BODIES)
+def test_v41_images_are_still_refused(api, body):
+    from deepinfer.chat import ChatFrontend, RequestError, packaged_tokenizer_json
+
+    fe = ChatFrontend(packaged_tokenizer_json(), "tiny-test", 4096, 1, model_version="v4.1")
+    with pytest.raises(RequestError) as e:
+        fe.prepare(body, api=api)
+    assert e.value.record["code"] == "images_unsupported"

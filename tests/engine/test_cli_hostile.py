@@ -123,3 +123,33 @@ def test_determinism_check_shows_progress(capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("determinism-check: lone run, then 2 batch sizes")
     assert err[1].startswith("determinism-check: batch 1/2 (size 1)") and err[2].startswith("determinism-check: batch 2/2 (size 3)")
+
+
+# ------------------------------------------------------------------ --max-model-len
+def test_max_model_len_above_the_models_warns_and_is_lowered():
+    from deepinfer import LLM
+
+    with pytest.warns(UserWarning, match="max_model_len 2048 exceeds the 1024 tokens the model was built for"):
+        llm = LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), max_model_len=2048, num_blocks=16)
+    assert llm.max_model_len == 1024
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at or below the model's limit: no warning
+        assert LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), max_model_len=1024,
+                   num_blocks=16).max_model_len == 1024
+
+
+def test_cli_max_model_len_warning_is_one_line(tmp_path, capsys, monkeypatch):
+    import deepinfer.cli as cli
+
+    run = cli.run_generate
+    monkeypatch.setattr(cli, "run_generate",
+                        lambda args: run(args, model_obj=FakeModel(FakeConfig(max_position_embeddings=1024))))
+    inp = tmp_path / "in.jsonl"
+    inp.write_text(json.dumps(HI) + "\n")
+    assert main(["generate", "--input", str(inp), "--output", str(tmp_path / "o.jsonl"), "--no-progress",
+                 "--max-model-len", "4096"]) == 0
+    err = capsys.readouterr().err
+    assert "deepinfer: warning: max_model_len 4096 exceeds the 1024 tokens the model was built for" in err
+    assert "UserWarning" not in err
