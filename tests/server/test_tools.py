@@ -110,7 +110,8 @@ def test_responses_function_call_stream_ids(start_server):
 
 
 def test_json_object(start_server):
-    s, oai = _scripted_server(start_server, 'Here it is: {"city": "Paris", "temp": 21}')
+    # json_object is enforced: the scripted answer is compact JSON (the grammar allows no free whitespace)
+    s, oai = _scripted_server(start_server, '{"city":"Paris","temp":21}')
     kw = dict(model="scripted", messages=[{"role": "user", "content": "Reply in JSON."}], max_tokens=40, seed=2,
               response_format={"type": "json_object"}, extra_body=NO_THINK)
     full = oai.chat.completions.create(**kw)
@@ -118,6 +119,13 @@ def test_json_object(start_server):
     streamed = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(stream=True, **kw)
                        if c.choices)
     assert streamed == full.choices[0].message.content
+
+
+def test_json_object_is_enforced_over_a_model_that_writes_prose(start_server):
+    s, oai = _scripted_server(start_server, 'Here it is: {"city": "Paris"}')
+    out = oai.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "JSON please"}],
+                                      max_tokens=40, response_format={"type": "json_object"}, extra_body=NO_THINK)
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
 
 
 # ------------------------------------------------------------------ invalid DSML: streamed as the final answer shows it
