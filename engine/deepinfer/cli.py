@@ -55,14 +55,22 @@ class _Output:
     losing nothing); the records are written to a temporary file beside it only once the run is over, and renamed
     over ``path`` when complete. So the file appears whole or not at all, and an existing one is never truncated.
     A temporary file left by a process that was killed (SIGKILL) is removed by the next run: its name holds the
-    writer's pid. ``-`` writes to stdout."""
+    writer's pid. ``-`` writes to stdout; a symlink writes its target; an existing device or FIFO is written in
+    place (never replaced by a regular file)."""
 
     def __init__(self, path: str) -> None:
         self.path = None if path == "-" else Path(path)
+        self.direct = False  # an existing non-regular file (a device, a FIFO): written in place, never replaced
         if self.path is None:
             return
         if self.path.is_dir():
             raise IsADirectoryError(f"--output {path}: is a directory")
+        self.path = Path(os.path.realpath(self.path))  # a symlink: its target is the output, the link stays
+        if self.path.exists() and not self.path.is_file():
+            self.direct = True
+            if not os.access(self.path, os.W_OK):
+                raise PermissionError(f"--output {path}: not writable")
+            return
         self._remove_stale_temps()
         os.unlink(self._mkstemp()[1])  # a probe: the folder exists and is writable
 
@@ -87,8 +95,13 @@ class _Output:
         """Write one JSON line per record; the file appears (atomically) only when all are written."""
         if self.path is None:
             for rec in records:
-                sys.stdout.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                sys.stdout.write(_json_line(rec))
             sys.stdout.flush()
+            return
+        if self.direct:
+            with open(self.path, "w", encoding="utf-8") as f:
+                for rec in records:
+                    f.write(_json_line(rec))
             return
         fd, tmp = self._mkstemp()
         try:
@@ -97,12 +110,23 @@ class _Output:
             os.chmod(tmp, 0o666 & ~umask)  # the permissions open(path, "w") would give, not mkstemp's 0600
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 for rec in records:
-                    f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+                    f.write(_json_line(rec))
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+
+def _json_line(rec: dict) -> str:
+    """One output line. Text that cannot be UTF-8 (a lone surrogate copied from the input into ``param`` or
+    ``custom_id``) is written as a JSON escape instead of failing the whole write."""
+    line = json.dumps(rec, ensure_ascii=False)
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        line = json.dumps(rec)
+    return line + "\n"
 
 
 def _pid_alive(pid: int) -> bool:

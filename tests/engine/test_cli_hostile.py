@@ -153,3 +153,38 @@ def test_cli_max_model_len_warning_is_one_line(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert "deepinfer: warning: max_model_len 4096 exceeds the 1024 tokens the model was built for" in err
     assert "UserWarning" not in err
+
+
+# ------------------------------------------------------------------ output paths and unencodable text
+def test_a_lone_surrogate_copied_into_a_record_loses_no_line(tmp_path):
+    # json.dumps escapes a lone surrogate as "\ud800": the bad line gets its record, the others theirs
+    recs = _generate(tmp_path, [HI, '{"\\ud800": 1, "messages": [{"role": "user", "content": "hi"}]}', HI,
+                                {"custom_id": "\ud800x", "method": "POST", "url": "/v1/chat/completions", "body": HI}])
+    assert len(recs) == 4 and recs[0]["object"] == recs[2]["object"] == "chat.completion"
+    assert recs[1]["error"]["param"] == "\ud800" and recs[3]["custom_id"] == "\ud800x"
+
+
+def test_output_through_a_symlink_writes_its_target(tmp_path):
+    from deepinfer.cli import _Output
+
+    target, link = tmp_path / "real.jsonl", tmp_path / "link.jsonl"
+    target.write_text("old\n")
+    link.symlink_to(target)
+    _Output(str(link)).write([{"a": 1}])
+    assert link.is_symlink() and json.loads(target.read_text()) == {"a": 1}
+
+
+def test_output_to_a_fifo_is_written_in_place_not_replaced(tmp_path):
+    import os
+    import threading
+
+    from deepinfer.cli import _Output
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    _Output(str(fifo)).write([{"a": 1}, {"b": 2}])
+    reader.join(10)
+    assert got == ['{"a": 1}\n{"b": 2}\n'] and fifo.is_fifo()
