@@ -152,7 +152,11 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     lines = _read_lines(args.input)
     if args.summary_json and not Path(args.summary_json).resolve().parent.is_dir():  # checked before the run
         raise ValueError(f"--summary-json: the folder of {args.summary_json!r} does not exist")
+    if args.summary_json and Path(args.summary_json).is_dir():
+        raise ValueError(f"--summary-json {args.summary_json!r}: is a directory")
     out = _Output(args.output)  # checked before the model loads: a bad --output fails fast, losing nothing
+    if args.summary_json and out.path is not None and Path(os.path.realpath(args.summary_json)) == out.path:
+        raise ValueError("--summary-json names the --output file: the summary would replace the results")
     records, custom_ids, bodies, where = _parse_lines(lines, args.api)
     llm = None
     try:

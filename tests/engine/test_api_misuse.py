@@ -35,6 +35,18 @@ def test_summary_json_in_a_missing_folder_fails_before_the_run(tmp_path, capsys)
     assert "start-up" not in err and not out.exists()  # refused before the model was loaded
 
 
+@pytest.mark.parametrize("which", ["directory", "the output"])
+def test_summary_json_on_a_directory_or_the_output_fails_before_the_run(tmp_path, capsys, which):
+    inp = tmp_path / "in.jsonl"
+    inp.write_text('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}\n')
+    out = tmp_path / "out.jsonl"
+    summary = tmp_path if which == "directory" else out
+    rc = main(["generate", "--input", str(inp), "--output", str(out), "--summary-json", str(summary),
+               "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--summary-json" in err and "start-up" not in err and not out.exists()
+
+
 # ------------------------------------------------------------------ a model-emitted </think> with thinking off
 def test_a_sampled_think_end_stays_in_the_answer_with_thinking_off():
     from fake_model import ScriptedModel
