@@ -14,7 +14,8 @@ from deepinfer.scheduler import Scheduler, SchedulerOutput
 from deepinfer.sequence import RequestFailure, Sequence, SequenceStatus
 
 # failure kinds that refuse a request as invalid (400); every other kind is a server error
-_INVALID_REQUEST_KINDS = frozenset({"invalid_request", "context_length_exceeded", "cache_exhausted"})
+_INVALID_REQUEST_KINDS = frozenset({"invalid_request", "context_length_exceeded", "cache_exhausted",
+                                    "grammar_dead_end"})
 # kinds whose records carry an explicit HTTP status (the record shapes users have seen stay as they were)
 _STATUS_CODES = {"nan_logits": 500}
 
@@ -27,6 +28,8 @@ def error_record(failure: RequestFailure) -> dict:
            "code": failure.kind, "message": failure.message}
     if failure.kind in _STATUS_CODES:
         rec["status_code"] = _STATUS_CODES[failure.kind]
+    if failure.param is not None:
+        rec["param"] = failure.param
     return rec
 
 

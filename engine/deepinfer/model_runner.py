@@ -21,7 +21,7 @@ import torch
 from deepinfer.block_manager import FULL_GROUP, WINDOW_GROUP
 from deepinfer.forward_batch import ForwardBatch, index_tensors
 from deepinfer.sampler import Sampler
-from deepinfer.scheduler import GRAMMAR_VIOLATION_TOKEN, NewRequestData, SchedulerOutput
+from deepinfer.scheduler import GRAMMAR_DEAD_END_TOKEN, GRAMMAR_VIOLATION_TOKEN, NewRequestData, SchedulerOutput
 
 
 def allocate_cache(model, num_blocks: int, block_size: int, **options):
@@ -173,7 +173,9 @@ class StepOutput:
         n = self.tokens.shape[0]
         ids = toks[:n].tolist()
         for k, (state, t) in enumerate(zip(self.states, ids)):
-            if t >= 0:  # -1: NaN logits, the request fails
+            if state.matcher is not None and state.matcher.dead_end:
+                ids[k] = GRAMMAR_DEAD_END_TOKEN
+            elif t >= 0:  # -1: NaN logits, the request fails
                 state.token_ids.append(t)
                 if state.matcher is not None and not state.matcher.accept(t):
                     ids[k] = GRAMMAR_VIOLATION_TOKEN

@@ -25,6 +25,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.sequence import RequestFailure, SamplingParams, Sequence, SequenceStatus
 
 GRAMMAR_VIOLATION_TOKEN = -2  # the runner's mark for a token its request's grammar rejected
+GRAMMAR_DEAD_END_TOKEN = -3  # the runner's mark for a step where its request's grammar allowed no token
 _NO_BLOCKS: Mapping[str, tuple[int, ...]] = MappingProxyType({})
 
 
@@ -285,7 +286,8 @@ class Scheduler:
         """Apply a step's sampled tokens (in step order; asynchronously one step late): append them and finish
         requests (a request finished since the step was scheduled drops its token). A negative id (the sampler's
         NaN mark) fails its request alone (``failure.kind`` ``"nan_logits"``; ``GRAMMAR_VIOLATION_TOKEN``:
-        ``"grammar_violation"``).
+        ``"grammar_violation"``; ``GRAMMAR_DEAD_END_TOKEN``: ``"grammar_dead_end"``, a refusal naming
+        ``structured_outputs``).
 
         ``token_ids``/``logprobs`` (and ``top_logprobs``) hold one entry per scheduled request with
         ``needs_logits``, in order. Returns the requests that gained a token or finished here.
@@ -306,6 +308,13 @@ class Scheduler:
             touched.append(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if token == GRAMMAR_DEAD_END_TOKEN:  # the request's grammar matches nothing from here: its fault
+                seq.failure = RequestFailure(
+                    "grammar_dead_end", f"structured_outputs: the constraint allows no token at output token "
+                                        f"{seq.num_output_tokens} (a grammar that matches no string?)",
+                    param="structured_outputs")
+                self._finish(seq, "error", now)
+                continue
             if token == GRAMMAR_VIOLATION_TOKEN:  # the runner's mark: the grammar rejected the drawn token
                 seq.failure = RequestFailure(
                     "grammar_violation", f"output token {seq.num_output_tokens} broke the structured_outputs "

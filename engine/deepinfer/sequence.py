@@ -136,6 +136,7 @@ class RequestFailure:
 
     kind: str
     message: str
+    param: str | None = None  # the request field at fault, when there is one
 
 
 def interrupted_error() -> dict:

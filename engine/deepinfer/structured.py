@@ -245,7 +245,7 @@ class RequestMatcher:
     under the mask); the runner then reports the request as failed.
     """
 
-    __slots__ = ("matcher", "after_token_id", "active", "failed")
+    __slots__ = ("matcher", "after_token_id", "active", "failed", "dead_end")
 
     def __init__(self, compiled, after_token_id: int | None = None, output_token_ids=()) -> None:
         import xgrammar as xgr
@@ -254,6 +254,7 @@ class RequestMatcher:
         self.after_token_id = after_token_id
         self.active = after_token_id is None
         self.failed = False
+        self.dead_end = False  # the grammar allowed no next token (it matches no string from here)
         for t in output_token_ids:  # a resumed (preempted) request replays its output
             self.accept(t)
 
@@ -275,6 +276,7 @@ class RequestMatcher:
             bitmask[row] = -1
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
+            self.dead_end = not bool(bitmask[row].any())  # the host bitmask: no device read
 
 
 _BIT_CACHE: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}

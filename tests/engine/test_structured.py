@@ -171,6 +171,16 @@ def test_rejected_token_fails_that_request(llm, monkeypatch):
     assert out[1].error is None and len(out[1].token_ids) == 3
 
 
+def test_a_grammar_that_matches_nothing_is_the_requests_error(llm):
+    out = llm.generate(["hi", "hi"], [SamplingParams(temperature=0, max_tokens=4,
+                                                     structured_outputs=S(grammar="root ::= root")),
+                                      SamplingParams(temperature=0, max_tokens=3)])
+    err = out[0].error
+    assert err["code"] == "grammar_dead_end" and err["type"] == "invalid_request_error"
+    assert err["param"] == "structured_outputs"
+    assert out[1].error is None and len(out[1].token_ids) == 3
+
+
 def test_chat_fields(llm):
     import json
     import re
