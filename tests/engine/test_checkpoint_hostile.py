@@ -214,7 +214,7 @@ def test_integer_too_long_for_python_names_the_file(tmp_path):
 
 
 @pytest.mark.parametrize("key", ["eos_token_id", "bos_token_id"])
-@pytest.mark.parametrize("value", [{"id": 1}, "abc", 1e30, -5, 129280, [1, "2"], [1, -1], 1.5, True, [[1]]])
+@pytest.mark.parametrize("value", [{"id": 1}, "abc", 1e30, -5, 129280, [1, "2"], [1, -1], 1.5, True, [[1]], []])
 def test_bad_token_ids_are_refused_by_key(key, value):
     with pytest.raises(ValueError) as e:
         DeepseekV4Config.from_dict(_with(TINY_CONFIG, **{key: value}))

@@ -520,6 +520,8 @@ def _token_ids(key: str, v: Any, vocab_size: int) -> int | list[int] | None:
     if v is None:
         return None
     many = isinstance(v, (list, tuple))
+    if many and not v:
+        raise ValueError(f"config key {key}: an empty list (give at least one token id, or null for none)")
     try:
         ids = [_as_int(key, t, (0, vocab_size - 1)) for t in (v if many else [v])]
     except ValueError as e:
