@@ -41,6 +41,7 @@ def quant_groups_fp8(x: torch.Tensor, min_rows: int = GROUP_QUANT_MIN_ROWS) -> t
                                                           FP8_BLOCK, False)
     return xq, xs
 
+
 class Attention(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, ratio: int, dtype: torch.dtype):
         super().__init__()

@@ -86,7 +86,7 @@ class Indexer(nn.Module):
             ties: per chunk, a 0-d int64 device tensor is appended: the rows where the tie rule decided.
         """
         T, dev = iq.shape[0], iq.device
-        ent = torch.full((T, self.topk), n_ent, dtype=torch.long, device=dev)  # width independent of the batch
+        chunks = [torch.full((0, self.topk), n_ent, dtype=torch.long, device=dev)] if T == 0 else []
         iw = iw * (self.head_dim ** -0.5)  # folds 1 / sqrt(index_head_dim) into the head weights
         k_end = n_vis.to(torch.int32)
         for r0 in range(0, T, self.QUERY_CHUNK):
@@ -95,14 +95,17 @@ class Indexer(nn.Module):
                                           block_table=bt32[r0:r1].contiguous(), k_end=k_end[r0:r1].contiguous())
             w = torch.arange(n_ent, device=dev).view(1, -1)
             visible = w < n_vis[r0:r1].view(-1, 1)
+            # each row in entry order (none last, width independent of the batch), so the keys are summed in the
+            # same order for any chunking or batch
             if n_ent <= self.topk:
-                ent[r0:r1] = pack_selected(visible & torch.isfinite(sc), self.topk)
+                chunks.append(pack_selected(visible & torch.isfinite(sc), self.topk))
                 continue
             ids, t = indexer_topk(sc, visible, self.topk)
             ties.append(t)
-            ent[r0:r1, :ids.shape[1]] = torch.where(ids >= 0, ids, n_ent)
-        # entry order (none last) so the keys are summed in the same order for any chunking or batch
-        return ent.sort(dim=1).values if n_ent > self.topk else ent
+            part = torch.full((r1 - r0, self.topk), n_ent, dtype=torch.long, device=dev)
+            part[:, :ids.shape[1]] = torch.where(ids >= 0, ids, n_ent)
+            chunks.append(part.sort(dim=1).values)
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def pack_selected(keep: torch.Tensor, width: int) -> torch.Tensor:
