@@ -16,7 +16,8 @@ class EngineConfig:
             when the model reports bytes per block, else enough for ``max_num_seqs`` full-length sequences,
             capped at ``max_cache_blocks``.
         max_cache_blocks: upper bound for a derived ``num_blocks``.
-        gpu_memory_utilization: fraction of the free device memory the cache may take when ``num_blocks`` is derived.
+        gpu_memory_utilization: fraction of the free device memory the cache and the decode CUDA graphs may take
+            when ``num_blocks`` is derived.
         cpu_cache_gib: on the CPU, the most memory (GiB) a derived cache may take.
         max_num_batched_tokens: per-step token budget (prefill chunks + decodes) of the scheduler.
         max_num_seqs: most sequences running at once.

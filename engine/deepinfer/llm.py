@@ -287,7 +287,13 @@ class LLM:
         elif cfg.kv_cache_dtype != "auto":
             raise ValueError(f"EngineConfig.kv_cache_dtype: {type(self.model).__name__} has no cache spec to store "
                              f"{cfg.kv_cache_dtype!r} in; use 'auto'")
+        self.graph_memory_estimate = 0
         if cfg.num_blocks is None:
+            if spec is not None and ModelRunner.captures_graphs(self.model, self.device, cfg.enforce_eager,
+                                                                cfg.max_num_seqs, self.max_model_len):
+                self.graph_memory_estimate = ModelRunner.measure_graph_memory(
+                    self.model, self.device, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
+                    cfg.batch_invariant, window_blocks=2, kv_cache_dtype=cfg.kv_cache_dtype)
             cfg.num_blocks = self._derive_num_blocks(spec, window_blocks)
         if spec is not None:
             window_blocks = min(window_blocks, cfg.num_blocks)
@@ -312,7 +318,8 @@ class LLM:
                         "cache": spec.report(cfg.num_blocks, window_blocks) if spec is not None else None,
                         "cuda_graphs": sorted(self.runner.graphs),
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
-                        "graph_memory_bytes": self.runner.graph_memory_bytes}
+                        "graph_memory_bytes": self.runner.graph_memory_bytes,
+                        "graph_memory_estimate_bytes": self.graph_memory_estimate}
         self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []
         if isinstance(model, str) and model in PRESETS:
@@ -344,8 +351,8 @@ class LLM:
     def _derive_num_blocks(self, spec, window_blocks: int | None) -> int:
         """Enough ``full``-group blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and,
         when the model reports its bytes per block, by ``gpu_memory_utilization`` of the free CUDA memory or
-        ``cpu_cache_gib``, less the ``window`` group's ``window_blocks``. Not counted yet: CUDA-graph memory (the
-        graphs are captured after the cache is allocated)."""
+        ``cpu_cache_gib``, less the ``window`` group's ``window_blocks`` and, on CUDA, the decode graphs' memory
+        (``graph_memory_estimate``, measured by a profile capture before the cache exists)."""
         cfg = self.config
         per_seq = -(-self.max_model_len // cfg.block_size)
         n = min(cfg.max_cache_blocks, cfg.max_num_seqs * per_seq)
@@ -356,7 +363,8 @@ class LLM:
             reserved = min(window_blocks, n) * per_group["window"]
         if bytes_per_block and self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            n = min(n, (int(free * cfg.gpu_memory_utilization) - reserved) // int(bytes_per_block))
+            n = min(n, (int(free * cfg.gpu_memory_utilization) - reserved - self.graph_memory_estimate)
+                    // int(bytes_per_block))
         elif bytes_per_block and self.device.type == "cpu":
             n = min(n, (int(cfg.cpu_cache_gib * (1 << 30)) - reserved) // int(bytes_per_block))
         return max(1, n)

@@ -14,6 +14,7 @@ reach the host on a side stream; :meth:`StepOutput.result` waits for them.
 from __future__ import annotations
 
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -187,8 +188,10 @@ class _Graph:
     """A captured decode forward of ``bucket`` sequences: its capacity, static plan (every field a view of
     ``flat``), output, and the tensors it reads that must outlive it (RoPE tables)."""
 
-    def __init__(self, bucket: int, capacity, plan, graph, logits: torch.Tensor, flat: torch.Tensor, keep):
+    def __init__(self, bucket: int, capacity, plan, graph, logits: torch.Tensor, flat: torch.Tensor, keep,
+                 greedy: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.bucket, self.capacity, self.plan, self.graph = bucket, capacity, plan, graph
+        self.greedy = greedy  # (token ids, logprobs) of every row sampled greedily inside the graph
         self.logits, self.flat, self.keep = logits, flat, keep
 
 
@@ -218,14 +221,52 @@ class ModelRunner:
         self.graphs: dict[int, _Graph] = {}
         self.graph_capture_seconds = 0.0
         self.graph_memory_bytes = 0
+        self._graph_pool = None
         self.max_model_len = max_model_len
         self.requests: dict[int, RequestState] = {}
         # one table per cache group, the first (kept) group always; others appear with their first blocks
         self.block_tables: dict[str, BlockTable] = {FULL_GROUP: BlockTable()}
         self._free_slots: list[int] = []
-        if (not enforce_eager and self.cuda and self.builder is not None and getattr(model, "gemm", None) == "fp8"
-                and max_num_seqs and max_model_len):
+        if self.captures_graphs(model, self.device, enforce_eager, max_num_seqs, max_model_len):
             self.capture(graph_buckets(max_num_seqs), max_model_len)
+
+    @staticmethod
+    def captures_graphs(model, device, enforce_eager: bool, max_num_seqs: int | None,
+                        max_model_len: int | None) -> bool:
+        """Whether a runner with these settings captures decode graphs: on CUDA, for a model with a step plan on its
+        FP8 path, unless ``enforce_eager``."""
+        return (not enforce_eager and torch.device(device).type == "cuda" and callable(getattr(model, "plan_builder", None))
+                and getattr(model, "gemm", None) == "fp8" and bool(max_num_seqs) and bool(max_model_len))
+
+    @classmethod
+    @torch.inference_mode()
+    def measure_graph_memory(cls, model, device, block_size: int, max_num_seqs: int, max_model_len: int,
+                             batch_invariant: bool = False, **cache_options) -> int:
+        """Device bytes the decode graphs of every bucket will hold, measured before the cache is sized: the largest
+        bucket and then the smallest are captured over a 2-block cache (their shared pool holds the largest bucket's
+        activations; the smallest adds one graph's own memory, counted once per further bucket), then freed."""
+        import gc
+
+        buckets = graph_buckets(max_num_seqs)
+        torch.cuda.synchronize(device)
+        free0 = torch.cuda.mem_get_info(device)[0]
+        cache = allocate_cache(model, 2, block_size, **cache_options)
+        runner = cls(model, cache, device, batch_invariant=batch_invariant)
+        free1 = torch.cuda.mem_get_info(device)[0]
+        runner.capture([max(buckets)], max_model_len)
+        free2 = torch.cuda.mem_get_info(device)[0]
+        one = 0
+        if len(buckets) > 1:
+            runner.capture([min(buckets)], max_model_len)
+            one = max(0, free2 - torch.cuda.mem_get_info(device)[0])
+        total = max(0, free1 - free2) + one * (len(buckets) - 1)
+        del runner, cache
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize(device)
+        if torch.cuda.mem_get_info(device)[0] < free0 - (64 << 20):
+            warnings.warn("measure_graph_memory: the profile capture left device memory in use", stacklevel=2)
+        return total
 
     # ---------------------------------------------------------------------------------------------------- graphs
     def _capacity(self, bucket: int, max_len: int):
@@ -253,7 +294,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         mem0 = torch.cuda.memory_reserved(self.device)
-        pool = torch.cuda.graph_pool_handle()
+        if self._graph_pool is None:  # one pool for every capture of this runner
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        pool = self._graph_pool
         stream = torch.cuda.Stream(self.device)
         for bucket in sorted(buckets, reverse=True):
             cap, plan = self.dummy_plan(bucket, max_len)
@@ -261,13 +304,15 @@ class ModelRunner:
             flat = torch.empty(0, dtype=torch.int64, device=self.device).set_(st, 0, (st.nbytes() // 8,))
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self.model.forward(plan, self.cache)  # warm-up: kernels chosen, workspaces and tables allocated
+                # warm-up: kernels chosen, workspaces and tables allocated
+                self.sampler.greedy_device(self.model.forward(plan, self.cache))
                 plan.derived.clear()
             torch.cuda.current_stream(self.device).wait_stream(stream)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool, stream=stream):
                 logits = self.model.forward(plan, self.cache)
-            self.graphs[bucket] = _Graph(bucket, cap, plan, g, logits, flat, dict(self.model._rope_tables))
+                greedy = self.sampler.greedy_device(logits)
+            self.graphs[bucket] = _Graph(bucket, cap, plan, g, logits, flat, dict(self.model._rope_tables), greedy)
         torch.cuda.synchronize(self.device)
         self.graph_capture_seconds = time.perf_counter() - t0
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - mem0
@@ -393,9 +438,8 @@ class ModelRunner:
                             None if window is None else window.rows(slots))
             graph = self._graph_for(q, starts + q)
             if graph is not None:
-                plan = self.builder.build(seqs, ids, logits_rows, self.batch_invariant, capacity=graph.capacity,
-                                          out=graph.flat, finalize=False)
-                graph.plan.num_tokens, graph.plan.num_logits = plan.num_tokens, plan.num_logits
+                graph.plan.num_tokens, graph.plan.num_logits = self.builder.fill(seqs, ids, logits_rows,
+                                                                                 graph.capacity, graph.flat)
                 input_ids = graph.plan.input_ids
             else:
                 plan = self.builder.build(seqs, ids, logits_rows, self.batch_invariant,
@@ -427,7 +471,12 @@ class ModelRunner:
             counters = (starts + q - prompt)[sampled]  # the index of the output token each row draws
             # the grammar rows' bitmask is filled on the host while the device runs the forward
             masks = self._grammar_masks(states_l, logits.shape[1])
-            tokens, logprobs, tops = self.sampler.sample_device(logits, states_l, counters, masks)
+            if graph is not None and graph.greedy is not None and masks is None and Sampler.plain_greedy(states_l):
+                # sampled inside the graph; copied out, since the next replay rewrites the graph's outputs
+                tokens, logprobs = (t[:len(states_l)].clone() for t in graph.greedy)
+                tops = [[] for _ in states_l]
+            else:
+                tokens, logprobs, tops = self.sampler.sample_device(logits, states_l, counters, masks)
         else:
             tokens = torch.empty(0, dtype=torch.long, device=self.device)
             logprobs = torch.empty(0, dtype=torch.float32, device=self.device)

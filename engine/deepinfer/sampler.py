@@ -309,6 +309,12 @@ def top_logprobs(logits_row: torch.Tensor, n: int) -> list[tuple[int, float]]:
 NAN_LOGITS_TOKEN = -1  # Sampler's token for a row whose logits hold a NaN
 
 
+def _nan_rows_token(tokens: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """``NAN_LOGITS_TOKEN`` for rows whose log-probability is NaN: a NaN logit makes the row's log-softmax NaN
+    everywhere, so the drawn token's logprob shows it (no extra pass over the vocabulary)."""
+    return torch.where(torch.isnan(logprobs), torch.full_like(tokens, NAN_LOGITS_TOKEN), tokens)
+
+
 class Sampler:
     """Holds the batch-invariant switch and turns per-sequence parameters into the tensors ``sample`` takes."""
 
@@ -319,6 +325,19 @@ class Sampler:
         """:meth:`sample_device`, with the tokens and log-probabilities read back to the host (synchronises)."""
         tokens, logprobs, tops = self.sample_device(logits, seqs)
         return tokens.tolist(), logprobs.tolist(), tops
+
+    @staticmethod
+    def plain_greedy(seqs: list) -> bool:
+        """Every row of ``seqs`` is greedy with nothing adjusted and no top log-probabilities asked: what
+        :meth:`greedy_device` computes (without structured-output masks, which the caller checks)."""
+        return all(p.temperature < MIN_SAMPLING_TEMPERATURE and not p.adjusts_logits and p.top_logprobs == 0
+                   for p in (s.params for s in seqs))
+
+    def greedy_device(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`sample_device` for rows that are all :meth:`plain_greedy`, from device ops alone (a captured decode
+        graph runs it after its forward): token ids ``[n]`` int64 and their log-probabilities ``[n]`` float32."""
+        tokens, logprobs = _sample_rows(logits, None, None, None, None, None, None, self.batch_invariant, ([], []))
+        return _nan_rows_token(tokens, logprobs), logprobs
 
     def sample_device(self, logits: torch.Tensor, seqs: list, counters=None,
                       masks: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor, list]:
@@ -372,9 +391,7 @@ class Sampler:
             tokens, logprobs = _sample_rows(logits, temperature, top_k, top_p, seed_t, counter_t, raw,
                                             self.batch_invariant, kinds)
         raw = logits if raw is None else raw
-        # a NaN logit makes the row's log-softmax NaN everywhere, so the drawn token's logprob shows it (no extra
-        # pass over the vocabulary)
-        tokens = torch.where(torch.isnan(logprobs), torch.full_like(tokens, NAN_LOGITS_TOKEN), tokens)
+        tokens = _nan_rows_token(tokens, logprobs)
         tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
         for i, p in enumerate(params):
             if p.top_logprobs > 0:

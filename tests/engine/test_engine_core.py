@@ -151,6 +151,38 @@ def test_cuda_graphs_and_async_give_the_same_greedy_tokens(batch_invariant):
 
 
 @pytest.mark.cuda
+def test_cuda_graph_steps_sample_in_graph_only_for_plain_greedy_rows():
+    """Batch-invariant mode, graphs + async vs eager: plain greedy requests (sampled inside the graph), drawn ones,
+    biased ones and ones asking top log-probabilities (sampled after it) give bitwise the same tokens, logprobs and
+    top log-probabilities, alone in a step or mixed."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 120000) for _ in range(rng.randrange(1, 200))] for _ in range(6)]
+    kinds = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0, top_logprobs=2, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0, logit_bias={5: 2.0}, max_tokens=12, ignore_eos=True)]
+    runs = {}
+    for graphs in (False, True):
+        llm = LLM("tiny", device="cuda", enforce_eager=not graphs, async_scheduling=graphs, max_num_seqs=8,
+                  batch_invariant=True)
+        res = [llm.generate(prompts, [kinds[0]] * 6)]  # every row plain greedy: the in-graph path
+        res.append(llm.generate(prompts, [kinds[i % 4] for i in range(6)]))  # mixed: sampled after the graph
+        runs[graphs] = [[(g.token_ids, g.logprobs, g.top_logprobs) for g in r] for r in res]
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.cuda
+def test_cuda_graph_memory_is_measured_before_the_cache_is_sized():
+    """A derived cache leaves room for the decode graphs: the profile capture's estimate is reported, positive,
+    and covers what the real capture reserved; with num_blocks given no profile capture runs."""
+    llm = LLM("tiny", device="cuda", enforce_eager=False, max_num_seqs=16)
+    est, used = llm.startup["graph_memory_estimate_bytes"], llm.startup["graph_memory_bytes"]
+    assert est > 0 and est >= 0.9 * used, (est, used)
+    assert LLM("tiny", device="cuda", enforce_eager=False, max_num_seqs=16, num_blocks=64).startup[
+        "graph_memory_estimate_bytes"] == 0
+
+
+@pytest.mark.cuda
 def test_cuda_sampler_never_synchronises_for_greedy_and_plain_draws():
     from deepinfer.sampler import Sampler
     from deepinfer.sequence import Sequence

@@ -193,3 +193,27 @@ def test_greedy_logprob_equals_its_top_logprobs_entry():
     for i in range(4):
         top = top_logprobs(logits[i], 3)
         assert top[0] == (int(tok[i]), float(lp[i]))
+
+
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_greedy_device_equals_sample_device_for_plain_greedy_rows(batch_invariant):
+    """What a captured decode graph samples (``greedy_device``) equals ``sample_device`` for rows that are
+    ``plain_greedy``, a NaN row included; rows with a temperature, a bias or top log-probabilities are not plain."""
+    from deepinfer import SamplingParams
+    from deepinfer.sequence import Sequence
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 300)
+    logits[1, 7] = float("nan")
+    logits[3, 4] = logits[3, 9] = logits[3].max() + 1  # a tie: the lower id
+    seqs = [Sequence(i, [1], SamplingParams(temperature=0, max_tokens=4), seed=i) for i in range(5)]
+    sampler = S.Sampler(batch_invariant=batch_invariant)
+    assert S.Sampler.plain_greedy(seqs)
+    want_t, want_lp, _ = sampler.sample_device(logits, seqs)
+    got_t, got_lp = sampler.greedy_device(logits)
+    assert torch.equal(got_t, want_t) and torch.equal(got_lp.isnan(), want_lp.isnan())
+    assert torch.equal(got_lp[~got_lp.isnan()], want_lp[~want_lp.isnan()])
+    assert got_t[1].item() == S.NAN_LOGITS_TOKEN and got_t[3].item() == 4
+    for params in (SamplingParams(temperature=0.5, max_tokens=4), SamplingParams(temperature=0, logit_bias={3: 1.0}),
+                   SamplingParams(temperature=0, top_logprobs=2)):
+        assert not S.Sampler.plain_greedy(seqs[:2] + [Sequence(9, [1], params, seed=0)])

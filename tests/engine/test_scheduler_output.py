@@ -167,6 +167,48 @@ def test_vectorised_decode_lists_equal_the_per_sequence_loop(graph):
             assert set(dst.tolist()) <= set(bt.reshape(-1).tolist())
 
 
+def test_fill_writes_the_buffer_build_uploads():
+    """Graph mode: ``fill`` into a captured plan's buffer writes exactly what ``build`` with the same capacity
+    uploads (host ids and device-tensor ids), and returns the step's token and logits counts."""
+    cfg = DeepseekV4Config.from_dict(TINY_CONFIG)
+    b = PlanBuilder(cfg, 128, 4096, "cpu", window_blocks=4096)
+    rng = random.Random(3)
+    for trial in range(10):
+        S = rng.randrange(1, 30)
+        c0, bt, wt = _random_decode_step(rng, b, S, 4096)
+        cap = Capacity(S + rng.randrange(0, 3), max(bt.shape[1], 16), 2048)
+        seqs = StepSeqs(np.array(c0), np.ones(S, dtype=np.int64), bt, wt)
+        ids = [rng.randrange(cfg.vocab_size) for _ in range(S)]
+        rows = sorted(rng.sample(range(S), rng.randrange(1, S + 1)))
+        ref = b.build(seqs, ids, rows, capacity=cap, finalize=False)
+        st = ref.input_ids.untyped_storage()
+        want = torch.empty(0, dtype=torch.int64).set_(st, 0, (st.nbytes() // 8,)).clone()
+        for as_tensor in (False, True):
+            out = torch.full_like(want, -7)
+            got = b.fill(seqs, torch.tensor(ids) if as_tensor else ids, rows, cap, out)
+            assert got == (S, len(rows))
+            assert torch.equal(out, want), (trial, as_tensor)
+    with pytest.raises(ValueError, match="capacity"):
+        b.fill(seqs, ids, rows, Capacity(S - 1 if S > 1 else 0, 16, 2048), out)
+
+
+def test_group_check_with_shared_blocks():
+    """The vectorised step check: a block read by two sequences (a shared prefix) passes, the same block written by
+    one of them or listed twice by one row fails, naming the table."""
+    cfg = DeepseekV4Config.from_dict(TINY_CONFIG)
+    b = PlanBuilder(cfg, 128, 64, "cpu", window_blocks=64)
+    shared = StepSeqs(np.array([300, 300]), np.ones(2, dtype=np.int64), np.array([[0, 1, 2], [0, 1, 3]]),
+                      np.array([[-1, 4, 5], [-1, 6, 7]]))
+    b.check_arrays(shared)
+    written = StepSeqs(np.array([300, 300]), np.ones(2, dtype=np.int64), np.array([[0, 1, 2], [0, 1, 2]]),
+                       np.array([[-1, 4, 5], [-1, 6, 7]]))
+    with pytest.raises(ValueError, match="block_tables: block 2 is written"):
+        b.check_arrays(written)
+    twice = StepSeqs(np.array([300]), np.ones(1, dtype=np.int64), np.array([[0, 1, 1]]), np.array([[-1, 4, 5]]))
+    with pytest.raises(ValueError, match="lists a block twice"):
+        b.check_arrays(twice)
+
+
 def test_array_and_list_steps_build_the_same_plan_with_window_tables():
     """A mixed step (prefill chunks and decodes) as SeqStep lists and as StepSeqs arrays: every plan field equal."""
     cfg = DeepseekV4Config.from_dict(TINY_CONFIG)

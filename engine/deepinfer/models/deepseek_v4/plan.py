@@ -215,6 +215,9 @@ def _group_ok(table: np.ndarray, first: np.ndarray, end: np.ndarray, written_fro
     b = table[r, c]
     if not ((b >= 0) & (b < limit)).all():
         return False
+    sb = np.sort(b)
+    if not (sb[1:] == sb[:-1]).any():  # no block listed twice anywhere (no shared prefix): nothing else to check
+        return True
     if np.unique(r * limit + b).size != b.size:
         return False
     blocks, counts = np.unique(b, return_counts=True)
@@ -357,6 +360,44 @@ class PlanBuilder:
         Raises:
             ValueError naming the field at fault (lengths, block ids, logits rows, capacity).
         """
+        chunks, meta, T, rows, max_len = self._chunks(seqs, input_ids, logits_indices, pad_multiple, capacity, checked)
+        views = self._upload(chunks, out)
+        ids_t = views["input_ids"]
+        if isinstance(input_ids, torch.Tensor):
+            ids_t[:T].copy_(input_ids.reshape(-1), non_blocking=True)
+        comp = {}
+        for m, overlap, n_close in meta:
+            g = lambda name: views.get(f"{name}{m}")  # noqa: E731
+            comp[m] = CompressorPlan(m, overlap, 2 * m if overlap else m, g("ring_src"), g("cur"), g("prev"),
+                                     g("prev_ok"), g("w_pos"), g("dst"), g("st_src"),
+                                     g("st_dst"), n_close)
+        n_ent = {m: max_len // m for m, _ in self.ratios}
+        plan = StepPlan(T, rows, len(logits_indices), max_len, self.block_size, batch_invariant, ids_t,
+                        views["positions"],
+                        views["token_slots"], views["tok_bt"], views["logits_indices"],
+                        views.get("row_valid"), comp, n_ent,
+                        graph=capacity is not None, tok_wbt=views["tok_wbt"], win_base=views["win_base"])
+        return plan.finalize(self.config) if finalize else plan
+
+    def fill(self, seqs: StepSeqs, input_ids: list[int] | torch.Tensor, logits_indices: list[int],
+             capacity: Capacity, out: torch.Tensor, checked: bool = False) -> tuple[int, int]:
+        """Write a decode step into a captured graph-mode plan's buffer ``out`` (what :meth:`build` with
+        ``capacity`` and ``out`` uploads, without making the plan's views: the graph replays the captured plan).
+        Returns ``(num_tokens, num_logits)`` for the captured plan. Raises as :meth:`build`."""
+        chunks, _, T, _, _ = self._chunks(seqs, input_ids, logits_indices, 0, capacity, checked)
+        dev = self._stager.upload(list(chunks.values()), self.device, out)
+        if isinstance(input_ids, torch.Tensor):
+            at = 0
+            for name, a in chunks.items():
+                if name == "input_ids":
+                    break
+                at += a.size
+            dev[at:at + T].copy_(input_ids.reshape(-1), non_blocking=True)
+        return T, len(logits_indices)
+
+    def _chunks(self, seqs, input_ids, logits_indices, pad_multiple: int, capacity: Capacity | None,
+                checked: bool) -> tuple[dict[str, np.ndarray], list, int, int, int]:
+        """The host part of :meth:`build`: ``(chunks by name, compressor meta, num_tokens, num_rows, max_len)``."""
         if isinstance(seqs, StepSeqs):
             if not checked:
                 self.check_arrays(seqs)
@@ -433,9 +474,8 @@ class PlanBuilder:
         li = np.zeros(n_logit_rows, dtype=np.int64)
         li[:li_host.size] = li_host
         chunks["logits_indices"] = li
-        host_ids = not isinstance(input_ids, torch.Tensor)
         ids = np.zeros(rows, dtype=np.int64)
-        if host_ids:
+        if not isinstance(input_ids, torch.Tensor):
             ids[:T] = input_ids
         chunks["input_ids"] = ids
         if capacity is not None:
@@ -451,22 +491,7 @@ class PlanBuilder:
             for name, arr in lists.items():
                 if name != "n_close":
                     chunks[f"{name}{m}"] = arr
-        views = self._upload(chunks, out)
-        ids_t = views["input_ids"]
-        if not host_ids:
-            ids_t[:T].copy_(input_ids.reshape(-1), non_blocking=True)
-        comp = {}
-        for m, overlap, n_close in meta:
-            g = lambda name: views.get(f"{name}{m}")  # noqa: E731
-            comp[m] = CompressorPlan(m, overlap, 2 * m if overlap else m, g("ring_src"), g("cur"), g("prev"),
-                                     g("prev_ok"), g("w_pos"), g("dst"), g("st_src"),
-                                     g("st_dst"), n_close)
-        n_ent = {m: max_len // m for m, _ in self.ratios}
-        plan = StepPlan(T, rows, len(logits_indices), max_len, B, batch_invariant, ids_t, views["positions"],
-                        views["token_slots"], views["tok_bt"], views["logits_indices"],
-                        views.get("row_valid"), comp, n_ent,
-                        graph=capacity is not None, tok_wbt=views["tok_wbt"], win_base=views["win_base"])
-        return plan.finalize(self.config) if finalize else plan
+        return chunks, meta, T, rows, max_len
 
     def check_ids(self, ids) -> None:
         """Token ids must lie in ``[0, vocab_size)`` (host data; raises ValueError naming ``input_ids``)."""
