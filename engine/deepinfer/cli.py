@@ -7,6 +7,9 @@ tiny checkpoint is used. Progress (tqdm, live tok/s) and the summary go to stder
 
 ``deepinfer serve --model DIR|preset --port 8000``: the HTTP server (``deepinfer.server``; docs/serving.md).
 
+``deepinfer eval --task aime|gpqa|hle --data FILE.jsonl``: accuracy on local items (``deepinfer.evals``; docs/eval.md),
+through the engine or a server (``--url``), with a per-sample log that a later run resumes.
+
 ``deepinfer determinism-check``: one request alone and inside batches of 1..64 at random positions; prints the number
 of distinct outputs and the first diverging token (exit status 1 when ``--batch-invariant`` outputs differ).
 """
@@ -467,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_make_checkpoint(sub, fmt)
     _add_serve(sub, fmt)
+    _add_eval(sub, fmt)
     return parser
 
 
@@ -516,6 +520,74 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
                    log_level=args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT / SIGTERM it handled: the shutdown was clean
         pass
+    return 0
+
+
+def _add_eval(sub, fmt) -> None:
+    from deepinfer.evals import TASKS
+
+    e = sub.add_parser("eval", formatter_class=fmt, help="accuracy on AIME / GPQA / HLE-style items of a local JSONL "
+                       "file, through the engine or a server", description="Scores each item's repeats (thinking on, "
+                       "temperature 1.0 by default) and prints the report (pass@1 with a 95 percent interval) as JSON. "
+                       "Item formats: docs/eval.md; samples: examples/eval/. Datasets are never downloaded.")
+    e.add_argument("--task", required=True, choices=TASKS, help="answer extraction and prompt format")
+    e.add_argument("--data", required=True, help="JSONL file of items in the task's format")
+    e.add_argument("--num-repeats", "-n", type=_positive_int, default=4, help="samples per item")
+    e.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    e.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    e.add_argument("--max-tokens", type=_positive_int, default=None,
+                   help="output tokens per sample (default: what the context leaves)")
+    e.add_argument("--no-thinking", action="store_true", help="thinking off (on by default)")
+    e.add_argument("--sample-seed", type=int, default=0, help="base of the fixed per-(item, repeat) seeds")
+    e.add_argument("--log", default=None, help="per-sample JSONL log, resumed when it exists "
+                   "(default: ./<data name>.<task>.log.jsonl)")
+    e.add_argument("--restart", action="store_true", help="discard the log and start over")
+    e.add_argument("--output", default=None, help="also write the report JSON here")
+    e.add_argument("--chunk-size", type=_positive_int, default=256,
+                   help="samples submitted (and logged) at a time: what an interruption can lose")
+    e.add_argument("--url", default=None, help="a running `deepinfer serve` (or any OpenAI-compatible server) "
+                   "instead of loading --model; --model is then the model name to request")
+    e.add_argument("--api-key", default="EMPTY", help="with --url: the server's key")
+    e.add_argument("--concurrency", type=_positive_int, default=16, help="with --url: requests open at once")
+    e.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    add_engine_options(e)
+    e.set_defaults(func=run_eval)
+
+
+def run_eval(args: argparse.Namespace, model_obj=None) -> int:
+    """Run ``eval``: the items are checked before the model loads; 130 when interrupted (the log keeps what
+    finished and the next run resumes), else 0."""
+    from deepinfer import evals
+
+    items = evals.load_items(args.task, args.data)
+    log = Path(args.log or f"{Path(args.data).stem}.{args.task}.log.jsonl")
+    if log.is_dir():
+        raise ValueError(f"--log {log}: is a directory")
+    if args.output and Path(args.output).resolve() == log.resolve():
+        raise ValueError("--output names the --log file")
+    settings = evals.EvalSettings(task=args.task, num_repeats=args.num_repeats, temperature=args.temperature,
+                                  top_p=args.top_p, max_tokens=args.max_tokens, thinking=not args.no_thinking,
+                                  seed=args.sample_seed, model=args.model if args.url else None,
+                                  checkpoint=None if args.url else (args.model or "tiny"))
+    if not args.restart:
+        evals.read_log(log, settings)  # a log of other settings fails before the model loads
+    if args.url:
+        generate = evals.server_generate(args.url, args.api_key, args.concurrency)
+        source = args.url
+    else:
+        llm = load_llm(args, model_obj=model_obj)
+        generate, source = evals.engine_generate(llm), llm.served_model_name
+    progress = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = evals.run_eval(items, settings, generate, log, restart=args.restart, chunk_size=args.chunk_size,
+                            progress=progress)
+    report = {"model": source, "data": str(args.data), **report}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+    if not report["complete"]:
+        print(f"deepinfer: eval interrupted: finished samples are in {log}; run again to resume", file=sys.stderr)
+        return 130
     return 0
 
 
