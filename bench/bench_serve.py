@@ -16,7 +16,7 @@ Prompts: --dataset random (default) sends token-id prompts of --input-len tokens
 instead: each line is {"prompt": text or token ids, "max_tokens"?} (/v1/completions) or {"messages": [...],
 "max_tokens"?} (/v1/chat/completions); a line without max_tokens gets --output-len.
 
-Sweep: each point runs --num-prompts requests; a point is one request rate (Poisson arrivals, or gamma with
+Sweep: each point runs --num-prompts requests (default: 4 x its concurrency, at least 16); a point is one request rate (Poisson arrivals, or gamma with
 --burstiness; inf = all at once) with at most --max-concurrency open requests, or one concurrency (--concurrency:
 rate inf, at most N open). Both lists given: every pair. One warm-up request runs before the first point.
 
@@ -283,6 +283,13 @@ def sweep_points(args) -> list[tuple[float, int | None]]:
     return [(r, args.max_concurrency) for r in (rates or [math.inf])]
 
 
+def num_prompts(args, rate: float, conc: int | None) -> int:
+    """Requests of one sweep point: ``--num-prompts``, else 4 waves of the concurrency (at least 16), else 256."""
+    if args.num_prompts is not None:
+        return args.num_prompts
+    return max(16, 4 * conc) if conc else 256
+
+
 # ---------------------------------------------------------------------------- the server
 class ServeProcess:
     """``deepinfer serve`` in a subprocess on 127.0.0.1 at a free port; ``url`` once /health answers ok."""
@@ -350,10 +357,11 @@ async def bench(url: str, api_key: str, model: str | None, requests: list[BenchR
         goodput = parse_goodput(args.goodput)
         rows, per_request = [], []
         for k, (rate, conc) in enumerate(points):
-            results, duration = await run_point(client, model, requests, rate, conc, args.burstiness, args.seed + k)
+            reqs = requests[:num_prompts(args, rate, conc)]
+            results, duration = await run_point(client, model, reqs, rate, conc, args.burstiness, args.seed + k)
             stats = summarize(results, duration, goodput)
             shape = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": conc,
-                     "num_prompts": len(requests), "dataset": args.dataset,
+                     "num_prompts": len(reqs), "dataset": args.dataset,
                      "input_len": args.input_len if args.dataset == "random" else None,
                      "output_len": args.output_len, "burstiness": args.burstiness, "model": model,
                      "checkpoint": args.checkpoint or model}
@@ -378,14 +386,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-layers", type=int, default=None, help="depth of the generated checkpoint")
     p.add_argument("--num-experts", type=int, default=64, help="routed experts of the generated checkpoint")
     p.add_argument("--work-dir", default=None, help="where the generated checkpoint goes")
-    p.add_argument("--serve-args", default="--max-num-seqs 256 --max-num-batched-tokens 8192",
-                   help="extra arguments of the started `deepinfer serve`")
+    p.add_argument("--serve-args", default=None,
+                   help="extra arguments of the started `deepinfer serve` (default: --max-num-seqs = the largest "
+                   "concurrency (at least 256), --max-num-batched-tokens 8192, --max-model-len = the longest "
+                   "request + 128)")
     p.add_argument("--server-start-timeout", type=float, default=1800.0, help="seconds to wait for /health")
     p.add_argument("--dataset", default="random", help="random, or a JSONL file of prompts (see the docstring)")
     p.add_argument("--input-len", type=int, default=1024, help="random prompts: tokens per prompt")
     p.add_argument("--output-len", type=int, default=128, help="output tokens per request (ignore_eos for random)")
     p.add_argument("--range-ratio", type=float, default=0.0, help="random prompts: input length spread (0..1)")
-    p.add_argument("--num-prompts", type=int, default=512, help="requests per sweep point")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="requests per sweep point (default: 4 x the point's concurrency, at least 16; 256 for a "
+                   "request-rate point without a cap)")
     p.add_argument("--request-rates", default=None, help="comma list of requests/s (inf: all at once)")
     p.add_argument("--concurrency", default="1,4,16,64,256", help="comma list of most open requests")
     p.add_argument("--max-concurrency", type=int, default=None, help="cap of a request-rate sweep")
@@ -411,7 +423,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.request_rates is not None and args.concurrency == p.get_default("concurrency"):
         args.concurrency = None  # a rate sweep: the default concurrency list is not crossed with it
     for name in ("num_prompts", "input_len", "output_len"):
-        if getattr(args, name) < 1:
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}: expected >= 1, got {getattr(args, name)}")
     if not 0 <= args.range_ratio < 1:
         p.error(f"--range-ratio: expected 0 <= r < 1, got {args.range_ratio}")
@@ -420,12 +432,20 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         points = sweep_points(args)
         parse_goodput(args.goodput)
+        n = max(num_prompts(args, rate, conc) for rate, conc in points)
         if args.dataset == "random":
-            requests = random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, args.seed)
+            requests = random_requests(n, args.input_len, args.output_len, args.range_ratio, args.seed)
         else:
-            requests = jsonl_requests(args.dataset, args.num_prompts, args.output_len, args.seed)
+            requests = jsonl_requests(args.dataset, n, args.output_len, args.seed)
     except ValueError as e:
         p.error(str(e))
+    if args.serve_args is None:
+        longest = round(args.input_len * (1 + args.range_ratio)) + args.output_len
+        if args.dataset != "random":
+            longest = 0  # unknown: the model's own limit
+        most = max([c for _, c in points if c] + [256])
+        args.serve_args = f"--max-num-seqs {most} --max-num-batched-tokens 8192" + (
+            f" --max-model-len {longest + 128}" if longest else "")
     server, tmp, model = None, None, args.model
     args.checkpoint = model
     try:
