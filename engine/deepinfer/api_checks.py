@@ -145,6 +145,7 @@ COMPLETIONS_FIELDS = {  # /v1/completions (the server's; no chat template)
     "logprobs": _f("int", lo=0, hi=5, only=0, why="use /v1/chat/completions for logprobs"),
     "echo": _f("bool", only=False, why="the prompt is not echoed"),
     "suffix": _f("string", only="", why="insertion (a suffix) is not supported"),
+    "ignore_eos": _f("bool"),  # vLLM's extension: generate max_tokens tokens (benchmarks)
 }
 FIELDS = {"chat": CHAT_FIELDS, "messages": MESSAGES_FIELDS, "responses": RESPONSES_FIELDS,
           "completions": COMPLETIONS_FIELDS}

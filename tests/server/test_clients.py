@@ -115,7 +115,14 @@ def test_messages_api(server, claude, thinking):
     deltas = [ev.delta for ev in events if ev.type == "content_block_delta"]
     assert "".join(getattr(d, "thinking", "") or getattr(d, "text", "") for d in deltas) == "".join(
         getattr(b, "thinking", "") or getattr(b, "text", "") for b in final.content)
-    if not thinking:
+    # the same blocks, streamed or not: a thinking-only answer gets its empty text block in the stream too
+    assert [b.type for b in final.content] == [b.type for b in m.content]
+    if thinking:  # the tiny model never closes its thinking within 10 tokens
+        assert [b.type for b in m.content] == ["thinking", "text"] and m.content[1].text == final.content[1].text == ""
+        starts = [ev for ev in events if ev.type == "content_block_start"]
+        assert [(ev.index, ev.content_block.type) for ev in starts] == [(0, "thinking"), (1, "text")]
+        assert types[-4:] == ["content_block_start", "content_block_stop", "message_delta", "message_stop"]
+    else:
         assert [b.text for b in final.content] == [b.text for b in m.content]
 
 

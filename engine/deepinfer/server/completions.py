@@ -75,7 +75,8 @@ def prepare_completion(llm, body: dict, stream: bool = False) -> PreparedComplet
 
     Fields (``api_checks.COMPLETIONS_FIELDS``, checked by ``check_request``): ``prompt`` (text, or token ids; a list
     holding one of them), ``max_tokens`` (default 16), ``temperature``, ``top_p``, ``top_k``, ``seed``, ``stop``,
-    ``frequency_penalty``, ``presence_penalty``, ``logit_bias``; ``n``, ``best_of`` > 1, ``echo``, ``suffix`` and
+    ``frequency_penalty``, ``presence_penalty``, ``logit_bias``, ``ignore_eos`` (vLLM's: run to ``max_tokens``,
+    for benchmarks); ``n``, ``best_of`` > 1, ``echo``, ``suffix`` and
     ``logprobs`` are refused.
 
     Raises:
@@ -96,7 +97,8 @@ def prepare_completion(llm, body: dict, stream: bool = False) -> PreparedComplet
     params = SamplingParams(
         temperature=float(1.0 if body.get("temperature") is None else body["temperature"]),
         top_p=float(1.0 if body.get("top_p") is None else body["top_p"]),
-        max_tokens=max_tokens, seed=llm._draw_seed() if drawn else seed, **chat_logit_options(body))
+        max_tokens=max_tokens, seed=llm._draw_seed() if drawn else seed, ignore_eos=body.get("ignore_eos") is True,
+        **chat_logit_options(body))
     try:
         params.validate(fe.vocab_size)
     except ValueError as e:
