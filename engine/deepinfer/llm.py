@@ -579,6 +579,9 @@ class LLM:
                 continue
             try:
                 results[i] = pc.finish(seq.finish_reason or "stop")
+            except RequestError as e:  # an answer that breaks the request's contract (no call where one was required)
+                pc.close()
+                results[i] = {"error": e.record}
             except Exception as e:  # noqa: BLE001
                 results[i] = {"error": {"message": f"output parsing failed: {e}", "type": "server_error",
                                         "code": "output_parsing_failed", "param": None, "status_code": 500}}
