@@ -243,8 +243,12 @@ def _batch_id(custom_id: str) -> str:
 
 
 def _batch_error(line_no: int, custom_id, message: str, param: str) -> dict:
+    """A refused Batch line's record. Its ``id`` names the line (``batch_req_line<N>_<hash>``): a repeated
+    ``custom_id`` must not share the first line's id, and an answered line's id (hex after ``batch_req_``) never
+    takes that form."""
     cid = custom_id if isinstance(custom_id, str) else None
-    return {"id": _batch_id(cid or f"line-{line_no}"), "custom_id": cid, "response": None,
+    rid = f"batch_req_line{line_no}_" + _batch_id(cid or "")[len("batch_req_"):][:12]
+    return {"id": rid, "custom_id": cid, "response": None,
             "error": {"code": "invalid_batch_line", "message": f"line {line_no}: {message}", "param": param,
                       "line": line_no}}
 
