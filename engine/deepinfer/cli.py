@@ -16,19 +16,31 @@ of distinct outputs and the first diverging token (exit status 1 when ``--batch-
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import glob
-import json
 import os
 import signal
 import sys
-import warnings
-from pathlib import Path
 
-from deepinfer import MODEL_PRESETS
-from deepinfer.api_checks import is_error_record
-from deepinfer.sequence import interrupted_error
+_EARLY_SIGNALS: list[int] = []  # signals before ``main`` installed its handler (it acts on them after start-up)
+
+
+def _note_early_signal(signum, frame) -> None:
+    _EARLY_SIGNALS.append(signum)
+
+
+if __name__ == "__main__" or os.path.basename(sys.argv[0] if sys.argv else "") == "deepinfer":
+    for _sig in (signal.SIGINT, signal.SIGTERM):  # first thing: only a signal before this line still ends it (143)
+        signal.signal(_sig, _note_early_signal)
+
+import argparse  # noqa: E402 - after the handler above
+import contextlib  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from deepinfer import MODEL_PRESETS  # noqa: E402
+from deepinfer.api_checks import is_error_record  # noqa: E402
+from deepinfer.sequence import interrupted_error  # noqa: E402
 
 
 def _read_lines(path: str) -> list[bytes]:
@@ -156,7 +168,9 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
         raise ValueError("--summary-json names the --output file: the summary would replace the results")
     records, custom_ids, bodies, where = _parse_lines(lines, args.api)
     llm = None
+    _preload()
     try:
+        _phase("run")  # raises a start-up signal now: every line gets its record
         llm = load_llm(args, cfg, model_obj, created=args.created)
         print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
         results = llm.chat(bodies, api=args.api, use_tqdm=not args.no_progress)
@@ -168,7 +182,9 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
             records[i] = _batch_output(custom_ids[i], res)
         else:
             records[i] = {"line": i + 1, "error": res["error"]} if is_error_record(res) else res
+    _phase("write")
     out.write(records)
+    _phase("done")
     if llm is not None:
         stats = llm.last_stats
         stats.num_requests = len(lines)
@@ -181,6 +197,9 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     if interrupted:
         print("deepinfer: interrupted: finished requests were written, the others carry an 'interrupted' error "
               "record", file=sys.stderr)
+        return 130
+    if _HANDLER is not None and _HANDLER.in_write:
+        print("deepinfer: interrupted after the run: every result was written", file=sys.stderr)
         return 130
     return 0
 
@@ -236,8 +255,12 @@ def _batch_id(custom_id: str) -> str:
 
 
 def _batch_error(line_no: int, custom_id, message: str, param: str) -> dict:
+    """A refused Batch line's record. Its ``id`` names the line (``batch_req_line<N>_<hash>``): a repeated
+    ``custom_id`` must not share the first line's id, and an answered line's id (hex after ``batch_req_``) never
+    takes that form."""
     cid = custom_id if isinstance(custom_id, str) else None
-    return {"id": _batch_id(cid or f"line-{line_no}"), "custom_id": cid, "response": None,
+    rid = f"batch_req_line{line_no}_" + _batch_id(cid or "")[len("batch_req_"):][:12]
+    return {"id": rid, "custom_id": cid, "response": None,
             "error": {"code": "invalid_batch_line", "message": f"line {line_no}: {message}", "param": param,
                       "line": line_no}}
 
@@ -641,31 +664,107 @@ def _run_make_checkpoint(args: argparse.Namespace) -> int:
 
 
 class _Interrupts:
-    """SIGINT / SIGTERM handling of the CLI. The first signal raises ``KeyboardInterrupt`` (a run ends with its
-    finished results and ``interrupted`` records, exit 130); a second one, while that is being handled, raises
-    ``SystemExit(130)``: the output is abandoned (its temporary file removed) and the exit status is still 130."""
+    """SIGINT / SIGTERM handling of the CLI, by phase (exit status 130 whenever a signal came):
 
-    def __init__(self) -> None:
+    - ``start-up`` (the imports before the run): a signal is noted, not raised (a ``KeyboardInterrupt`` inside an
+      import leaves modules half-initialised, e.g. numpy's lazily imported ``numpy.ma``); ``arm()`` raises it once
+      the imports are done, so it ends like an interrupted run. A second one exits at once, writing nothing.
+    - ``run`` (loading and the run): the first signal raises ``KeyboardInterrupt`` (finished results and
+      ``interrupted`` records are written); a second one, while that is handled, ``SystemExit(130)``, writing nothing.
+    - ``write``: a first signal is noted and the write finishes (no record is lost); a further one aborts it with
+      ``SystemExit(130)``: the temporary file is removed, so the output file is complete or absent, never partial
+      (stdout, a device or a FIFO are written in place: there it ends part-way).
+    - ``done`` (after the write): noted only; everything is already written.
+    """
+
+    def __init__(self, phase: str = "start-up") -> None:
         self.count = 0
+        self.phase = phase
+        self.pending = False  # a start-up signal that ``arm`` raises
+        self.in_write = False  # a signal came during the write or after it
 
     def __call__(self, signum, frame) -> None:
         self.count += 1
+        if self.phase == "start-up":
+            if self.count == 1:
+                self.pending = True
+                return
+            print("deepinfer: interrupted again: exiting during start-up, writing nothing", file=sys.stderr)
+            raise SystemExit(130)
+        if self.phase == "write":
+            if self.count == 1:
+                self.in_write = True
+                print("deepinfer: interrupted: finishing the output first (interrupt again to abandon it)",
+                      file=sys.stderr)
+                return
+            print("deepinfer: interrupted again: the output was abandoned (a file output is not written at all)",
+                  file=sys.stderr)
+            raise SystemExit(130)
+        if self.phase == "done":
+            self.in_write = True
+            print("deepinfer: interrupted: the results were already written", file=sys.stderr)
+            return
         if self.count == 1:
             raise KeyboardInterrupt
         print("deepinfer: interrupted again: exiting without writing results", file=sys.stderr)
         raise SystemExit(130)
+
+    def arm(self) -> None:
+        """End start-up: from now a signal interrupts; one that came during start-up does so now."""
+        self.phase = "run"
+        if self.pending:
+            self.pending = False
+            raise KeyboardInterrupt
+
+
+#: the handler ``main`` installed, while it runs; None otherwise
+_HANDLER: _Interrupts | None = None
+
+
+def _phase(name: str) -> None:
+    if _HANDLER is not None:
+        if name == "run":
+            _HANDLER.arm()
+        else:
+            _HANDLER.phase = name
+
+
+def _install_handler() -> dict:
+    """Install a start-up ``_Interrupts`` for SIGINT and SIGTERM; returns the previous handlers."""
+    global _HANDLER
+    _HANDLER = _Interrupts()
+    return {sig: signal.signal(sig, _HANDLER) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _forget_handler() -> None:
+    global _HANDLER
+    _HANDLER = None
+
+
+def _preload() -> None:
+    """The imports a run needs, done during start-up (signals deferred) rather than lazily during the run."""
+    import numpy.ma  # noqa: F401 - numpy imports it lazily; a signal inside that import broke numpy for good
+    import torch  # noqa: F401
+
+    import deepinfer.llm  # noqa: F401
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point. A bad argument, a missing file or a bad checkpoint ends with one ``deepinfer: error: ...`` line
     on stderr and exit code 2 (``DEEPINFER_DEBUG=1`` re-raises with the traceback). Ctrl-C or SIGTERM during
     ``generate`` (start-up, loading or the run) writes the finished results and an ``interrupted`` error record for
-    every other line, exit 130; a second Ctrl-C exits 130 at once, writing nothing."""
+    every other line, exit 130; a second one exits 130 at once, writing nothing. During the output write a first
+    signal lets the write finish and a second abandons it (the file is then absent, never partial); see
+    ``_Interrupts``."""
+    previous = _install_handler()
+    for signum in _EARLY_SIGNALS:  # they came before the handler: acted on as start-up signals
+        _HANDLER(signum, None)
+    _EARLY_SIGNALS.clear()
     args = build_parser().parse_args(argv)
     if not hasattr(args, "func"):
         return 0
-    handler = _Interrupts()
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    if args.func is not run_generate:
+        _phase("run")  # generate arms after its imports (run_generate)
     show = warnings.showwarning
     warnings.showwarning = lambda message, *rest: print(f"deepinfer: warning: {message}", file=sys.stderr)
     try:
@@ -682,8 +781,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         warnings.showwarning = show
-        for sig, prev in previous.items():
+        _phase("done")  # a signal from here on is noted, never a traceback
+        for sig, prev in previous.items():  # as the CLI: the early handler again, so a late signal is quiet
             signal.signal(sig, prev)
+        _forget_handler()
 
 
 if __name__ == "__main__":

@@ -53,9 +53,14 @@ class RequestOutput:
     error: dict | None = None
 
 
+NO_THROUGHPUT = "no request finished: tok/s not measured (reported as 0)"
+
+
 @dataclass
 class EngineStats:
-    """Counters of one ``LLM`` run (prefill/decode times split per step in proportion to their tokens)."""
+    """Counters of one ``LLM`` run (prefill/decode times split per step in proportion to their tokens). When no
+    request finished (all refused, failed or interrupted), ``summary()`` reports the tok/s figures as 0 and says so
+    in ``note`` (otherwise null): steps of requests that never finished measure nothing the output shows."""
 
     num_requests: int = 0
     num_errors: int = 0
@@ -80,6 +85,9 @@ class EngineStats:
     steps: list[tuple[int, int, float, float, float, float]] = field(default_factory=list)
 
     def summary(self) -> dict:
+        # some request finished (or, for stats built from steps alone, there are steps): the rates mean something
+        measured = self.num_requests > self.num_errors or (self.num_requests == 0 and bool(self.steps))
+
         def mean(x: list[float]) -> float:
             return sum(x) / len(x) if x else 0.0
 
@@ -91,13 +99,14 @@ class EngineStats:
             return x[h] if len(x) % 2 else (x[h - 1] + x[h]) / 2
 
         def median_rate(pure: list[tuple[int, float]]) -> float:
-            return median([n / dt for n, dt in pure if dt > 0])
+            return median([n / dt for n, dt in pure if dt > 0]) if measured else 0.0
 
         return {
             "requests": self.num_requests, "errors": self.num_errors,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-            "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0,
-            "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0,
+            "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 and measured else 0.0,
+            "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 and measured else 0.0,
+            "note": None if measured else NO_THROUGHPUT,
             "prefill_tok_s_median": median_rate([(p, dt) for d, p, dt, *_ in self.steps if p and not d]),
             "decode_tok_s_median": median_rate([(d, dt) for d, p, dt, *_ in self.steps if d and not p]),
             "prefill_step_ms_median": 1000 * median([dt for d, p, dt, *_ in self.steps if p and not d]),
@@ -114,9 +123,11 @@ class EngineStats:
 
     def format(self) -> str:
         s = self.summary()
+        rates = (f"prefill {s['prefill_tok_s']:.1f} tok/s | decode {s['decode_tok_s']:.1f} tok/s | "
+                 f"TTFT {s['ttft_ms']:.1f} ms | TPOT {s['tpot_ms']:.1f} ms") if s["note"] is None else \
+            f"prefill n/a | decode n/a ({s['note']})"
         return (f"requests {s['requests']} (errors {s['errors']}) | prompt tokens {s['prompt_tokens']} | "
-                f"completion tokens {s['completion_tokens']} | prefill {s['prefill_tok_s']:.1f} tok/s | "
-                f"decode {s['decode_tok_s']:.1f} tok/s | TTFT {s['ttft_ms']:.1f} ms | TPOT {s['tpot_ms']:.1f} ms | "
+                f"completion tokens {s['completion_tokens']} | {rates} | "
                 f"steps {s['steps']} | preemptions {s['preemptions']} | wall {s['wall_s']:.2f} s")
 
 
@@ -587,6 +598,9 @@ class LLM:
                 continue
             try:
                 results[i] = pc.finish(seq.finish_reason or "stop")
+            except RequestError as e:  # an answer that breaks the request's contract (no call where one was required)
+                pc.close()
+                results[i] = {"error": e.record}
             except Exception as e:  # noqa: BLE001
                 results[i] = {"error": {"message": f"output parsing failed: {e}", "type": "server_error",
                                         "code": "output_parsing_failed", "param": None, "status_code": 500}}

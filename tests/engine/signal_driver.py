@@ -1,10 +1,11 @@
 """Runs ``deepinfer generate`` in a subprocess for the signal tests (test_cli_signals.py). It prints a marker line on
 stderr when it reaches a phase, then waits there so the test can send a signal:
 
-- ``import``: the first ``import torch`` (start-up) prints ``phase: import`` and sleeps;
+- ``import``: the first ``import torch`` (start-up) prints ``phase: import`` and waits for a signal;
 - ``load``: loading the tiny checkpoint prints ``phase: load`` and sleeps;
 - ``run``: each forward of a fake model prints ``phase: run`` and sleeps 0.2 s;
-- ``write``: like ``run``, and writing the output prints ``phase: write`` and sleeps first.
+- ``write``: like ``run``, and writing the output prints ``phase: write`` and waits for a signal first;
+- ``after``: like ``run``, and once the output is written prints ``phase: after`` and waits for a signal.
 
 Usage: ``python signal_driver.py PHASE -- GENERATE_ARGS...``.
 """
@@ -23,12 +24,23 @@ def say(phase: str) -> None:
     print(f"phase: {phase}", file=sys.stderr, flush=True)
 
 
+def wait_for_signal(seconds: float = 60) -> None:
+    """Sleep until the CLI's handler counts one more signal (a handler that does not raise lets ``time.sleep`` go
+    on), or ``seconds``."""
+    cli = sys.modules.get("deepinfer.cli")
+    handler = lambda: getattr(cli, "_HANDLER", None)  # noqa: E731
+    start = handler().count if handler() else 0
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not (handler() and handler().count > start):
+        time.sleep(0.05)
+
+
 class _SlowTorchImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
             sys.meta_path.remove(self)
             say("import")
-            time.sleep(60)
+            wait_for_signal()
         return None
 
 
@@ -60,13 +72,18 @@ def main() -> int:
     run_generate = cli.run_generate
     cli.run_generate = lambda args: run_generate(args, model_obj=Slow(FakeConfig(max_position_embeddings=1024,
                                                                                eos_every=10**9)))
-    if phase == "write":
+    if phase in ("write", "after"):
         write = cli._Output.write
 
         def slow_write(self, records):
-            say("write")
-            time.sleep(60)
-            return write(self, records)
+            if phase == "write":
+                say("write")
+                wait_for_signal()
+            write(self, records)
+            if phase == "after":
+                cli._phase("done")  # as run_generate does next
+                say("after")
+                wait_for_signal()
 
         cli._Output.write = slow_write
     return cli.main(argv)

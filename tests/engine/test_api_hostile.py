@@ -9,7 +9,7 @@ import random
 import pytest
 
 from deepinfer import LLM
-from deepinfer.api_checks import MAX_NESTING, MAX_STOP_SEQUENCES
+from deepinfer.api_checks import MAX_NESTING, MAX_OUTPUT_TOKENS, MAX_STOP_SEQUENCES
 from deepinfer.chat import ChatFrontend, RequestError, is_error_record, packaged_tokenizer_json
 from fake_model import FakeConfig, FakeModel, ScriptedModel
 
@@ -80,14 +80,14 @@ def test_messages_top_k_applied_and_thinking_off_unless_asked(fe):
     pc = fe.prepare({"messages": [USER], "max_tokens": 4, "top_k": 5, "temperature": 0.5}, api="messages")
     assert pc.params.top_k == 5 and not pc.thinking and pc.params.temperature == 0.5
     assert pc.prompt_token_ids[-1] != 128821  # no <think> opened
-    on = fe.prepare({"messages": [USER], "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+    on = fe.prepare({"messages": [USER], "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}},
                     api="messages")
     assert on.thinking and on.prompt_token_ids[-1] == 128821
     assert fe.prepare({"messages": [USER], "max_tokens": 4}).thinking  # Chat keeps DeepSeek's default
 
 
 def test_messages_answer_cut_inside_thinking_still_has_a_text_block(fe):
-    out = run(fe, {"messages": [USER], "max_tokens": 4, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+    out = run(fe, {"messages": [USER], "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}},
               fe.tokenizer.encode("Let me think"), "length", api="messages")
     assert [b["type"] for b in out["content"]] == ["thinking", "text"] and out["stop_reason"] == "max_tokens"
 
@@ -279,3 +279,182 @@ def test_fuzzed_top_level_fields_answer_or_name_the_field(fe, api):
             except RequestError as e:
                 param = e.record["param"] or ""
                 assert param.split("[")[0].split(".")[0] == name, (name, value, e.record)
+
+
+# ------------------------------------------------------------------ round two (issue 25, hostile input again)
+def _entries(out, key="content"):
+    return [e["token"] for e in out["choices"][0]["logprobs"][key]]
+
+
+@pytest.mark.parametrize("text", ["{}", "{}\n", "Sure: {}", '{"a": 1}'])
+def test_json_object_logprobs_list_each_token_once(fe, text):
+    """The recipe split one token's text (``{}``) over several chunks, each with that token's logprob entry."""
+    ids = fe.tokenizer.encode(text)
+    body = {"messages": [{"role": "user", "content": "answer in json"}], "thinking": OFF, "max_tokens": 20,
+            "logprobs": True, "top_logprobs": 1, "response_format": {"type": "json_object"}}
+    out = run(fe, body, ids, top=lambda t: [(t, -0.5)])
+    assert len(_entries(out)) == len(ids), _entries(out)
+    assert "".join(_entries(out)) == text
+
+
+def test_streamed_json_object_logprobs_list_each_token_once(fe):
+    body = {"messages": [{"role": "user", "content": "answer in json"}], "thinking": OFF, "max_tokens": 20,
+            "logprobs": True, "response_format": {"type": "json_object"}}
+    ids = fe.tokenizer.encode("{}\n")
+    pc = fe.prepare(body, stream=True)
+    for t in ids:
+        pc.push_token(t, -0.5)
+    out = pc.finish("stop")
+    streamed = [e["token"] for _, ev in pc.take_events() for c in ev.get("choices") or []
+                for e in ((c.get("logprobs") or {}).get("content") or [])]
+    assert streamed == _entries(out) == ["{}\n"]
+
+
+def test_a_later_think_end_token_stays_in_the_answer(fe):
+    """Thinking on, logit_bias toward ``</think>``: the first one ends the reasoning, later ones are answer text
+    (they were dropped, with their logprob entries)."""
+    e = fe.tokenizer.encode
+    ids = e("ab") + [THINK_END] + e("cd") + [THINK_END, THINK_END] + e("ef")
+    out = run(fe, {"messages": [USER], "logprobs": True, "max_tokens": 20}, ids)
+    msg = out["choices"][0]["message"]
+    assert msg["reasoning_content"] == "ab" and msg["content"] == "cd</think></think>ef"
+    assert _entries(out) == ["cd", "</think>", "</think>", "ef"] and _entries(out, "reasoning_content") == ["ab"]
+    assert out["usage"]["completion_tokens"] == len(ids)
+    assert out["usage"]["completion_tokens_details"]["reasoning_tokens"] == 1
+    body = {"messages": [USER], "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}}
+    blocks = run(fe, body, ids, api="messages")["content"]
+    assert blocks[0]["thinking"] == "ab" and blocks[1] == {"type": "text", "text": "cd</think></think>ef"}
+
+
+def test_logit_bias_toward_think_end_keeps_every_token():
+    llm = LLM(FakeModel(FakeConfig(max_position_embeddings=1024, eos_every=10 ** 9)), num_blocks=16, created=0)
+    out = llm.chat([{"messages": [USER], "max_tokens": 4, "seed": 1, "logprobs": True,
+                     "logit_bias": {str(THINK_END): 100}}])[0]
+    assert out["choices"][0]["message"]["content"] == "</think>" * 3
+    assert len(out["choices"][0]["logprobs"]["content"]) == 3 and out["usage"]["completion_tokens"] == 4
+
+
+GOOD_CALL = dsml("get_weather", "Paris")[len("<｜DSML｜tool_calls>"):]  # the prompt opened the block
+
+
+@pytest.mark.parametrize("api,choice,tools", [
+    ("chat", "required", [WEATHER]),
+    ("chat", {"type": "function", "function": {"name": "get_weather"}}, [WEATHER]),
+    ("messages", {"type": "tool", "name": "get_weather"}, [WEATHER_MSG]),
+    ("messages", {"type": "any"}, [WEATHER_MSG]),
+    ("responses", "required", [WEATHER_RESP]),
+])
+def test_a_required_call_is_a_call_or_an_error(fe, api, choice, tools):
+    base = {"chat": {"messages": [USER], "thinking": OFF, "max_tokens": 100},
+            "messages": {"messages": [USER], "max_tokens": 100},
+            "responses": {"input": "hi", "reasoning": {"effort": "none"}, "max_output_tokens": 100}}[api]
+    body = {**base, "tools": tools, "tool_choice": choice}
+    pc = fe.prepare(body, api=api)
+    prefix = "" if pc.starts_in_tool_calls else "<｜DSML｜tool_calls>"
+    out = run(fe, body, fe.tokenizer.encode(prefix + GOOD_CALL), api=api)
+    assert json.dumps(out).count("Paris") >= 1 and ("tool_calls" in json.dumps(out) or "tool_use" in json.dumps(out)
+                                                    or "function_call" in json.dumps(out))
+    with pytest.raises(RequestError) as e:
+        run(fe, body, fe.tokenizer.encode("hello world"), api=api)
+    assert e.value.record["param"] == "tool_choice" and e.value.record["code"] == "tool_call_missing"
+    assert e.value.record["status_code"] == 500 and "hello world" in str(e.value)
+
+
+def test_a_required_call_that_is_missing_is_an_error_record():
+    llm = LLM(ScriptedModel(FakeTok.encode("no call here")), num_blocks=16, max_model_len=4096, created=0)
+    ok = {"messages": [USER], "thinking": OFF, "max_tokens": 20, "seed": 1}
+    outs = llm.chat([{**ok, "tools": [WEATHER], "tool_choice": "required"}, ok])
+    assert is_error_record(outs[0]) and outs[0]["error"]["code"] == "tool_call_missing"
+    assert not is_error_record(outs[1])  # the other request is answered
+
+
+@pytest.mark.parametrize("api,body", [
+    ("chat", {"messages": [USER], "tool_choice": "required"}),
+    ("chat", {"messages": [USER], "tool_choice": "required", "tools": []}),
+    ("messages", {"messages": [USER], "max_tokens": 4, "tool_choice": {"type": "any"}}),
+    ("messages", {"messages": [USER], "max_tokens": 4, "tool_choice": {"type": "tool", "name": "f"}}),
+    ("responses", {"input": "hi", "tool_choice": "required"}),
+    ("chat", {"messages": [USER], "tools": [WEATHER], "tool_choice": "required"}),  # thinking on: the recipe refuses
+])
+def test_tool_choice_that_cannot_be_met_is_a_400_naming_it(fe, api, body):
+    with pytest.raises(RequestError) as e:
+        fe.prepare(body, api=api)
+    assert e.value.record["param"] == "tool_choice" and e.value.record["status_code"] == 400, e.value.record
+
+
+ROUND2 = [  # (api, body, param, words in the message)
+    ("chat", {"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "string or an array"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages[0].name", "string"),
+    ("chat", {"messages": [{"role": "user", "content": "x", "bogus": 1}]}, "messages[0].bogus", "unrecognized"),
+    ("chat", {"messages": [{"role": "user"}]}, "messages[0].content", "required"),
+    ("chat", {"messages": [{"role": "martian", "content": "x"}]}, "messages[0].role", "one of"),
+    ("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages[0].content[0].text",
+     "string"),
+    ("chat", {"messages": [USER, {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "type": "function",
+              "function": {"arguments": "{}"}}]}]}, "messages[1].tool_calls[0].function.name", "required"),
+    ("chat", {"messages": [USER], "tools": [5]}, "tools[0]", "object"),
+    ("chat", {"messages": [USER], "tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name",
+     "string"),
+    ("chat", {"messages": [USER], "thinking": {"type": "enabled", "budget_tokens": -5}}, "thinking.budget_tokens",
+     ">= 1024"),
+    ("chat", {"messages": [USER], "thinking": {"type": "sometimes"}}, "thinking.type", "one of"),
+    ("chat", {"messages": [USER], "tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}},
+     "tool_choice.function.name", "required"),
+    ("chat", {"messages": [USER], "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": 5}}},
+     "tool_choice.function.name", "string"),
+    ("chat", {"messages": [USER], "tool_choice": "sometimes"}, "tool_choice", "one of"),
+    ("chat", {"messages": [USER], "max_tokens": 2 ** 62}, "max_tokens", f"[1, {MAX_OUTPUT_TOKENS}]"),
+    ("chat", {"messages": [USER], "max_completion_tokens": MAX_OUTPUT_TOKENS + 1}, "max_completion_tokens", "limit"),
+    ("chat", {"messages": [USER], "logit_bias": {" 5": 1}}, "logit_bias", "canonical"),
+    ("chat", {"messages": [USER], "logit_bias": {"05": 1}}, "logit_bias", "canonical"),
+    ("messages", {"messages": [{"role": "system", "content": "x"}, USER], "max_tokens": 4}, "messages[0].role",
+     "top-level system"),
+    ("messages", {"messages": [{**USER, "cache": 1}], "max_tokens": 4}, "messages[0].cache", "unrecognized"),
+    ("messages", {"messages": [USER], "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 0}},
+     "thinking.budget_tokens", ">= 1024"),
+    ("messages", {"messages": [USER], "max_tokens": 2000, "thinking": {"type": "enabled", "budget_tokens": 2000}},
+     "thinking.budget_tokens", "less than max_tokens"),
+    ("messages", {"messages": [USER], "max_tokens": 4, "tools": [WEATHER_MSG], "tool_choice": {"type": "tool"}},
+     "tool_choice.name", "required"),
+    ("responses", {"input": "hi", "truncation": "banana"}, "truncation", "'auto', 'disabled'"),
+    ("responses", {"input": "hi", "max_output_tokens": 2 ** 40}, "max_output_tokens", f"[1, {MAX_OUTPUT_TOKENS}]"),
+]
+
+
+@pytest.mark.parametrize("api,body,param,words", ROUND2)
+def test_nested_fields_are_named_by_their_path(fe, api, body, param, words):
+    with pytest.raises(RequestError) as e:
+        fe.prepare(body, api=api)
+    assert e.value.record["param"] == param and words in str(e.value), e.value.record
+    assert "invalid request body" not in str(e.value)  # our own words, not the recipe's serde text
+
+
+def test_valid_nested_fields_still_pass(fe):
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"P\"}"}}
+    fe.prepare({"messages": [{"role": "system", "content": "s", "name": "ops"}, {**USER, "name": "ann"},
+                             {"role": "assistant", "content": None, "tool_calls": [call], "reasoning_content": "r"},
+                             {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+                             {"role": "user", "content": [{"type": "text", "text": "more"}]}],
+                "tools": [WEATHER], "thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 2048,
+                "logit_bias": {"0": 1, "5": -1}}).close()
+    fe.prepare({"messages": [USER], "max_tokens": 2048, "system": "be brief", "tools": [WEATHER_MSG],
+                "tool_choice": {"type": "tool", "name": "get_weather"}}, api="messages").close()
+    fe.prepare({"messages": [USER], "max_tokens": 2048, "thinking": {"type": "enabled", "budget_tokens": 1024}},
+               api="messages").close()
+    fe.prepare({"input": "hi", "truncation": "disabled", "max_output_tokens": 100}, api="responses").close()
+
+
+def test_the_max_tokens_limit_is_the_recipes():
+    import deepseek_recipe as R
+
+    o = R.ConversionOptions()
+    assert MAX_OUTPUT_TOKENS == o.thinking_max_tokens_upper_bound == o.non_thinking_max_tokens_upper_bound
+
+
+@pytest.mark.parametrize("top_p", [1e-300, 5e-324, 1e-45])
+def test_a_tiny_positive_top_p_keeps_the_most_likely_token(fe, top_p):
+    pc = fe.prepare({"messages": [USER], "top_p": top_p, "max_tokens": 4, "thinking": OFF})
+    assert 0 < pc.params.top_p <= 1.2e-38
+    with pytest.raises(RequestError) as e:
+        fe.prepare({"messages": [USER], "top_p": 0.0, "max_tokens": 4})
+    assert e.value.record["param"] == "top_p"

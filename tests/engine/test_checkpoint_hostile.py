@@ -235,6 +235,26 @@ def test_quantization_config_of_the_wrong_type_names_the_key():
             C.parse_config(_with(TINY_CONFIG, quantization_config=qc))
 
 
+@pytest.mark.parametrize("changes,key", [
+    ({"torch_dtype": "int8"}, "torch_dtype"),
+    ({"dtype": 5}, "dtype"),
+    ({"quantization_config": {"expert_dtype": "banana"}}, "quantization_config.expert_dtype"),
+    ({"quantization_config": {"scale_fmt": "e5m2"}}, "quantization_config.scale_fmt"),
+    ({"quantization_config": {"quant_method": "gptq"}}, "quantization_config.quant_method"),
+])
+def test_dtype_keys_hold_a_documented_value(changes, key):
+    with pytest.raises(C.CheckpointError) as e:
+        C.parse_config(_with(TINY_CONFIG, **changes))
+    assert f"'{key}'" in str(e.value) and "expected one of" in str(e.value)
+
+
+def test_documented_dtype_keys_pass():
+    for dtype in C.TORCH_DTYPES:
+        C.parse_config(_with(TINY_CONFIG, torch_dtype=dtype, quantization_config={
+            "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "scale_fmt": "float",
+            "expert_dtype": "fp8", "weight_block_size": [128, 128]}))
+
+
 # ------------------------------------------------------------------------------------------------ the CLI
 
 

@@ -89,6 +89,9 @@ def test_batch_api_lines_in_and_out(tmp_path):
     for rec, param in zip(recs[3:], ["custom_id", "url", "method", "extra", "custom_id"]):
         assert rec["response"] is None and rec["error"]["param"] == param, rec
         assert rec["error"]["line"] == recs.index(rec) + 1
+    assert recs[3]["custom_id"] == "a" and "repeats line 1" in recs[3]["error"]["message"]
+    ids = [r["id"] for r in recs if "custom_id" in r]
+    assert len(set(ids)) == len(ids), ids  # the repeated custom_id's record has its own id
 
 
 def test_batch_lines_for_the_messages_endpoint(tmp_path):
@@ -188,3 +191,25 @@ def test_output_to_a_fifo_is_written_in_place_not_replaced(tmp_path):
     _Output(str(fifo)).write([{"a": 1}, {"b": 2}])
     reader.join(10)
     assert got == ['{"a": 1}\n{"b": 2}\n'] and fifo.is_fifo()
+
+
+def test_summary_reports_no_throughput_when_nothing_finished(tmp_path, capsys):
+    """Every request refused or failed: the tok/s figures are 0 and a note says why (they were computed from the
+    steps of requests that never finished)."""
+    from deepinfer.llm import NO_THROUGHPUT, EngineStats
+
+    steps = [(0, 100, 0.1, 0.0, 0.0, 0.0), (4, 0, 0.01, 0.0, 0.0, 0.0)]
+    failed = EngineStats(num_requests=2, num_errors=2, decode_tokens=4, decode_time=0.01, prefill_tokens=100,
+                         prefill_time=0.1, steps=steps).summary()
+    assert failed["note"] == NO_THROUGHPUT
+    assert failed["decode_tok_s"] == failed["prefill_tok_s"] == failed["decode_tok_s_median"] == 0.0
+    ok = EngineStats(num_requests=2, num_errors=1, decode_tokens=4, decode_time=0.01, steps=steps).summary()
+    assert ok["note"] is None and ok["decode_tok_s"] == pytest.approx(400.0)
+    inp, out, summary = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "s.json"
+    inp.write_text("{not json\n" + json.dumps({**HI, "max_tokens": 0}) + "\n")
+    args = build_parser().parse_args(["generate", "--input", str(inp), "--output", str(out), "--no-progress",
+                                      "--summary-json", str(summary)])
+    assert run_generate(args, model_obj=FakeModel(FakeConfig(max_position_embeddings=1024))) == 0
+    s = json.loads(summary.read_text())
+    assert s["errors"] == 2 and s["note"] == NO_THROUGHPUT and s["decode_tok_s"] == 0.0
+    assert "decode n/a (no request finished" in capsys.readouterr().err

@@ -14,6 +14,7 @@ import threading
 import time
 from typing import Any
 
+from deepinfer.api_checks import RequestError
 from deepinfer.engine import OutputProcessor
 
 log = logging.getLogger("deepinfer.server")
@@ -223,6 +224,9 @@ class EngineLoop:
             return
         try:
             result = h.prepared.finish(seq.finish_reason or "stop")
+        except RequestError as e:  # an answer that breaks the request's contract (no call where one was required)
+            self._close(h, dict(e.record))
+            return
         except Exception as e:  # noqa: BLE001 - one request's parser failing is its own error
             self._close(h, {"type": "server_error", "code": "output_parsing_failed", "status_code": 500,
                             "message": f"output parsing failed: {e}"})

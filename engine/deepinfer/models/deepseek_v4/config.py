@@ -8,7 +8,8 @@ Accepts both spellings found in the wild:
 * transformers 5.23 names: ``layer_types`` / ``mlp_layer_types`` / ``partial_rotary_factor`` / ``rope_parameters``
   (flat or nested ``{"main": ..., "compress": ...}``) / ``compress_rates``.
 
-Unknown keys (``architectures``, ``quantization_config``, ``torch_dtype``, ...) are ignored. A missing required key or
+Unknown keys (``architectures``, ``quantization_config``, ``torch_dtype``, ...) are ignored here (the checkpoint
+loader checks the dtype keys: ``checkpoint.parse_config``). A missing required key or
 an invalid value raises ``ValueError`` naming the key, the value and the limit. Every size is bounded (:data:`INT_LIMITS`,
 :data:`FLOAT_LIMITS`, the head dims the ops take, :data:`MAX_TENSORS` / :data:`MAX_PARAMETERS`) before anything is
 built from it, so a hostile ``config.json`` cannot make the engine allocate without bound or hang.
