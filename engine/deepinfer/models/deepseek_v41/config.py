@@ -186,14 +186,14 @@ class DeepseekV41Config:
         if layer >= self.n_layers or self.ratio(layer) == 0:
             return None
         srcs = [s for s in self.kv_source_layers if s <= layer]
-        return srcs[-1]
+        return srcs[-1] if srcs else None
 
     def index_source_of(self, layer: int) -> int | None:
         """The index-source layer whose top-k ``layer`` uses (itself for an index source)."""
         if layer >= self.n_layers or self.ratio(layer) == 0:
             return None
         srcs = [s for s in self.index_source_layers if s <= layer]
-        return srcs[-1]
+        return srcs[-1] if srcs else None
 
     def uses_candidates(self, layer: int) -> bool:
         return layer in self.index_source_layers and 0 <= self.candidate_source_layer < layer
