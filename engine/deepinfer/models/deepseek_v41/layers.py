@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .quant import QWeight, fp4_qdq_, fp8_qdq_, qlinear
+from .quant import QWeight, qlinear
 
 BF16 = torch.bfloat16
 ATTN_BLOCK = 64  # keys per online-softmax block in sparse attention
@@ -213,15 +213,3 @@ def swiglu_expert(x: torch.Tensor, w1, w2, w3, limit: float, weight: torch.Tenso
     if weight is not None:
         h = weight * h
     return linear(h.to(x.dtype), w2)
-
-
-def fp8_kv_(kv: torch.Tensor) -> torch.Tensor:
-    return fp8_qdq_(kv)
-
-
-def fp4_index_(x: torch.Tensor) -> torch.Tensor:
-    return fp4_qdq_(x, 32, False)
-
-
-def fp4_latent_(x: torch.Tensor) -> torch.Tensor:
-    return fp4_qdq_(x, 16, True)

@@ -30,6 +30,7 @@ class SeqState:
     """
 
     pos: int
+    max_len: int = 0
     kv: dict = field(default_factory=dict)
     comp: dict = field(default_factory=dict)
     idx_k: dict = field(default_factory=dict)
@@ -63,7 +64,7 @@ class DeepseekV41ForCausalLM:
         n = max_len or c.max_seq_len
         if n > c.max_seq_len:
             raise ValueError(f"max_len {n} exceeds max_seq_len {c.max_seq_len}")
-        st = SeqState(pos=0)
+        st = SeqState(pos=0, max_len=n)
         for L in range(c.n_layers):
             st.kv[L] = torch.zeros(n, c.head_dim, dtype=BF16)
             if L in c.kv_source_layers:
@@ -76,7 +77,6 @@ class DeepseekV41ForCausalLM:
         st.engram = torch.zeros(n, dtype=torch.int64)
         for j in range(c.num_dspark_layers):
             st.dspark_kv[j] = torch.zeros(c.window_size, c.head_dim, dtype=BF16)
-        st.max_len = n
         return st
 
     # ---- backbone -------------------------------------------------------------------------------------------
@@ -315,6 +315,8 @@ class DeepseekV41ForCausalLM:
         if not state.dspark_seeded:
             raise ValueError("dspark: seed the window with dspark_seed(state, main_hidden) after the prefill")
         start, b = state.pos - 1, c.dspark_block_size
+        if start + 1 + b > c.max_seq_len:
+            raise ValueError(f"dspark: draft positions up to {start + b} exceed max_seq_len {c.max_seq_len}")
         mx = rms_norm(linear(main_hidden, w["mtp.0.main_proj.weight"]), w["mtp.0.main_norm.weight"], c.norm_eps)
         ids = torch.full((b,), c.dspark_noise_token_id, dtype=torch.int64)
         ids[0] = token
