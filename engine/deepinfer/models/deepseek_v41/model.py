@@ -1,0 +1,340 @@
+"""DeepSeek-V4.1 forward on the CPU: backbone (prefill chunks and decode steps) and the DSpark draft head.
+
+``DeepseekV41ForCausalLM(cfg, weights, token_map)`` holds the loaded weights (:mod:`.loading`);
+``new_state()`` makes one sequence's cache (:class:`SeqState`); ``forward(ids, state)`` runs the next chunk of that
+sequence and returns its logits; ``dspark(state, token, main_hidden)`` drafts. Design: ``docs/deepseek_v41.md``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .config import DeepseekV41Config
+from .engram import EngramHasher
+from .layers import (BF16, gather_rows, linear_f32, hc_collapse, hc_expand, hc_mixes, linear, rms_norm, rope_, rope_table, route,
+                     select_candidate_blocks, sparse_attention, swiglu_expert, topk_stable, window_positions)
+from .quant import fp4_qdq_, fp8_qdq_
+
+
+@dataclass
+class SeqState:
+    """One sequence's decoding state (the whole history; a sliding-window layer reads only its last window).
+
+    ``kv[L]`` bf16 ``[max_len, head_dim]`` window K=V after RoPE and the FP8 round trip; ``comp[L]`` bf16
+    ``[max_len // r, head_dim]`` compressed KV of a KV source (RoPE'd, FP4 round trip); ``idx_k[L]`` its index keys
+    ``[max_len // r, index_head_dim]``; ``carry[L]`` a ratio-2 source's open group (float32 kv and gate rows);
+    ``engram`` the compressed ids so far; ``dspark_kv[j]`` DSpark stage j's window ring ``[window, head_dim]``.
+    """
+
+    pos: int
+    max_len: int = 0
+    kv: dict = field(default_factory=dict)
+    comp: dict = field(default_factory=dict)
+    idx_k: dict = field(default_factory=dict)
+    carry: dict = field(default_factory=dict)
+    engram: torch.Tensor | None = None
+    dspark_kv: dict = field(default_factory=dict)
+    dspark_seeded: bool = False
+
+
+class DeepseekV41ForCausalLM:
+    """The V4.1 model over a loaded state dict (``weights``: name -> tensor or :class:`QWeight`)."""
+
+    def __init__(self, cfg: DeepseekV41Config, weights: dict, token_map: torch.Tensor | None = None):
+        self.cfg = cfg
+        self.w = weights
+        c = cfg
+        self.rot0 = rope_table(c.rope_head_dim, c.max_seq_len, 0, c.rope_theta, c.rope_factor, c.beta_fast,
+                               c.beta_slow)
+        self.rotc = rope_table(c.rope_head_dim, c.max_seq_len, c.original_seq_len, c.compress_rope_theta,
+                               c.rope_factor, c.beta_fast, c.beta_slow)
+        self.hasher = None
+        if c.engram_layer_ids:
+            if token_map is None:
+                raise ValueError("engram: the config has engram layers but no token map was given (build it from "
+                                 "the tokenizer with engram.compressed_token_map)")
+            self.hasher = EngramHasher(c, token_map)
+
+    # ---- state ----------------------------------------------------------------------------------------------
+    def new_state(self, max_len: int | None = None) -> SeqState:
+        c = self.cfg
+        n = max_len or c.max_seq_len
+        if n > c.max_seq_len:
+            raise ValueError(f"max_len {n} exceeds max_seq_len {c.max_seq_len}")
+        st = SeqState(pos=0, max_len=n)
+        for L in range(c.n_layers):
+            st.kv[L] = torch.zeros(n, c.head_dim, dtype=BF16)
+            if L in c.kv_source_layers:
+                r = c.ratio(L)
+                st.comp[L] = torch.zeros(n // r, c.head_dim, dtype=BF16)
+                if L in c.index_source_layers:
+                    st.idx_k[L] = torch.zeros(n // r, c.index_head_dim, dtype=BF16)
+                if r > 1:
+                    st.carry[L] = (torch.zeros(0, c.head_dim), torch.zeros(0, c.head_dim))
+        st.engram = torch.zeros(n, dtype=torch.int64)
+        for j in range(c.num_dspark_layers):
+            st.dspark_kv[j] = torch.zeros(c.window_size, c.head_dim, dtype=BF16)
+        return st
+
+    # ---- backbone -------------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, state: SeqState, all_logits: bool = True):
+        """Run ``input_ids [S]`` at positions ``state.pos ..`` and advance the state.
+
+        Returns (logits float32 ``[S, vocab]`` (or ``[1, vocab]`` for the last position when not ``all_logits``),
+        main_hidden bf16 ``[S, taps * dim]`` (DSpark input; None without DSpark taps)).
+        """
+        c = self.cfg
+        ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
+        s_len = ids.numel()
+        start, end = state.pos, state.pos + s_len
+        if s_len == 0:
+            raise ValueError("input_ids: empty chunk")
+        if end > state.max_len:
+            raise ValueError(f"input_ids: positions up to {end} exceed the state's max_len {state.max_len}")
+        if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
+            raise ValueError(f"input_ids: ids must lie in [0, {c.vocab_size})")
+        hashes = None
+        if self.hasher is not None:
+            state.engram[start:end] = self.hasher.compress(ids)
+            hashes = self.hasher(state.engram[:end], start)
+        h = F.embedding(ids, self.w["embed.weight"]).unsqueeze(1).repeat(1, c.hc_mult, 1)
+        pre = torch.zeros(s_len, c.hc_mult)
+        pre[:, 0] = 1.0
+        taps = []
+        shared: dict = {}
+        for L in range(c.n_layers):
+            if L in c.engram_layer_ids:
+                h = self._engram(L, h, hashes[:, c.engram_layer_ids.index(L)])
+            if L in c.dspark_target_layer_ids:
+                taps.append(h.mean(dim=1))
+            h, pre = self._block(f"layers.{L}.", L, h, pre, start, state, shared)
+        x = rms_norm(hc_collapse(h, pre), self.w["norm.weight"], c.norm_eps)
+        if not all_logits:
+            x = x[-1:]
+        logits = linear_f32(x.float(), self.w["head.weight"])
+        state.pos = end
+        return logits, (torch.cat(taps, -1) if taps else None)
+
+    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Logits at every position of one prefill of ``input_ids`` (a fresh state)."""
+        ids = torch.as_tensor(input_ids).reshape(-1)
+        return self.forward(ids, self.new_state(max(ids.numel(), 1)))[0]
+
+    def _engram(self, L: int, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        c, p = self.cfg, f"layers.{L}.engram."
+        table, tscale = self.w[p + "embed.weight"], self.w[p + "embed.scale"]
+        vals = table[rows].float().unflatten(-1, (-1, 32)) * tscale[rows].unsqueeze(-1)
+        kv = linear(vals.flatten(-2).to(BF16).flatten(-2), self.w[p + "wkv.weight"])
+        key, value = kv.split([c.hc_mult * c.dim, c.dim], dim=-1)
+        key = key.float().unflatten(-1, (c.hc_mult, c.dim))
+        wgt = self.w[p + "q_weight"].float() * self.w[p + "k_weight"].float()
+        hf, eps = h.float(), c.norm_eps
+        rstd = torch.rsqrt(hf.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+        dot = (hf * wgt * key).sum(-1) * rstd * c.dim ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
+
+    def _block(self, p: str, L: int, h, pre, start, state, shared, main_x=None):
+        c, w = self.cfg, self.w
+        res = h
+        a_pre, a_post, a_comb = hc_mixes(h, w[p + "hc_attn_fn"], w[p + "hc_attn_scale"], w[p + "hc_attn_base"],
+                                         c.hc_mult, c.hc_sinkhorn_iters, c.norm_eps, c.hc_eps)
+        x = rms_norm(hc_collapse(h, pre), w[p + "attn_norm.weight"], c.norm_eps)
+        if main_x is None:
+            x = self._attention(p + "attn.", L, x, start, state, shared)
+        else:
+            x = self._dspark_attention(p + "attn.", L - c.n_layers, x, start, state, main_x)
+        h = hc_expand(x, res, a_post, a_comb)
+        res = h
+        f_pre, f_post, f_comb = hc_mixes(h, w[p + "hc_ffn_fn"], w[p + "hc_ffn_scale"], w[p + "hc_ffn_base"],
+                                         c.hc_mult, c.hc_sinkhorn_iters, c.norm_eps, c.hc_eps)
+        x = rms_norm(hc_collapse(h, a_pre), w[p + "ffn_norm.weight"], c.norm_eps)
+        x = self._moe(p + "ffn.", L, x)
+        return hc_expand(x, res, f_post, f_comb), f_pre
+
+    # ---- attention ------------------------------------------------------------------------------------------
+    def _q(self, p: str, x: torch.Tensor, rot: torch.Tensor):
+        c, w = self.cfg, self.w
+        qr = rms_norm(linear(x, w[p + "wq_a.weight"]), w[p + "q_norm.weight"], c.norm_eps)
+        q = linear(qr, w[p + "wq_b.weight"]).unflatten(-1, (c.n_heads, c.head_dim))
+        rope_(q[..., -c.rope_head_dim:], rot)
+        return qr, q
+
+    def _kv(self, p: str, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        c, w = self.cfg, self.w
+        kv = rms_norm(linear(x, w[p + "wkv.weight"]), w[p + "kv_norm.weight"], c.norm_eps)
+        rope_(kv[..., -c.rope_head_dim:], rot)
+        return fp8_qdq_(kv)
+
+    def _out(self, p: str, o: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        c, w = self.cfg, self.w
+        rope_(o[..., -c.rope_head_dim:], rot, inverse=True)
+        o = o.reshape(o.shape[0], c.o_groups, -1)
+        wo_a = w[p + "wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
+        o = torch.einsum("bsgd,grd->bsgr", o.unsqueeze(0), wo_a)[0]
+        return linear(o.flatten(1), w[p + "wo_b.weight"])
+
+    def _attention(self, p: str, L: int, x, start: int, state: SeqState, shared: dict):
+        c = self.cfg
+        s_len, end = x.shape[0], start + x.shape[0]
+        r = c.ratio(L)
+        rot_t = (self.rotc if r else self.rot0)
+        rot = rot_t[start:end]
+        qr, q = self._q(p, x, rot)
+        state.kv[L][start:end] = self._kv(p, x, rot)
+        win_idx = window_positions(start, end, c.window_size)
+        kv_rows, valid = gather_rows(state.kv[L], win_idx)
+        if r:
+            src = c.kv_source_of(L)
+            latent, first = (self._compress(p + "compressor.", L, x, start, state) if src == L else (None, 0))
+            n_comp = end // r
+            if L in c.index_source_layers:
+                if n_comp == 0:
+                    sel = torch.zeros(s_len, 0, dtype=torch.int64)
+                else:
+                    sel = self._indexer(p + "indexer.", L, x, qr, latent, first, start, state, shared)
+                shared[("topk", L)] = sel
+            sel = shared[("topk", c.index_source_of(L))]
+            if latent is not None:
+                rope_(latent[..., -c.rope_head_dim:], rot_t[first * r:(first + latent.shape[0]) * r:r])
+                state.comp[L][first:first + latent.shape[0]] = fp4_qdq_(latent, 16, True)
+            c_rows, c_valid = gather_rows(state.comp[src], sel)
+            kv_rows, valid = torch.cat([kv_rows, c_rows], 1), torch.cat([valid, c_valid], 1)
+        o = sparse_attention(q, kv_rows, valid, self.w[p + "attn_sink"], c.head_dim ** -0.5)
+        return self._out(p, o, rot)
+
+    def _compress(self, p: str, L: int, x, start: int, state: SeqState):
+        """A KV source's new latents (pre-RoPE, bf16 ``[G, head_dim]``) and the index of the first, or (None, 0)."""
+        c, w = self.cfg, self.w
+        r = c.ratio(L)
+        if r == 1:
+            return rms_norm(linear(x, w[p + "wkv.weight"]), w[p + "norm.weight"], c.norm_eps), start
+        xf = x.float()
+        kv, sc = linear_f32(xf, w[p + "wkv.weight"]), linear_f32(xf, w[p + "wgate.weight"])
+        ck, cs = state.carry[L]
+        kv, sc = torch.cat([ck, kv]), torch.cat([cs, sc])
+        first = (start - ck.shape[0]) // r
+        g = kv.shape[0] // r
+        state.carry[L] = (kv[g * r:].clone(), sc[g * r:].clone())
+        if g == 0:
+            return None, 0
+        kv = kv[:g * r].unflatten(0, (g, r))
+        sc = sc[:g * r].unflatten(0, (g, r))
+        pooled = (kv * sc.softmax(dim=1)).sum(dim=1)
+        return rms_norm(pooled.to(BF16), w[p + "norm.weight"], c.norm_eps), first
+
+    def _indexer(self, p: str, L: int, x, qr, latent, first: int, start: int, state: SeqState, shared: dict):
+        """Compressed positions each query attends to: int64 ``[S, min(index_topk, end // r)]``, ascending, -1 =
+        unreachable. Publishes (or applies) the candidate-block mask."""
+        c, w = self.cfg, self.w
+        r = c.ratio(L)
+        s_len, end = x.shape[0], start + x.shape[0]
+        rot_t = self.rotc
+        if latent is not None and L in state.idx_k:
+            k = rms_norm(linear(latent, w[p + "wk.weight"]), w[p + "k_norm.weight"], c.norm_eps)
+            rope_(k[..., -c.rope_head_dim:], rot_t[first * r:(first + k.shape[0]) * r:r])
+            state.idx_k[L][first:first + k.shape[0]] = fp4_qdq_(k, 32, False)
+        q = linear(qr, w[p + "wq_b.weight"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
+        rope_(q[..., -c.rope_head_dim:], rot_t[start:end])
+        fp4_qdq_(q, 32, False)
+        n_comp = end // r
+        keys = state.idx_k[c.kv_source_of(L)][:n_comp]
+        wts = linear(x, w[p + "weights_proj.weight"]) * (c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
+        score = torch.einsum("bshd,btd->bsht", q.unsqueeze(0), keys.unsqueeze(0))[0]
+        score = (score.relu_() * wts.unsqueeze(-1)).sum(dim=1)
+        lens = (torch.arange(start + 1, end + 1) // r).unsqueeze(-1)
+        score = score.masked_fill(torch.arange(n_comp) >= lens, -torch.inf)
+        if L == c.candidate_source_layer:
+            shared["candidates"] = select_candidate_blocks(score, lens, c.candidate_topk_blocks,
+                                                           c.candidate_block_size)
+        elif c.uses_candidates(L):
+            score = score.masked_fill(~shared["candidates"], -torch.inf)
+        idx = topk_stable(score, min(c.index_topk, n_comp))[1].sort(dim=-1).values
+        return torch.where(idx < lens, idx, -1)
+
+    # ---- MoE ------------------------------------------------------------------------------------------------
+    def _moe(self, p: str, L: int, x: torch.Tensor) -> torch.Tensor:
+        c, w = self.cfg, self.w
+        n_exp, k = c.moe_experts(L)
+        wts, ids = route(x, w[p + "gate.weight"], w[p + "gate.bias"], k, c.score_func, c.gate_temp,
+                         c.norm_topk_prob, c.route_scale)
+        y = torch.zeros(x.shape, dtype=torch.float32)
+        for e in range(n_exp):
+            rows, slot = torch.where(ids == e)
+            if rows.numel() == 0:
+                continue
+            q = f"{p}experts.{e}."
+            y[rows] += swiglu_expert(x[rows], w[q + "w1.weight"], w[q + "w2.weight"], w[q + "w3.weight"],
+                                     c.swiglu_limit, wts[rows, slot, None])
+        q = p + "shared_experts."
+        y += swiglu_expert(x, w[q + "w1.weight"], w[q + "w2.weight"], w[q + "w3.weight"], c.swiglu_limit)
+        return y.to(x.dtype)
+
+    # ---- DSpark ---------------------------------------------------------------------------------------------
+    def _dspark_attention(self, p: str, j: int, x, start: int, state: SeqState, main_x):
+        """Draft-block attention of stage j: queries at positions start+1 .. start+B see the stage's window ring
+        (main-model KV, slots in slot order) and every block position (no causal mask inside the block)."""
+        c = self.cfg
+        win = c.window_size
+        b = x.shape[0]
+        state.dspark_kv[j][start % win] = self._kv(p, main_x, self.rot0[start:start + 1])[0]
+        rot = self.rot0[start + 1:start + 1 + b]
+        _, q = self._q(p, x, rot)
+        kv = self._kv(p, x, rot)
+        n_win = min(win, start + 1)
+        keys = torch.cat([state.dspark_kv[j][:n_win], kv]).unsqueeze(0).expand(b, -1, -1)
+        valid = torch.ones(b, n_win + b, dtype=torch.bool)
+        o = sparse_attention(q, keys, valid, self.w[p + "attn_sink"], c.head_dim ** -0.5)
+        return self._out(p, o, rot)
+
+    def dspark_seed(self, state: SeqState, main_hidden: torch.Tensor) -> None:
+        """The DSpark call at position 0 after a prefill: fills every stage's window ring from the prompt's
+        ``main_hidden [S, taps * dim]`` (positions 0..S-1)."""
+        c, w = self.cfg, self.w
+        mx = rms_norm(linear(main_hidden, w["mtp.0.main_proj.weight"]), w["mtp.0.main_norm.weight"], c.norm_eps)
+        s_len, win = mx.shape[0], c.window_size
+        for j in range(c.num_dspark_layers):
+            kv = self._kv(f"mtp.{j}.attn.", mx, self.rot0[:s_len])
+            slots = torch.arange(max(0, s_len - win), s_len)
+            state.dspark_kv[j][slots % win] = kv[slots]
+        state.dspark_seeded = True
+
+    def dspark(self, state: SeqState, token: int, main_hidden: torch.Tensor):
+        """Draft after a decode step at position ``start = state.pos - 1``.
+
+        ``token`` the greedy next token, ``main_hidden [1, taps * dim]`` that step's DSpark input. Returns
+        (ids int64 ``[B + 1]``: token then B drafts, logits float32 ``[B, vocab]`` (Markov bias included),
+        confidence float32 ``[B]``, a raw score).
+        """
+        c, w = self.cfg, self.w
+        if not c.num_dspark_layers:
+            raise ValueError("dspark: this model has no DSpark head (dspark_block_size 0)")
+        if not state.dspark_seeded:
+            raise ValueError("dspark: seed the window with dspark_seed(state, main_hidden) after the prefill")
+        start, b = state.pos - 1, c.dspark_block_size
+        if start + 1 + b > c.max_seq_len:
+            raise ValueError(f"dspark: draft positions up to {start + b} exceed max_seq_len {c.max_seq_len}")
+        mx = rms_norm(linear(main_hidden, w["mtp.0.main_proj.weight"]), w["mtp.0.main_norm.weight"], c.norm_eps)
+        ids = torch.full((b,), c.dspark_noise_token_id, dtype=torch.int64)
+        ids[0] = token
+        h = F.embedding(ids, w["embed.weight"]).unsqueeze(1).repeat(1, c.hc_mult, 1)
+        pre = torch.zeros(b, c.hc_mult)
+        pre[:, 0] = 1.0
+        for j in range(c.num_dspark_layers):
+            h, pre = self._block(f"mtp.{j}.", c.n_layers + j, h, pre, start, state, {}, main_x=mx)
+        last = f"mtp.{c.num_dspark_layers - 1}."
+        x = hc_collapse(h, pre)
+        logits = linear_f32(rms_norm(x, w[last + "norm.weight"], c.norm_eps).float(), w["head.weight"])
+        out = torch.empty(b + 1, dtype=torch.int64)
+        out[0] = token
+        embeds = []
+        for i in range(b):
+            e = F.embedding(out[i:i + 1], w[last + "markov_head.embed.weight"])
+            logits[i] += F.linear(e.float(), w[last + "markov_head.head.weight"])[0]
+            embeds.append(e[0])
+            out[i + 1] = logits[i].argmax()
+        conf = F.linear(torch.cat([x, torch.stack(embeds)], -1).float(), w[last + "confidence_head.proj.weight"])
+        return out, logits, conf.squeeze(-1)
