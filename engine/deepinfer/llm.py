@@ -22,6 +22,7 @@ from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_re
 from deepinfer.config import EngineConfig
 from deepinfer.engine import LLMEngine, OutputProcessor
 from deepinfer.model_runner import ModelRunner, allocate_cache
+from deepinfer.prefix_cache import PrefixCaching, cache_salt
 from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed, interrupted_error
 
@@ -289,14 +290,15 @@ class LLM:
                              f"{cfg.kv_cache_dtype!r} in; use 'auto'")
         if cfg.num_blocks is None:
             cfg.num_blocks = self._derive_num_blocks(spec, window_blocks)
+        prefix = self._prefix_caching(spec, model_dir)
         if spec is not None:
             window_blocks = min(window_blocks, cfg.num_blocks)
             self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size,
-                                              spec.cache_groups(cfg.num_blocks, window_blocks))
+                                              spec.cache_groups(cfg.num_blocks, window_blocks), prefix)
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size, window_blocks=window_blocks,
                                         kv_cache_dtype=cfg.kv_cache_dtype)
         else:
-            self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
+            self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, prefix_caching=prefix)
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
@@ -310,6 +312,7 @@ class LLM:
         self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
                         "cache_bytes_per_token": spec.bytes_per_token() if spec is not None else None,
                         "cache": spec.report(cfg.num_blocks, window_blocks) if spec is not None else None,
+                        "prefix_caching": None if prefix is None else {"replay_tokens": prefix.replay_tokens},
                         "cuda_graphs": sorted(self.runner.graphs),
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
                         "graph_memory_bytes": self.runner.graph_memory_bytes}
@@ -340,6 +343,22 @@ class LLM:
             return None
         return family.cache_spec(self.model.config, self.model.dtype, self.config.block_size,
                                  self.config.kv_cache_dtype)
+
+    def _prefix_caching(self, spec, model_dir: Path | None) -> PrefixCaching | None:
+        """The block manager's prefix-caching settings (None when ``enable_prefix_caching`` is off): the chain-hash
+        salt names the model and everything that changes what a block holds; the replay length is
+        ``prefix_replay_tokens`` or the model's exact bound (``CacheSpec.replay_tokens``)."""
+        cfg = self.config
+        if not cfg.enable_prefix_caching:
+            return None
+        mcfg = getattr(self.model, "config", None)
+        salt = cache_salt(model=str(model_dir) if model_dir else type(self.model).__name__,
+                          config=mcfg.to_dict() if callable(getattr(mcfg, "to_dict", None)) else repr(mcfg),
+                          dtype=str(getattr(self.model, "dtype", None)), gemm=getattr(self.model, "gemm", None),
+                          kv_cache_dtype=cfg.kv_cache_dtype, batch_invariant=cfg.batch_invariant,
+                          block_size=cfg.block_size)
+        replay = cfg.prefix_replay_tokens or (spec.replay_tokens if spec is not None else 1)
+        return PrefixCaching(salt, replay)
 
     def _derive_num_blocks(self, spec, window_blocks: int | None) -> int:
         """Enough ``full``-group blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and,
