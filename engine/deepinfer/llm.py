@@ -38,7 +38,8 @@ class RequestOutput:
 
     ``token_ids`` excludes the EOS / stop id that ended it (``stop_token_id``); ``logprobs[i]`` is the
     log-probability of ``token_ids[i]`` under the model distribution; ``seed`` is the seed used (drawn when unset).
-    ``error`` is set (and the rest empty) when the request was refused.
+    ``error`` is set (and the rest empty) when the request was refused. ``num_cached_tokens``: prompt tokens served
+    from the prefix cache (not computed).
     """
 
     index: int
@@ -51,6 +52,7 @@ class RequestOutput:
     stop_token_id: int | None = None
     seed: int | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
     error: dict | None = None
 
 
@@ -63,6 +65,7 @@ class EngineStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefill_tokens: int = 0  # tokens computed in prefill (incl. recompute after preemption)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     decode_tokens: int = 0
     prefill_time: float = 0.0
     decode_time: float = 0.0
@@ -97,6 +100,7 @@ class EngineStats:
         return {
             "requests": self.num_requests, "errors": self.num_errors,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
             "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 else 0.0,
             "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 else 0.0,
             "prefill_tok_s_median": median_rate([(p, dt) for d, p, dt, *_ in self.steps if p and not d]),
@@ -472,6 +476,7 @@ class LLM:
                 stats.num_errors += 1
                 continue
             stats.prompt_tokens += seq.num_prompt_tokens
+            stats.cached_tokens += seq.num_cached_tokens
             stats.completion_tokens += seq.num_output_tokens
             if seq.first_token_time is not None:
                 stats.ttft.append(seq.first_token_time - seq.arrival_time)
@@ -542,6 +547,7 @@ class LLM:
                 out.finish_reason = seq.finish_reason
                 out.stop_token_id = seq.stop_token_id
                 out.num_preemptions = seq.num_preemptions
+                out.num_cached_tokens = seq.num_cached_tokens
             outs.append(out)
         return outs
 
@@ -597,7 +603,7 @@ class LLM:
                 results[i] = {"error": err}
                 continue
             try:
-                results[i] = pc.finish(seq.finish_reason or "stop")
+                results[i] = pc.finish(seq.finish_reason or "stop", seq.num_cached_tokens)
             except Exception as e:  # noqa: BLE001
                 results[i] = {"error": {"message": f"output parsing failed: {e}", "type": "server_error",
                                         "code": "output_parsing_failed", "param": None, "status_code": 500}}

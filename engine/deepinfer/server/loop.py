@@ -222,7 +222,7 @@ class EngineLoop:
             self._close(h, err)
             return
         try:
-            result = h.prepared.finish(seq.finish_reason or "stop")
+            result = h.prepared.finish(seq.finish_reason or "stop", seq.num_cached_tokens)
         except Exception as e:  # noqa: BLE001 - one request's parser failing is its own error
             self._close(h, {"type": "server_error", "code": "output_parsing_failed", "status_code": 500,
                             "message": f"output parsing failed: {e}"})
