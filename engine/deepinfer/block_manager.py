@@ -303,7 +303,11 @@ class BlockManager:
             pool = self._pools[name]
             table = seq.block_tables[name]
             gone = []
-            for j in self._releasable(seq, pool.group):
+            releasable = self._releasable(seq, pool.group)
+            keys = self._snapshot_keys(seq, pool.group, False) if releasable and self.caching else {}
+            for j in releasable:
+                if j in keys:  # a window snapshot at a boundary worth keeping (prompt end, branch point)
+                    pool.register(table[j], keys[j])
                 pool.release(table[j], seq.seq_id)
                 gone.append(table[j])
                 table[j] = -1
@@ -340,6 +344,7 @@ class BlockManager:
                     pool.release(block, seq.seq_id)
         seq.block_tables = {}
         seq.prefix_shared_tokens = 0
+        seq.prefix_branch = 0
         seq.window_floor = 0
         seq.num_registered_blocks = 0
 
@@ -416,6 +421,8 @@ class BlockManager:
                 pool.hold(block, seq.seq_id)
         seq.num_computed_tokens = hit.start
         seq.prefix_shared_tokens = hit.shared
+        # a replay of the exact bound rebuilds the window at the end of the shared blocks: worth a snapshot
+        seq.prefix_branch = hit.shared if hit.start < hit.shared and self.prefix_caching.exact_replay else 0
         seq.window_floor = hit.window_floor
         seq.num_registered_blocks = hit.shared // self.block_size
 
@@ -436,18 +443,27 @@ class BlockManager:
                     pool.register(table[j], hashes[j])
         seq.num_registered_blocks = n
 
+    def _snapshot_keys(self, seq: Sequence, g: CacheGroup, at_end: bool) -> dict[int, bytes]:
+        """``{table index: chain hash}`` of the blocks of window group ``g`` that make up ``seq``'s window snapshots:
+        the window before the last full block boundary of its prompt, of its shared prefix when a hit replayed it
+        (``prefix_branch``: where the next request with this prefix diverges too) and, ``at_end``, of its context.
+        Only boundaries its computed, known tokens reach."""
+        B = self.block_size
+        n = min(seq.num_computed_tokens, seq.num_tokens) // B
+        ends = {seq.num_prompt_tokens // B, seq.prefix_branch // B} | ({n} if at_end else set())
+        ends = {k for k in ends if 0 < k <= n}
+        if not ends:
+            return {}
+        hashes = self._hashes(seq, max(ends))
+        return {j: hashes[j] for k in ends for j in range(max(0, k * B - g.lookback) // B, k)}
+
     def _keep_at_end(self, seq: Sequence) -> None:
-        """Before ``seq`` lets go of its blocks: hash its full kept-group blocks, and give the sliding-window blocks
-        covering the window before its last full block boundary their keys (only when it holds all of them)."""
+        """Before ``seq`` lets go of its blocks: hash its full kept-group blocks, and give its held window-snapshot
+        blocks (:meth:`_snapshot_keys`) their keys."""
         self.cache_blocks(seq)
-        k = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
-        if k == 0:
-            return
         for g in self.groups:
-            if g.lookback is None:
-                continue
-            table = seq.block_tables.get(g.name, [])
-            cols = range(max(0, k * self.block_size - g.lookback) // self.block_size, k)
-            if all(j < len(table) and table[j] >= 0 for j in cols):
-                for j in cols:
-                    self._pools[g.name].register(table[j], seq.block_hashes[j])
+            if g.lookback is not None:
+                table, pool = seq.block_tables.get(g.name, []), self._pools[g.name]
+                for j, key in self._snapshot_keys(seq, g, True).items():
+                    if j < len(table) and table[j] >= 0:
+                        pool.register(table[j], key)

@@ -361,8 +361,9 @@ class LLM:
                           dtype=str(getattr(self.model, "dtype", None)), gemm=getattr(self.model, "gemm", None),
                           kv_cache_dtype=cfg.kv_cache_dtype, batch_invariant=cfg.batch_invariant,
                           block_size=cfg.block_size)
-        replay = cfg.prefix_replay_tokens or (spec.replay_tokens if spec is not None else 1)
-        return PrefixCaching(salt, replay)
+        exact = spec.replay_tokens if spec is not None else 1
+        replay = cfg.prefix_replay_tokens or exact
+        return PrefixCaching(salt, replay, replay >= exact)
 
     def _derive_num_blocks(self, spec, window_blocks: int | None) -> int:
         """Enough ``full``-group blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and,

@@ -35,10 +35,13 @@ class PrefixCaching:
         replay_tokens: a hit without a window snapshot at its end recomputes at least this many positions before
             the end of the shared blocks (the window KV and compressor state of a sliding-window group are rebuilt
             by them); ``>= 1``. The start of the recomputation is rounded down to a block boundary.
+        exact_replay: ``replay_tokens`` reaches the model's exact bound, so a replayed window equals the one a
+            full computation writes and may be kept as a snapshot.
     """
 
     salt: bytes
     replay_tokens: int
+    exact_replay: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.salt, bytes) or not self.salt:

@@ -192,6 +192,7 @@ class Sequence:
     finish_time: float | None = None
     num_cached_tokens: int = 0
     prefix_shared_tokens: int = 0
+    prefix_branch: int = 0  # the shared length when its hit replayed the exact bound (a window snapshot there)
     window_floor: int = 0
     block_hashes: list[bytes] = field(default_factory=list, repr=False)
     num_registered_blocks: int = 0  # full blocks already given their chain hash (block manager bookkeeping)
