@@ -361,7 +361,8 @@ class BlockManager:
         hashes = seq.block_hashes
         B = self.block_size
         for j in range(len(hashes), num_blocks):
-            hashes.append(block_hash(hashes[j - 1] if j else self.prefix_caching.salt, seq.token_at(j * B, (j + 1) * B)))
+            parent = hashes[j - 1] if j else self.prefix_caching.salt
+            hashes.append(block_hash(parent, seq.token_at(j * B, (j + 1) * B)))
         return hashes
 
     def lookup(self, seq: Sequence) -> PrefixHit | None:

@@ -435,7 +435,8 @@ def test_chat_usage_reports_cached_prompt_tokens_and_server_metrics():
 
     llm = LLM("tiny", batch_invariant=True)
     text = " ".join(f"w{i}" for i in range(300))
-    body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "seed": 5, "messages": [{"role": "user", "content": text}]}
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0, "seed": 5,
+            "messages": [{"role": "user", "content": text}]}
     first, again = llm.chat([body])[0], llm.chat([body])[0]
     u0, u = first["usage"], again["usage"]
     assert u0["prompt_tokens_details"]["cached_tokens"] == 0 and u0["prompt_cache_hit_tokens"] == 0
