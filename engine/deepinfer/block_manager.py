@@ -6,6 +6,9 @@ group (the default) has every cache kind behind one id. DeepSeek-V4 has two (``m
 and the compressor state: only the last ``lookback`` positions are read, so older blocks go back to the pool).
 Block ``j`` of every table covers positions ``[j * block_size, (j + 1) * block_size)``; a released block reads
 ``-1``. The block manager only hands out ids; the model decides what a block stores.
+
+With prefix caching (``PrefixCaching``), blocks are reference-counted and shared by chain hash, unreferenced ones
+keep their content in an LRU, and a lookup tells a new request where it may start (``docs/prefix-cache.md``).
 """
 
 from __future__ import annotations
@@ -328,9 +331,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Drop all of ``seq``'s references in every group and empty its tables. With prefix caching, its full
-        blocks keep their content (an LRU of free blocks), and so do the sliding-window blocks that end at its last
-        full block boundary (a window snapshot: the next request that shares the prefix resumes there without a
-        replay); blocks no other sequence holds go back last-first, so a prefix outlives its tail.
+        blocks keep their content (an LRU of free blocks), and so do its window-snapshot blocks
+        (:meth:`_snapshot_keys`: a request sharing the prefix resumes there without a replay); blocks no other
+        sequence holds go back last-first, so a prefix outlives its tail.
 
         Raises:
             RuntimeError: a table lists a block ``seq`` does not hold (a corrupted table).
