@@ -6,14 +6,18 @@ group (the default) has every cache kind behind one id. DeepSeek-V4 has two (``m
 and the compressor state: only the last ``lookback`` positions are read, so older blocks go back to the pool).
 Block ``j`` of every table covers positions ``[j * block_size, (j + 1) * block_size)``; a released block reads
 ``-1``. The block manager only hands out ids; the model decides what a block stores.
+
+With prefix caching (``PrefixCaching``), blocks are reference-counted and shared by chain hash, unreferenced ones
+keep their content in an LRU, and a lookup tells a new request where it may start (``docs/prefix-cache.md``).
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from deepinfer.prefix_cache import PrefixCaching, PrefixCacheStats, PrefixHit, block_hash
 from deepinfer.sequence import Sequence
 
 FULL_GROUP = "full"
@@ -52,12 +56,59 @@ class BlockChanges(NamedTuple):
 
 
 class _Pool:
-    """Free list and owners of one group."""
+    """Blocks of one group: the uncached free list, the LRU of unreferenced blocks that keep cached content, the
+    holders of every referenced block and the content keys (chain hashes) of cached blocks."""
 
     def __init__(self, group: CacheGroup) -> None:
         self.group = group
-        self.free: deque[int] = deque(range(group.num_blocks))
-        self.owner: dict[int, int] = {}  # block id -> seq_id (for checks)
+        self.free: deque[int] = deque(range(group.num_blocks))  # no content worth keeping: handed out first
+        self.cached: OrderedDict[int, bytes] = OrderedDict()  # unreferenced, content kept; least recently used first
+        self.holders: dict[int, set[int]] = {}  # referenced block -> the sequences holding it
+        self.key_of: dict[int, bytes] = {}
+        self.by_key: dict[bytes, int] = {}
+        self.evictions = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free) + len(self.cached)
+
+    def take(self, seq_id: int) -> int:
+        """A block for ``seq_id`` to write: an uncached one, else the least recently used cached one (evicted)."""
+        if self.free:
+            block = self.free.popleft()
+        else:
+            block, key = self.cached.popitem(last=False)
+            del self.key_of[block], self.by_key[key]
+            self.evictions += 1
+        self.holders[block] = {seq_id}
+        return block
+
+    def hold(self, block: int, seq_id: int) -> None:
+        """One more reference to a cached block (a prefix-cache hit)."""
+        self.cached.pop(block, None)
+        self.holders.setdefault(block, set()).add(seq_id)
+
+    def release(self, block: int, seq_id: int) -> None:
+        """Drop ``seq_id``'s reference; an unreferenced block goes to the LRU when it has a key, else to the free
+        list. Raises RuntimeError when ``seq_id`` does not hold it."""
+        holders = self.holders.get(block)
+        if not holders or seq_id not in holders:
+            owner = None if not holders else (next(iter(holders)) if len(holders) == 1 else sorted(holders))
+            raise RuntimeError(f"BlockManager.free: block {block} is owned by {owner}, not sequence {seq_id}")
+        holders.discard(seq_id)
+        if not holders:
+            del self.holders[block]
+            key = self.key_of.get(block)
+            if key is None:
+                self.free.append(block)
+            else:
+                self.cached[block] = key
+
+    def register(self, block: int, key: bytes) -> None:
+        """Give ``block`` the content key ``key`` (kept when another block already has it)."""
+        if block not in self.key_of and key not in self.by_key:
+            self.key_of[block] = key
+            self.by_key[key] = block
 
 
 def window_blocks_needed(lookback: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
@@ -76,16 +127,20 @@ class BlockManager:
         block_size: tokens per block (every group).
         groups: the model's cache groups; the first one must keep its blocks (``lookback`` None): ``num_blocks``,
             ``num_free_blocks`` and ``Sequence.block_table`` refer to it.
+        prefix_caching: None (off), or the salt and replay length of prefix caching (``docs/prefix-cache.md``):
+            full blocks get chain hashes, blocks are reference-counted and shared, and unreferenced blocks that keep
+            cached content wait in an LRU (counted as free) until a block is needed.
     Raises:
         ValueError naming the field for non-positive sizes, a duplicate group name or a first group that releases
         blocks.
 
-    Blocks are handed out from a FIFO free list per group (lowest ids first at start). A sequence's tables grow as
-    its context grows (:meth:`allocate`), the sliding-window ones also release their old blocks there, and all are
-    returned by :meth:`free` (on finish, abort or preemption).
+    Blocks are handed out from a FIFO free list per group (lowest ids first at start), then from the LRU of cached
+    blocks. A sequence's tables grow as its context grows (:meth:`allocate`), the sliding-window ones also release
+    their old blocks there, and all are returned by :meth:`free` (on finish, abort or preemption).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, groups: list[CacheGroup] | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, groups: list[CacheGroup] | None = None,
+                 prefix_caching: PrefixCaching | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"BlockManager: block_size must be positive, got {block_size}")
         groups = list(groups) if groups is not None else [CacheGroup(FULL_GROUP, num_blocks)]
@@ -104,6 +159,11 @@ class BlockManager:
         self.groups = groups
         self._pools = {g.name: _Pool(g) for g in groups}
         self.main = groups[0].name
+        if prefix_caching is not None and not isinstance(prefix_caching, PrefixCaching):
+            raise ValueError(f"BlockManager: prefix_caching must be a PrefixCaching or None, got "
+                             f"{type(prefix_caching).__name__}")
+        self.prefix_caching = prefix_caching
+        self._prefix_stats = PrefixCacheStats()
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -113,16 +173,36 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free blocks of the first (kept) group."""
-        return len(self._pools[self.main].free)
+        """Free blocks of the first (kept) group (cached unreferenced blocks included)."""
+        return self._pools[self.main].num_free
 
     @property
-    def free_blocks(self) -> deque[int]:
-        return self._pools[self.main].free
+    def free_blocks(self) -> list[int]:
+        """Free block ids of the first group: the uncached ones in hand-out order, then the cached ones (LRU)."""
+        pool = self._pools[self.main]
+        return list(pool.free) + list(pool.cached)
 
     def num_free(self, group: str) -> int:
-        """Free blocks of ``group`` (KeyError for an unknown name)."""
-        return len(self._pools[group].free)
+        """Free blocks of ``group`` (cached unreferenced blocks included; KeyError for an unknown name)."""
+        return self._pools[group].num_free
+
+    def num_referenced(self, group: str | None = None) -> int:
+        """Blocks of ``group`` (default: the first) some sequence holds (0 once every request has ended)."""
+        return len(self._pools[group or self.main].holders)
+
+    def num_cached(self, group: str | None = None) -> int:
+        """Unreferenced blocks of ``group`` (default: the first) that keep cached content."""
+        return len(self._pools[group or self.main].cached)
+
+    @property
+    def caching(self) -> bool:
+        return self.prefix_caching is not None
+
+    @property
+    def prefix_stats(self) -> PrefixCacheStats:
+        """Hit counters (tokens) and evictions (:class:`~deepinfer.prefix_cache.PrefixCacheStats`)."""
+        self._prefix_stats.evictions = sum(p.evictions for p in self._pools.values())
+        return self._prefix_stats
 
     def first_needed_block(self, group: CacheGroup, start: int) -> int:
         """Index of the first block of ``group`` a step starting at position ``start`` reads."""
@@ -147,12 +227,19 @@ class BlockManager:
         first = self.first_needed_block(g, seq.num_computed_tokens)
         return [j for j in range(min(first, len(table))) if table[j] >= 0]
 
+    def _first_held(self, g: CacheGroup, seq: Sequence) -> int:
+        """Index of the first block of ``g`` that ``seq``'s next step must hold: :meth:`first_needed_block`, and for
+        a sliding-window group not before ``seq.window_floor`` (a prefix hit replayed without the window before
+        it)."""
+        first = self.first_needed_block(g, seq.num_computed_tokens)
+        return first if g.lookback is None else max(first, seq.window_floor // self.block_size)
+
     def blocks_needed(self, seq: Sequence, num_context_tokens: int, group: str | None = None) -> int:
         """Extra blocks of ``group`` (default: the first) ``seq`` needs so that its table covers
         ``num_context_tokens`` positions (its step starts at ``seq.num_computed_tokens``)."""
         g = self._pools[group or self.main].group
         table = seq.block_tables.get(g.name, [])
-        first = self.first_needed_block(g, seq.num_computed_tokens)
+        first = self._first_held(g, seq)
         end = blocks_for(num_context_tokens, self.block_size)
         return sum(1 for j in range(first, end) if j >= len(table) or table[j] < 0)
 
@@ -162,7 +249,7 @@ class BlockManager:
         names = [group] if group is not None else [g.name for g in self.groups]
         for name in names:
             pool = self._pools[name]
-            free = len(pool.free) + len(self._releasable(seq, pool.group))
+            free = pool.num_free + self._releasable_blocks(seq, pool.group)
             if self.blocks_needed(seq, num_context_tokens, name) > free:
                 return False
         return True
@@ -208,7 +295,7 @@ class BlockManager:
         for name in names:
             if not self.can_allocate(seq, num_context_tokens, name):
                 need = self.blocks_needed(seq, num_context_tokens, name)
-                free = len(self._pools[name].free) + len(self._releasable(seq, self._pools[name].group))
+                free = self._pools[name].num_free + self._releasable_blocks(seq, self._pools[name].group)
                 raise RuntimeError(f"BlockManager.allocate: sequence {seq.seq_id} needs {need} blocks, {free} free"
                                    + ("" if name == self.main else f" in cache group {name!r}"))
         for g in self.groups:  # every table exists, in group order (``Sequence.block_table`` is the first)
@@ -219,18 +306,21 @@ class BlockManager:
             pool = self._pools[name]
             table = seq.block_tables[name]
             gone = []
-            for j in self._releasable(seq, pool.group):
-                self._give_back(pool, table[j], seq)
+            releasable = self._releasable(seq, pool.group)
+            keys = self._snapshot_keys(seq, pool.group, False) if releasable and self.caching else {}
+            for j in releasable:
+                if j in keys:  # a window snapshot at a boundary worth keeping (prompt end, branch point)
+                    pool.register(table[j], keys[j])
+                pool.release(table[j], seq.seq_id)
                 gone.append(table[j])
                 table[j] = -1
-            first = self.first_needed_block(pool.group, seq.num_computed_tokens)
+            first = self._first_held(pool.group, seq)
             end = blocks_for(num_context_tokens, self.block_size)
             got = []
             for j in range(first, end):
                 if j < len(table) and table[j] >= 0:
                     continue
-                block = pool.free.popleft()
-                pool.owner[block] = seq.seq_id
+                block = pool.take(seq.seq_id)
                 if j >= len(table):
                     table.extend([-1] * (j + 1 - len(table)))
                 table[j] = block
@@ -240,23 +330,144 @@ class BlockManager:
         return BlockChanges(new, released)
 
     def free(self, seq: Sequence) -> None:
-        """Return all of ``seq``'s blocks of every group to their free lists and empty its tables.
+        """Drop all of ``seq``'s references in every group and empty its tables. With prefix caching, its full
+        blocks keep their content (an LRU of free blocks), and so do its window-snapshot blocks
+        (:meth:`_snapshot_keys`: a request sharing the prefix resumes there without a replay); blocks no other
+        sequence holds go back last-first, so a prefix outlives its tail.
 
         Raises:
-            RuntimeError: a table lists a block another sequence owns (a corrupted table).
+            RuntimeError: a table lists a block ``seq`` does not hold (a corrupted table).
         """
+        if self.caching and seq.block_tables:
+            self._keep_at_end(seq)
         for name, table in seq.block_tables.items():
             pool = self._pools[name]
-            for block in table:
+            for block in (reversed(table) if self.caching else table):
                 if block >= 0:
-                    self._give_back(pool, block, seq)
+                    pool.release(block, seq.seq_id)
         seq.block_tables = {}
+        seq.prefix_shared_tokens = 0
+        seq.prefix_branch = 0
+        seq.window_floor = 0
+        seq.num_registered_blocks = 0
 
-    @staticmethod
-    def _give_back(pool: _Pool, block: int, seq: Sequence) -> None:
-        owner = pool.owner.pop(block, None)
-        if owner != seq.seq_id:
-            if owner is not None:
-                pool.owner[block] = owner
-            raise RuntimeError(f"BlockManager.free: block {block} is owned by {owner}, not sequence {seq.seq_id}")
-        pool.free.append(block)
+    # ------------------------------------------------------------------ prefix caching
+    def _releasable_blocks(self, seq: Sequence, g: CacheGroup) -> int:
+        """Blocks :meth:`allocate` would give back to ``g``'s free count before it allocates: ``seq``'s blocks
+        before its step's window that no other sequence holds."""
+        pool = self._pools[g.name]
+        table = seq.block_tables.get(g.name, [])
+        return sum(1 for j in self._releasable(seq, g) if len(pool.holders.get(table[j], ())) == 1)
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """``seq.block_hashes`` extended to its first ``num_blocks`` full blocks (their tokens must be known)."""
+        hashes = seq.block_hashes
+        B = self.block_size
+        for j in range(len(hashes), num_blocks):
+            parent = hashes[j - 1] if j else self.prefix_caching.salt
+            hashes.append(block_hash(parent, seq.token_at(j * B, (j + 1) * B)))
+        return hashes
+
+    def lookup(self, seq: Sequence) -> PrefixHit | None:
+        """Where ``seq`` (no blocks held) could start from the prefix cache, without changing anything; None when
+        caching is off or nothing is cached for its first block.
+
+        The hit covers the longest run of its full blocks whose chain hashes every kept group has, leaving at least
+        one token to compute. A model with sliding-window groups then starts at the latest block boundary whose
+        window snapshot is cached (exact, no replay) or ``replay_tokens`` before the end of the shared blocks
+        (rounded down to a block), whichever is later; the positions between the start and the end of the shared
+        blocks are recomputed without writing the shared blocks."""
+        if not self.caching or seq.block_tables:
+            return None
+        B = self.block_size
+        k = (seq.num_tokens - 1) // B
+        if k <= 0:
+            return None
+        hashes = self._hashes(seq, k)
+        kept = [g for g in self.groups if g.lookback is None]
+        windows = [g for g in self.groups if g.lookback is not None]
+        for g in kept:
+            by_key = self._pools[g.name].by_key
+            n = 0
+            while n < k and hashes[n] in by_key:
+                n += 1
+            k = n
+        if k == 0:
+            return None
+        shared = k * B
+        ids = {g.name: {j: self._pools[g.name].by_key[hashes[j]] for j in range(k)} for g in kept}
+        if not windows:
+            return PrefixHit(shared, shared, 0, ids)
+        replay_start = max(0, shared - self.prefix_caching.replay_tokens) // B * B
+        for e in range(k, replay_start // B, -1):  # the latest boundary with a window snapshot
+            snap = {}
+            for g in windows:
+                by_key = self._pools[g.name].by_key
+                cols = range(max(0, e * B - g.lookback) // B, e)
+                if not all(hashes[j] in by_key for j in cols):
+                    break
+                snap[g.name] = {j: by_key[hashes[j]] for j in cols}
+            else:
+                return PrefixHit(e * B, shared, 0, {**ids, **snap})
+        return PrefixHit(replay_start, shared, replay_start, ids)
+
+    def apply_hit(self, seq: Sequence, hit: PrefixHit) -> None:
+        """Take ``hit`` (from :meth:`lookup`, for ``seq`` holding no blocks): hold its blocks in ``seq``'s tables
+        (``-1`` elsewhere), start ``seq`` at ``hit.start`` (``num_computed_tokens``) and record the shared length and
+        window floor on it. :meth:`free` undoes it."""
+        for g in self.groups:
+            table = seq.block_tables.setdefault(g.name, [])
+            pool = self._pools[g.name]
+            for j, block in sorted(hit.ids.get(g.name, {}).items()):
+                if j >= len(table):
+                    table.extend([-1] * (j + 1 - len(table)))
+                table[j] = block
+                pool.hold(block, seq.seq_id)
+        seq.num_computed_tokens = hit.start
+        seq.prefix_shared_tokens = hit.shared
+        # a replay of the exact bound rebuilds the window at the end of the shared blocks: worth a snapshot
+        seq.prefix_branch = hit.shared if hit.start < hit.shared and self.prefix_caching.exact_replay else 0
+        seq.window_floor = hit.window_floor
+        seq.num_registered_blocks = hit.shared // self.block_size
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Give the kept-group blocks of ``seq`` that became full (computed, with known tokens) their chain hashes,
+        so later requests can share them. O(1) when no block became full."""
+        if not self.caching:
+            return
+        B = self.block_size
+        n = min(seq.num_computed_tokens, seq.num_tokens) // B
+        if n <= seq.num_registered_blocks:
+            return
+        hashes = self._hashes(seq, n)
+        for g in self.groups:
+            if g.lookback is None:
+                table, pool = seq.block_tables.get(g.name, []), self._pools[g.name]
+                for j in range(seq.num_registered_blocks, min(n, len(table))):
+                    pool.register(table[j], hashes[j])
+        seq.num_registered_blocks = n
+
+    def _snapshot_keys(self, seq: Sequence, g: CacheGroup, at_end: bool) -> dict[int, bytes]:
+        """``{table index: chain hash}`` of the blocks of window group ``g`` that make up ``seq``'s window snapshots:
+        the window before the last full block boundary of its prompt, of its shared prefix when a hit replayed it
+        (``prefix_branch``: where the next request with this prefix diverges too) and, ``at_end``, of its context.
+        Only boundaries its computed, known tokens reach."""
+        B = self.block_size
+        n = min(seq.num_computed_tokens, seq.num_tokens) // B
+        ends = {seq.num_prompt_tokens // B, seq.prefix_branch // B} | ({n} if at_end else set())
+        ends = {k for k in ends if 0 < k <= n}
+        if not ends:
+            return {}
+        hashes = self._hashes(seq, max(ends))
+        return {j: hashes[j] for k in ends for j in range(max(0, k * B - g.lookback) // B, k)}
+
+    def _keep_at_end(self, seq: Sequence) -> None:
+        """Before ``seq`` lets go of its blocks: hash its full kept-group blocks, and give its held window-snapshot
+        blocks (:meth:`_snapshot_keys`) their keys."""
+        self.cache_blocks(seq)
+        for g in self.groups:
+            if g.lookback is not None:
+                table, pool = seq.block_tables.get(g.name, []), self._pools[g.name]
+                for j, key in self._snapshot_keys(seq, g, True).items():
+                    if j < len(table) and table[j] >= 0:
+                        pool.register(table[j], key)

@@ -533,8 +533,12 @@ class PreparedChat:
                 return False
         return True
 
-    def finish(self, finish_reason: str) -> dict:
-        """End the stream (``"stop"``: EOS or stop sequence, ``"length"``: max_tokens) and return the response JSON.
+    def finish(self, finish_reason: str, num_cached_tokens: int = 0) -> dict:
+        """End the stream (``"stop"``: EOS or stop sequence, ``"length"``: max_tokens) and return the response JSON;
+        ``num_cached_tokens``: prompt tokens served from the prefix cache (``Sequence.num_cached_tokens``), reported
+        in the usage (Chat: ``prompt_tokens_details.cached_tokens`` and ``prompt_cache_hit_tokens`` /
+        ``prompt_cache_miss_tokens``; Responses: ``input_tokens_details.cached_tokens``; Messages:
+        ``cache_read_input_tokens``, with ``input_tokens`` the rest, as the recipe counts them).
 
         Tool calls to undeclared tools, with arguments that are not a JSON object, or a DSML block that does not
         parse (cut by ``max_tokens``) are not returned as calls: the answer is parsed again without tool-call
@@ -557,7 +561,7 @@ class PreparedChat:
             self.held = ([], [])
         elif not valid:
             out = self._replay(self.api, False, finish_reason)
-        self._fix_usage(out)
+        self._fix_usage(out, num_cached_tokens)
         if self.api == "chat" and self.want_logprobs:
             for choice in out.get("choices") or []:
                 lp = choice.get("logprobs")
@@ -601,15 +605,28 @@ class PreparedChat:
             if kind in ("response.completed", "response.incomplete") and isinstance(data.get("response"), dict):
                 data["response"] = json.loads(json.dumps(out))
             elif kind == "message_delta" and isinstance(data.get("usage"), dict) and "usage" in out:
-                data["usage"]["output_tokens"] = out["usage"]["output_tokens"]
+                for k in ("output_tokens", "input_tokens", "cache_read_input_tokens"):
+                    if k in data["usage"] and k in out["usage"]:
+                        data["usage"][k] = out["usage"][k]
             elif self.api in ("chat", "completions") and isinstance(data.get("usage"), dict) and "usage" in out:
                 data["usage"] = dict(out["usage"])
 
-    def _fix_usage(self, out: dict) -> None:
-        """Completion and reasoning counts from the sampled tokens (the recipe re-tokenises the text)."""
+    def _fix_usage(self, out: dict, num_cached_tokens: int = 0) -> None:
+        """Completion and reasoning counts from the sampled tokens (the recipe re-tokenises the text), and the
+        cached prompt tokens (known only once the request was admitted, after the recipe's stream opened)."""
         u = out.get("usage")
         if not isinstance(u, dict):
             return
+        n = num_cached_tokens
+        if self.api == "chat":
+            u.setdefault("prompt_tokens_details", {})["cached_tokens"] = n
+            u["prompt_cache_hit_tokens"] = n
+            u["prompt_cache_miss_tokens"] = u.get("prompt_tokens", 0) - n
+        elif self.api == "responses":
+            u.setdefault("input_tokens_details", {})["cached_tokens"] = n
+        elif self.api == "messages" and n:
+            u["input_tokens"] = max(0, u.get("input_tokens", 0) - n)
+            u["cache_read_input_tokens"] = n
         if self.api == "chat":
             u["completion_tokens"] = self.num_sampled
             u["total_tokens"] = u.get("prompt_tokens", 0) + self.num_sampled

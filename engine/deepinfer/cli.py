@@ -418,6 +418,11 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="run steps in order (by default step N+1 is prepared while the device runs step N)")
     e.add_argument("--enable-image-fetch", action="store_true",
                    help="allow fetching image URLs (public addresses only, size-limited); off by default")
+    e.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="share the cache blocks of common prompt prefixes between requests (default: on)")
+    e.add_argument("--prefix-replay-tokens", type=_positive_int, default=None,
+                   help="positions a prefix-cache hit without a window snapshot recomputes (default: the model's "
+                   "exact bound, layers x window; smaller is faster but changes outputs)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -428,7 +433,8 @@ def engine_config(args: argparse.Namespace):
                         num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
                         seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                         enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
-                        kv_cache_dtype=args.kv_cache_dtype)
+                        kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
+                        prefix_replay_tokens=args.prefix_replay_tokens)
 
 
 def load_llm(args: argparse.Namespace, cfg=None, model_obj=None, **kwargs):

@@ -48,6 +48,13 @@ class EngineConfig:
         async_scheduling: schedule and enqueue step N + 1 while the device runs step N; the sampled ids stay on the
             device and feed the next step, stops and finishes are applied one step late (the extra token of a
             finished request is dropped). Steps of requests with frequency / presence penalties run in order.
+        enable_prefix_caching: share the cache blocks of common prompt prefixes between requests and keep freed
+            blocks' content in an LRU until the memory is needed (``docs/prefix-cache.md``); a hit counts as computed
+            tokens and is reported as cached prompt tokens.
+        prefix_replay_tokens: a hit whose end has no cached window snapshot recomputes at least this many positions
+            before it to rebuild the sliding-window KV and the compressor state (rounded to a block). ``None``: the
+            model's exact bound (DeepSeek-V4: layers x window, outputs equal those without the hit); a smaller value
+            (DeepInfer's 140) is cheaper but changes outputs after the hit.
     """
 
     block_size: int = 128
@@ -68,6 +75,8 @@ class EngineConfig:
     enforce_eager: bool = False
     async_scheduling: bool = True
     kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = True
+    prefix_replay_tokens: int | None = None
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting has the wrong type or is out of range."""
@@ -75,11 +84,12 @@ class EngineConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int):
                 raise ValueError(f"EngineConfig.{name} must be an integer, got {v!r}")
-        for name in ("num_blocks", "max_model_len", "prefill_chunk_align", "seed"):
+        for name in ("num_blocks", "max_model_len", "prefill_chunk_align", "seed", "prefix_replay_tokens"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
                 raise ValueError(f"EngineConfig.{name} must be an integer or None, got {v!r}")
-        for name in ("batch_invariant", "enable_image_fetch", "enforce_eager", "async_scheduling"):
+        for name in ("batch_invariant", "enable_image_fetch", "enforce_eager", "async_scheduling",
+                     "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
         for name in ("gpu_memory_utilization", "cpu_cache_gib"):
@@ -96,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.max_num_seqs <= 0:
             raise ValueError(f"EngineConfig.max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.prefix_replay_tokens is not None and self.prefix_replay_tokens < 1:
+            raise ValueError(f"EngineConfig.prefix_replay_tokens must be >= 1, got {self.prefix_replay_tokens}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"EngineConfig.max_model_len must be positive, got {self.max_model_len}")
         align = self.chunk_align

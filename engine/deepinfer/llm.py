@@ -22,6 +22,7 @@ from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_re
 from deepinfer.config import EngineConfig
 from deepinfer.engine import LLMEngine, OutputProcessor
 from deepinfer.model_runner import ModelRunner, allocate_cache
+from deepinfer.prefix_cache import PrefixCaching, cache_salt
 from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import SamplingParams, Sequence, SequenceStatus, draw_seed, interrupted_error
 
@@ -37,7 +38,8 @@ class RequestOutput:
 
     ``token_ids`` excludes the EOS / stop id that ended it (``stop_token_id``); ``logprobs[i]`` is the
     log-probability of ``token_ids[i]`` under the model distribution; ``seed`` is the seed used (drawn when unset).
-    ``error`` is set (and the rest empty) when the request was refused.
+    ``error`` is set (and the rest empty) when the request was refused. ``num_cached_tokens``: prompt tokens served
+    from the prefix cache (not computed).
     """
 
     index: int
@@ -50,6 +52,7 @@ class RequestOutput:
     stop_token_id: int | None = None
     seed: int | None = None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
     error: dict | None = None
 
 
@@ -67,6 +70,7 @@ class EngineStats:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prefill_tokens: int = 0  # tokens computed in prefill (incl. recompute after preemption)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (not computed)
     decode_tokens: int = 0
     prefill_time: float = 0.0
     decode_time: float = 0.0
@@ -104,6 +108,7 @@ class EngineStats:
         return {
             "requests": self.num_requests, "errors": self.num_errors,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
             "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 and measured else 0.0,
             "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 and measured else 0.0,
             "note": None if measured else NO_THROUGHPUT,
@@ -306,14 +311,15 @@ class LLM:
                     self.model, self.device, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                     cfg.batch_invariant, window_blocks=2, kv_cache_dtype=cfg.kv_cache_dtype)
             cfg.num_blocks = self._derive_num_blocks(spec, window_blocks)
+        prefix = self._prefix_caching(spec, model_dir)
         if spec is not None:
             window_blocks = min(window_blocks, cfg.num_blocks)
             self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size,
-                                              spec.cache_groups(cfg.num_blocks, window_blocks))
+                                              spec.cache_groups(cfg.num_blocks, window_blocks), prefix)
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size, window_blocks=window_blocks,
                                         kv_cache_dtype=cfg.kv_cache_dtype)
         else:
-            self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size)
+            self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, prefix_caching=prefix)
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
@@ -327,6 +333,7 @@ class LLM:
         self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
                         "cache_bytes_per_token": spec.bytes_per_token() if spec is not None else None,
                         "cache": spec.report(cfg.num_blocks, window_blocks) if spec is not None else None,
+                        "prefix_caching": None if prefix is None else {"replay_tokens": prefix.replay_tokens},
                         "cuda_graphs": sorted(self.runner.graphs),
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
                         "graph_memory_bytes": self.runner.graph_memory_bytes,
@@ -358,6 +365,23 @@ class LLM:
             return None
         return family.cache_spec(self.model.config, self.model.dtype, self.config.block_size,
                                  self.config.kv_cache_dtype)
+
+    def _prefix_caching(self, spec, model_dir: Path | None) -> PrefixCaching | None:
+        """The block manager's prefix-caching settings (None when ``enable_prefix_caching`` is off): the chain-hash
+        salt names the model and everything that changes what a block holds; the replay length is
+        ``prefix_replay_tokens`` or the model's exact bound (``CacheSpec.replay_tokens``)."""
+        cfg = self.config
+        if not cfg.enable_prefix_caching:
+            return None
+        mcfg = getattr(self.model, "config", None)
+        salt = cache_salt(model=str(model_dir) if model_dir else type(self.model).__name__,
+                          config=mcfg.to_dict() if callable(getattr(mcfg, "to_dict", None)) else repr(mcfg),
+                          dtype=str(getattr(self.model, "dtype", None)), gemm=getattr(self.model, "gemm", None),
+                          kv_cache_dtype=cfg.kv_cache_dtype, batch_invariant=cfg.batch_invariant,
+                          block_size=cfg.block_size)
+        exact = spec.replay_tokens if spec is not None else 1
+        replay = cfg.prefix_replay_tokens or exact
+        return PrefixCaching(salt, replay, replay >= exact)
 
     def _derive_num_blocks(self, spec, window_blocks: int | None) -> int:
         """Enough ``full``-group blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and,
@@ -472,6 +496,7 @@ class LLM:
                 stats.num_errors += 1
                 continue
             stats.prompt_tokens += seq.num_prompt_tokens
+            stats.cached_tokens += seq.num_cached_tokens
             stats.completion_tokens += seq.num_output_tokens
             if seq.first_token_time is not None:
                 stats.ttft.append(seq.first_token_time - seq.arrival_time)
@@ -542,6 +567,7 @@ class LLM:
                 out.finish_reason = seq.finish_reason
                 out.stop_token_id = seq.stop_token_id
                 out.num_preemptions = seq.num_preemptions
+                out.num_cached_tokens = seq.num_cached_tokens
             outs.append(out)
         return outs
 
@@ -597,7 +623,7 @@ class LLM:
                 results[i] = {"error": err}
                 continue
             try:
-                results[i] = pc.finish(seq.finish_reason or "stop")
+                results[i] = pc.finish(seq.finish_reason or "stop", seq.num_cached_tokens)
             except RequestError as e:  # an answer that breaks the request's contract (no call where one was required)
                 pc.close()
                 results[i] = {"error": e.record}

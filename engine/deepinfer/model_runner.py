@@ -61,9 +61,12 @@ class RequestState:
         num_prompt_tokens: the prompt's length (later tokens are output: the draw counter and the penalties).
         slot: its row in the runner's :class:`BlockTable` s.
         matcher: its ``structured.RequestMatcher`` (a request with ``structured_outputs``), else None.
+        shared_len, window_floor: from :class:`NewRequestData` (``num_shared_tokens``, ``window_floor``): the
+            prefix-cache blocks its steps never write and the first position of its window tables.
     """
 
-    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "seed", "slot", "matcher", "_counts")
+    __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "params", "seed", "slot", "matcher", "_counts",
+                 "shared_len", "window_floor")
 
     def __init__(self, data: NewRequestData, slot: int) -> None:
         self.req_id = data.req_id
@@ -72,6 +75,8 @@ class RequestState:
         self.params = data.params
         self.seed = data.seed
         self.slot = slot
+        self.shared_len = data.num_shared_tokens
+        self.window_floor = data.window_floor
         self.matcher = None
         if data.grammar is not None:
             from deepinfer.structured import RequestMatcher
@@ -429,8 +434,12 @@ class ModelRunner:
 
             slots = np.fromiter((st.slot for st in states), np.int64, len(states))
             window = self.block_tables.get(WINDOW_GROUP)
+            shared = np.fromiter((st.shared_len for st in states), np.int64, len(states))
+            floor = np.fromiter((st.window_floor for st in states), np.int64, len(states))
+            prefix = bool(shared.any() or floor.any())  # a prefix-cache hit in the step
             seqs = StepSeqs(starts, q, self.block_tables[FULL_GROUP].rows(slots),
-                            None if window is None else window.rows(slots))
+                            None if window is None else window.rows(slots), shared if prefix else None,
+                            floor if prefix else None)
             graph = self._graph_for(q, starts + q)
             if graph is not None:
                 graph.plan.num_tokens, graph.plan.num_logits = self.builder.fill(seqs, ids, logits_rows,

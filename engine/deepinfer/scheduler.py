@@ -57,7 +57,12 @@ class ScheduledRequest(NamedTuple):
 
 class NewRequestData(NamedTuple):
     """A request the runner has no state for: first admitted, or resumed after preemption (its context is then
-    ``prompt_token_ids + output_token_ids``, recomputed from position 0)."""
+    ``prompt_token_ids + output_token_ids``, recomputed from position 0, or from a prefix-cache hit).
+
+    ``num_shared_tokens``: positions ``[0, num_shared_tokens)`` of the kept cache group are shared prefix-cache
+    blocks the runner's steps never write (a replayed suffix recomputes only the sliding-window group there);
+    ``window_floor``: the request's sliding-window tables hold no block before this position (its steps read no
+    window entry before it). Both 0 without a hit."""
 
     req_id: int
     prompt_token_ids: tuple[int, ...]
@@ -65,6 +70,8 @@ class NewRequestData(NamedTuple):
     params: SamplingParams
     seed: int
     grammar: object | None = None  # the compiled ``params.structured_outputs`` (immutable), else None
+    num_shared_tokens: int = 0
+    window_floor: int = 0
 
 
 @dataclass(frozen=True)
@@ -197,6 +204,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            # blocks earlier steps filled become shareable (never those this step writes: a request admitted
+            # below would read them in the same step)
+            bm.cache_blocks(seq)
             n = self._chunk(seq, budget)
             if n == 0:
                 i += 1
@@ -222,20 +232,28 @@ class Scheduler:
                 seq = self.waiting[0]
                 if seq.num_pending:  # preempted with a token in flight: admitted once it is applied
                     break
+                hit = bm.lookup(seq)  # None unless prefix caching finds the request's first block
+                if hit is not None:
+                    bm.apply_hit(seq, hit)  # the hit counts as computed tokens
                 n = self._chunk(seq, budget)
-                if n == 0:
-                    break
                 target = seq.num_computed_tokens + n
-                if not self.block_manager.can_allocate(seq, target):
+                if n == 0 or not bm.can_allocate(seq, target):
+                    if hit is not None:  # give the shared blocks back; the lookup is redone next step
+                        bm.free(seq)
+                        seq.num_computed_tokens = 0
                     break
                 self.waiting.popleft()
-                changes = self.block_manager.allocate_step(seq, target)
+                changes = bm.allocate_step(seq, target)
+                if hit is not None:  # the runner gets the whole tables: shared blocks and -1 entries included
+                    changes = BlockChanges({g: list(t) for g, t in seq.block_tables.items()}, {})
+                if seq.num_preemptions == 0:
+                    self._count_prefix(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
                 self.num_running_in_order += _in_order(seq)
                 new_requests.append(NewRequestData(seq.seq_id, tuple(seq.prompt_token_ids),
                                                    tuple(seq.output_token_ids), seq.params, seq.seed,
-                                                   seq.grammar))
+                                                   seq.grammar, seq.prefix_shared_tokens, seq.window_floor))
                 scheduled.append(self._take(seq, n, changes, sampled))
                 budget -= n
 
@@ -251,6 +269,15 @@ class Scheduler:
         if sampled:
             self._steps[out.step_id] = sampled
         return out
+
+    def _count_prefix(self, seq: Sequence) -> None:
+        """Usage and hit counters of a request's first admission (tokens served from the prefix cache)."""
+        seq.num_cached_tokens = seq.num_computed_tokens
+        if self.block_manager.caching:
+            stats = self.block_manager.prefix_stats
+            stats.queries += seq.num_prompt_tokens
+            stats.hits += seq.num_cached_tokens
+            stats.replayed += seq.prefix_shared_tokens - seq.num_computed_tokens if seq.prefix_shared_tokens else 0
 
     @staticmethod
     def _take(seq: Sequence, n: int, changes: BlockChanges | None, sampled: list[Sequence]) -> ScheduledRequest:

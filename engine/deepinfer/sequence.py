@@ -161,6 +161,11 @@ class Sequence:
     block_size)``; ``-1`` for a block a sliding-window group released, see ``deepinfer.block_manager``).
     Preemption by recompute frees the blocks and resets ``num_computed_tokens`` to 0; the output tokens are kept
     and are recomputed as part of the context.
+
+    Prefix caching (``deepinfer.block_manager``, ``docs/prefix-cache.md``): ``num_cached_tokens`` prompt tokens were
+    served from the cache at the first admission (usage); ``prefix_shared_tokens`` positions of the kept group are
+    shared blocks the request never writes and ``window_floor`` the first position of its sliding-window tables (the
+    current admission); ``block_hashes`` are the chain hashes of its full blocks so far.
     """
 
     seq_id: int
@@ -185,6 +190,12 @@ class Sequence:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    num_cached_tokens: int = 0
+    prefix_shared_tokens: int = 0
+    prefix_branch: int = 0  # the shared length when its hit replayed the exact bound (a window snapshot there)
+    window_floor: int = 0
+    block_hashes: list[bytes] = field(default_factory=list, repr=False)
+    num_registered_blocks: int = 0  # full blocks already given their chain hash (block manager bookkeeping)
     # (number of output tokens counted, {token_id: count}) for the penalties; kept up to date by the sampler
     _output_counts: tuple[int, dict[int, int]] | None = field(default=None, repr=False, compare=False)
 

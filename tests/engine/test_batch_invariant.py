@@ -48,8 +48,11 @@ def _model(device: str, gemm: str = "dequant") -> DeepseekV4ForCausalLM:
 
 def _llm(device: str, batch_invariant: bool, budget: int = 64, align: int | None = None,
          gemm: str = "dequant") -> LLM:
+    # mode off: a prefix-cache hit changes a rerun's chunking, so caching stays on only in batch-invariant mode
+    # (where the reruns with hits must still be bitwise equal)
     return LLM(_model(device, gemm), batch_invariant=batch_invariant, device=device, max_num_batched_tokens=budget,
-               prefill_chunk_align=align, num_blocks=160, max_model_len=512, max_num_seqs=64)
+               prefill_chunk_align=align, num_blocks=160, max_model_len=512, max_num_seqs=64,
+               enable_prefix_caching=batch_invariant)
 
 
 def _ids(rng: random.Random, n: int) -> list[int]:

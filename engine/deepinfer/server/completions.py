@@ -40,10 +40,11 @@ class PreparedCompletion(PreparedChat):
                 out.append((None, c))
         return out
 
-    def finish(self, finish_reason: str) -> dict:
-        chat = super().finish(finish_reason)
+    def finish(self, finish_reason: str, num_cached_tokens: int = 0) -> dict:
+        chat = super().finish(finish_reason, num_cached_tokens)
         choice = chat["choices"][0]
-        usage = {k: chat["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")}
+        usage = {k: chat["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens",
+                                               "prompt_tokens_details")}
         return {"id": self.request_id, "object": "text_completion", "created": chat["created"],
                 "model": self.model_name, "choices": [{"text": choice["message"].get("content") or "", "index": 0,
                                                        "logprobs": None, "finish_reason": choice["finish_reason"]}],

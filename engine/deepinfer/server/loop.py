@@ -223,7 +223,7 @@ class EngineLoop:
             self._close(h, err)
             return
         try:
-            result = h.prepared.finish(seq.finish_reason or "stop")
+            result = h.prepared.finish(seq.finish_reason or "stop", seq.num_cached_tokens)
         except RequestError as e:  # an answer that breaks the request's contract (no call where one was required)
             self._close(h, dict(e.record))
             return

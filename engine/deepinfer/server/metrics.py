@@ -41,6 +41,13 @@ class ServerMetrics:
         self.prompt_tokens = Counter("deepinfer_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("deepinfer_generation_tokens", "Output tokens of finished requests",
                                          registry=r)
+        self.prefix_queries = Counter("deepinfer_prefix_cache_queries", "Prompt tokens of finished requests "
+                                      "looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("deepinfer_prefix_cache_hits", "Prompt tokens of finished requests served from "
+                                   "the prefix cache (not computed)", registry=r)
+        self._prefix = [0, 0]  # (hits, queries) for the rate
+        Gauge("deepinfer_prefix_cache_hit_rate", "Fraction of the prompt tokens of finished requests served from "
+              "the prefix cache (0..1)", registry=r).set_function(lambda: self._prefix[0] / max(1, self._prefix[1]))
         self.requests = Counter("deepinfer_requests", "Requests that ended, by outcome (finished, error, aborted)", ["outcome"], registry=r)
         self.ttft = Histogram("deepinfer_time_to_first_token_seconds", "Time to first token (queueing included)",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -63,6 +70,11 @@ class ServerMetrics:
     def observe_request(self, seq) -> None:
         self.requests.labels("finished").inc()
         self.prompt_tokens.inc(seq.num_prompt_tokens)
+        self.prefix_queries.inc(seq.num_prompt_tokens)
+        self.prefix_hits.inc(seq.num_cached_tokens)
+        with self._lock:
+            self._prefix[0] += seq.num_cached_tokens
+            self._prefix[1] += seq.num_prompt_tokens
         self.generation_tokens.inc(seq.num_output_tokens)
         if seq.first_token_time is not None:
             self.ttft.observe(max(0.0, seq.first_token_time - seq.arrival_time))

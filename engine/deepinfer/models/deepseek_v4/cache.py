@@ -59,6 +59,17 @@ def window_lookback(config: DeepseekV4Config) -> int:
     return max(config.sliding_window - 1, 1)
 
 
+def exact_replay_tokens(config: DeepseekV4Config) -> int:
+    """Positions a prefix-cache hit at a block boundary ``H`` must recompute, when the window group holds nothing
+    before them, for every later output to equal a run without the hit: each main layer's window attention reads
+    ``lookback`` earlier positions of its own input, so a replay from ``s`` gives exact layer-``l`` inputs from
+    ``s + (l - 1) * lookback`` on, and the tokens after ``H`` read layer ``l``'s window KV and compressor state
+    (a CSA ring holds the ``m`` positions before ``H``) from ``H - max(lookback, m)`` on. ``num_hidden_layers *
+    max(lookback, m)`` (MTP layers are not run on a prompt)."""
+    ring = config.compress_rate_csa if CSA in config.layer_types else 0
+    return config.num_hidden_layers * max(window_lookback(config), ring)
+
+
 @dataclass(frozen=True)
 class PoolSpec:
     """One pool of one layer: per-block ``shape``, element ``dtype`` and cache ``group``."""
@@ -94,6 +105,7 @@ class CacheSpec:
         dtype: the model dtype (the compressor state rings; every pool with ``kv_cache_dtype="auto"``).
         kv_cache_dtype: ``"auto"``, ``"bf16"`` or ``"fp8"`` (module doc).
         lookback: :func:`window_lookback` of the config.
+        replay_tokens: :func:`exact_replay_tokens` of the config (prefix caching).
     """
 
     block_size: int
@@ -101,6 +113,7 @@ class CacheSpec:
     dtype: torch.dtype
     kv_cache_dtype: str = "auto"
     lookback: int = 127
+    replay_tokens: int = 127
 
     def group_bytes_per_block(self) -> dict[str, int]:
         """Bytes one block id of each group occupies across that group's pools of all layers."""
@@ -185,7 +198,8 @@ class CacheSpec:
                           pool("idx_state_kv", (2 * ratio, 2 * ihd), dtype),
                           pool("idx_state_gate", (2 * ratio, 2 * ihd), dtype)]
             layers.append(LayerCacheSpec(lt, ratio, dict(pools)))
-        return cls(block_size, tuple(layers), dtype, kv_cache_dtype, window_lookback(config))
+        return cls(block_size, tuple(layers), dtype, kv_cache_dtype, window_lookback(config),
+                   exact_replay_tokens(config))
 
 
 class DeepseekV4Cache:
@@ -257,4 +271,5 @@ def write_cache(pool: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> 
 
 
 __all__ = ["BLOCK_SIZE", "KV_CACHE_DTYPES", "CacheSpec", "DeepseekV4Cache", "LayerCacheSpec", "PoolSpec",
-           "allocate_cache", "query_dtype", "window_lookback", "write_cache", "HCA", "CSA", "SLIDING"]
+           "allocate_cache", "exact_replay_tokens", "query_dtype", "window_lookback", "write_cache", "HCA", "CSA",
+           "SLIDING"]

@@ -30,12 +30,19 @@ class SeqStep:
     """One sequence of a step (host data): tokens at positions ``[c0, c0 + q)``, ``full``-group blocks
     ``block_ids`` and ``window``-group blocks ``window_ids`` (block j of either covers positions
     ``[j * block_size, (j + 1) * block_size)``; ``window_ids`` entries before the step's window, the blocks that end
-    at or before ``c0 - lookback``, are not read and may be -1; ``None``: ``block_ids`` serve both groups)."""
+    at or before ``c0 - lookback``, are not read and may be -1; ``None``: ``block_ids`` serve both groups).
+
+    Prefix cache: ``shared_len`` positions of the ``full`` group are shared blocks this step never writes (the
+    entries of windows that close at or before it are not written; a multiple of the block size or 0);
+    ``window_floor`` (a multiple of the block size, ``<= c0``): ``window_ids`` before it may be -1 and the
+    step's window reads stop there (a replay that starts without the window before it)."""
 
     c0: int
     q: int
     block_ids: tuple[int, ...]
     window_ids: tuple[int, ...] | None = None
+    shared_len: int = 0
+    window_floor: int = 0
 
     @property
     def L(self) -> int:
@@ -54,12 +61,15 @@ class StepSeqs:
         c0, q: ``[num_seqs]`` int64.
         block_tables: ``[num_seqs, width]`` int64, ``width`` at least the blocks of the longest context.
         window_tables: ``[num_seqs, width_w]`` int64 (same rule), or ``None``: ``block_tables`` serve both groups.
+        shared_len, window_floor: ``[num_seqs]`` int64 (:class:`SeqStep`), or ``None``: all 0.
     """
 
     c0: np.ndarray
     q: np.ndarray
     block_tables: np.ndarray
     window_tables: np.ndarray | None = None
+    shared_len: np.ndarray | None = None
+    window_floor: np.ndarray | None = None
 
     @classmethod
     def from_list(cls, seqs: list[SeqStep], block_size: int) -> "StepSeqs":
@@ -77,7 +87,11 @@ class StepSeqs:
             wt = np.full((len(seqs), width), -1, dtype=np.int64)
             for i, (s, k) in enumerate(zip(seqs, nbs)):
                 wt[i, :k] = (s.block_ids if s.window_ids is None else s.window_ids)[:k]
-        return cls(c0, q, bt, wt)
+        shared = floor = None
+        if any(s.shared_len or s.window_floor for s in seqs):
+            shared = np.fromiter((s.shared_len for s in seqs), np.int64, len(seqs))
+            floor = np.fromiter((s.window_floor for s in seqs), np.int64, len(seqs))
+        return cls(c0, q, bt, wt, shared, floor)
 
     def to_list(self) -> list[SeqStep]:
         """:class:`SeqStep` s of the rows (a row ends before its trailing ``-1`` s)."""
@@ -87,9 +101,13 @@ class StepSeqs:
                 k -= 1
             return tuple(row[:k])
 
-        wrows = self.window_tables.tolist() if self.window_tables is not None else [None] * len(self.c0)
-        return [SeqStep(c0, q, trim(row), None if wrow is None else trim(wrow))
-                for c0, q, row, wrow in zip(self.c0.tolist(), self.q.tolist(), self.block_tables.tolist(), wrows)]
+        n = len(self.c0)
+        wrows = self.window_tables.tolist() if self.window_tables is not None else [None] * n
+        shared = self.shared_len.tolist() if self.shared_len is not None else [0] * n
+        floor = self.window_floor.tolist() if self.window_floor is not None else [0] * n
+        return [SeqStep(c0, q, trim(row), None if wrow is None else trim(wrow), sh, fl)
+                for c0, q, row, wrow, sh, fl in zip(self.c0.tolist(), self.q.tolist(), self.block_tables.tolist(),
+                                                    wrows, shared, floor)]
 
 
 @dataclass(frozen=True)
@@ -269,8 +287,14 @@ class PlanBuilder:
                              f"integer): {list(ids)}")
         if len(set(ids)) != nb:
             raise ValueError(f"block_tables: sequence {i} lists a block twice: {list(ids)}")
+        B = self.block_size
+        if not (_is_int(s.shared_len) and s.shared_len >= 0 and s.shared_len % B == 0):
+            raise ValueError(f"shared_len[{i}]: a multiple of the block size {B} >= 0 expected, got {s.shared_len!r}")
+        if not (_is_int(s.window_floor) and 0 <= s.window_floor <= s.c0 and s.window_floor % B == 0):
+            raise ValueError(f"window_floor[{i}]: a multiple of the block size {B} in [0, context_len - query_len = "
+                             f"{s.c0}] expected, got {s.window_floor!r}")
         if s.window_ids is not None:
-            w0 = self.first_window_block(s.c0)
+            w0 = max(self.first_window_block(s.c0), s.window_floor // B)
             if nb > len(s.window_ids):
                 raise ValueError(f"window_block_tables: sequence {i} needs {nb} blocks for {s.L} tokens, row has "
                                  f"{len(s.window_ids)}")
@@ -280,6 +304,8 @@ class PlanBuilder:
                                  f"{self.window_blocks}) (or not an integer) in blocks {w0}..{nb - 1}: {list(wids)}")
             if len(set(wids)) != nb - w0:
                 raise ValueError(f"window_block_tables: sequence {i} lists a block twice: {list(wids)}")
+        elif s.window_floor:
+            raise ValueError(f"window_floor[{i}]: needs a window table (one table serves both groups)")
         elif nb and max(ids) >= self.window_blocks:
             raise ValueError(f"block_tables: sequence {i} uses a block id outside the window group's [0, "
                              f"{self.window_blocks}): {list(ids)}")
@@ -298,13 +324,13 @@ class PlanBuilder:
         B = self.block_size
         for i, s in enumerate(seqs):
             self.check_seq(i, s)
-        for name, ids_of, first_of in (
-                ("block_tables", lambda s: s.block_ids, lambda s: 0),
+        for name, ids_of, first_of, written_of in (
+                ("block_tables", lambda s: s.block_ids, lambda s: 0, lambda s: max(s.c0, s.shared_len)),
                 ("window_block_tables", lambda s: s.block_ids if s.window_ids is None else s.window_ids,
-                 lambda s: self.first_window_block(s.c0))):
+                 lambda s: max(self.first_window_block(s.c0), s.window_floor // B), lambda s: s.c0)):
             owner: dict[int, int] = {}
             for i, s in enumerate(seqs):
-                for b in ids_of(s)[s.c0 // B:_blocks_for(s.L, B)]:
+                for b in ids_of(s)[written_of(s) // B:_blocks_for(s.L, B)]:
                     owner[b] = i
             for i, s in enumerate(seqs):
                 for b in ids_of(s)[first_of(s):_blocks_for(s.L, B)]:
@@ -318,19 +344,27 @@ class PlanBuilder:
         c0, q, bt, wt = seqs.c0, seqs.q, seqs.block_tables, seqs.window_tables
         S = len(c0) if isinstance(c0, np.ndarray) and c0.ndim == 1 else -1
         tables = (bt,) if wt is None else (bt, wt)
-        shapes_ok = S >= 0 and all(isinstance(t, np.ndarray) and t.ndim == 2 and t.shape[0] == S for t in tables)
+        extras = tuple(a for a in (seqs.shared_len, seqs.window_floor) if a is not None)
+        B = self.block_size
+        shapes_ok = (S >= 0 and all(isinstance(t, np.ndarray) and t.ndim == 2 and t.shape[0] == S for t in tables)
+                     and all(isinstance(a, np.ndarray) and a.shape == (S,) for a in extras))
         ok = (shapes_ok and isinstance(q, np.ndarray) and q.shape == (S,)
-              and all(a.dtype.kind in "iu" for a in (c0, q) + tables))
+              and all(a.dtype.kind in "iu" for a in (c0, q) + tables + extras))
         if ok and S:
             L = c0 + q
-            nb = -(-L // self.block_size)
+            nb = -(-L // B)
+            shared = seqs.shared_len if seqs.shared_len is not None else 0
+            floor = seqs.window_floor if seqs.window_floor is not None else np.zeros(S, dtype=np.int64)
             ok = bool((q >= 1).all() and (c0 >= 0).all() and all(int(nb.max()) <= t.shape[1] for t in tables)
                       and int(L.max()) <= self.config.max_position_embeddings)
+            if ok and extras:
+                ok = bool(((seqs.shared_len >= 0) & (seqs.shared_len % B == 0) & (floor >= 0) & (floor <= c0)
+                           & (floor % B == 0)).all() and (wt is not None or not floor.any()))
             if ok:
-                ok = _group_ok(bt, np.zeros(S, dtype=np.int64), nb, c0 // self.block_size, self.num_blocks)
+                ok = _group_ok(bt, np.zeros(S, dtype=np.int64), nb, np.maximum(c0, shared) // B, self.num_blocks)
             if ok and wt is not None:
-                w0 = np.maximum(c0 - self.lookback, 0) // self.block_size
-                ok = _group_ok(wt, w0, nb, c0 // self.block_size, self.window_blocks)
+                w0 = np.maximum(np.maximum(c0 - self.lookback, 0) // B, floor // B)
+                ok = _group_ok(wt, w0, nb, c0 // B, self.window_blocks)
             elif ok:  # one table for both groups: its ids must also lie in the window group
                 used = np.arange(bt.shape[1])[None, :] < nb[:, None]
                 ok = int(bt[used].max()) < self.window_blocks
@@ -483,10 +517,12 @@ class PlanBuilder:
         meta = []
         for m, overlap in self.ratios:
             if S and (qs == 1).all():
-                lists = self._decode_compressor_lists(c0s, seq_bt, seq_wbt, w0s, m, overlap, capacity)
+                lists = self._decode_compressor_lists(c0s, seq_bt, seq_wbt, w0s, m, overlap, capacity,
+                                                      seqs.shared_len)
             else:
                 lists = self._compressor_lists(c0s.tolist(), Ls.tolist(), seq_bt.tolist(), seq_wbt.tolist(),
-                                               w0s.tolist(), starts.tolist(), m, overlap, capacity)
+                                               w0s.tolist(), starts.tolist(), m, overlap, capacity,
+                                               None if seqs.shared_len is None else seqs.shared_len.tolist())
             meta.append((m, overlap, lists["n_close"]))
             for name, arr in lists.items():
                 if name != "n_close":
@@ -547,7 +583,8 @@ class PlanBuilder:
         return self.build(seqs, ids, li.cpu().tolist(), batch.batch_invariant, pad_multiple, checked=True)
 
     def _compressor_lists(self, c0s: list[int], Ls: list[int], bts: list[list[int]], wbts: list[list[int]],
-                          w0s: list[int], starts: list[int], m: int, overlap: bool, capacity: Capacity | None) -> dict:
+                          w0s: list[int], starts: list[int], m: int, overlap: bool, capacity: Capacity | None,
+                          shared: list[int] | None = None) -> dict:
         """The :class:`CompressorPlan` lists of ratio ``m`` as numpy arrays (padded to ``capacity`` in graph mode),
         per sequence in Python: steps with prefill chunks (a decode step takes :meth:`_decode_compressor_lists`).
         ``bts``: ``full``-group tables (compressed entries); ``wbts``: ``window``-group blocks (the state rings)
@@ -557,7 +594,11 @@ class PlanBuilder:
         of ``c0`` start at ``s0`` (CSA: one window earlier, whose first half feeds the next entry). Ring rows
         ``[s0, c0)`` of the block of ``c0 - 1`` are read when a window closes or when the state moves to another
         block. The state as of ``E`` goes to the ring of the block of ``E - 1`` for every block end ``E`` the step
-        crosses and for ``E = L``; rows a ring already holds are not written again."""
+        crosses and for ``E = L``; rows a ring already holds are not written again.
+
+        ``shared[i]``: windows closing at or before it are pooled nowhere (``dst`` -1: shared prefix-cache
+        entries); a ring read from a block the sequence does not hold (a replay's start) reads slot 0 instead,
+        whose rows only feed such windows."""
         B = self.block_size
         R = 2 * m if overlap else m
         per_block = B // m
@@ -580,7 +621,7 @@ class PlanBuilder:
             read = c0 > s0 and (end_w > first_w or any(st < c0 for st in starts_w))
             base = len(ring_src)
             if read:
-                blk = wrow[(c0 - 1) // B - w0]
+                blk = max(wrow[(c0 - 1) // B - w0], 0)
                 ring_src.extend(blk * R + p % R for p in range(s0, c0))
             if capacity is not None:
                 ring_src.extend([0] * (base + ring_rows_cap - len(ring_src)))
@@ -599,7 +640,8 @@ class PlanBuilder:
                         prev.extend([0] * m)
                         prev_ok.append(0)
                 w_pos.append(w * m)
-                dst.append(bids[(w * m) // B] * per_block + w % per_block)
+                dst.append(-1 if shared is not None and (w + 1) * m <= shared[i]
+                           else bids[(w * m) // B] * per_block + w % per_block)
             for E, st in zip(ends, starts_w):
                 blk = wrow[(E - 1) // B - w0]
                 for p in range(st, E):
@@ -633,7 +675,7 @@ class PlanBuilder:
         return out
 
     def _decode_compressor_lists(self, p: np.ndarray, bt: np.ndarray, wbt: np.ndarray, w0: np.ndarray, m: int,
-                                 overlap: bool, capacity: Capacity | None) -> dict:
+                                 overlap: bool, capacity: Capacity | None, shared: np.ndarray | None = None) -> dict:
         """:meth:`_compressor_lists` of a decode step (one new token per sequence, at position ``p[i]``, token row
         ``i``; ``bt [num_seqs + 1, nb]`` the step's ``full``-group tables, ``wbt [num_seqs + 1, nwb]`` its
         ``window``-group blocks from block ``w0[i]`` on), vectorised over the sequences: the same lists in the same
@@ -652,7 +694,7 @@ class PlanBuilder:
         n_read = np.where(read, p - s0, 0)
         # ring reads: positions s0 .. p - 1 from the ring of the block of p - 1 (R - 1 per sequence in graph mode)
         k = np.arange(R - 1)
-        blk_prev = wbt[i, np.maximum(p - 1, 0) // B - w0]  # the window starts at or before p - 1
+        blk_prev = np.maximum(wbt[i, np.maximum(p - 1, 0) // B - w0], 0)  # -1: a replay's start (see above)
         ring_slot = blk_prev[:, None] * R + (s0[:, None] + k[None, :]) % R
         valid = k[None, :] < n_read[:, None]
         if capacity is not None:
@@ -675,6 +717,8 @@ class PlanBuilder:
         cur = row(win, c[:, None])
         w_pos = w * m
         dst = bt[c, w_pos // B] * per_block + w % per_block
+        if shared is not None:
+            dst = np.where((w + 1) * m <= shared[c], -1, dst)
         if overlap:
             has_prev = w >= 1
             prev = np.where(has_prev[:, None], row(win - m, c[:, None]), 0)
