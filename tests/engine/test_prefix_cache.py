@@ -462,15 +462,15 @@ def test_chat_usage_reports_cached_prompt_tokens_and_server_metrics():
 
 
 def test_cli_flags_reach_the_engine_config():
-    from deepinfer.cli import _prefix_options, build_parser
+    from deepinfer.cli import build_parser, engine_config
 
     io = ["--input", "in.jsonl", "--output", "out.jsonl"]
     for argv, want in ((["generate"] + io, (True, None)),
                        (["generate", "--no-enable-prefix-caching"] + io, (False, None)),
                        (["serve", "--prefix-replay-tokens", "140"], (True, 140))):
         args = build_parser().parse_args(argv)
-        opts = _prefix_options(args)
-        assert (opts["enable_prefix_caching"], opts["prefix_replay_tokens"]) == want
+        cfg = engine_config(args)
+        assert (cfg.enable_prefix_caching, cfg.prefix_replay_tokens) == want
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--prefix-replay-tokens", "0"] + io)
     with pytest.raises(ValueError, match="prefix_replay_tokens"):
