@@ -19,7 +19,8 @@ Scenarios, each on a fresh engine (empty cache), the model loaded once:
 * memory: bytes per cached token per cache kind (the ``full`` group's pools: what a hit reuses) and per window
   snapshot (one per kept boundary), the cache held after the shared-prefix run per cached token, and the peak blocks
   one request holds with caching on and off.
-Writes bench/results/<gpu>/bench_prefix_cache.json (``bench/timer.py`` ``write_results``).
+Writes bench/results/<gpu>/bench_prefix_cache.json (``bench/timer.py`` ``write_results``) after each scenario; a run
+cut short keeps its finished rows, each marked ``partial_run``.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def _timed(llm, prompts: list[list[int]], max_tokens: int) -> tuple[list, dict]:
                   "computed_prefill_tokens": st.prefill_tokens, "hit_rate": cached / prompt, "wall_s": wall}
 
 
-def shared_prefix(model, args, vocab: int) -> tuple[list[dict], object]:
+def shared_prefix(model, args, vocab: int, save=lambda rows: None) -> tuple[list[dict], object]:
     prefix = _ids(1, args.prefix_len, vocab)
     prompts = [prefix + _ids(100 + i, args.suffix_len, vocab) for i in range(args.num_requests)]
     shape = {"requests": args.num_requests, "prefix": args.prefix_len, "suffix": args.suffix_len}
@@ -91,6 +92,7 @@ def shared_prefix(model, args, vocab: int) -> tuple[list[dict], object]:
             row["ttft_vs_cold"] = row["us"] / cold_us
         rows.append(row)
         print(row, flush=True)
+        save(rows)  # a run cut short keeps its finished scenarios
         if name == "hit":
             held = llm
     return rows, held
@@ -188,11 +190,18 @@ def run(args) -> list[dict]:
     vocab = model.config.vocab_size
     args.max_model_len = args.max_model_len or max(args.prefix_len + 2 * args.suffix_len,
                                                    args.turns * (args.turn_len + args.turn_output)) + 256
-    rows, held = shared_prefix(model, args, vocab)
+    from bench.timer import write_results
+
+    def save(rows: list[dict], partial: bool = True) -> None:
+        shape = {"layers": model.config.num_hidden_layers, "gemm": getattr(model, "gemm", None)}
+        out = [dict(r, shape=dict(r["shape"], **shape), **({"partial_run": True} if partial else {})) for r in rows]
+        write_results("bench_prefix_cache", out, args.out_dir)
+
+    rows, held = shared_prefix(model, args, vocab, save)
     rows += multi_turn(model, args, vocab)
+    save(rows)
     rows.append(memory(model, args, held, vocab))
-    for r in rows:
-        r["shape"] = dict(r["shape"], layers=model.config.num_hidden_layers, gemm=getattr(model, "gemm", None))
+    save(rows, partial=False)
     return rows
 
 
@@ -222,9 +231,7 @@ def main(argv: list[str] | None = None) -> None:
         args.num_requests, args.prefix_len, args.suffix_len = 4, 1024, 64
         args.turns, args.turn_len, args.turn_output = 3, 200, 8
         args.max_num_batched_tokens = 512
-    from bench.timer import write_results
-
-    write_results("bench_prefix_cache", run(args), args.out_dir)
+    run(args)
 
 
 if __name__ == "__main__":
