@@ -62,6 +62,11 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("compressor_pool(Tensor! out, Tensor kv, Tensor gate) -> ()");
   m.def("compressor_pool_rows(Tensor! out, Tensor ring_kv, Tensor ring_gate, Tensor new_kv, Tensor new_gate, "
         "Tensor ape, Tensor ring_src, Tensor cur, Tensor? prev, Tensor? prev_ok, Tensor dst) -> ()");
+  // engine host work: a graph-mode decode step's plan lists (CPU tensors only)
+  m.def(
+      "decode_plan_fill(Tensor! out, Tensor c0, Tensor block_tables, Tensor window_tables, Tensor shared_len, "
+      "Tensor input_ids, Tensor logits_indices, int num_rows, int max_blocks, int block_size, int lookback, "
+      "int[] ratios, int[] overlaps) -> ()");
   m.def("compressor_state_write(Tensor! ring_kv, Tensor! ring_gate, Tensor new_kv, Tensor new_gate, Tensor ring_src, "
         "Tensor st_src, Tensor st_dst) -> ()");
 }
@@ -93,6 +98,7 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("compressor_pool", &deepinfer::compressor_pool_cpu);
   m.impl("compressor_pool_rows", &deepinfer::compressor_pool_rows_cpu);
   m.impl("compressor_state_write", &deepinfer::compressor_state_write_cpu);
+  m.impl("decode_plan_fill", &deepinfer::decode_plan_fill_cpu);
   m.impl("logsumexp_rows", &deepinfer::logsumexp_rows_cpu);
 }
 

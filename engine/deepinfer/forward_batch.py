@@ -72,32 +72,40 @@ class HostStager:
         tensor (``out`` when given: it must have exactly that many entries)."""
         import numpy as np
 
-        device = torch.device(device)
         n = sum(len(a) if isinstance(a, list) else a.size for a in arrays)
+
+        def write(host: torch.Tensor) -> None:
+            flat = host.numpy()
+            at = 0
+            for a in arrays:
+                m = len(a) if isinstance(a, list) else a.size
+                flat[at:at + m] = np.asarray(a, dtype=np.int64).reshape(-1) if m else 0
+                at += m
+
+        return self.upload_filled(n, write, device, out)
+
+    def upload_filled(self, n: int, write, device: torch.device | str, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``n`` int64 values that ``write(host)`` puts into a host tensor ``[n]`` (a pinned ring buffer on CUDA),
+        copied to one device tensor (``out`` when given: it must have exactly ``n`` entries)."""
+        device = torch.device(device)
         if out is not None and out.numel() != n:
             raise ValueError(f"out: {n} int64 entries to upload, the buffer has {out.numel()}")
         if device.type != "cuda":
             host = torch.empty(n, dtype=torch.int64)
-        else:
-            k = self._turn = (self._turn + 1) % self.RING
-            if self._bufs[k] is None or self._bufs[k][0].numel() < n:
-                self._bufs[k] = (torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
-            host, done = self._bufs[k]
-            done.synchronize()
-        flat = host.numpy()
-        at = 0
-        for a in arrays:
-            m = len(a) if isinstance(a, list) else a.size
-            flat[at:at + m] = np.asarray(a, dtype=np.int64).reshape(-1) if m else 0
-            at += m
-        if device.type != "cuda":
+            write(host)
             if out is None:
                 return host
             out.copy_(host)
             return out
+        k = self._turn = (self._turn + 1) % self.RING
+        if self._bufs[k] is None or self._bufs[k][0].numel() < n:
+            self._bufs[k] = (torch.empty(max(n, 1 << 16), dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+        host, done = self._bufs[k]
+        done.synchronize()
+        write(host[:n])
         dev = out if out is not None else torch.empty(n, dtype=torch.int64, device=device)
         dev.copy_(host[:n], non_blocking=True)
-        self._bufs[k][1].record()
+        done.record()
         return dev
 
 

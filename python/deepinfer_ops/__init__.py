@@ -35,6 +35,7 @@ from .gemm import (
 from .mhc import hc_collapse, hc_mix, hc_post, hc_weights
 from .moe import fused_moe_fp8, moe_combine, moe_permute
 from .norm import rms_norm
+from .plan import decode_plan_fill
 from .quant import FP8_E4M3_MAX, per_token_group_quant_fp8
 from .rope import rope_cos_sin_cache, rotary_embedding
 from .sampling import logsumexp_rows
@@ -49,6 +50,7 @@ __all__ = [
     "compressor_pool",
     "compressor_pool_rows",
     "compressor_state_write",
+    "decode_plan_fill",
     "device_for",
     "fp4_to_fp8_blockscaled",
     "fp8_gemm_nt",

@@ -263,3 +263,9 @@ def _compressor_state_write_fake(ring_kv, ring_gate, new_kv, new_gate, ring_src,
 def _logsumexp_rows_fake(out, x):
     torch._check(out.shape == (x.shape[0],), lambda: "logsumexp_rows: out must be [rows]")
     return None
+
+
+@_register_fake("deepinfer_ops::decode_plan_fill")
+def _decode_plan_fill_fake(out, c0, block_tables, window_tables, shared_len, input_ids, logits_indices, num_rows,
+                           max_blocks, block_size, lookback, ratios, overlaps):
+    torch._check(out.dtype == torch.int64 and out.dim() == 1, lambda: "decode_plan_fill: out must be 1-D int64")

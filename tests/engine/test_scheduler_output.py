@@ -168,16 +168,23 @@ def test_vectorised_decode_lists_equal_the_per_sequence_loop(graph):
 
 
 def test_fill_writes_the_buffer_build_uploads():
-    """Graph mode: ``fill`` into a captured plan's buffer writes exactly what ``build`` with the same capacity
-    uploads (host ids and device-tensor ids), and returns the step's token and logits counts."""
+    """Graph mode: ``fill`` (the C++ ``decode_plan_fill``) writes into a captured plan's buffer exactly what the
+    numpy ``build`` with the same capacity uploads, entry for entry: random decode steps (window closes, block
+    ends, position 0, long contexts), window tables that released their old blocks, prefix-cache shared lengths,
+    host ids and device-tensor ids; and returns the step's token and logits counts."""
     cfg = DeepseekV4Config.from_dict(TINY_CONFIG)
     b = PlanBuilder(cfg, 128, 4096, "cpu", window_blocks=4096)
+    B = b.block_size
     rng = random.Random(3)
-    for trial in range(10):
+    for trial in range(60):
         S = rng.randrange(1, 30)
         c0, bt, wt = _random_decode_step(rng, b, S, 4096)
         cap = Capacity(S + rng.randrange(0, 3), max(bt.shape[1], 16), 2048)
-        seqs = StepSeqs(np.array(c0), np.ones(S, dtype=np.int64), bt, wt)
+        shared = None
+        if trial % 3 == 1:  # prefix-cache hits: shared full blocks below each position's block
+            shared = np.array([B * rng.randrange(0, p // B + 1) for p in c0], dtype=np.int64)
+        seqs = StepSeqs(np.array(c0), np.ones(S, dtype=np.int64), bt, wt, shared,
+                        None if shared is None else np.zeros(S, dtype=np.int64))
         ids = [rng.randrange(cfg.vocab_size) for _ in range(S)]
         rows = sorted(rng.sample(range(S), rng.randrange(1, S + 1)))
         ref = b.build(seqs, ids, rows, capacity=cap, finalize=False)
@@ -187,9 +194,32 @@ def test_fill_writes_the_buffer_build_uploads():
             out = torch.full_like(want, -7)
             got = b.fill(seqs, torch.tensor(ids) if as_tensor else ids, rows, cap, out)
             assert got == (S, len(rows))
-            assert torch.equal(out, want), (trial, as_tensor)
+            if as_tensor:  # the ids are copied into the input_ids chunk, zeros before that
+                assert torch.equal(out, want), (trial, as_tensor)
+            else:
+                assert torch.equal(out, want), (trial, (out != want).nonzero()[:5].tolist())
     with pytest.raises(ValueError, match="capacity"):
         b.fill(seqs, ids, rows, Capacity(S - 1 if S > 1 else 0, 16, 2048), out)
+
+
+@pytest.mark.native_errors
+def test_decode_plan_fill_names_the_argument_at_fault():
+    import deepinfer_ops
+
+    i64 = dict(dtype=torch.int64)
+    c0 = torch.tensor([5], **i64)
+    bt = torch.zeros(1, 2, **i64)
+    args = lambda out, c=c0, t=bt: (out, c, t, t, torch.empty(0, **i64), torch.tensor([1], **i64),  # noqa: E731
+                                    torch.tensor([0], **i64), 1, 2, 128, 127, [4], [True])
+    with pytest.raises(RuntimeError, match="decode_plan_fill: out holds 3 entries"):
+        deepinfer_ops.decode_plan_fill(*args(torch.empty(3, **i64)))
+    with pytest.raises(RuntimeError, match="decode_plan_fill: c0 must be int64"):
+        deepinfer_ops.decode_plan_fill(*args(torch.empty(3, **i64), c=c0.int()))
+    n, nb, nwb, m = 1, 2, 2, 4
+    total = n * (6 + nb + nwb) + n * (2 * m - 1) + n * m + 2 * n + 2 * n * 2 * m + n * m + n
+    deepinfer_ops.decode_plan_fill(*args(torch.empty(total, **i64)))  # the right size: fine
+    with pytest.raises(RuntimeError, match="reads block column 2 past max_blocks 2"):  # a position past the capacity
+        deepinfer_ops.decode_plan_fill(*args(torch.empty(total, **i64), c=torch.tensor([299], **i64)))
 
 
 def test_group_check_with_shared_blocks():

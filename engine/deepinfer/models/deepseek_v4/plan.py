@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+import deepinfer_ops
+
 from deepinfer.forward_batch import ForwardBatch, HostStager
 
 from .cache import window_lookback
@@ -415,23 +417,35 @@ class PlanBuilder:
 
     def fill(self, seqs: StepSeqs, input_ids: list[int] | torch.Tensor, logits_indices: list[int],
              capacity: Capacity, out: torch.Tensor, checked: bool = False) -> tuple[int, int]:
-        """Write a decode step into a captured graph-mode plan's buffer ``out`` (what :meth:`build` with
-        ``capacity`` and ``out`` uploads, without making the plan's views: the graph replays the captured plan).
-        Returns ``(num_tokens, num_logits)`` for the captured plan. Raises as :meth:`build`."""
-        chunks, _, T, _, _ = self._chunks(seqs, input_ids, logits_indices, 0, capacity, checked)
-        dev = self._stager.upload(list(chunks.values()), self.device, out)
-        if isinstance(input_ids, torch.Tensor):
-            at = 0
-            for name, a in chunks.items():
-                if name == "input_ids":
-                    break
-                at += a.size
+        """Write a decode step into a captured graph-mode plan's buffer ``out``: what :meth:`build` with
+        ``capacity`` and ``out`` uploads, computed in one C++ call (:func:`deepinfer_ops.decode_plan_fill`; the
+        numpy lists of :meth:`_chunks` are its reference) and copied without making the plan's views (the graph
+        replays the captured plan). Returns ``(num_tokens, num_logits)`` for the captured plan. Raises as
+        :meth:`build`."""
+        seqs, c0s, _, _, T, li_host, _ = self._check_inputs(seqs, input_ids, logits_indices, 0, capacity, checked)
+        n, nb = capacity.num_seqs, capacity.max_blocks
+        bt = seqs.block_tables.astype(np.int64, copy=False)
+        wt = bt if seqs.window_tables is None else seqs.window_tables.astype(np.int64, copy=False)
+        none = torch.empty(0, dtype=torch.int64)
+        shared = none if seqs.shared_len is None else torch.from_numpy(seqs.shared_len.astype(np.int64, copy=False))
+        ids = none if isinstance(input_ids, torch.Tensor) else torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
+        li = torch.from_numpy(li_host.astype(np.int64, copy=False).reshape(-1))
+
+        def write(host: torch.Tensor) -> None:
+            deepinfer_ops.decode_plan_fill(host, torch.from_numpy(c0s), torch.from_numpy(bt), torch.from_numpy(wt),
+                                           shared, ids, li, n, nb, self.block_size, self.lookback,
+                                           [m for m, _ in self.ratios], [o for _, o in self.ratios])
+
+        dev = self._stager.upload_filled(out.numel(), write, self.device, out)
+        if isinstance(input_ids, torch.Tensor):  # after positions, slots, tok_bt, tok_wbt, win_base, logits rows
+            at = n * (4 + nb + _blocks_for(self.lookback, self.block_size) + 1)
             dev[at:at + T].copy_(input_ids.reshape(-1), non_blocking=True)
         return T, len(logits_indices)
 
-    def _chunks(self, seqs, input_ids, logits_indices, pad_multiple: int, capacity: Capacity | None,
-                checked: bool) -> tuple[dict[str, np.ndarray], list, int, int, int]:
-        """The host part of :meth:`build`: ``(chunks by name, compressor meta, num_tokens, num_rows, max_len)``."""
+    def _check_inputs(self, seqs, input_ids, logits_indices, pad_multiple: int, capacity: Capacity | None,
+                      checked: bool):
+        """The checks of :meth:`build` / :meth:`fill`: ``(seqs as StepSeqs, c0 [S], q [S], L [S], num_tokens,
+        logits_indices as an array, longest context)``. Raises ValueError naming the field."""
         if isinstance(seqs, StepSeqs):
             if not checked:
                 self.check_arrays(seqs)
@@ -459,13 +473,22 @@ class PlanBuilder:
                 raise ValueError(f"input_ids: {len(input_ids)} ids for {T} tokens (sum of query_lens)")
             self.check_ids(input_ids)
         max_L = int(Ls.max()) if S else 0
+        if capacity is not None and (S > capacity.num_seqs or (qs != 1).any() or max_L > capacity.max_len
+                                     or len(logits_indices) > capacity.num_seqs
+                                     or _blocks_for(capacity.max_len, B) > capacity.max_blocks):
+            raise ValueError(f"capacity: the step ({S} sequences, query lens {sorted(set(qs.tolist()))}, "
+                             f"{len(logits_indices)} logits rows) does not fit {capacity}")
+        return seqs, c0s, qs, Ls, T, li_host, max_L
+
+    def _chunks(self, seqs, input_ids, logits_indices, pad_multiple: int, capacity: Capacity | None,
+                checked: bool) -> tuple[dict[str, np.ndarray], list, int, int, int]:
+        """The host part of :meth:`build`: ``(chunks by name, compressor meta, num_tokens, num_rows, max_len)``."""
+        seqs, c0s, qs, Ls, T, li_host, max_L = self._check_inputs(seqs, input_ids, logits_indices, pad_multiple,
+                                                                   capacity, checked)
+        B = self.block_size
+        S = len(c0s)
         w0s = np.maximum(c0s - self.lookback, 0) // B  # each sequence's first window-group block
         if capacity is not None:
-            if S > capacity.num_seqs or (qs != 1).any() or max_L > capacity.max_len \
-                    or len(logits_indices) > capacity.num_seqs or _blocks_for(capacity.max_len, B) > capacity.max_blocks:
-                raise ValueError(f"capacity: the step ({S} sequences, query lens "
-                                 f"{sorted(set(qs.tolist()))}, {len(logits_indices)} logits rows) does not fit "
-                                 f"{capacity}")
             rows = capacity.num_seqs
             nb = capacity.max_blocks
             nwb = _blocks_for(self.lookback, B) + 1  # a decode's window spans at most this many blocks
