@@ -74,6 +74,8 @@ INT_LIMITS: dict[str, tuple[int, int]] = {
     "image_token_id": (0, 1 << 20),
     "beta_fast": (0, 1 << 20),
     "beta_slow": (0, 1 << 20),
+    "bos_token_id": (0, 1 << 20),  # 0 (the V4 tokenizer's)
+    "eos_token_id": (0, 1 << 20),  # 1
 }
 #: ``(min, max]`` of each float field.
 FLOAT_LIMITS: dict[str, tuple[float, float]] = {
@@ -91,7 +93,7 @@ _DEFAULTS: dict[str, Any] = {
     "engram_max_ngram_size": 1, "engram_vocab_size": 0, "engram_n_heads": 0, "engram_head_dim": 0,
     "engram_pad_id": 2, "engram_compressed_vocab_size": 0, "vision_n_layers": 0, "image_token_id": 129264,
     "dspark_block_size": 0, "dspark_noise_token_id": 0, "dspark_target_layer_ids": (), "dspark_markov_rank": 256,
-    "dspark_n_routed_experts": 0, "dspark_n_activated_experts": 0,
+    "dspark_n_routed_experts": 0, "dspark_n_activated_experts": 0, "bos_token_id": 0, "eos_token_id": 1,
 }
 _REQUIRED = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts", "n_activated_experts",
              "q_lora_rank", "head_dim", "rope_head_dim", "o_groups", "o_lora_rank", "window_size", "compress_ratios",
@@ -172,6 +174,17 @@ class DeepseekV41Config:
     expert_dtype: str | None
     vision_n_layers: int
     image_token_id: int
+    bos_token_id: int
+    eos_token_id: int
+
+    # ---- what the engine reads (``LLM``: context limit, EOS, family) ------------------------------------------
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.max_seq_len
+
+    @property
+    def extra(self) -> dict:
+        return {"model_type": MODEL_TYPE}
 
     # ---- derived topology ---------------------------------------------------------------------------------------
     @property
@@ -241,6 +254,9 @@ class DeepseekV41Config:
         d: dict[str, Any] = {}
         for k, v in src.items():
             d[HF_NAMES.get(k, k)] = v
+        for k in ("bos_token_id", "eos_token_id"):  # the released layout may keep them at the top level
+            if k not in d and k in raw:
+                d[k] = raw[k]
         rs = d.pop("rope_scaling", None)
         if isinstance(rs, dict):
             for hf, ours in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
@@ -278,6 +294,9 @@ class DeepseekV41Config:
         c = self
         if c.score_func not in SCORE_FUNCS:
             raise _bad("score_func", c.score_func, f"is not one of {SCORE_FUNCS}")
+        for k in ("bos_token_id", "eos_token_id"):
+            if getattr(c, k) >= c.vocab_size:
+                raise _bad(k, getattr(c, k), f"is not a token id (vocab {c.vocab_size})")
         if c.dtype not in ("fp8", "bf16"):
             raise _bad("dtype", c.dtype, "must be 'fp8' or 'bf16'")
         if c.expert_dtype not in ("fp4", None):

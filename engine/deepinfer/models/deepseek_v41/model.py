@@ -1,8 +1,13 @@
 """DeepSeek-V4.1 forward on the CPU: backbone (prefill chunks and decode steps) and the DSpark draft head.
 
-``DeepseekV41ForCausalLM(cfg, weights, token_map)`` holds the loaded weights (:mod:`.loading`);
-``new_state()`` makes one sequence's cache (:class:`SeqState`); ``forward(ids, state)`` runs the next chunk of that
-sequence and returns its logits; ``dspark(state, token, main_hidden)`` drafts. Design: ``docs/deepseek_v41.md``.
+``DeepseekV41ForCausalLM(cfg, weights, token_map)`` holds the loaded weights (:mod:`.loading`). Two ways to run it:
+
+* one sequence: ``new_state()`` makes its dense cache (:class:`SeqState`), ``forward(ids, state)`` runs its next
+  chunk and returns the logits; ``dspark(state, token, main_hidden)`` drafts;
+* the engine contract (``docs/engine.md``): ``allocate_cache`` (paged pools in two cache groups, :mod:`.cache`),
+  ``plan_builder(cache)`` (:mod:`.plan`), ``forward(plan, cache)`` for a step of many sequences, ``step_pad``.
+
+Both run the same backbone code (the cache is behind one interface). Design: ``docs/deepseek_v41.md``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .cache import BLOCK_SIZE, PagedSeqView, allocate_cache
 from .config import DeepseekV41Config
 from .engram import EngramHasher
 from .layers import (BF16, gather_rows, linear_f32, hc_collapse, hc_expand, hc_mixes, linear, rms_norm, rope_, rope_table, route,
@@ -81,11 +87,21 @@ class _Seg:
 
 
 class DeepseekV41ForCausalLM:
-    """The V4.1 model over a loaded state dict (``weights``: name -> tensor or :class:`QWeight`)."""
+    """The V4.1 model over a loaded state dict (``weights``: name -> tensor or :class:`QWeight`).
+
+    Engine attributes: ``config`` (= ``cfg``), ``dtype`` (bfloat16: the activations between ops),
+    ``gemm`` (``"exact"``: the block-scaled GEMMs of ``quant.py``; no CUDA graphs), ``config_block_size`` (the
+    cache block size the engine must use).
+    """
+
+    dtype = torch.bfloat16
+    gemm = "exact"
+    config_block_size = BLOCK_SIZE
 
     def __init__(self, cfg: DeepseekV41Config, weights: dict, token_map: torch.Tensor | None = None):
         self.cfg = cfg
         self.w = weights
+        self._plan_builders: dict = {}
         c = cfg
         self.rot0 = rope_table(c.rope_head_dim, c.max_seq_len, 0, c.rope_theta, c.rope_factor, c.beta_fast,
                                c.beta_slow)
@@ -118,6 +134,71 @@ class DeepseekV41ForCausalLM:
         for j in range(c.num_dspark_layers):
             st.dspark_kv[j] = torch.zeros(c.window_size, c.head_dim, dtype=BF16)
         return st
+
+    # ---- the engine contract -----------------------------------------------------------------------------------
+    @property
+    def config(self) -> DeepseekV41Config:
+        return self.cfg
+
+    @classmethod
+    def from_checkpoint(cls, path, device: torch.device | str = "cpu", gemm: str = "auto") -> "DeepseekV41ForCausalLM":
+        """Load a native V4.1 checkpoint folder (:func:`.loading.load_model`) for the CPU.
+
+        Raises:
+            ValueError: ``device`` is not the CPU (the CUDA path is not written yet) or ``gemm`` is ``"fp8"``
+                (no FP8 GEMM with 32x32 scales yet: the CPU path multiplies the quantised values exactly).
+            CheckpointError naming the tensor and file for a bad checkpoint.
+        """
+        from .loading import load_model
+
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"device: DeepSeek-V4.1 runs on the CPU only for now (its CUDA path is not written), "
+                             f"got {str(device)!r}")
+        if gemm not in ("auto", "dequant", "exact"):
+            raise ValueError(f"gemm: DeepSeek-V4.1 has one GEMM path on the CPU (the exact 32x32 block-scaled "
+                             f"one: 'auto'); {gemm!r} is not available")
+        return load_model(path)
+
+    def eval(self) -> "DeepseekV41ForCausalLM":
+        return self
+
+    def allocate_cache(self, num_blocks: int, window_blocks: int | None = None, kv_cache_dtype: str = "auto"):
+        """:func:`.cache.allocate_cache` (blocks of :data:`.cache.BLOCK_SIZE` positions)."""
+        return allocate_cache(self.cfg, num_blocks, window_blocks, BLOCK_SIZE, kv_cache_dtype)
+
+    def plan_builder(self, cache):
+        """The :class:`.plan.PlanBuilder` of ``cache``'s geometry (one per cache size, reused)."""
+        from .plan import PlanBuilder
+
+        key = (cache.block_size, cache.num_blocks, cache.window_blocks)
+        b = self._plan_builders.get(key)
+        if b is None:
+            b = self._plan_builders[key] = PlanBuilder(self.cfg, cache.block_size, cache.num_blocks, "cpu",
+                                                       cache.window_blocks)
+        return b
+
+    def step_pad(self, batch_invariant: bool, device) -> int:
+        """0: no padded rows (every op computes a row the same way whatever the step's row count)."""
+        return 0
+
+    def forward_step(self, plan, cache) -> torch.Tensor:
+        """One engine step over the paged ``cache`` (mutated: the new tokens' entries are written).
+
+        ``plan``: a :class:`.plan.StepPlan` (or a ``ForwardBatch``, planned first). Returns float32
+        ``[num_logits, vocab]`` for ``plan.logits_indices``. Raises ValueError naming the field of a bad
+        ``ForwardBatch``.
+        """
+        from deepinfer.forward_batch import ForwardBatch
+
+        if isinstance(plan, ForwardBatch):
+            plan = self.plan_builder(cache).from_forward_batch(plan)
+        if plan.num_tokens == 0:
+            return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        segs = [_Seg(sp.start, sp.n, PagedSeqView(self.cfg, cache, sp.full_row, sp.window_row, sp.start,
+                                                  sp.start + sp.n, sp.shared_len, sp.floor))
+                for sp in plan.seqs]
+        x, _ = self._backbone(plan.input_ids, segs)
+        return linear_f32(x[plan.logits_indices].float(), self.w["head.weight"])
 
     # ---- backbone ---------------------------------------------------------------------------------------------
     def forward(self, input_ids, state, all_logits: bool = True):
