@@ -163,6 +163,18 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gem
     return model.eval()
 
 
+def _preset_names(name: str) -> tuple[str, ...]:
+    """The names of the built-in checkpoint ``name`` (one of ``PRESETS``), from its family's ``presets`` (the first
+    is the one ``presets.default_model_path`` builds)."""
+    from deepinfer.models.registry import model_family, model_types
+
+    for mt in model_types():
+        names = model_family(mt).presets
+        if name in names:
+            return names
+    raise ValueError(f"LLM(model={name!r}): no model family ships this preset")
+
+
 def _rebuilt_v41_tokenizer(model_dir: Path) -> str | None:
     """For a DeepSeek-V4.1 checkpoint folder without ``tokenizer.json``: V4.1's file rebuilt offline
     (``deepseek_v41.tokenizer``, sha256 checked) in the cache folder (never written into the checkpoint); else
@@ -312,7 +324,7 @@ class LLM:
             if name in PRESETS:
                 from deepinfer.presets import default_model_path
 
-                model_dir = Path(default_model_path(preset="tiny-v41" if name == "tiny-v41" else "tiny"))
+                model_dir = Path(default_model_path(preset=_preset_names(name)[0]))
                 if cfg.max_model_len is None:
                     cfg.max_model_len = TINY_MAX_MODEL_LEN
             else:
@@ -381,7 +393,7 @@ class LLM:
         self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []
         if isinstance(model, str) and model in PRESETS:  # the names of the same built-in checkpoint
-            names += [p for p in PRESETS if (p == "tiny-v41") == (model == "tiny-v41")]
+            names += list(_preset_names(model))
         self.model_aliases = tuple(n for n in dict.fromkeys(names) if n != self.served_model_name)
         self.model_version = model_version or _family_model_version(self.model)
         self.created = created

@@ -192,3 +192,21 @@ def test_make_checkpoint_tiny_v41(tmp_path):
 
     m = load_model(tmp_path / "t")
     assert torch.isfinite(m.forward_full(torch.tensor([0, 5, 9, 128799]))).all()
+
+
+def test_forward_batch_form_equals_full_forward():
+    """``forward(ForwardBatch, cache)`` (one table for both groups) of two prefills equals each one's full forward."""
+    from deepinfer.forward_batch import ForwardBatch
+
+    llm = _llm()
+    m = llm.model
+    cache = m.allocate_cache(6)
+    rng = random.Random(2)
+    a, b = _ids(rng, 140), _ids(rng, 9)
+    batch = ForwardBatch(input_ids=torch.tensor(a + b), positions=torch.tensor(list(range(140)) + list(range(9))),
+                         query_lens=[140, 9], context_lens=[140, 9],
+                         block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32),
+                         logits_indices=torch.tensor([139, 148]))
+    out = m.forward(batch, cache)
+    assert torch.equal(out[0], m.forward_full(torch.tensor(a))[-1])
+    assert torch.equal(out[1], m.forward_full(torch.tensor(b))[-1])

@@ -83,3 +83,8 @@ def model_family(model_type: str | None) -> ModelFamily:
         raise ValueError(f"model_type: {reprlib.repr(model_type)} is not a known model family "
                          f"({', '.join(sorted(_FAMILIES))})")
     return _FAMILIES[key]()
+
+
+def model_types() -> tuple[str, ...]:
+    """The registered ``model_type`` s."""
+    return tuple(_FAMILIES)
