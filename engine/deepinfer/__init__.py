@@ -5,8 +5,9 @@ does not pull in the engine and the recipe.
 """
 
 __version__ = "0.1.0"
-#: model names ``LLM`` and the CLI take for the built-in tiny checkpoint (besides checkpoint folders)
-MODEL_PRESETS = ("tiny", "deepinfer-tiny")
+#: model names ``LLM`` and the CLI take for the built-in tiny checkpoints (besides checkpoint folders): DeepSeek-V4's
+#: ``tiny`` (alias ``deepinfer-tiny``) and DeepSeek-V4.1's ``tiny-v41``
+MODEL_PRESETS = ("tiny", "deepinfer-tiny", "tiny-v41")
 
 _EXPORTS = {
     "LLM": "deepinfer.llm",

@@ -445,11 +445,15 @@ def _check_entry(
 
 
 def family_of(config_dict: dict, where: str | os.PathLike = "config"):
-    """The model family (``deepinfer.models.registry``) of a ``config.json`` dict, by its ``model_type``."""
+    """The model family (``deepinfer.models.registry``) of a ``config.json`` dict, by its ``model_type`` (none:
+    DeepSeek-V4, or DeepSeek-V4.1 for the reference's inference layout, which names ``kv_source_layers``)."""
     from .models.registry import model_family
 
+    mt = config_dict.get("model_type") if isinstance(config_dict, dict) else None
+    if mt is None and isinstance(config_dict, dict) and "kv_source_layers" in config_dict:
+        mt = "deepseek_v41"  # the reference's inference layout (ModelArgs keys, no model_type): V4.1's own
     try:
-        return model_family(config_dict.get("model_type") if isinstance(config_dict, dict) else None)
+        return model_family(mt)
     except ValueError as e:
         raise CheckpointError(f"{where}: {e}") from e
 

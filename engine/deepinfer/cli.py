@@ -623,12 +623,16 @@ def run_eval(args: argparse.Namespace, model_obj=None) -> int:
 def _add_make_checkpoint(sub, fmt) -> None:
     p = sub.add_parser(
         "make-checkpoint", formatter_class=fmt,
-        help="write a deterministic random checkpoint in the native DeepSeek-V4 format",
+        help="write a deterministic random checkpoint in the native DeepSeek-V4 / V4.1 format",
         description="Write a deterministic random DeepSeek-V4 checkpoint (native format: FP8 dense weights with 128x128 "
-        "UE8M0 block scales, FP4 experts; the real V4 tokenizer). Presets: tiny (the built-in test model) and "
-        "v4-flash-shapes (real V4-Flash dimensions at reduced depth, for GPU benchmarks).",
+        "UE8M0 block scales, FP4 experts; the real V4 tokenizer) or DeepSeek-V4.1 checkpoint (its native format: FP8 "
+        "dense with 32x32 UE8M0 scales, FP4 experts, FP8 Engram tables; V4.1's tokenizer). Presets: tiny (the "
+        "built-in test model), v4-flash-shapes (real V4-Flash dimensions at reduced depth, for GPU benchmarks), "
+        "tiny-v41 (the built-in V4.1 test model) and v41-flash-shapes (V4.1-Flash dimensions, one layer of each "
+        "block type).",
     )
-    p.add_argument("--preset", required=True, choices=("tiny", "v4-flash-shapes"), help="which model shapes")
+    p.add_argument("--preset", required=True, choices=("tiny", "v4-flash-shapes", "tiny-v41", "v41-flash-shapes"),
+                   help="which model shapes")
     p.add_argument("--out", required=True, help="output folder (must hold no weight files yet)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--quant", choices=("fp8", "none"), default="fp8", help="dense linear format (default fp8)")

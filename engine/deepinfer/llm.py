@@ -149,6 +149,9 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gem
     from deepinfer.models.deepseek_v4 import resolve_gemm
     from deepinfer.models.registry import model_family
 
+    own = checkpoint.family_of(checkpoint.read_config(path), Path(path) / checkpoint.CONFIG_FILE)
+    if own.load is not None:  # a family with its own native format (DeepSeek-V4.1)
+        return own.load(path, device=device, gemm=gemm).eval()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     path_kind = resolve_gemm(gemm, device)
     check_load_memory(path, path_kind, dtype, device)
@@ -158,6 +161,52 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gem
     # the model is built on the meta device and takes the tensors over where they are / go (no second copy)
     model = family.model_class.from_parameters(ck.config, ck.params, dtype, path_kind, device=device)
     return model.eval()
+
+
+def _preset_names(name: str) -> tuple[str, ...]:
+    """The names of the built-in checkpoint ``name`` (one of ``PRESETS``), from its family's ``presets`` (the first
+    is the one ``presets.default_model_path`` builds)."""
+    from deepinfer.models.registry import model_family, model_types
+
+    for mt in model_types():
+        names = model_family(mt).presets
+        if name in names:
+            return names
+    raise ValueError(f"LLM(model={name!r}): no model family ships this preset")
+
+
+def _rebuilt_v41_tokenizer(model_dir: Path) -> str | None:
+    """For a DeepSeek-V4.1 checkpoint folder without ``tokenizer.json``: V4.1's file rebuilt offline
+    (``deepseek_v41.tokenizer``, sha256 checked) in the cache folder (never written into the checkpoint); else
+    None (the usual rule of ``chat.resolve_tokenizer_json``)."""
+    from deepinfer import checkpoint
+
+    if (model_dir / "tokenizer.json").is_file() or not (model_dir / checkpoint.CONFIG_FILE).is_file():
+        return None
+    try:
+        family = checkpoint.family_of(checkpoint.read_config(model_dir))
+    except checkpoint.CheckpointError:
+        return None  # the load names the problem
+    if family.model_type != "deepseek_v41":
+        return None
+    from deepinfer_ops import envs
+
+    from deepinfer.models.deepseek_v41.tokenizer import V41_TOKENIZER_SHA256, ensure_tokenizer
+
+    folder = envs.cache_dir() / f"tokenizer-v41-{V41_TOKENIZER_SHA256[:16]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return str(ensure_tokenizer(folder))
+
+
+def _family_model_version(model) -> str:
+    """The prompt encoding of ``model``'s family (``"v4"`` for a model object of no registered family)."""
+    from deepinfer.models.registry import model_family
+
+    try:
+        family = model_family(getattr(getattr(model, "config", None), "extra", {}).get("model_type"))
+    except (ValueError, AttributeError):
+        return "v4"
+    return family.model_version if isinstance(model, family.model_class) else "v4"
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -225,7 +274,8 @@ class LLM:
             the packaged one for a model object without a folder and for the tiny preset
             (``chat.resolve_tokenizer_json``).
         served_model_name: name accepted in requests' ``model`` field (default: the checkpoint folder's name).
-        model_version: ``"v4"`` or ``"v4.1"`` prompt encoding for the served name.
+        model_version: ``"v4"`` or ``"v4.1"`` prompt encoding for the served name (default: the model family's,
+            ``"v4.1"`` for a DeepSeek-V4.1 checkpoint, else ``"v4"``).
         batch_invariant: see ``EngineConfig.batch_invariant``; the model runner sets it on every ``ForwardBatch``
             (so one loaded model can serve engines with the mode on and off); also passed to the model loader.
         gemm (an ``EngineConfig`` field, e.g. ``LLM("tiny", gemm="fp8")``): the GEMM path of a model loaded from a
@@ -237,7 +287,7 @@ class LLM:
     """
 
     def __init__(self, model: Any = "tiny", *, tokenizer: str | None = None, served_model_name: str | None = None,
-                 model_version: str = "v4", batch_invariant: bool = False, config: EngineConfig | None = None,
+                 model_version: str | None = None, batch_invariant: bool = False, config: EngineConfig | None = None,
                  created: int | None = None, **overrides: Any) -> None:
         cfg = dataclasses.replace(config) if config is not None else EngineConfig()  # never mutate the caller's
         for k, v in overrides.items():
@@ -274,13 +324,15 @@ class LLM:
             if name in PRESETS:
                 from deepinfer.presets import default_model_path
 
-                model_dir = Path(default_model_path())
+                model_dir = Path(default_model_path(preset=_preset_names(name)[0]))
                 if cfg.max_model_len is None:
                     cfg.max_model_len = TINY_MAX_MODEL_LEN
             else:
                 model_dir = Path(name)
                 if not model_dir.is_dir():
                     raise ValueError(f"LLM(model={name!r}): not a checkpoint directory nor a preset {PRESETS}")
+                if tokenizer is None:
+                    tokenizer = _rebuilt_v41_tokenizer(model_dir)
             tokenizer = resolve_tokenizer_json(tokenizer, str(model_dir), preset=name in PRESETS)  # fail before loading
             self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant, cfg.gemm)
         else:
@@ -340,10 +392,10 @@ class LLM:
                         "graph_memory_estimate_bytes": self.graph_memory_estimate}
         self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []
-        if isinstance(model, str) and model in PRESETS:
-            names += list(PRESETS)
+        if isinstance(model, str) and model in PRESETS:  # the names of the same built-in checkpoint
+            names += list(_preset_names(model))
         self.model_aliases = tuple(n for n in dict.fromkeys(names) if n != self.served_model_name)
-        self.model_version = model_version
+        self.model_version = model_version or _family_model_version(self.model)
         self.created = created
         self._frontend: ChatFrontend | None = None
         self._hf_tokenizer = None

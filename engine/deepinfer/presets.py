@@ -1,6 +1,8 @@
 """Synthetic checkpoints: the built-in ``tiny`` preset (created on first use in the cache folder) and
 ``v4-flash-shapes`` (V4-Flash dimensions, for GPU benchmarks), written in the native format by
-:func:`deepinfer.checkpoint.write_checkpoint` with deterministic random weights and the real V4 tokenizer."""
+:func:`deepinfer.checkpoint.write_checkpoint` with deterministic random weights and the real V4 tokenizer; and
+their DeepSeek-V4.1 twins ``tiny-v41`` (built-in, created on first use too) and ``v41-flash-shapes``, written in
+V4.1's native format by :func:`deepinfer.models.deepseek_v41.params.write_checkpoint` with V4.1's tokenizer."""
 
 from __future__ import annotations
 
@@ -21,9 +23,44 @@ from .checkpoint import CONFIG_FILE, DEFAULT_SHARD_SIZE, parse_config, write_che
 from .models.registry import model_family
 from .quantization import QuantizedWeight
 
-PRESETS = ("tiny", "v4-flash-shapes")
+PRESETS = ("tiny", "v4-flash-shapes", "tiny-v41", "v41-flash-shapes")
+V41_PRESETS = ("tiny-v41", "v41-flash-shapes")
 #: bump when the generated tiny checkpoint's bytes change (names the cache folder of :func:`default_model_path`).
 TINY_FORMAT_VERSION = 1
+TINY_V41_FORMAT_VERSION = 1
+
+#: ``v41-flash-shapes`` over ``tiny-v41``: V4.1-Flash dimensions (``../shared/reference/architecture.md``, V4.1)
+#: with one layer of each block type (6 layers), Engram on layer 1 with 1/160 of the real bucket count (the
+#: released tables are ~100 GB per layer; rows do not change the compute), 3 DSpark stages of block 5.
+V41_FLASH_SHAPES = {
+    "dim": 5120, "moe_inter_dim": 2304, "n_heads": 64, "head_dim": 512, "rope_head_dim": 64, "q_lora_rank": 1280,
+    "o_groups": 8, "o_lora_rank": 1024, "n_routed_experts": 384, "n_activated_experts": 6, "window_size": 128,
+    "index_n_heads": 32, "index_head_dim": 128, "index_topk": 512, "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8, "original_seq_len": 65536, "rope_factor": 16, "max_seq_len": 65536,
+    "engram_layer_ids": [1], "engram_max_ngram_size": 4, "engram_vocab_size": 100000, "engram_n_heads": 8,
+    "engram_head_dim": 256, "n_mtp_layers": 3, "compress_ratios": [0, 2, 2, 1, 1, 1, 0, 0, 0],
+    "dspark_block_size": 5, "dspark_target_layer_ids": [3, 4, 5], "dspark_markov_rank": 256,
+    "dspark_n_routed_experts": 128, "dspark_n_activated_experts": 3,
+}
+
+
+def _v41_preset_config(preset: str, num_layers: int | None, num_experts: int | None) -> dict:
+    from .models.deepseek_v41.config import TINY_CONFIG
+    from .models.deepseek_v41.params import with_engram_rows
+
+    if num_layers is not None:
+        raise ValueError(f"num_layers: the {preset} preset has one layer of each V4.1 block type (6); its depth is "
+                         "fixed")
+    cfg = json.loads(json.dumps(TINY_CONFIG))
+    if preset == "v41-flash-shapes":
+        cfg.update(json.loads(json.dumps(V41_FLASH_SHAPES)))
+    if num_experts is not None:
+        if num_experts < int(cfg["n_activated_experts"]):
+            raise ValueError(f"num_experts must be >= n_activated_experts={cfg['n_activated_experts']}, got "
+                             f"{num_experts}")
+        cfg["n_routed_experts"] = num_experts
+        cfg["dspark_n_routed_experts"] = min(int(cfg["dspark_n_routed_experts"]), num_experts)
+    return with_engram_rows(cfg)
 
 
 def preset_config(preset: str, *, num_layers: int | None = None, num_experts: int | None = None) -> dict:
@@ -35,8 +72,12 @@ def preset_config(preset: str, *, num_layers: int | None = None, num_experts: in
     reduced depth: 4 layers ``compress_ratios = [0, 0, 4, 128]`` (sliding, sliding, CSA, HCA; layers 0-2 hash MoE,
     layer 3 score-routed) + 1 MTP layer. ``num_layers`` / ``num_experts`` override depth and expert count
     (the layer pattern continues V4-Flash's ``[0, 0, 4, 128, 4, 128, ...]``).
+    ``tiny-v41`` / ``v41-flash-shapes``: DeepSeek-V4.1 (``deepseek_v41.config.TINY_CONFIG``, :data:`V41_FLASH_SHAPES`;
+    ``num_experts`` only).
     Raises: ValueError for an unknown preset or bad override.
     """
+    if preset in V41_PRESETS:
+        return _v41_preset_config(preset, num_layers, num_experts)
     tiny = model_family("deepseek_v4").tiny_config
     if preset == "tiny":
         cfg = json.loads(json.dumps(tiny))
@@ -214,6 +255,12 @@ def checkpoint_size(preset: str, *, quant: str = "fp8", expert_quant: str = "fp4
     from .checkpoint import checkpoint_bytes
 
     cfg_dict = preset_config(preset, num_layers=num_layers, num_experts=num_experts)
+    if preset in V41_PRESETS:
+        from .models.deepseek_v41 import DeepseekV41Config
+        from .models.deepseek_v41.params import stored_bytes
+
+        _v41_options(quant, expert_quant, scale_fmt, dtype)
+        return stored_bytes(DeepseekV41Config.from_dict(cfg_dict))
     spec = model_family("deepseek_v4").expected_parameters(parse_config(cfg_dict, f"preset {preset!r}"))
     return checkpoint_bytes(spec, quant=quant, expert_quant=expert_quant, scale_fmt=scale_fmt, dtype=dtype)
 
@@ -238,9 +285,16 @@ def make_checkpoint(
     tests use) and quantises them as asked. ``v4-flash-shapes`` (GPU benchmarks) draws each tensor on the fly with a
     per-name generator and FP4 experts directly as codes, so generation is bound by writing ~20 GB (4 layers + MTP at
     256 experts), not by CPU math; it is never committed anywhere.
+    ``tiny-v41`` / ``v41-flash-shapes`` are written in V4.1's native format (FP8 dense with 32x32 UE8M0 scales, FP4
+    experts; ``deepseek_v41.params``); the format options must stay at their defaults.
     Returns ``Path(out_dir)``. Raises ValueError for an unknown preset or bad options.
     """
     cfg_dict = preset_config(preset, num_layers=num_layers, num_experts=num_experts)
+    if preset in V41_PRESETS:
+        from .models.deepseek_v41.params import write_checkpoint as write_v41
+
+        _v41_options(quant, expert_quant, scale_fmt, dtype)
+        return write_v41(out_dir, cfg_dict, seed, shard_bytes=shard_size or 4 << 30)
     config = parse_config(cfg_dict, f"preset {preset!r}")
     family = model_family("deepseek_v4")
     expected_parameters, init_parameters = family.expected_parameters, family.init_parameters
@@ -258,23 +312,32 @@ def make_checkpoint(
     )
 
 
-def default_model_path(seed: int = 0) -> Path:
-    """The built-in tiny checkpoint (native format: FP8 dense, FP4 experts), created on first use under
-    ``deepinfer_ops.envs.cache_dir() / f"tiny-v{TINY_FORMAT_VERSION}-seed{seed}"``.
+def _v41_options(quant: str, expert_quant: str, scale_fmt: str, dtype) -> None:
+    if (quant, expert_quant, scale_fmt, dtype) != ("fp8", "fp4", "ue8m0", None):
+        raise ValueError("the V4.1 presets are written in V4.1's native format only (FP8 dense, FP4 experts, UE8M0 "
+                         "scales): leave --quant, --expert-quant, --scale-fmt and --dtype at their defaults")
+
+
+def default_model_path(seed: int = 0, preset: str = "tiny") -> Path:
+    """The built-in ``tiny`` (or ``tiny-v41``) checkpoint, created on first use under
+    ``deepinfer_ops.envs.cache_dir() / f"tiny-v{TINY_FORMAT_VERSION}-seed{seed}"`` (``tiny-v41-f{N}-seed{seed}``).
 
     Creation is atomic (written to a temporary sibling folder, then renamed), so concurrent first uses are safe.
-    Returns the folder path.
+    Returns the folder path. Raises ValueError for another preset.
     """
     from deepinfer_ops import envs
 
+    if preset not in ("tiny", "tiny-v41"):
+        raise ValueError(f"preset: {preset!r} is not a built-in preset ('tiny', 'tiny-v41')")
     root = envs.cache_dir()
-    target = root / f"tiny-v{TINY_FORMAT_VERSION}-seed{seed}"
+    target = root / (f"tiny-v{TINY_FORMAT_VERSION}-seed{seed}" if preset == "tiny"
+                     else f"tiny-v41-f{TINY_V41_FORMAT_VERSION}-seed{seed}")
     if (target / CONFIG_FILE).is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=root))
     try:
-        make_checkpoint("tiny", tmp, seed)
+        make_checkpoint(preset, tmp, seed)
         try:
             os.rename(tmp, target)
         except OSError:

@@ -27,6 +27,10 @@ class ModelFamily:
         tiny_config: the ``config.json`` dict of its built-in tiny preset.
         plan_builder_class: ``(config, block_size, num_blocks, device) -> builder`` of its step plans (the model's
             ``plan_builder(cache)`` method returns one for a cache).
+        load: ``(path, device, gemm) -> model`` for a family whose checkpoints ``deepinfer.checkpoint`` does not read
+            (its own native format), else None (``model_class.from_parameters`` over ``load_checkpoint``).
+        model_version: the prompt encoding its models take (``chat.ChatFrontend``: ``"v4"`` or ``"v4.1"``).
+        presets: the built-in preset names that are checkpoints of this family.
     """
 
     model_type: str
@@ -37,6 +41,9 @@ class ModelFamily:
     init_parameters: Callable
     tiny_config: dict
     plan_builder_class: Callable
+    load: Callable | None = None
+    model_version: str = "v4"
+    presets: tuple[str, ...] = ()
 
 
 def _deepseek_v4() -> ModelFamily:
@@ -44,10 +51,23 @@ def _deepseek_v4() -> ModelFamily:
     from .deepseek_v4 import expected_parameters, init_parameters
 
     return ModelFamily("deepseek_v4", DeepseekV4Config, expected_parameters, CacheSpec.from_config,
-                       DeepseekV4ForCausalLM, init_parameters, TINY_CONFIG, PlanBuilder)
+                       DeepseekV4ForCausalLM, init_parameters, TINY_CONFIG, PlanBuilder,
+                       presets=("tiny", "deepinfer-tiny"))
 
 
-_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"deepseek_v4": _deepseek_v4}
+def _deepseek_v41() -> ModelFamily:
+    from .deepseek_v41 import DeepseekV41Config, DeepseekV41ForCausalLM, expected_parameters
+    from .deepseek_v41.cache import cache_spec
+    from .deepseek_v41.config import TINY_CONFIG
+    from .deepseek_v41.params import init_parameters
+    from .deepseek_v41.plan import PlanBuilder
+
+    return ModelFamily("deepseek_v41", DeepseekV41Config, expected_parameters, cache_spec, DeepseekV41ForCausalLM,
+                       init_parameters, TINY_CONFIG, PlanBuilder, load=DeepseekV41ForCausalLM.from_checkpoint,
+                       model_version="v4.1", presets=("tiny-v41",))
+
+
+_FAMILIES: dict[str, Callable[[], ModelFamily]] = {"deepseek_v4": _deepseek_v4, "deepseek_v41": _deepseek_v41}
 
 
 def model_family(model_type: str | None) -> ModelFamily:
@@ -63,3 +83,8 @@ def model_family(model_type: str | None) -> ModelFamily:
         raise ValueError(f"model_type: {reprlib.repr(model_type)} is not a known model family "
                          f"({', '.join(sorted(_FAMILIES))})")
     return _FAMILIES[key]()
+
+
+def model_types() -> tuple[str, ...]:
+    """The registered ``model_type`` s."""
+    return tuple(_FAMILIES)

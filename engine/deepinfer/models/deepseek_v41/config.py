@@ -74,6 +74,8 @@ INT_LIMITS: dict[str, tuple[int, int]] = {
     "image_token_id": (0, 1 << 20),
     "beta_fast": (0, 1 << 20),
     "beta_slow": (0, 1 << 20),
+    "bos_token_id": (0, 1 << 20),  # 0 (the V4 tokenizer's)
+    "eos_token_id": (0, 1 << 20),  # 1
 }
 #: ``(min, max]`` of each float field.
 FLOAT_LIMITS: dict[str, tuple[float, float]] = {
@@ -91,13 +93,35 @@ _DEFAULTS: dict[str, Any] = {
     "engram_max_ngram_size": 1, "engram_vocab_size": 0, "engram_n_heads": 0, "engram_head_dim": 0,
     "engram_pad_id": 2, "engram_compressed_vocab_size": 0, "vision_n_layers": 0, "image_token_id": 129264,
     "dspark_block_size": 0, "dspark_noise_token_id": 0, "dspark_target_layer_ids": (), "dspark_markov_rank": 256,
-    "dspark_n_routed_experts": 0, "dspark_n_activated_experts": 0,
+    "dspark_n_routed_experts": 0, "dspark_n_activated_experts": 0, "bos_token_id": 0, "eos_token_id": 1,
 }
 _REQUIRED = ("vocab_size", "dim", "moe_inter_dim", "n_layers", "n_heads", "n_routed_experts", "n_activated_experts",
              "q_lora_rank", "head_dim", "rope_head_dim", "o_groups", "o_lora_rank", "window_size", "compress_ratios",
              "kv_source_layers", "index_source_layers", "index_n_heads", "index_head_dim", "index_topk")
 _LISTS = ("compress_ratios", "kv_source_layers", "index_source_layers", "engram_layer_ids", "engram_num_embeddings",
           "dspark_target_layer_ids")
+
+
+#: The built-in ``tiny-v41`` preset (inference layout): one backbone layer of each V4.1 block type (the golden
+#: data's six: swa_only, kv_index_source (ratio 2), consumer_ratio2, candidate_source (ratio 1), consumer_ratio1,
+#: candidate_index_source), Engram on layers 0 and 1 over the real tokenizer's compressed vocabulary (99,092 ids),
+#: one DSpark stage tapping layers 4 and 5, the real vocabulary (129,280) and hidden 64.
+TINY_CONFIG: dict[str, Any] = {
+    "vocab_size": 129280, "dim": 64, "moe_inter_dim": 64, "n_layers": 6, "n_mtp_layers": 1, "n_heads": 2,
+    "n_routed_experts": 4, "n_shared_experts": 1, "n_activated_experts": 2, "score_func": "sqrtsoftplus",
+    "gate_temp": 1.0, "norm_topk_prob": True, "route_scale": 1.5, "swiglu_limit": 10.0, "q_lora_rank": 64,
+    "head_dim": 64, "rope_head_dim": 16, "norm_eps": 1e-20, "o_groups": 2, "o_lora_rank": 32, "window_size": 32,
+    "compress_ratios": [0, 2, 2, 1, 1, 1, 0], "kv_source_layers": [1, 3], "index_source_layers": [1, 3, 5],
+    "compress_rope_theta": 160000.0, "original_seq_len": 1024, "rope_theta": 10000.0, "rope_factor": 4,
+    "beta_fast": 32, "beta_slow": 1, "index_n_heads": 2, "index_head_dim": 32, "index_topk": 16,
+    "candidate_source_layer": 3, "candidate_topk_blocks": 5, "candidate_block_size": 4, "hc_mult": 4,
+    "hc_sinkhorn_iters": 20, "hc_eps": 1e-6, "engram_layer_ids": [0, 1], "engram_num_embeddings": None,
+    "engram_max_ngram_size": 3, "engram_vocab_size": 1000, "engram_n_heads": 2, "engram_head_dim": 32,
+    "engram_pad_id": 2, "engram_compressed_vocab_size": 99092, "dspark_block_size": 3,
+    "dspark_noise_token_id": 128799, "dspark_target_layer_ids": [4, 5], "dspark_markov_rank": 32,
+    "dspark_n_routed_experts": 4, "dspark_n_activated_experts": 2, "max_seq_len": 4096, "dtype": "fp8",
+    "expert_dtype": "fp4", "bos_token_id": 0, "eos_token_id": 1,
+}
 
 
 def _bad(key: str, value: Any, why: str) -> ValueError:
@@ -172,6 +196,17 @@ class DeepseekV41Config:
     expert_dtype: str | None
     vision_n_layers: int
     image_token_id: int
+    bos_token_id: int
+    eos_token_id: int
+
+    # ---- what the engine reads (``LLM``: context limit, EOS, family) ------------------------------------------
+    @property
+    def max_position_embeddings(self) -> int:
+        return self.max_seq_len
+
+    @property
+    def extra(self) -> dict:
+        return {"model_type": MODEL_TYPE}
 
     # ---- derived topology ---------------------------------------------------------------------------------------
     @property
@@ -241,6 +276,9 @@ class DeepseekV41Config:
         d: dict[str, Any] = {}
         for k, v in src.items():
             d[HF_NAMES.get(k, k)] = v
+        for k in ("bos_token_id", "eos_token_id"):  # the released layout may keep them at the top level
+            if k not in d and k in raw:
+                d[k] = raw[k]
         rs = d.pop("rope_scaling", None)
         if isinstance(rs, dict):
             for hf, ours in (("factor", "rope_factor"), ("original_max_position_embeddings", "original_seq_len"),
@@ -278,6 +316,9 @@ class DeepseekV41Config:
         c = self
         if c.score_func not in SCORE_FUNCS:
             raise _bad("score_func", c.score_func, f"is not one of {SCORE_FUNCS}")
+        for k in ("bos_token_id", "eos_token_id"):
+            if getattr(c, k) >= c.vocab_size:
+                raise _bad(k, getattr(c, k), f"is not a token id (vocab {c.vocab_size})")
         if c.dtype not in ("fp8", "bf16"):
             raise _bad("dtype", c.dtype, "must be 'fp8' or 'bf16'")
         if c.expert_dtype not in ("fp4", None):

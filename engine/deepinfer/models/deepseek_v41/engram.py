@@ -120,12 +120,16 @@ class EngramHasher:
     def compress(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.token_map[input_ids]
 
-    def __call__(self, history: torch.Tensor, start: int) -> torch.Tensor:
+    def __call__(self, history: torch.Tensor, start: int, base: int = 0) -> torch.Tensor:
+        """``history``: the compressed ids of positions ``base .. end-1`` (``base <= max(0, start - max_ngram + 1)``:
+        the n-grams of ``start ..`` reach that far back); rows for positions ``start .. end-1``."""
         n = self.cfg.engram_max_ngram_size
-        pos = torch.arange(start, history.numel())
+        if not 0 <= base <= max(0, start - n + 1):
+            raise ValueError(f"engram history: base {base} must lie in [0, max(0, start - {n - 1})] for start {start}")
+        pos = torch.arange(start, base + history.numel())
         grams = []
         for j in range(n):
-            src = history[(pos - j).clamp_min(0)]
+            src = history[(pos - j).clamp_min(base) - base]
             grams.append(torch.where(pos < j, self.pad, src))
         toks = torch.stack(grams, -1)  # [T, n]
         prod = toks.unsqueeze(1) * self.multipliers  # [T, layers, n]

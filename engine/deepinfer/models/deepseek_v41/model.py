@@ -1,8 +1,13 @@
 """DeepSeek-V4.1 forward on the CPU: backbone (prefill chunks and decode steps) and the DSpark draft head.
 
-``DeepseekV41ForCausalLM(cfg, weights, token_map)`` holds the loaded weights (:mod:`.loading`);
-``new_state()`` makes one sequence's cache (:class:`SeqState`); ``forward(ids, state)`` runs the next chunk of that
-sequence and returns its logits; ``dspark(state, token, main_hidden)`` drafts. Design: ``docs/deepseek_v41.md``.
+``DeepseekV41ForCausalLM(cfg, weights, token_map)`` holds the loaded weights (:mod:`.loading`). Two ways to run it:
+
+* one sequence: ``new_state()`` makes its dense cache (:class:`SeqState`), ``forward(ids, state)`` runs its next
+  chunk and returns the logits; ``dspark(state, token, main_hidden)`` drafts;
+* the engine contract (``docs/engine.md``): ``allocate_cache`` (paged pools in two cache groups, :mod:`.cache`),
+  ``plan_builder(cache)`` (:mod:`.plan`), ``forward(plan, cache)`` for a step of many sequences, ``step_pad``.
+
+Both run the same backbone code (the cache is behind one interface). Design: ``docs/deepseek_v41.md``.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .cache import BLOCK_SIZE, PagedSeqView, allocate_cache
 from .config import DeepseekV41Config
 from .engram import EngramHasher
 from .layers import (BF16, gather_rows, linear_f32, hc_collapse, hc_expand, hc_mixes, linear, rms_norm, rope_, rope_table, route,
@@ -39,13 +45,63 @@ class SeqState:
     dspark_kv: dict = field(default_factory=dict)
     dspark_seeded: bool = False
 
+    # ---- the backbone's cache interface (``cache.PagedSeqView`` has the same methods over the paged pools) ----
+    def write_kv(self, L: int, start: int, rows: torch.Tensor) -> None:
+        self.kv[L][start:start + rows.shape[0]] = rows
+
+    def window(self, L: int, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_rows(self.kv[L], idx)
+
+    def write_comp(self, L: int, first: int, rows: torch.Tensor) -> None:
+        self.comp[L][first:first + rows.shape[0]] = rows
+
+    def comp_rows(self, src: int, sel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gather_rows(self.comp[src], sel)
+
+    def write_idx(self, L: int, first: int, rows: torch.Tensor) -> None:
+        self.idx_k[L][first:first + rows.shape[0]] = rows
+
+    def idx_keys(self, src: int, n: int) -> torch.Tensor:
+        return self.idx_k[src][:n]
+
+    def carry_rows(self, L: int, start: int, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.carry[L]
+
+    def put_carry(self, L: int, end: int, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        self.carry[L] = (kv.clone(), gate.clone())
+
+    def engram_history(self, start: int, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+        self.engram[start:start + ids.numel()] = ids
+        return self.engram[:start + ids.numel()], 0
+
+
+@dataclass
+class _Seg:
+    """One sequence's rows in a step: ``n`` tokens from position ``start``, its cache (a :class:`SeqState` or a
+    ``cache.PagedSeqView``) and the step's per-sequence shared selections (top-k, candidate blocks)."""
+
+    start: int
+    n: int
+    cache: object
+    shared: dict = field(default_factory=dict)
+
 
 class DeepseekV41ForCausalLM:
-    """The V4.1 model over a loaded state dict (``weights``: name -> tensor or :class:`QWeight`)."""
+    """The V4.1 model over a loaded state dict (``weights``: name -> tensor or :class:`QWeight`).
+
+    Engine attributes: ``config`` (= ``cfg``), ``dtype`` (bfloat16: the activations between ops),
+    ``gemm`` (``"exact"``: the block-scaled GEMMs of ``quant.py``; no CUDA graphs), ``config_block_size`` (the
+    cache block size the engine must use).
+    """
+
+    dtype = torch.bfloat16
+    gemm = "exact"
+    config_block_size = BLOCK_SIZE
 
     def __init__(self, cfg: DeepseekV41Config, weights: dict, token_map: torch.Tensor | None = None):
         self.cfg = cfg
         self.w = weights
+        self._plan_builders: dict = {}
         c = cfg
         self.rot0 = rope_table(c.rope_head_dim, c.max_seq_len, 0, c.rope_theta, c.rope_factor, c.beta_fast,
                                c.beta_slow)
@@ -79,8 +135,80 @@ class DeepseekV41ForCausalLM:
             st.dspark_kv[j] = torch.zeros(c.window_size, c.head_dim, dtype=BF16)
         return st
 
-    # ---- backbone -------------------------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, state: SeqState, all_logits: bool = True):
+    # ---- the engine contract -----------------------------------------------------------------------------------
+    @property
+    def config(self) -> DeepseekV41Config:
+        return self.cfg
+
+    @classmethod
+    def from_checkpoint(cls, path, device: torch.device | str = "cpu", gemm: str = "auto") -> "DeepseekV41ForCausalLM":
+        """Load a native V4.1 checkpoint folder (:func:`.loading.load_model`) for the CPU.
+
+        Raises:
+            ValueError: ``device`` is not the CPU (the CUDA path is not written yet) or ``gemm`` is ``"fp8"``
+                (no FP8 GEMM with 32x32 scales yet: the CPU path multiplies the quantised values exactly).
+            CheckpointError naming the tensor and file for a bad checkpoint.
+        """
+        from .loading import load_model
+
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"device: DeepSeek-V4.1 runs on the CPU only for now (its CUDA path is not written), "
+                             f"got {str(device)!r}")
+        if gemm not in ("auto", "dequant", "exact"):
+            raise ValueError(f"gemm: DeepSeek-V4.1 has one GEMM path on the CPU (the exact 32x32 block-scaled "
+                             f"one: 'auto'); {gemm!r} is not available")
+        return load_model(path)
+
+    def eval(self) -> "DeepseekV41ForCausalLM":
+        return self
+
+    def allocate_cache(self, num_blocks: int, window_blocks: int | None = None, kv_cache_dtype: str = "auto"):
+        """:func:`.cache.allocate_cache` (blocks of :data:`.cache.BLOCK_SIZE` positions)."""
+        return allocate_cache(self.cfg, num_blocks, window_blocks, BLOCK_SIZE, kv_cache_dtype)
+
+    def plan_builder(self, cache):
+        """The :class:`.plan.PlanBuilder` of ``cache``'s geometry (one per cache size, reused)."""
+        from .plan import PlanBuilder
+
+        key = (cache.block_size, cache.num_blocks, cache.window_blocks)
+        b = self._plan_builders.get(key)
+        if b is None:
+            b = self._plan_builders[key] = PlanBuilder(self.cfg, cache.block_size, cache.num_blocks, "cpu",
+                                                       cache.window_blocks)
+        return b
+
+    def step_pad(self, batch_invariant: bool, device) -> int:
+        """0: no padded rows (every op computes a row the same way whatever the step's row count)."""
+        return 0
+
+    def forward_step(self, plan, cache) -> torch.Tensor:
+        """One engine step over the paged ``cache`` (mutated: the new tokens' entries are written).
+
+        ``plan``: a :class:`.plan.StepPlan` (or a ``ForwardBatch``, planned first). Returns float32
+        ``[num_logits, vocab]`` for ``plan.logits_indices``. Raises ValueError naming the field of a bad
+        ``ForwardBatch``.
+        """
+        from deepinfer.forward_batch import ForwardBatch
+
+        if isinstance(plan, ForwardBatch):
+            plan = self.plan_builder(cache).from_forward_batch(plan)
+        if plan.num_tokens == 0:
+            return torch.empty(0, self.cfg.vocab_size, dtype=torch.float32)
+        segs = [_Seg(sp.start, sp.n, PagedSeqView(self.cfg, cache, sp.full_row, sp.window_row, sp.start,
+                                                  sp.start + sp.n, sp.shared_len, sp.floor))
+                for sp in plan.seqs]
+        x, _ = self._backbone(plan.input_ids, segs)
+        return linear_f32(x[plan.logits_indices].float(), self.w["head.weight"])
+
+    # ---- backbone ---------------------------------------------------------------------------------------------
+    def forward(self, input_ids, state, all_logits: bool = True):
+        """One sequence (``state`` a :class:`SeqState`): :meth:`forward_seq`. An engine step (``input_ids`` a
+        ``plan.StepPlan`` or a ``ForwardBatch``, ``state`` the paged cache): :meth:`forward_step`."""
+        if isinstance(state, SeqState):
+            return self.forward_seq(input_ids, state, all_logits)
+        return self.forward_step(input_ids, state)
+
+    def forward_seq(self, input_ids: torch.Tensor, state: SeqState, all_logits: bool = True):
         """Run ``input_ids [S]`` at positions ``state.pos ..`` and advance the state.
 
         Returns (logits float32 ``[S, vocab]`` (or ``[1, vocab]`` for the last position when not ``all_logits``),
@@ -96,27 +224,37 @@ class DeepseekV41ForCausalLM:
             raise ValueError(f"input_ids: positions up to {end} exceed the state's max_len {state.max_len}")
         if int(ids.min()) < 0 or int(ids.max()) >= c.vocab_size:
             raise ValueError(f"input_ids: ids must lie in [0, {c.vocab_size})")
+        x, taps = self._backbone(ids, [_Seg(start, s_len, state)])
+        if not all_logits:
+            x = x[-1:]
+        logits = linear_f32(x.float(), self.w["head.weight"])
+        state.pos = end
+        return logits, taps
+
+    def _backbone(self, ids: torch.Tensor, segs: list[_Seg]):
+        """The backbone over the step's rows (``segs`` in row order; token-wise ops run on all rows at once, the
+        attention per sequence). Returns (final-norm output bf16 ``[T, dim]``, main_hidden or None)."""
+        c = self.cfg
         hashes = None
         if self.hasher is not None:
-            state.engram[start:end] = self.hasher.compress(ids)
-            hashes = self.hasher(state.engram[:end], start)
+            parts, o = [], 0
+            for sg in segs:
+                hist, base = sg.cache.engram_history(sg.start, self.hasher.compress(ids[o:o + sg.n]))
+                parts.append(self.hasher(hist, sg.start, base))
+                o += sg.n
+            hashes = parts[0] if len(parts) == 1 else torch.cat(parts)
         h = F.embedding(ids, self.w["embed.weight"]).unsqueeze(1).repeat(1, c.hc_mult, 1)
-        pre = torch.zeros(s_len, c.hc_mult)
+        pre = torch.zeros(ids.numel(), c.hc_mult)
         pre[:, 0] = 1.0
         taps = []
-        shared: dict = {}
         for L in range(c.n_layers):
             if L in c.engram_layer_ids:
                 h = self._engram(L, h, hashes[:, c.engram_layer_ids.index(L)])
             if L in c.dspark_target_layer_ids:
                 taps.append(h.mean(dim=1))
-            h, pre = self._block(f"layers.{L}.", L, h, pre, start, state, shared)
+            h, pre = self._block(f"layers.{L}.", L, h, pre, segs)
         x = rms_norm(hc_collapse(h, pre), self.w["norm.weight"], c.norm_eps)
-        if not all_logits:
-            x = x[-1:]
-        logits = linear_f32(x.float(), self.w["head.weight"])
-        state.pos = end
-        return logits, (torch.cat(taps, -1) if taps else None)
+        return x, (torch.cat(taps, -1) if taps else None)
 
     def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits at every position of one prefill of ``input_ids`` (a fresh state)."""
@@ -137,16 +275,20 @@ class DeepseekV41ForCausalLM:
         gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         return (hf + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(h.dtype)
 
-    def _block(self, p: str, L: int, h, pre, start, state, shared, main_x=None):
+    def _block(self, p: str, L: int, h, pre, segs: list[_Seg], main_x=None):
         c, w = self.cfg, self.w
         res = h
         a_pre, a_post, a_comb = hc_mixes(h, w[p + "hc_attn_fn"], w[p + "hc_attn_scale"], w[p + "hc_attn_base"],
                                          c.hc_mult, c.hc_sinkhorn_iters, c.norm_eps, c.hc_eps)
         x = rms_norm(hc_collapse(h, pre), w[p + "attn_norm.weight"], c.norm_eps)
         if main_x is None:
-            x = self._attention(p + "attn.", L, x, start, state, shared)
+            outs, o = [], 0
+            for sg in segs:
+                outs.append(self._attention(p + "attn.", L, x[o:o + sg.n], sg.start, sg.cache, sg.shared))
+                o += sg.n
+            x = outs[0] if len(outs) == 1 else torch.cat(outs)
         else:
-            x = self._dspark_attention(p + "attn.", L - c.n_layers, x, start, state, main_x)
+            x = self._dspark_attention(p + "attn.", L - c.n_layers, x, segs[0].start, segs[0].cache, main_x)
         h = hc_expand(x, res, a_post, a_comb)
         res = h
         f_pre, f_post, f_comb = hc_mixes(h, w[p + "hc_ffn_fn"], w[p + "hc_ffn_scale"], w[p + "hc_ffn_base"],
@@ -177,16 +319,15 @@ class DeepseekV41ForCausalLM:
         o = torch.einsum("bsgd,grd->bsgr", o.unsqueeze(0), wo_a)[0]
         return linear(o.flatten(1), w[p + "wo_b.weight"])
 
-    def _attention(self, p: str, L: int, x, start: int, state: SeqState, shared: dict):
+    def _attention(self, p: str, L: int, x, start: int, state, shared: dict):
         c = self.cfg
         s_len, end = x.shape[0], start + x.shape[0]
         r = c.ratio(L)
         rot_t = (self.rotc if r else self.rot0)
         rot = rot_t[start:end]
         qr, q = self._q(p, x, rot)
-        state.kv[L][start:end] = self._kv(p, x, rot)
-        win_idx = window_positions(start, end, c.window_size)
-        kv_rows, valid = gather_rows(state.kv[L], win_idx)
+        state.write_kv(L, start, self._kv(p, x, rot))
+        kv_rows, valid = state.window(L, window_positions(start, end, c.window_size))
         if r:
             src = c.kv_source_of(L)
             latent, first = (self._compress(p + "compressor.", L, x, start, state) if src == L else (None, 0))
@@ -200,13 +341,13 @@ class DeepseekV41ForCausalLM:
             sel = shared[("topk", c.index_source_of(L))]
             if latent is not None:
                 rope_(latent[..., -c.rope_head_dim:], rot_t[first * r:(first + latent.shape[0]) * r:r])
-                state.comp[L][first:first + latent.shape[0]] = fp4_qdq_(latent, 16, True)
-            c_rows, c_valid = gather_rows(state.comp[src], sel)
+                state.write_comp(L, first, fp4_qdq_(latent, 16, True))
+            c_rows, c_valid = state.comp_rows(src, sel)
             kv_rows, valid = torch.cat([kv_rows, c_rows], 1), torch.cat([valid, c_valid], 1)
         o = sparse_attention(q, kv_rows, valid, self.w[p + "attn_sink"], c.head_dim ** -0.5)
         return self._out(p, o, rot)
 
-    def _compress(self, p: str, L: int, x, start: int, state: SeqState):
+    def _compress(self, p: str, L: int, x, start: int, state):
         """A KV source's new latents (pre-RoPE, bf16 ``[G, head_dim]``) and the index of the first, or (None, 0)."""
         c, w = self.cfg, self.w
         r = c.ratio(L)
@@ -214,11 +355,11 @@ class DeepseekV41ForCausalLM:
             return rms_norm(linear(x, w[p + "wkv.weight"]), w[p + "norm.weight"], c.norm_eps), start
         xf = x.float()
         kv, sc = linear_f32(xf, w[p + "wkv.weight"]), linear_f32(xf, w[p + "wgate.weight"])
-        ck, cs = state.carry[L]
+        ck, cs = state.carry_rows(L, start, r)
         kv, sc = torch.cat([ck, kv]), torch.cat([cs, sc])
         first = (start - ck.shape[0]) // r
         g = kv.shape[0] // r
-        state.carry[L] = (kv[g * r:].clone(), sc[g * r:].clone())
+        state.put_carry(L, start + x.shape[0], kv[g * r:], sc[g * r:])
         if g == 0:
             return None, 0
         kv = kv[:g * r].unflatten(0, (g, r))
@@ -226,22 +367,22 @@ class DeepseekV41ForCausalLM:
         pooled = (kv * sc.softmax(dim=1)).sum(dim=1)
         return rms_norm(pooled.to(BF16), w[p + "norm.weight"], c.norm_eps), first
 
-    def _indexer(self, p: str, L: int, x, qr, latent, first: int, start: int, state: SeqState, shared: dict):
+    def _indexer(self, p: str, L: int, x, qr, latent, first: int, start: int, state, shared: dict):
         """Compressed positions each query attends to: int64 ``[S, min(index_topk, end // r)]``, ascending, -1 =
         unreachable. Publishes (or applies) the candidate-block mask."""
         c, w = self.cfg, self.w
         r = c.ratio(L)
         s_len, end = x.shape[0], start + x.shape[0]
         rot_t = self.rotc
-        if latent is not None and L in state.idx_k:
+        if latent is not None and L in c.kv_source_layers:
             k = rms_norm(linear(latent, w[p + "wk.weight"]), w[p + "k_norm.weight"], c.norm_eps)
             rope_(k[..., -c.rope_head_dim:], rot_t[first * r:(first + k.shape[0]) * r:r])
-            state.idx_k[L][first:first + k.shape[0]] = fp4_qdq_(k, 32, False)
+            state.write_idx(L, first, fp4_qdq_(k, 32, False))
         q = linear(qr, w[p + "wq_b.weight"]).unflatten(-1, (c.index_n_heads, c.index_head_dim))
         rope_(q[..., -c.rope_head_dim:], rot_t[start:end])
         fp4_qdq_(q, 32, False)
         n_comp = end // r
-        keys = state.idx_k[c.kv_source_of(L)][:n_comp]
+        keys = state.idx_keys(c.kv_source_of(L), n_comp)
         wts = linear(x, w[p + "weights_proj.weight"]) * (c.index_head_dim ** -0.5 * c.index_n_heads ** -0.5)
         score = torch.einsum("bshd,btd->bsht", q.unsqueeze(0), keys.unsqueeze(0))[0]
         score = (score.relu_() * wts.unsqueeze(-1)).sum(dim=1)
@@ -324,7 +465,7 @@ class DeepseekV41ForCausalLM:
         pre = torch.zeros(b, c.hc_mult)
         pre[:, 0] = 1.0
         for j in range(c.num_dspark_layers):
-            h, pre = self._block(f"mtp.{j}.", c.n_layers + j, h, pre, start, state, {}, main_x=mx)
+            h, pre = self._block(f"mtp.{j}.", c.n_layers + j, h, pre, [_Seg(start, b, state)], main_x=mx)
         last = f"mtp.{c.num_dspark_layers - 1}."
         x = hc_collapse(h, pre)
         logits = linear_f32(rms_norm(x, w[last + "norm.weight"], c.norm_eps).float(), w["head.weight"])
