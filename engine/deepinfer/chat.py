@@ -150,8 +150,9 @@ def tool_call_constraint(body: dict, constraint, api: str, version: str = "v4",
     ``tool_choice``; the list holds the named tool only) and a ``tool_call`` kind whose body asks for a call
     (Messages' ``any``) give ``"required"``; ``tool_call`` otherwise gives ``"auto"``; a body with tools and
     ``tool_choice`` ``"none"`` (the recipe then renders no tools and gives no constraint) gives ``"none"``.
-    ``block_open``: the prompt opened the calls block (``ParsingOptions.starts_in_tool_calls``). A compilation error
-    names ``tools``.
+    ``block_open``: the prompt opened the calls block (``ParsingOptions.starts_in_tool_calls``). One call per block
+    with ``parallel_tool_calls: false`` (Messages: ``tool_choice.disable_parallel_tool_use: true``). A compilation
+    error names ``tools``.
     """
     kind = getattr(constraint, "kind", None)
     if kind in ("tool_call", "tool_call_required"):
@@ -160,8 +161,11 @@ def tool_call_constraint(body: dict, constraint, api: str, version: str = "v4",
         if name is not None:
             tools = [t for t in tools if t["function"].get("name") == name] or tools
         required = kind == "tool_call_required" or tool_choice_requires_call(body, api)
+        choice = body.get("tool_choice")
+        parallel = not (choice.get("disable_parallel_tool_use") is True if api == "messages" and isinstance(
+            choice, dict) else body.get("parallel_tool_calls") is False)
         tag = tool_call_structural_tag(tools, "required" if required else "auto", version,
-                                       block_open=required and block_open)
+                                       block_open=required and block_open, parallel=parallel)
     elif constraint is None and _tool_choice_is_none(body, api):
         tag = tool_call_structural_tag([], "none", version)
     else:

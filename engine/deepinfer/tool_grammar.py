@@ -122,7 +122,8 @@ def _arguments(parameters: Any, tag: str) -> list:
     return out
 
 
-def tool_call_structural_tag(tools, mode: str, version: str = "v4", block_open: bool = False) -> dict:
+def tool_call_structural_tag(tools, mode: str, version: str = "v4", block_open: bool = False,
+                             parallel: bool = True) -> dict:
     """The structural tag (``StructuredOutputsParams.structural_tag``) that constrains an answer's tool calls;
     apply it after the reasoning (``after_token_id``).
 
@@ -138,6 +139,8 @@ def tool_call_structural_tag(tools, mode: str, version: str = "v4", block_open: 
             prompt for a required or named ``tool_choice``, ``ParsingOptions.starts_in_tool_calls``), so the answer
             starts at the first call; otherwise it starts with ``"\\n\\n"`` and the opening line, as the encoder
             renders a turn's calls.
+        parallel: False: a block holds exactly one call (OpenAI's ``parallel_tool_calls: false``, Anthropic's
+            ``disable_parallel_tool_use``).
 
     Arguments: a plain string property (no ``pattern`` / ``format`` / length bounds) is raw text, a string enum
     one of its values; any other property is JSON valid against its schema (xgrammar's JSON-schema support, at most
@@ -166,7 +169,8 @@ def tool_call_structural_tag(tools, mode: str, version: str = "v4", block_open: 
                             _literal(f"</{DSML_TOKEN}{invoke}>\n")))
     if not invokes:
         raise ValueError(f"tool_choice {mode!r} needs at least one tool")
-    calls_list = st.PlusFormat(content=invokes[0] if len(invokes) == 1 else st.OrFormat(elements=invokes))
+    one_call = invokes[0] if len(invokes) == 1 else st.OrFormat(elements=invokes)
+    calls_list = st.PlusFormat(content=one_call) if parallel else one_call
     end = _literal(f"</{DSML_TOKEN}{calls}>")
     block = _seq(_literal(f"<{DSML_TOKEN}{calls}>\n"), calls_list, end)
     if mode == "auto":
