@@ -230,3 +230,43 @@ def test_text_streams_as_it_comes_and_a_call_is_held_until_validated():
     assert [tc["function"]["name"] for d in after if d["choices"] for tc in d["choices"][0]["delta"].get(
         "tool_calls") or [] if tc.get("function", {}).get("name")] == ["get_weather"]
     assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+# ------------------------------------------------------------------ the tool-call grammar over a random model
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_call_from_a_random_model_streamed_equals_answer(start_server, choice):
+    """The tiny model has random weights: only the grammar makes its answer a call of the declared tool with
+    schema-valid arguments (issue 20). The stream carries the same call, with no DSML markup."""
+    import jsonschema
+
+    s = start_server(LLM("tiny", max_num_seqs=4))
+    oai = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": BOUNDED}},
+             {"type": "function", "function": {"name": "other", "parameters": {"type": "object", "properties": {}}}}]
+    kw = dict(model="tiny", messages=USER, tools=tools, tool_choice=choice, max_tokens=300, seed=4, temperature=0.7,
+              extra_body=NO_THINK)
+    full = oai.chat.completions.create(**kw)
+    calls = full.choices[0].message.tool_calls
+    assert full.choices[0].finish_reason == "tool_calls" and calls and not (full.choices[0].message.content or "")
+    for c in calls:
+        assert c.function.name in ("get_weather", "other")
+        if c.function.name == "get_weather":
+            jsonschema.validate(json.loads(c.function.arguments), BOUNDED)
+    if isinstance(choice, dict):
+        assert {c.function.name for c in calls} == {"get_weather"}
+    content, deltas, finish = _chat_stream(oai, kw)
+    streamed: dict[int, dict] = {}
+    for tc in deltas:
+        entry = streamed.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+        entry["id"] = tc.id or entry["id"]
+        entry["name"] += (tc.function.name or "") if tc.function else ""
+        entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert finish == "tool_calls" and not content and "DSML" not in json.dumps(streamed)
+    assert streamed == {i: {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                        for i, c in enumerate(calls)}
+    s.wait_idle()
