@@ -31,6 +31,7 @@ from deepinfer.api_checks import (API_KINDS, RequestError, check_request, declar
                                   is_error_record, required_tool_name, tool_choice_requires_call)
 from deepinfer.sequence import SamplingParams, draw_seed
 from deepinfer.structured import StructuredOutputsParams
+from deepinfer.tool_grammar import tool_call_structural_tag
 
 # RequestError, API_KINDS and check_request are re-exported: the frontend's callers import them from here
 
@@ -134,14 +135,57 @@ MEDIA_PART_TYPES = IMAGE_PART_TYPES | {"file", "input_file", "document"}
 _STRUCTURED_KEYS = ("json", "regex", "grammar", "choice", "json_object")
 
 
-def structured_outputs_of(body: dict, constraint, api: str) -> StructuredOutputsParams | None:
+def _tool_choice_is_none(body: dict, api: str) -> bool:
+    """The body declares tools and its ``tool_choice`` is ``"none"`` (Messages: ``{"type": "none"}``)."""
+    choice = body.get("tool_choice")
+    none = isinstance(choice, dict) and choice.get("type") == "none" if api == "messages" else choice == "none"
+    return bool(none and isinstance(body.get("tools"), list) and body["tools"])
+
+
+def tool_call_constraint(body: dict, constraint, api: str, version: str = "v4",
+                         block_open: bool = False) -> StructuredOutputsParams | None:
+    """The tool-call grammar of a request with tools (``structured.tool_call_structural_tag``), or None.
+
+    ``constraint``: the recipe's ``output_constraint``. Its ``tool_call_required`` kind (a required or named
+    ``tool_choice``; the list holds the named tool only) and a ``tool_call`` kind whose body asks for a call
+    (Messages' ``any``) give ``"required"``; ``tool_call`` otherwise gives ``"auto"``; a body with tools and
+    ``tool_choice`` ``"none"`` (the recipe then renders no tools and gives no constraint) gives ``"none"``.
+    ``block_open``: the prompt opened the calls block (``ParsingOptions.starts_in_tool_calls``). One call per block
+    with ``parallel_tool_calls: false`` (Messages: ``tool_choice.disable_parallel_tool_use: true``). A compilation
+    error names ``tools``.
+    """
+    kind = getattr(constraint, "kind", None)
+    if kind in ("tool_call", "tool_call_required"):
+        tools = [t for t in json.loads(constraint.schema) if isinstance(t, dict) and t.get("type") == "function"]
+        name = required_tool_name(body, api)
+        if name is not None:
+            tools = [t for t in tools if t["function"].get("name") == name] or tools
+        required = kind == "tool_call_required" or tool_choice_requires_call(body, api)
+        choice = body.get("tool_choice")
+        parallel = not (choice.get("disable_parallel_tool_use") is True if api == "messages" and isinstance(
+            choice, dict) else body.get("parallel_tool_calls") is False)
+        tag = tool_call_structural_tag(tools, "required" if required else "auto", version,
+                                       block_open=required and block_open, parallel=parallel)
+    elif constraint is None and _tool_choice_is_none(body, api):
+        tag = tool_call_structural_tag([], "none", version)
+    else:
+        return None
+    return StructuredOutputsParams(structural_tag=tag, error_param="tools")
+
+
+def structured_outputs_of(body: dict, constraint, api: str, version: str = "v4",
+                          block_open: bool = False) -> StructuredOutputsParams | None:
     """The request's output constraint: the recipe's ``output_constraint`` (``response_format`` json_schema /
-    json_object, Responses' ``text.format``; a ``tool_call`` constraint is not enforced) or the ``structured_outputs`` extension of the Chat API
+    json_object, Responses' ``text.format``; with tools, the tool-call grammar of :func:`tool_call_constraint`) or
+    the ``structured_outputs`` extension of the Chat API
     (``{"json": schema} | {"regex": str} | {"grammar": ebnf} | {"choice": [str, ...]} | {"json_object": true}``).
+    With tools and ``tool_choice`` ``"none"``, a ``response_format`` or ``structured_outputs`` constraint replaces
+    the tool-call grammar (no call can be parsed then anyway: the recipe turns tool-call parsing off).
 
     Raises:
-        RequestError naming the field: an unknown ``structured_outputs`` key, not exactly one constraint, or both
-        ``structured_outputs`` and a ``response_format`` constraint.
+        RequestError naming the field: an unknown ``structured_outputs`` key, not exactly one constraint, or
+        ``structured_outputs`` together with a ``response_format`` constraint or with a tool-call grammar (tools
+        with a ``tool_choice`` other than ``"none"``).
     """
     ext = body.get("structured_outputs") if api == "chat" else None
     spec = None
@@ -151,12 +195,15 @@ def structured_outputs_of(body: dict, constraint, api: str) -> StructuredOutputs
                 StructuredOutputsParams(json_object=True)
         elif constraint.kind == "regex":
             spec = StructuredOutputsParams(regex=constraint.schema)
-        # "tool_call" (tools given): parsed by the recipe, not constrained yet (xgrammar's structural tag is next)
+    tools_spec = tool_call_constraint(body, constraint, api, version, block_open)
     if ext is None:
-        return spec
+        return spec or tools_spec
     if spec is not None:
         raise RequestError("structured_outputs cannot be combined with a response_format constraint",
                            param="structured_outputs")
+    if tools_spec is not None and constraint is not None:
+        raise RequestError("structured_outputs cannot be combined with tools: the tool-call grammar constrains the "
+                           "answer (send tool_choice \"none\" to constrain a text answer)", param="structured_outputs")
     unknown = sorted(set(ext) - set(_STRUCTURED_KEYS))
     if unknown:
         raise RequestError(f"structured_outputs.{unknown[0]} is not supported (use one of "
@@ -540,15 +587,18 @@ class PreparedChat:
         ``prompt_cache_miss_tokens``; Responses: ``input_tokens_details.cached_tokens``; Messages:
         ``cache_read_input_tokens``, with ``input_tokens`` the rest, as the recipe counts them).
 
-        Tool calls to undeclared tools, with arguments that are not a JSON object, or a DSML block that does not
-        parse (cut by ``max_tokens``) are not returned as calls: the answer is parsed again without tool-call
+        With the tool-call grammar (``tool_call_constraint``) every call the engine samples names a declared tool
+        and has schema-valid arguments; these checks remain as a safety net (a DSML block cut by ``max_tokens``, an
+        engine without the grammar). Tool calls to undeclared tools, with arguments that are not a JSON object, or a
+        DSML block that does not parse are not returned as calls: the answer is parsed again without tool-call
         parsing, so the raw DSML text is the ``content`` (a ``text`` block; Responses: an output message) and the
         finish reason is ``stop`` / ``length``; a stream's held events come from the same parse (see the class).
         Usage counts the sampled tokens.
 
         Raises:
             RequestError (``code="tool_call_missing"``, ``param="tool_choice"``, status 500): the ``tool_choice``
-                asked for a call and the model wrote no valid one (generation is not constrained to a call yet).
+                asked for a call and the model wrote no valid one: under the grammar, only when ``max_tokens`` cut
+                the call or the reasoning never ended.
         """
         out = self._end(self.processor, self.response, finish_reason)
         valid = self._tool_calls_valid(finish_reason)
@@ -592,8 +642,9 @@ class PreparedChat:
     def _missing_call_error(self) -> RequestError:
         which = f"the tool {self.tool_required_name!r}" if self.tool_required_name else "a declared tool"
         text = self.tokens.hf.decode([t for t, _ in self.visible], skip_special_tokens=False) if self.tokens else ""
-        err = RequestError(f"tool_choice asks for a call of {which}, but the model wrote no valid one (generation "
-                           f"is not constrained to a call yet); it wrote {text[:200]!r}", code="tool_call_missing",
+        err = RequestError(f"tool_choice asks for a call of {which}, but the model wrote no valid one (the answer "
+                           f"ended before the call did, or its reasoning never ended); it wrote {text[:200]!r}",
+                           code="tool_call_missing",
                            status_code=500, param="tool_choice")
         err.record["type"] = "server_error"
         return err
@@ -855,7 +906,9 @@ class ChatFrontend:
             err.record["code"] = "context_length_exceeded"
             raise err from None
         io = conv.inference_options
-        structured = structured_outputs_of(body, io.output_constraint, api)
+        version = "v4" if conv.model_version == R.ModelVersion.DeepseekV4Pro else "v4.1"
+        structured = structured_outputs_of(body, io.output_constraint, api, version,
+                                           block_open=bool(conv.parsing_options.starts_in_tool_calls))
         if structured is not None and conv.conversation.thinking_mode and self.output_tokens is not None:
             # the reasoning is free; the constraint starts after </think>
             structured = dataclasses.replace(structured, after_token_id=self.output_tokens.thinking_end_id)

@@ -3,8 +3,9 @@
 A request's ``SamplingParams.structured_outputs`` (:class:`StructuredOutputsParams`) names one constraint. The
 engine compiles it with :class:`GrammarCompiler` (a worker pool off the step loop, a timeout, a byte-limited cache)
 before the request is queued; the runner keeps a :class:`RequestMatcher` per constrained request, fills the step's
-bitmask rows on the host and the sampler masks the logits (:func:`apply_token_bitmask`). See ``docs/engine.md``,
-"Structured output".
+bitmask rows on the host and the sampler masks the logits (:func:`apply_token_bitmask`). Tool calls are constrained
+with an xgrammar structural tag for DeepSeek's DSML call syntax (``deepinfer.tool_grammar``). See
+``docs/engine.md``, "Structured output".
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from deepinfer.sequence import SamplingParamError
 
-_KINDS = ("json", "json_object", "regex", "grammar", "choice")
+_KINDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
 MAX_SPEC_CHARS = 1 << 20  # longest schema / regex / grammar text accepted (1 MiB)
 MAX_CHOICES = 1024
 
@@ -34,8 +35,13 @@ class StructuredOutputsParams:
         regex: the output fully matches this regular expression.
         grammar: the output is a sentence of this EBNF grammar (xgrammar / GBNF syntax, start rule ``root``).
         choice: the output is exactly one of these strings.
+        structural_tag: an xgrammar structural tag (``{"type": "structural_tag", "format": {...}}``, a dict or its
+            JSON text): the output follows its format (the Chat API's tool-call grammar,
+            ``deepinfer.tool_grammar``).
         after_token_id: when set, the constraint starts after the first occurrence of this token id in the output
             (thinking mode: ``</think>``); the tokens before it are free.
+        error_param: the request field a compilation error names (default ``structured_outputs.<field>``; the Chat
+            API's tool-call grammar names ``tools``). Not part of the cache key.
 
     JSON is generated compactly (no whitespace between tokens, ``","`` and ``":"`` separators): a model cannot loop
     on whitespace.
@@ -46,7 +52,9 @@ class StructuredOutputsParams:
     regex: str | None = None
     grammar: str | None = None
     choice: tuple[str, ...] | None = None
+    structural_tag: dict | str | None = None
     after_token_id: int | None = None
+    error_param: str | None = None
 
     def kind(self) -> str:
         """The constraint field that is set."""
@@ -58,13 +66,14 @@ class StructuredOutputsParams:
         set_ = [k for k in _KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise SamplingParamError("structured_outputs", "structured_outputs must set exactly one of json, "
-                                     f"json_object, regex, grammar, choice; got {set_ or 'none'}")
+                                     f"json_object, regex, grammar, choice, structural_tag; got {set_ or 'none'}")
         kind = set_[0]
         v = getattr(self, kind)
         field = f"structured_outputs.{kind}"
-        if kind == "json":
+        if kind in ("json", "structural_tag"):
+            what = "a JSON schema" if kind == "json" else "a structural tag"
             if not isinstance(v, (dict, str)) or isinstance(v, bool):
-                raise SamplingParamError(field, f"{field} must be a JSON schema (an object or its JSON text), got "
+                raise SamplingParamError(field, f"{field} must be {what} (an object or its JSON text), got "
                                                 f"{type(v).__name__}")
             if isinstance(v, str):
                 if len(v) > MAX_SPEC_CHARS:
@@ -73,8 +82,8 @@ class StructuredOutputsParams:
                     parsed = json.loads(v)
                 except ValueError as e:
                     raise SamplingParamError(field, f"{field} is not valid JSON: {e}") from None
-                if not isinstance(parsed, (dict, bool)):
-                    raise SamplingParamError(field, f"{field} must be a JSON schema object")
+                if not isinstance(parsed, (dict, bool)) or (kind == "structural_tag" and not isinstance(parsed, dict)):
+                    raise SamplingParamError(field, f"{field} must be {what} object")
             elif len(json.dumps(v)) > MAX_SPEC_CHARS:
                 raise SamplingParamError(field, f"{field} is longer than {MAX_SPEC_CHARS} characters")
         elif kind == "json_object":
@@ -101,7 +110,7 @@ class StructuredOutputsParams:
         """``(kind, canonical text)``: equal constraints share one compiled grammar."""
         kind = self.kind()
         v = getattr(self, kind)
-        if kind == "json":
+        if kind in ("json", "structural_tag"):
             return kind, json.dumps(json.loads(v) if isinstance(v, str) else v, sort_keys=True)
         if kind == "json_object":
             return kind, ""
@@ -206,6 +215,8 @@ class GrammarCompiler:
                     g = comp.compile_regex(text)
                 elif kind == "grammar":
                     g = comp.compile_grammar(text)
+                elif kind == "structural_tag":
+                    g = comp.compile_structural_tag(text)
                 else:
                     g = comp.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in json.loads(text)))
             except (RuntimeError, ValueError, TypeError) as e:
@@ -213,8 +224,8 @@ class GrammarCompiler:
                 detail = msg[-1] if msg else type(e).__name__
                 if "] " in detail and detail.startswith("["):  # drop xgrammar's "[time] file:line:" prefix
                     detail = detail.split(": ", 1)[-1]
-                raise GrammarError(f"structured_outputs.{kind}",
-                                   f"structured_outputs.{kind}: xgrammar cannot compile it: {detail}") from None
+                field = spec.error_param or f"structured_outputs.{kind}"
+                raise GrammarError(field, f"{field}: xgrammar cannot compile it: {detail}") from None
             self._store(key, g)
             return g
         finally:

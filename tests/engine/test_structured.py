@@ -31,6 +31,9 @@ def llm():
     (S(choice=("a", "")), "structured_outputs.choice"),
     (S(json_object="yes"), "structured_outputs.json_object"),
     (S(regex="a", after_token_id=-1), "structured_outputs.after_token_id"),
+    (S(structural_tag=3), "structured_outputs.structural_tag"),
+    (S(structural_tag="[1]"), "structured_outputs.structural_tag"),
+    (S(structural_tag="{bad"), "structured_outputs.structural_tag"),
 ])
 def test_bad_params_name_the_field(spec, field):
     with pytest.raises(SamplingParamError) as e:

@@ -146,6 +146,15 @@ BAD_CALLS = {"undeclared tool": (_dsml("launch_missiles", "Paris"), 200),
              "block cut by max_tokens": ("Checking. " + CALL, 20)}
 
 
+@pytest.fixture
+def no_tool_grammar(monkeypatch):
+    """The tool-call grammar off (``chat.tool_call_constraint``), so the scripted model writes its invalid call and
+    the post-hoc checks, the safety net behind the grammar, answer it."""
+    import deepinfer.chat as chat
+
+    monkeypatch.setattr(chat, "tool_call_constraint", lambda *a, **k: None)
+
+
 def _chat_stream(oai, kw) -> tuple[str, list, str | None]:
     content, calls, finish = "", [], None
     for chunk in oai.chat.completions.create(stream=True, **kw):
@@ -157,7 +166,7 @@ def _chat_stream(oai, kw) -> tuple[str, list, str | None]:
 
 
 @pytest.mark.parametrize("case", list(BAD_CALLS))
-def test_chat_invalid_call_streams_as_the_raw_text_it_answers(start_server, case):
+def test_chat_invalid_call_streams_as_the_raw_text_it_answers(start_server, case, no_tool_grammar):
     """An invalid DSML block is answered as text (issue 25); the stream shows the same text and no tool-call delta
     (issue 21: a stream adds up to its non-streamed twin)."""
     text, max_tokens = BAD_CALLS[case]
@@ -174,7 +183,7 @@ def test_chat_invalid_call_streams_as_the_raw_text_it_answers(start_server, case
     s.wait_idle()
 
 
-def test_messages_and_responses_invalid_call_stream_equals_answer(start_server):
+def test_messages_and_responses_invalid_call_stream_equals_answer(start_server, no_tool_grammar):
     text = _dsml("get_weather", "{not json", "false")
     s, oai = _scripted_server(start_server, text)
     _, _, m, events, final = _messages_both_ways(s, 200)
@@ -221,3 +230,43 @@ def test_text_streams_as_it_comes_and_a_call_is_held_until_validated():
     assert [tc["function"]["name"] for d in after if d["choices"] for tc in d["choices"][0]["delta"].get(
         "tool_calls") or [] if tc.get("function", {}).get("name")] == ["get_weather"]
     assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+# ------------------------------------------------------------------ the tool-call grammar over a random model
+BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_required_call_from_a_random_model_streamed_equals_answer(start_server, choice):
+    """The tiny model has random weights: only the grammar makes its answer a call of the declared tool with
+    schema-valid arguments (issue 20). The stream carries the same call, with no DSML markup."""
+    import jsonschema
+
+    s = start_server(LLM("tiny", max_num_seqs=4))
+    oai = openai.OpenAI(base_url=s.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": BOUNDED}},
+             {"type": "function", "function": {"name": "other", "parameters": {"type": "object", "properties": {}}}}]
+    kw = dict(model="tiny", messages=USER, tools=tools, tool_choice=choice, max_tokens=300, seed=4, temperature=0.7,
+              extra_body=NO_THINK)
+    full = oai.chat.completions.create(**kw)
+    calls = full.choices[0].message.tool_calls
+    assert full.choices[0].finish_reason == "tool_calls" and calls and not (full.choices[0].message.content or "")
+    for c in calls:
+        assert c.function.name in ("get_weather", "other")
+        if c.function.name == "get_weather":
+            jsonschema.validate(json.loads(c.function.arguments), BOUNDED)
+    if isinstance(choice, dict):
+        assert {c.function.name for c in calls} == {"get_weather"}
+    content, deltas, finish = _chat_stream(oai, kw)
+    streamed: dict[int, dict] = {}
+    for tc in deltas:
+        entry = streamed.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+        entry["id"] = tc.id or entry["id"]
+        entry["name"] += (tc.function.name or "") if tc.function else ""
+        entry["arguments"] += (tc.function.arguments or "") if tc.function else ""
+    assert finish == "tool_calls" and not content and "DSML" not in json.dumps(streamed)
+    assert streamed == {i: {"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                        for i, c in enumerate(calls)}
+    s.wait_idle()
