@@ -99,7 +99,7 @@ def _cases(world: int) -> list[dict]:
                      order="expert", seed=2)]
     return [
         dict(base, name="contig-slot", tokens=[5, 3], placement=redundant, layout="contiguous", order="slot"),
-        dict(base, name="contig-expert-pad", tokens=[6, 4], placement=plain, layout="contiguous", order="expert",
+        dict(base, name="contig-expert-pad", tokens=[6, 4], placement=plain, layout="contiguous", order="expert", k=3,
              p_pad=0.3, seed=4),
         dict(base, name="masked-bf16-zero-rank", tokens=[7, 0], placement=redundant, layout="masked",
              order="expert", dtype=torch.bfloat16, out_dtype=torch.bfloat16, seed=5),
