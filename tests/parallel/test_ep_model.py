@@ -176,3 +176,44 @@ def _body_forward(rank: int, world: int, path: str, gemm: str) -> None:
 @pytest.mark.parametrize("gemm", ["dequant", "fp8"])
 def test_ep_dp_forward_equals_single_process(tiny_ckpt, tmp_path, gemm):
     run_distributed(_body_forward, 2, tmp_path, str(tiny_ckpt), gemm)
+
+
+def _body_rearrange(rank: int, world: int, path: str, gemm: str) -> None:
+    from deepinfer.parallel.rearrange import EPLBController, rearrange_moe
+
+    cfg = C.load_checkpoint(path, dequantize=False).config
+    ep = _expert_parallel(cfg, rank, world)
+    model = DeepseekV4ForCausalLM.from_checkpoint(path, gemm=gemm, expert_parallel=ep)
+    ids = torch.tensor(_prompt(rank, [7, 4][rank]))
+    before = model.forward_full(ids, batch_invariant=True)
+    # an explicit new placement for every layer: other hot experts
+    storages = {n: m.w13.data_ptr() if m.is_fp8 else m.experts[0].w1.weight.data_ptr()
+                for n, m in model.named_modules() if getattr(m, "ep", None) is not None}
+    moved = 0
+    for name, moe in [(n, m) for n, m in model.named_modules() if getattr(m, "ep", None) is not None]:
+        counts = np.ones((3, cfg.n_routed_experts))
+        counts[:, 7] = 40
+        new = rebalance(counts, world, 2)
+        moved += rearrange_moe(moe, new, name)
+        assert moe.local_experts == new.local_experts(rank)
+        assert (moe.w13.data_ptr() if moe.is_fp8 else moe.experts[0].w1.weight.data_ptr()) == storages[name]
+    assert moved > 0
+    after = model.forward_full(ids, batch_invariant=True)
+    assert torch.equal(before, after)
+    # the moved weights equal a fresh load with the new placements
+    fresh = DeepseekV4ForCausalLM.from_checkpoint(path, gemm=gemm, expert_parallel=model.expert_parallel)
+    for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b), n
+    # the controller: counts from real steps, rebalanced every 2 steps, outputs unchanged
+    ctl = EPLBController(model, num_redundant=2, window=4, interval=2)
+    for step in range(4):
+        out = model.forward_full(ids, batch_invariant=True)
+        assert torch.equal(out, before), step
+        ctl.after_step()
+    assert ctl.window.counts().sum() > 0
+
+
+@pytest.mark.parametrize("gemm", ["dequant", "fp8"])
+def test_eplb_rearrangement_keeps_outputs(tiny_ckpt, tmp_path, gemm):
+    run_distributed(_body_rearrange, 2, tmp_path, str(tiny_ckpt), gemm)

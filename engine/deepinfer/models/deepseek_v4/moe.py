@@ -79,6 +79,7 @@ class MoE(nn.Module):
         self.ep = None  # deepinfer.parallel.sharding.ExpertParallel
         self.placement = None  # deepinfer.parallel.ExpertPlacement of this layer under EP
         self.local_experts = tuple(range(cfg.n_routed_experts))  # logical id of each held slot
+        self.load_recorder = None  # (deepinfer.parallel.eplb.ExpertLoadWindow, layer index) under EPLB
 
     def set_expert_parallel(self, ep, name: str) -> None:
         """Hold only this rank's slots of the layer ``name`` (e.g. ``layers.3.ffn``) under ``ep``
@@ -198,6 +199,9 @@ class MoE(nn.Module):
         else:  # an idle rank: no tokens of its own, but its experts serve the others'
             weights = torch.zeros(0, k, dtype=torch.float32, device=x.device)
             indices = torch.zeros(0, k, dtype=torch.int64, device=x.device)
+        if self.load_recorder is not None:
+            window, layer = self.load_recorder
+            window.record(layer, indices)
         if self.is_fp8:
             xq, xs = deepinfer_ops.per_token_group_quant_fp8(x[:n], 128)
             d = dispatch(xq, indices, self.placement, x_scale=xs, group=ep.group)
