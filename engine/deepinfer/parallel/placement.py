@@ -67,6 +67,7 @@ class ExpertPlacement:
                 dup = next(e for e in local if local.count(e) > 1)
                 raise ValueError(f"ExpertPlacement.phys_to_logical: expert {dup} has two slots on rank {r} "
                                  f"(replicas must be on distinct ranks)")
+        object.__setattr__(self, "_tables", {})  # replica tables per device (not a field: equality ignores it)
 
     # ---- constructors ---------------------------------------------------------------------------------------
     @classmethod
@@ -113,14 +114,18 @@ class ExpertPlacement:
 
     def replica_table(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """``(table [E, max_replicas] int64, counts [E] int64)``: ``table[e, i]`` the i-th slot of expert ``e``
-        (ascending), -1 past ``counts[e]``."""
+        (ascending), -1 past ``counts[e]``. Built once per device and cached (read-only: do not mutate)."""
+        key = str(torch.device(device))
+        if key in self._tables:
+            return self._tables[key]
         counts = self.num_replicas()
         table = torch.full((self.num_experts, max(counts)), -1, dtype=torch.int64)
         fill = [0] * self.num_experts
         for p, e in enumerate(self.phys_to_logical):
             table[e, fill[e]] = p
             fill[e] += 1
-        return table.to(device), torch.tensor(counts, dtype=torch.int64, device=device)
+        self._tables[key] = (table.to(device), torch.tensor(counts, dtype=torch.int64, device=device))
+        return self._tables[key]
 
     def route(self, topk_idx: torch.Tensor, src_rank: int) -> torch.Tensor:
         """Physical slot of every (token, slot) pair of ``topk_idx [T, k]`` (logical ids; ids outside ``[0, E)``,
