@@ -40,7 +40,7 @@ def _moe_names(cfg) -> list[str]:
         [f"mtp.{j}.ffn" for j in range(cfg.num_nextn_predict_layers)]
 
 
-def _expert_parallel(cfg, rank: int, world: int) -> ExpertParallel:
+def _expert_parallel(cfg, rank: int, world: int, **kwargs) -> ExpertParallel:
     """A different redundant placement per MoE layer (synthetic skewed loads), identical on every rank."""
     E = cfg.n_routed_experts
     placements = {}
@@ -49,7 +49,7 @@ def _expert_parallel(cfg, rank: int, world: int) -> ExpertParallel:
         counts[:, (3 * i) % E] = 30
         counts[::2, (5 * i + 1) % E] = 12
         placements[name] = rebalance(counts, world, 2)
-    return ExpertParallel(rank, world, default=None, placements=placements)
+    return ExpertParallel(rank, world, default=None, placements=placements, **kwargs)
 
 
 def test_sharded_load_reads_only_local_experts(tiny_ckpt, monkeypatch):
@@ -93,6 +93,8 @@ def test_expert_parallel_errors():
     with pytest.raises(ValueError, match=r"placements\['layers.0.ffn'\] has num_ranks=2"):
         ExpertParallel(0, 4, placements={"layers.0.ffn": p})
     ep = ExpertParallel(0, 2, placements={"layers.0.ffn": p})
+    with pytest.raises(ValueError, match="layout must be"):
+        ExpertParallel(0, 2, default=p, layout="ragged")
     with pytest.raises(ValueError, match="no placement for MoE layer 'layers.1.ffn'"):
         ep.skip("layers.1.ffn.experts.3.w1.weight")
     with pytest.raises(ValueError, match="expert 5 of layers.0.ffn is not on EP rank 0"):
@@ -140,9 +142,9 @@ def _prompt(rank: int, length: int) -> list[int]:
     return torch.randint(0, 129280, (length,), generator=g).tolist()
 
 
-def _body_forward(rank: int, world: int, path: str, gemm: str) -> None:
+def _body_forward(rank: int, world: int, path: str, gemm: str, layout: str = "contiguous") -> None:
     cfg = C.load_checkpoint(path, dequantize=False).config
-    ep = _expert_parallel(cfg, rank, world)
+    ep = _expert_parallel(cfg, rank, world, layout=layout)
     ref = DeepseekV4ForCausalLM.from_checkpoint(path, gemm=gemm)
     model = DeepseekV4ForCausalLM.from_checkpoint(path, gemm=gemm, expert_parallel=ep)
     # uneven prompts; both modes
@@ -173,9 +175,9 @@ def _body_forward(rank: int, world: int, path: str, gemm: str) -> None:
         assert torch.equal(a, b), (rank, i, (a - b).abs().max())
 
 
-@pytest.mark.parametrize("gemm", ["dequant", "fp8"])
-def test_ep_dp_forward_equals_single_process(tiny_ckpt, tmp_path, gemm):
-    run_distributed(_body_forward, 2, tmp_path, str(tiny_ckpt), gemm)
+@pytest.mark.parametrize("gemm,layout", [("dequant", "contiguous"), ("fp8", "contiguous"), ("fp8", "masked")])
+def test_ep_dp_forward_equals_single_process(tiny_ckpt, tmp_path, gemm, layout):
+    run_distributed(_body_forward, 2, tmp_path, str(tiny_ckpt), gemm, layout)
 
 
 def _body_rearrange(rank: int, world: int, path: str, gemm: str) -> None:

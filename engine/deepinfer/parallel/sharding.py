@@ -37,6 +37,10 @@ class ExpertParallel:
         group: the torch.distributed EP group (None: the default group).
         default: placement of MoE layers not in ``placements`` (None: every layer must be listed).
         placements: ``{moe module name: ExpertPlacement}`` (EPLB output per layer).
+        layout: the expert-side layout of the FP8 path, ``"contiguous"`` (``m_grouped_fp8_gemm_nt_contiguous``) or
+            ``"masked"`` (``m_grouped_fp8_gemm_nt_masked``, ``max_tokens_per_expert`` rows per slot; None: the
+            step's largest count). The same on every rank (a masked capacity overflow raises on every rank).
+        max_tokens_per_expert: the masked layout's capacity.
     Raises (on construction): TypeError / ValueError naming the field.
     """
 
@@ -45,8 +49,14 @@ class ExpertParallel:
     group: Any = None
     default: ExpertPlacement | None = None
     placements: Mapping[str, ExpertPlacement] = field(default_factory=dict)
+    layout: str = "contiguous"
+    max_tokens_per_expert: int | None = None
 
     def __post_init__(self) -> None:
+        if self.layout not in ("contiguous", "masked"):
+            raise ValueError(f"ExpertParallel.layout must be 'contiguous' or 'masked', got {self.layout!r}")
+        if self.max_tokens_per_expert is not None:
+            _int("ExpertParallel.max_tokens_per_expert", self.max_tokens_per_expert, 0)
         _int("ExpertParallel.world_size", self.world_size, 1)
         _int("ExpertParallel.rank", self.rank, 0)
         if self.rank >= self.world_size:

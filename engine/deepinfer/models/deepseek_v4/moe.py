@@ -202,7 +202,19 @@ class MoE(nn.Module):
         if self.load_recorder is not None:
             window, layer = self.load_recorder
             window.record(layer, indices)
-        if self.is_fp8:
+        if self.is_fp8 and ep.layout == "masked":  # decode: [S, max_m, .] per slot, masked_m valid rows
+            xq, xs = deepinfer_ops.per_token_group_quant_fp8(x[:n], 128)
+            d = dispatch(xq, indices, self.placement, x_scale=xs, layout="masked",
+                         max_tokens_per_expert=ep.max_tokens_per_expert, group=ep.group)
+            S, max_m, _ = d.x.shape
+            h = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(d.x, d.x_scale, self.w13, self.w13_scale, d.masked_m,
+                                                           out=d.x.new_zeros(S, max_m, self.w13.shape[1],
+                                                                             dtype=torch.bfloat16))
+            hq, hs = deepinfer_ops.swiglu_clamp_quant_fp8(h.view(S * max_m, -1), limit)  # rows past masked_m: 0
+            y = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(hq.view(S, max_m, -1), hs.view(S, max_m, -1), self.w2,
+                                                           self.w2_scale, d.masked_m)
+            routed = combine(y, d, weights, order="slot", out_dtype=x.dtype)
+        elif self.is_fp8:
             xq, xs = deepinfer_ops.per_token_group_quant_fp8(x[:n], 128)
             d = dispatch(xq, indices, self.placement, x_scale=xs, group=ep.group)
             h = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(d.x, d.x_scale, self.w13, self.w13_scale, d.m_indices)
