@@ -290,6 +290,7 @@ def load_state_dict(
     device: torch.device | str = "cpu",
     block: tuple[int, int] = Q.FP8_BLOCK,
     progress: bool | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Load and validate every tensor of ``expected`` from the checkpoint folder ``path`` (memory-mapped reads).
 
@@ -302,6 +303,8 @@ def load_state_dict(
             integer tensors (``tid2eid``) come back as int64.
         block: FP8 block ``(bm, bn)``.
         progress: tqdm bar; None = only when the checkpoint is larger than 512 MiB.
+        skip: ``skip(name) -> True`` for expected tensors another rank holds (expert parallelism): they (and their
+            scales) are validated against the headers like the others but never read, and left out of the result.
     Returns: ``(params, formats)``; ``formats[name]`` is ``"fp8"``, ``"fp4"`` or the safetensors dtype string.
     Raises: :class:`CheckpointError` naming the tensor and file for missing / unexpected / mis-shaped tensors,
         unsupported dtypes, missing / mis-shaped / wrongly typed scales, truncated or corrupt shards.
@@ -330,7 +333,7 @@ def load_state_dict(
         err = _check_entry(name, shape, kind, info, scale, block)
         if err:
             errors.append(err)
-        else:
+        elif skip is None or not skip(name):
             plan.append((name, kind, info, scale))
     for name, info in tensors.items():
         if name not in used:
@@ -478,12 +481,14 @@ def load_checkpoint(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     progress: bool | None = None,
+    skip: Callable[[str], bool] | None = None,
 ) -> Checkpoint:
     """Load a native checkpoint folder (``None`` -> the built-in tiny one, ``presets.default_model_path``).
 
     Reads ``config.json`` (-> its family's config, by ``model_type``), checks the tensors against the family's
     ``expected_parameters(config)`` and
-    returns a :class:`Checkpoint`; see :func:`load_state_dict` for ``dequantize`` / ``dtype`` / ``device``.
+    returns a :class:`Checkpoint`; see :func:`load_state_dict` for ``dequantize`` / ``dtype`` / ``device`` /
+    ``skip`` (``deepinfer.parallel.sharding``: read only this rank's experts).
     Raises: :class:`CheckpointError` naming the tensor and file, or ``config.json`` and the key.
     """
     if path is None:
@@ -495,7 +500,8 @@ def load_checkpoint(
     config = parse_config(config_dict, root / CONFIG_FILE)
     expected = family_of(config_dict).expected_parameters(config)
     params, formats = load_state_dict(
-        root, expected, dequantize=dequantize, dtype=dtype, device=device, block=_block_size(config_dict), progress=progress
+        root, expected, dequantize=dequantize, dtype=dtype, device=device, block=_block_size(config_dict),
+        progress=progress, skip=skip,
     )
     return Checkpoint(root, config_dict, config, params, formats)
 

@@ -238,9 +238,11 @@ class ModelRunner:
     def captures_graphs(model, device, enforce_eager: bool, max_num_seqs: int | None,
                         max_model_len: int | None) -> bool:
         """Whether a runner with these settings captures decode graphs: on CUDA, for a model with a step plan on its
-        FP8 path, unless ``enforce_eager``."""
+        FP8 path, unless ``enforce_eager``; never under expert parallelism (its dispatch reads split sizes on the
+        host, ``docs/expert-parallel.md``)."""
         return (not enforce_eager and torch.device(device).type == "cuda" and callable(getattr(model, "plan_builder", None))
-                and getattr(model, "gemm", None) == "fp8" and bool(max_num_seqs) and bool(max_model_len))
+                and getattr(model, "gemm", None) == "fp8" and bool(max_num_seqs) and bool(max_model_len)
+                and getattr(model, "expert_parallel", None) is None)
 
     @classmethod
     @torch.inference_mode()

@@ -25,11 +25,16 @@ def load_native(model, tensors: dict, device: torch.device | str | None = None) 
     ``dense_linear`` / ``expert_linear`` weight becomes FP8 with float32 128x128 block scales
     (:func:`fp8_block_weight`), the routed experts of each MoE stacked (:meth:`MoE.set_fp8_experts`), the other
     tensors as in path ``"dequant"``. ``wo_a`` stays dequantised when its groups straddle 128-row scale blocks.
+    Expert parallelism (``model.expert_parallel``): ``tensors`` holds only this rank's routed experts (the names
+    of :meth:`ExpertParallel.skip` left out) and each lands in its local slot.
     """
     from deepinfer.quantization import QuantizedWeight
 
     cfg = model.config
     spec = expected_parameters(cfg)
+    ep = getattr(model, "expert_parallel", None)
+    if ep is not None:
+        spec = {k: v for k, v in spec.items() if not ep.skip(k)}
     missing = [k for k in spec if k not in tensors]
     extra = [k for k in tensors if k not in spec]
     if missing or extra:
@@ -56,6 +61,8 @@ def load_native(model, tensors: dict, device: torch.device | str | None = None) 
         if gemm == "fp8" and kind == "expert_linear":
             moes[mod_name.split(".experts.")[0]] = None
             continue
+        if ep is not None and kind == "expert_linear":
+            mod_name = ep.module_name(k).rpartition(".")[0]
         mod = model.get_submodule(mod_name) if mod_name else model
         if gemm == "fp8" and kind == "dense_linear" and (wo_a_ok or not k.endswith("attn.wo_a.weight")):
             mod.set_fp8(*fp8_block_weight(t, dev))
@@ -90,20 +97,20 @@ def _load_fp8_experts(model, moe: MoE, prefix: str, tensors: dict, dev: torch.de
     zero rows (``w13``) / columns (``w2``) so that the gate and up halves keep their own scale blocks; padded
     gate / up outputs are 0, their SwiGLU is 0 and meets zero ``w2`` columns: the result is unchanged."""
     cfg = model.config
-    E, I, D = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    E, I, D = len(moe.local_experts), cfg.moe_intermediate_size, cfg.hidden_size
     nb_i = -(-I // FP8_BLOCK)
     Ip, kb_d = nb_i * FP8_BLOCK, -(-D // FP8_BLOCK)
     from deepinfer.quantization import QuantizedWeight
 
-    first = tensors[f"{prefix}.experts.0.w1.weight"]
+    first = tensors[f"{prefix}.experts.{moe.local_experts[0]}.w1.weight"]
     d = dev if dev is not None else (first.data if isinstance(first, QuantizedWeight) else first).device
     # FP8 bytes handled as uint8 (zero byte = +0.0 in e4m3): plain fills and copies on every backend
     w13 = torch.zeros(E, 2 * Ip, D, dtype=torch.uint8, device=d)
     w13_scale = torch.ones(E, 2 * nb_i, kb_d, dtype=torch.float32, device=d)
     w2 = torch.zeros(E, D, Ip, dtype=torch.uint8, device=d)
     w2_scale = torch.ones(E, kb_d, nb_i, dtype=torch.float32, device=d)
-    for e in range(E):
-        name = f"{prefix}.experts.{e}."
+    for e, logical in enumerate(moe.local_experts):  # slot e holds logical expert `logical` (EP: local slots only)
+        name = f"{prefix}.experts.{logical}."
         q, s = fp8_block_weight(tensors[name + "w1.weight"], d)
         w13[e, :I], w13_scale[e, :nb_i] = q.view(torch.uint8), s
         q, s = fp8_block_weight(tensors[name + "w3.weight"], d)

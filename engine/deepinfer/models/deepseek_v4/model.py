@@ -81,6 +81,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         gemm: ``"auto"`` (default), ``"fp8"`` or ``"dequant"``: the GEMM path / weight format the weights take when
             loaded (``docs/deepseek_v4.md``, "GEMM paths"); ``"auto"`` is resolved on the device the weights are loaded to.
             ``model.gemm`` is the path in use (``"dequant"`` until an FP8 load).
+        expert_parallel: a :class:`deepinfer.parallel.sharding.ExpertParallel`: every MoE layer holds only this
+            rank's expert slots and meets the other EP ranks in each forward (``docs/expert-parallel.md``); an
+            empty step still runs every MoE layer's collectives, so an idle DP rank never stalls the others.
     Raises:
         ValueError naming ``gemm`` for an unknown value.
     """
@@ -97,7 +100,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     BI_GEMM_ROWS_FP8 = {"cuda": 512}
     BI_GEMM_ROWS_DEFAULT = 128
 
-    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, gemm: str = "auto"):
+    def __init__(self, config: DeepseekV4Config, dtype: torch.dtype = torch.float32, gemm: str = "auto",
+                 expert_parallel=None):
         super().__init__()
         cfg = self.config = config
         self.dtype = dtype
@@ -122,34 +126,44 @@ class DeepseekV4ForCausalLM(nn.Module):
         # scores tie (read through ``last_indexer_boundary_ties``, which synchronises)
         self._ties: list[torch.Tensor] = []
         self._plan_builders: dict[tuple, PlanBuilder] = {}
+        self.expert_parallel = expert_parallel
+        if expert_parallel is not None:
+            for name, mod in self.named_modules():
+                if isinstance(mod, MoE):
+                    mod.set_expert_parallel(expert_parallel, name)
 
     # ---- construction helpers ---------------------------------------------------------------------------------
     @classmethod
     def from_parameters(cls, config: DeepseekV4Config, tensors: dict, dtype: torch.dtype = torch.float32,
-                        gemm: str = "auto", device: torch.device | str | None = None) -> "DeepseekV4ForCausalLM":
+                        gemm: str = "auto", device: torch.device | str | None = None,
+                        expert_parallel=None) -> "DeepseekV4ForCausalLM":
         """Build and load ``tensors`` (native names; float tensors or ``deepinfer.quantization.QuantizedWeight``)
         strictly: every expected name, no extra. The model is built on the meta device and takes the tensors over
         (see :meth:`load_native`: cast / converted to its format where needed, on ``device`` or where they are), so
         no second copy of the weights is ever allocated."""
         with torch.device("meta"):
-            model = cls(config, dtype, gemm)
+            model = cls(config, dtype, gemm, expert_parallel)
         model.load_native(tensors, device=device)
         return model
 
     @classmethod
     def from_checkpoint(cls, path=None, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
-                        gemm: str = "auto") -> "DeepseekV4ForCausalLM":
+                        gemm: str = "auto", expert_parallel=None) -> "DeepseekV4ForCausalLM":
         """Load a native checkpoint folder (``None`` = the built-in tiny one) with :mod:`deepinfer.checkpoint` onto
         ``device``. Path ``"dequant"``: quantised weights dequantised exactly, then cast to ``dtype``; path ``"fp8"``
         (``gemm="auto"`` on CUDA): read in their stored format and converted on ``device`` (``docs/deepseek_v4.md``).
+        ``expert_parallel``: only this rank's routed experts are read (``deepinfer.parallel.sharding``).
         Raises CheckpointError naming the tensor/file."""
         from deepinfer.checkpoint import load_checkpoint
 
+        skip = expert_parallel.skip if expert_parallel is not None else None
         if resolve_gemm(gemm, device) == "fp8":
-            ckpt = load_checkpoint(path, dequantize=False, dtype=dtype, device="cpu")
-            return cls.from_parameters(ckpt.config, ckpt.params, dtype, "fp8", device=device)
-        ckpt = load_checkpoint(path, dtype=dtype, device=device)
-        return cls.from_parameters(ckpt.config, ckpt.params, dtype, "dequant").to(device)
+            ckpt = load_checkpoint(path, dequantize=False, dtype=dtype, device="cpu", skip=skip)
+            return cls.from_parameters(ckpt.config, ckpt.params, dtype, "fp8", device=device,
+                                       expert_parallel=expert_parallel)
+        ckpt = load_checkpoint(path, dtype=dtype, device=device, skip=skip)
+        return cls.from_parameters(ckpt.config, ckpt.params, dtype, "dequant",
+                                   expert_parallel=expert_parallel).to(device)
 
 
     def load_native(self, tensors: dict, device: torch.device | str | None = None) -> None:
@@ -215,6 +229,19 @@ class DeepseekV4ForCausalLM(nn.Module):
     def _rope_for(self, plan: StepPlan, device: torch.device) -> dict[str, torch.Tensor]:
         return {k: self._rope(k, plan.max_len, device) for k in ("main", "compress")}
 
+    def _idle_moe(self, blocks, device: torch.device, batch_invariant: bool) -> None:
+        """An empty step under expert parallelism: every MoE layer of ``blocks`` still joins its dispatch and
+        combine with no tokens of its own (its experts serve the other ranks' tokens), so no rank waits forever.
+        The experts run in the step's mode (batch-invariant chunks or not): the mode is the computing rank's, so
+        every EP rank must run its steps in the same mode."""
+        if self.expert_parallel is None:
+            return
+        rows = self.batch_invariant_rows(device) if batch_invariant else 0
+        x = torch.empty(0, self.config.hidden_size, dtype=self.dtype, device=device)
+        ids = torch.empty(0, dtype=torch.int64, device=device)
+        for blk in blocks:
+            blk.ffn(x, ids, rows)
+
     # ---- public forward --------------------------------------------------------------------------------------------
     @torch.no_grad()
     def forward(self, batch: StepPlan | ForwardBatch, cache: DeepseekV4Cache, return_hidden: bool = False):
@@ -237,6 +264,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         dev = self.embed.weight.device
         self._ties = []
         if plan.num_tokens == 0:  # an empty step: nothing to write, no logits
+            self._idle_moe(self.layers, dev, plan.batch_invariant)
             logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=dev)
             streams = torch.empty(0, cfg.hc_mult, cfg.hidden_size, dtype=self.dtype, device=dev)
             return (logits, streams) if return_hidden else logits
@@ -274,6 +302,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             plan.finalize(cfg)
         self._ties = []
         if T == 0:
+            self._idle_moe([self.mtp[mtp_idx]], hidden_streams.device, plan.batch_invariant)
             logits = torch.empty(0, cfg.vocab_size, dtype=torch.float32, device=hidden_streams.device)
             return (logits, hidden_streams[:0].to(self.dtype)) if return_hidden else logits
         blk = self.mtp[mtp_idx]

@@ -60,7 +60,11 @@ class Gate(nn.Module):
 class MoE(nn.Module):
     """Router ``gate``, routed ``experts`` (one :class:`Expert` each: path ``"dequant"``) or their stacked FP8 form
     ``w13 [E, 2I', hidden]``, ``w13_scale``, ``w2 [E, hidden, I']``, ``w2_scale`` (path ``"fp8"``, set by
-    :meth:`set_fp8_experts`; ``experts`` is then empty), and the ``shared_experts``."""
+    :meth:`set_fp8_experts`; ``experts`` is then empty), and the ``shared_experts``.
+
+    Expert parallelism (:meth:`set_expert_parallel`): the layer holds only its rank's slots (``local_experts``, in
+    slot order, in place of all ``E``), and :meth:`forward` dispatches tokens to the ranks of their experts and
+    combines the results (``deepinfer.parallel.dispatch``; ``docs/expert-parallel.md``)."""
 
     def __init__(self, cfg: DeepseekV4Config, mlp_type: str, dtype: torch.dtype):
         super().__init__()
@@ -72,6 +76,27 @@ class MoE(nn.Module):
         self.shared_experts = Expert(cfg.hidden_size, cfg.moe_intermediate_shared, dtype)
         for name in ("w13", "w13_scale", "w2", "w2_scale"):
             self.register_parameter(name, None)
+        self.ep = None  # deepinfer.parallel.sharding.ExpertParallel
+        self.placement = None  # deepinfer.parallel.ExpertPlacement of this layer under EP
+        self.local_experts = tuple(range(cfg.n_routed_experts))  # logical id of each held slot
+        self.load_recorder = None  # (deepinfer.parallel.eplb.ExpertLoadWindow, layer index) under EPLB
+
+    def set_expert_parallel(self, ep, name: str) -> None:
+        """Hold only this rank's slots of the layer ``name`` (e.g. ``layers.3.ffn``) under ``ep``
+        (:class:`deepinfer.parallel.sharding.ExpertParallel`); call before the weights are loaded."""
+        if self.is_fp8:
+            raise ValueError("set_expert_parallel: the experts are already loaded; build a new model")
+        placement = ep.placement(name)
+        if placement.num_experts != self.cfg.n_routed_experts:
+            raise ValueError(f"set_expert_parallel: the placement of {name!r} has {placement.num_experts} experts, "
+                             f"the model {self.cfg.n_routed_experts}")
+        dtype = self.shared_experts.w1.weight.dtype
+        dev = self.shared_experts.w1.weight.device
+        self.ep, self.placement = ep, placement
+        self.local_experts = placement.local_experts(ep.rank)
+        with torch.device(dev):
+            self.experts = nn.ModuleList(Expert(self.cfg.hidden_size, self.cfg.moe_intermediate_size, dtype)
+                                         for _ in self.local_experts)
 
     @property
     def is_fp8(self) -> bool:
@@ -126,6 +151,8 @@ class MoE(nn.Module):
             row_valid: ``[num_rows]`` int64, graph-mode padding rows (0) are dispatched to no expert.
         """
         cfg = self.cfg
+        if self.ep is not None:
+            return self._forward_ep(x, input_ids, rows, num_tokens, row_valid)
         weights, indices = self.route(x, input_ids, rows)
         if num_tokens is not None and num_tokens < indices.shape[0]:
             weights, indices = weights[:num_tokens], indices[:num_tokens]
@@ -151,3 +178,66 @@ class MoE(nn.Module):
             h = h * weights[tok, slot, None].to(x.dtype)
             y.index_add_(0, tok, h)
         return y + self.shared_experts(x, limit, rows)
+
+    def _forward_ep(self, x: torch.Tensor, input_ids: torch.Tensor, rows: int, num_tokens: int | None,
+                    row_valid: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward` under expert parallelism (collective: every EP rank calls it, ``x`` may have 0 rows).
+        The tokens are routed here, dispatched in the contiguous layout, run through the local slots, combined in
+        the single-process order of the GEMM path (FP8: slot order in float32, as ``fused_moe_fp8``; dequant:
+        ascending expert id, as the loop of :meth:`forward`), so a row's result equals the single-process one
+        whenever the expert GEMMs are batch-invariant (path ``"fp8"``; path ``"dequant"`` with ``rows > 0``)."""
+        from deepinfer.parallel.dispatch import combine, dispatch
+
+        cfg, ep = self.cfg, self.ep
+        k, limit = cfg.num_experts_per_tok, cfg.swiglu_limit
+        n = x.shape[0] if num_tokens is None else min(num_tokens, x.shape[0])
+        if x.shape[0]:
+            weights, indices = self.route(x, input_ids, rows)
+            weights, indices = weights[:n], indices[:n]
+            if row_valid is not None:
+                indices = torch.where(row_valid[:n].view(-1, 1) != 0, indices, -1)
+        else:  # an idle rank: no tokens of its own, but its experts serve the others'
+            weights = torch.zeros(0, k, dtype=torch.float32, device=x.device)
+            indices = torch.zeros(0, k, dtype=torch.int64, device=x.device)
+        if self.load_recorder is not None:
+            window, layer = self.load_recorder
+            window.record(layer, indices)
+        if self.is_fp8 and ep.layout == "masked":  # decode: [S, max_m, .] per slot, masked_m valid rows
+            xq, xs = deepinfer_ops.per_token_group_quant_fp8(x[:n], 128)
+            d = dispatch(xq, indices, self.placement, x_scale=xs, layout="masked",
+                         max_tokens_per_expert=ep.max_tokens_per_expert, group=ep.group)
+            S, max_m, _ = d.x.shape
+            h = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(d.x, d.x_scale, self.w13, self.w13_scale, d.masked_m,
+                                                           out=d.x.new_zeros(S, max_m, self.w13.shape[1],
+                                                                             dtype=torch.bfloat16))
+            hq, hs = deepinfer_ops.swiglu_clamp_quant_fp8(h.view(S * max_m, -1), limit)  # rows past masked_m: 0
+            y = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(hq.view(S, max_m, -1), hs.view(S, max_m, -1), self.w2,
+                                                           self.w2_scale, d.masked_m)
+            routed = combine(y, d, weights, order="slot", out_dtype=x.dtype)
+        elif self.is_fp8:
+            xq, xs = deepinfer_ops.per_token_group_quant_fp8(x[:n], 128)
+            d = dispatch(xq, indices, self.placement, x_scale=xs, group=ep.group)
+            h = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(d.x, d.x_scale, self.w13, self.w13_scale, d.m_indices)
+            hq, hs = deepinfer_ops.swiglu_clamp_quant_fp8(h, limit, column_major_scales=h.is_cuda)
+            y = deepinfer_ops.m_grouped_fp8_gemm_nt_contiguous(hq, hs, self.w2, self.w2_scale, d.m_indices)
+            routed = combine(y, d, weights, order="slot", out_dtype=x.dtype)
+        else:
+            d = dispatch(x[:n], indices, self.placement, group=ep.group)
+            y = torch.empty_like(d.x)
+            start = 0
+            for slot, cnt in enumerate(d.tokens_per_expert):
+                if not cnt:
+                    continue
+                xe = d.x[start:start + cnt]
+                if rows:  # the fixed-shape chunks of the single-process loop
+                    buf = pad_rows_buffer(xe, cnt, rows)
+                    buf[:cnt].copy_(xe)
+                    xe = buf
+                y[start:start + cnt] = self.experts[slot](xe, limit, rows)[:cnt]
+                start += cnt
+            routed = combine(y, d, weights, order="expert", out_dtype=x.dtype)
+        if n < x.shape[0]:
+            routed = torch.cat([routed, routed.new_zeros(x.shape[0] - n, x.shape[1])])
+        if x.shape[0] == 0:
+            return routed
+        return routed + self.shared_experts(x, limit, rows)
