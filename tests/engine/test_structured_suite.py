@@ -1,5 +1,5 @@
 """The structured-output suite on the tiny random model: its weights are random, so only the grammar can make its
-output valid. 40 JSON schemas, 10 regexes and 5 EBNF grammars, greedy and sampled, batched together with
+output valid. 43 JSON schemas, 10 regexes and 5 EBNF grammars, greedy and sampled, batched together with
 unconstrained requests and alone; every output must finish (``stop``) and validate with ``jsonschema`` or match its
 regex / grammar fully."""
 
@@ -67,6 +67,12 @@ SCHEMAS = [
                                                                  "maxItems": 2}}),
     obj({"a": {"type": ["integer", "null"], "minimum": 0, "maximum": 5}}),
     obj({"x": {"anyOf": [INT, {"type": "null"}]}, "y": {"oneOf": [{"const": "u"}, {"const": "v"}]}}),
+    # formats xgrammar bounds (its date-time / time allow unbounded fractional seconds, email / hostname unbounded
+    # names: a random model runs them to max_tokens)
+    {"type": "string", "format": "uuid"},
+    {"type": "string", "format": "ipv6"},
+    obj({"id": {"type": "string", "format": "uuid"}, "addr": {"type": "string", "format": "ipv6"},
+         "on": {"type": "string", "format": "date"}}, required=["id"]),
 ]
 
 REGEXES = [
@@ -133,3 +139,28 @@ def test_suite_batched_with_unconstrained(llm, sampled):
 def test_suite_alone(llm, sampled):
     for i, (kind, c) in enumerate(CASES[::6]):
         check(kind, c, llm.generate(["Answer:"], _params(kind, c, sampled, i))[0])
+
+
+def test_same_schema_compiled_once_and_bad_ones_fail_alone(llm):
+    """Equal schemas (any key order, dict or text) in one batch compile once; a schema, regex and grammar that
+    xgrammar refuses fail their own requests with records naming the field, and the batch goes on."""
+    schema = obj({"q": {"enum": ["a", "b"]}, "r": {"type": "boolean"}})
+    spellings = [schema, json.dumps(schema), json.dumps(schema, sort_keys=True, indent=2),
+                 dict(reversed(list(schema.items())))]
+    bad = [S(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/nope"}}}), S(regex="(ab"),
+           S(grammar='root ::= "a" undefined_rule')]
+    n0 = llm.grammars.num_compiled
+    params = [SamplingParams(temperature=t, seed=i, max_tokens=MAX_TOKENS, structured_outputs=S(json=s))
+              for i, s in enumerate(spellings) for t in (0, 1.0)]
+    params[3:3] = [SamplingParams(max_tokens=8, structured_outputs=b) for b in bad]
+    params.append(SamplingParams(temperature=0, max_tokens=6))
+    outs = llm.generate(["Answer:"] * len(params), params)
+    for o in outs[:3] + outs[6:-1]:
+        assert o.error is None and o.finish_reason == "stop"
+        jsonschema.validate(json.loads(o.text), schema)
+    for o, b in zip(outs[3:6], bad):
+        assert o.error["code"] == "invalid_request" and o.error["param"] == f"structured_outputs.{b.kind()}"
+    assert outs[-1].error is None and len(outs[-1].token_ids) == 6
+    assert llm.grammars.num_compiled == n0 + 1  # one for the four spellings (failures are not kept)
+    llm.generate(["Again:"], params[0])
+    assert llm.grammars.num_compiled == n0 + 1  # cached

@@ -307,13 +307,27 @@ def test_required_and_named_calls_parse_with_schema_valid_arguments(llm):
 def test_auto_none_and_thinking(llm):
     base = {"messages": [USER], "thinking": OFF, "max_tokens": 300, "tools": [WEATHER_B], "temperature": 0}
     # auto: the bias opens a block, the grammar fills it (one call: the bias would open calls until max_tokens)
-    outs = llm.chat([dict(base, logit_bias=OPEN_BLOCK, parallel_tool_calls=False),
-                     dict(base, max_tokens=16),  # auto: free text
-                     dict(base, tool_choice="none", max_tokens=16, logit_bias=OPEN_BLOCK),  # no call can start
-                     # thinking: the reasoning is free; </think> first, then the block
-                     dict(base, thinking={"type": "enabled"}, logit_bias={str(THINK_END): 100, **OPEN_BLOCK},
-                          parallel_tool_calls=False)])
+    bodies = [dict(base, logit_bias=OPEN_BLOCK, parallel_tool_calls=False),
+              dict(base, max_tokens=16),  # auto: free text
+              dict(base, tool_choice="none", max_tokens=16, logit_bias=OPEN_BLOCK),  # no call can start
+              # thinking: the reasoning is free; </think> first, then the block
+              dict(base, thinking={"type": "enabled"}, logit_bias={str(THINK_END): 100, **OPEN_BLOCK},
+                   parallel_tool_calls=False)]
+    sampled = [dict(b, temperature=1.0, seed=30 + i) for i, b in enumerate(bodies[:3])]
+    plain = {"messages": [USER], "thinking": OFF, "max_tokens": 10, "temperature": 0.9, "seed": 3}
+    outs = llm.chat(bodies + sampled + [plain])  # greedy and sampled, with an unconstrained request
     assert not any(is_error_record(o) for o in outs), outs
+    outs, sampled, plain = outs[:4], outs[4:7], outs[7]
+    assert plain["choices"][0]["message"]["content"]
+    for o, mode in zip(sampled, ("auto, opened", "auto", "none")):  # sampled: the same shapes as greedy
+        calls, content = _calls(o), o["choices"][0]["message"]["content"] or ""
+        assert DSML_TOKEN not in content and DSML_TOKEN not in json.dumps(calls), (mode, o)
+        if mode == "auto, opened":
+            assert len(calls) == 1 and o["choices"][0]["finish_reason"] == "tool_calls", o
+        elif mode == "auto":
+            assert bool(calls) == (o["choices"][0]["finish_reason"] == "tool_calls")
+        else:
+            assert not calls and content.count("<") >= 8
     assert [c["function"]["name"] for c in _calls(outs[0])] == ["get_weather"]
     assert outs[0]["choices"][0]["finish_reason"] == "tool_calls"
     for o in outs[1:3]:
@@ -327,3 +341,4 @@ def test_auto_none_and_thinking(llm):
     uses = [b for b in msg["content"] if b["type"] == "tool_use"]
     assert msg["stop_reason"] == "tool_use" and len(uses) >= 1, msg
     jsonschema.validate(uses[0]["input"], BOUNDED)
+
