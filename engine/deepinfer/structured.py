@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -253,32 +253,72 @@ class RequestMatcher:
 
     With ``after_token_id`` the matcher starts after that token first appears in the output (``active`` False
     before). ``failed`` is set when a token the grammar rejects was accepted (never, when every token was drawn
-    under the mask); the runner then reports the request as failed.
+    under the mask); the runner then reports the request as failed. ``max_rollback_tokens`` (default 0) is how many
+    of the last accepted tokens :meth:`rollback` can undo, and the most draft tokens :meth:`fill_draft_masks`
+    takes (speculative decoding).
     """
 
-    __slots__ = ("matcher", "after_token_id", "active", "failed", "dead_end")
+    __slots__ = ("matcher", "after_token_id", "active", "failed", "dead_end", "_history")
 
-    def __init__(self, compiled, after_token_id: int | None = None, output_token_ids=()) -> None:
+    def __init__(self, compiled, after_token_id: int | None = None, output_token_ids=(),
+                 max_rollback_tokens: int = 0) -> None:
         import xgrammar as xgr
 
-        self.matcher = xgr.GrammarMatcher(compiled)
+        if isinstance(max_rollback_tokens, bool) or not isinstance(max_rollback_tokens, int) \
+                or max_rollback_tokens < 0:
+            raise ValueError(f"max_rollback_tokens must be an int >= 0, got {max_rollback_tokens!r}")
+        self.matcher = xgr.GrammarMatcher(compiled)  # xgrammar's rollback is unbounded; ours is not
         self.after_token_id = after_token_id
         self.active = after_token_id is None
         self.failed = False
         self.dead_end = False  # the grammar allowed no next token (it matches no string from here)
+        # per accepted token, newest last: (the xgrammar matcher took it, active before, failed before)
+        self._history: deque[tuple[bool, bool, bool]] = deque(maxlen=max_rollback_tokens)
         for t in output_token_ids:  # a resumed (preempted) request replays its output
             self.accept(t)
 
+    @property
+    def max_rollback_tokens(self) -> int:
+        return self._history.maxlen
+
+    @property
+    def num_rollback_tokens(self) -> int:
+        """How many of the last accepted tokens :meth:`rollback` can undo now."""
+        return len(self._history)
+
     def accept(self, token_id: int) -> bool:
         """Advance by one output token; False (and ``failed``) when the grammar rejects it."""
+        was_active, was_failed = self.active, self.failed
+        took = False
         if not self.active:
             self.active = token_id == self.after_token_id
-            return True
-        if self.failed or self.matcher.is_terminated():
-            return not self.failed
-        if not self.matcher.accept_token(int(token_id)):
-            self.failed = True
+        elif not self.failed and not self.matcher.is_terminated():
+            took = self.matcher.accept_token(int(token_id))
+            self.failed = not took
+        if self._history.maxlen:
+            self._history.append((took, was_active, was_failed))
         return not self.failed
+
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last ``num_tokens`` :meth:`accept` calls: the grammar state, ``active`` and ``failed`` are as
+        they were before them (``dead_end`` is cleared; the next :meth:`fill` sets it).
+
+        Raises:
+            ValueError: ``num_tokens`` is negative or more than :attr:`num_rollback_tokens`.
+        """
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or not 0 <= num_tokens <= len(
+                self._history):
+            raise ValueError(f"rollback: num_tokens must be an int in [0, {len(self._history)}] (the tokens "
+                             f"accepted within max_rollback_tokens={self._history.maxlen}), got {num_tokens!r}")
+        if num_tokens == 0:
+            return
+        took = 0
+        for _ in range(num_tokens):
+            t, self.active, self.failed = self._history.pop()
+            took += t
+        if took:
+            self.matcher.rollback(took)
+        self.dead_end = False
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (``[rows, ceil(V / 32)]`` int32, bit ``t % 32`` of
@@ -288,6 +328,54 @@ class RequestMatcher:
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)
             self.dead_end = not bool(bitmask[row].any())  # the host bitmask: no device read
+
+    def fill_draft_masks(self, bitmask: torch.Tensor, rows, draft_tokens) -> int:
+        """Masks of the ``k + 1`` positions a speculative step verifies: the next token, then after each draft.
+
+        Row ``rows[i]`` of ``bitmask`` gets the mask after ``draft_tokens[:i]`` (row 0: :meth:`fill` now), for
+        every ``i`` up to the number of drafts the grammar accepts; the rows after the first rejected draft (or
+        after one that completes the grammar) are set to all tokens allowed: the verifier rejects that draft under
+        its own row, and drops what follows. The matcher is left as it was (the drafts are accepted, then rolled
+        back); the caller then passes the tokens the verification keeps to :meth:`accept`. ``dead_end`` is that of
+        row 0.
+
+        Args:
+            bitmask: ``[R, ceil(V / 32)]`` int32 on the host.
+            rows: ``k + 1`` distinct row indices of ``bitmask``.
+            draft_tokens: ``k`` token ids, ``k <= max_rollback_tokens``.
+        Returns:
+            How many leading drafts the grammar accepts (``0 .. k``).
+        Raises:
+            ValueError: ``len(rows) != len(draft_tokens) + 1``, or more drafts than ``max_rollback_tokens``.
+        """
+        rows, drafts = [int(r) for r in rows], [int(t) for t in draft_tokens]
+        if len(rows) != len(drafts) + 1:
+            raise ValueError(f"fill_draft_masks: rows must hold len(draft_tokens) + 1 = {len(drafts) + 1} entries, "
+                             f"got {len(rows)}")
+        if len(drafts) > self._history.maxlen:
+            raise ValueError(f"fill_draft_masks: draft_tokens holds {len(drafts)} tokens, more than "
+                             f"max_rollback_tokens={self._history.maxlen}")
+        self.fill(bitmask, rows[0])
+        dead_end, history = self.dead_end, list(self._history)  # the drafts may push older entries out
+        accepted = 0
+        filled = 1  # rows written
+        for i, t in enumerate(drafts):
+            word = int(bitmask[rows[i], t // 32]) if 0 <= t < bitmask.shape[1] * 32 else 0
+            if not (word >> (t % 32)) & 1:
+                break
+            self.accept(t)
+            accepted += 1
+            if self.active and self.matcher.is_terminated():  # a stop token: the output ends here
+                break
+            self.fill(bitmask, rows[i + 1])
+            filled += 1
+        for r in rows[filled:]:
+            bitmask[r] = -1
+        self.rollback(accepted)
+        self.dead_end = dead_end
+        self._history.clear()
+        self._history.extend(history)
+        return accepted
 
 
 _BIT_CACHE: dict[tuple[str, int], tuple[torch.Tensor, torch.Tensor]] = {}

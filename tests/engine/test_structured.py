@@ -222,3 +222,175 @@ def test_chat_fields(llm):
     assert r[8]["error"]["param"] == "structured_outputs" and r[9]["error"]["param"] == "structured_outputs"
     assert text[10] in ("yes", "no") and r[10]["choices"][0]["finish_reason"] == "stop"
     assert text[11] is not None
+
+
+# ------------------------------------------------------------------ speculation: draft masks and rollback
+@pytest.fixture(scope="module")
+def spec_grammars():
+    from deepinfer.chat import packaged_tokenizer_json
+
+    comp = GrammarCompiler(packaged_tokenizer_json(), 129280, [1])
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "tags": {"type": "array", "items": {"enum": ["a", "bc"]},
+                                                        "maxItems": 3}},
+              "required": ["name", "n"], "additionalProperties": False}
+    specs = {"json": S(json=schema), "regex": S(regex="[a-c]{2,5}-[0-9]{1,3}(x|yz)?"),
+             "grammar": S(grammar='root ::= "(" item ("," item){0,3} ")"\nitem ::= [0-9] | "ab" | "c"')}
+    out = {k: comp.submit(s).result(60) for k, s in specs.items()}
+    comp.shutdown()
+    return out
+
+
+V = 129280
+W = -(-V // 32)
+
+
+def _allowed(row: torch.Tensor) -> list[int]:
+    import numpy as np
+
+    return np.unpackbits(row.numpy().view(np.uint8), bitorder="little")[:V].nonzero()[0].tolist()
+
+
+def _walk(compiled, rng, length: int, prefix=()) -> list[int]:
+    """A random token path the grammar accepts (after the free ``prefix``), ending early at a stop token."""
+    from deepinfer.structured import RequestMatcher
+
+    m = RequestMatcher(compiled)
+    mask = torch.empty((1, W), dtype=torch.int32)
+    path = []
+    while len(path) < length and not m.matcher.is_terminated():
+        m.fill(mask, 0)
+        ids = _allowed(mask[0])
+        t = ids[rng.randrange(len(ids))] if rng.random() < 0.8 or 1 not in ids else 1
+        assert m.accept(t)
+        path.append(t)
+    return list(prefix) + path
+
+
+def _stepped_masks(compiled, after, done, drafts) -> tuple[torch.Tensor, int]:
+    """The reference: a fresh matcher stepped one token at a time through ``drafts`` (while the grammar takes
+    them), one :meth:`fill` per position."""
+    from deepinfer.structured import RequestMatcher
+
+    m = RequestMatcher(compiled, after, done)
+    rows = torch.full((len(drafts) + 1, W), -1, dtype=torch.int32)
+    m.fill(rows, 0)
+    n = 0
+    for i, t in enumerate(drafts):
+        if t not in _allowed(rows[i]):
+            break
+        assert m.accept(t)
+        n += 1
+        if m.active and m.matcher.is_terminated():
+            break
+        m.fill(rows, i + 1)
+    return rows, n
+
+
+@pytest.mark.parametrize("kind", ["json", "regex", "grammar"])
+@pytest.mark.parametrize("after", [None, 128822], ids=["always", "after_think"])
+def test_draft_masks_equal_one_step_at_a_time(spec_grammars, kind, after):
+    import random
+
+    from deepinfer.structured import RequestMatcher
+
+    g = spec_grammars[kind]
+    rng = random.Random(f"{kind}-{after}")
+    seen = {"all taken": 0, "one refused": 0, "stop token": 0}
+    for trial in range(12):
+        free = [rng.randrange(2, V) for _ in range(rng.randrange(3))] + [after] if after is not None else []
+        path = _walk(g, rng, 14, free)
+        cut = rng.randrange(len(path))
+        k = rng.randrange(1, 7)
+        drafts = path[cut:cut + k]
+        if drafts and trial % 3 == 1:  # a draft the grammar rejects (where some token is refused)
+            j = rng.randrange(len(drafts))
+            ref, _ = _stepped_masks(g, after, path[:cut], drafts[:j])
+            refused = set(range(V)) - set(_allowed(ref[j])) if j < len(ref) else set()
+            if refused:
+                drafts[j] = rng.choice(sorted(refused))
+        m = RequestMatcher(g, after, path[:cut], max_rollback_tokens=8)
+        before = torch.empty((1, W), dtype=torch.int32)
+        m.fill(before, 0)
+        # rows in a scrambled order of a larger bitmask, as a batch would hold them
+        rows = rng.sample(range(len(drafts) + 4), len(drafts) + 1)
+        bits = torch.zeros((len(drafts) + 4, W), dtype=torch.int32)
+        n = m.fill_draft_masks(bits, rows, drafts)
+        ref, n_ref = _stepped_masks(g, after, path[:cut], drafts)
+        assert n == n_ref, (kind, trial)
+        seen["all taken" if n == len(drafts) else "one refused"] += 1
+        seen["stop token"] += 1 in drafts[:n]
+        for i, r in enumerate(rows):  # past the drafts the grammar takes, all tokens allowed (as the reference)
+            assert torch.equal(bits[r], ref[i]), (kind, trial, i)
+        # the matcher is as it was: the same mask, and the path goes on
+        again = torch.empty((1, W), dtype=torch.int32)
+        m.fill(again, 0)
+        assert torch.equal(again, before) and m.num_rollback_tokens == min(cut, 8)
+        for t in path[cut:]:
+            assert m.accept(t)
+    assert seen["all taken"] and seen["one refused"], seen
+
+
+def test_rollback_restores_the_state_exactly(spec_grammars):
+    import random
+
+    from deepinfer.structured import RequestMatcher
+
+    g = spec_grammars["json"]
+    rng = random.Random(3)
+    path = [5, 128822] + _walk(g, rng, 12)  # two free tokens, then the grammar from </think>
+    masks = []
+    ref = RequestMatcher(g, 128822)
+    for t in path + [None]:
+        row = torch.empty((1, W), dtype=torch.int32)
+        ref.fill(row, 0)
+        masks.append((row, ref.active))
+        if t is not None:
+            ref.accept(t)
+    m = RequestMatcher(g, 128822, max_rollback_tokens=5)
+    for t in path:
+        m.accept(t)
+    assert m.num_rollback_tokens == 5
+    for back in (2, 5, 0, 1, 3):
+        m.rollback(back)
+        pos = len(path) - back
+        row = torch.empty((1, W), dtype=torch.int32)
+        m.fill(row, 0)
+        assert torch.equal(row, masks[pos][0]) and m.active == masks[pos][1]
+        for t in path[pos:]:
+            assert m.accept(t)
+    with pytest.raises(ValueError, match="num_tokens must be an int in"):
+        m.rollback(6)
+    with pytest.raises(ValueError):
+        m.rollback(-1)
+    # a rejected token: failed is undone by the rollback
+    bad = next(t for t in range(2, V) if t not in _allowed(masks[-1][0]))
+    assert not m.accept(bad) and m.failed
+    m.rollback(1)
+    assert not m.failed
+    row = torch.empty((1, W), dtype=torch.int32)
+    m.fill(row, 0)
+    assert torch.equal(row, masks[-1][0])
+    # back over the activating token: inactive again, every token allowed
+    m2 = RequestMatcher(g, 128822, max_rollback_tokens=3)
+    for t in path[:3]:
+        m2.accept(t)
+    m2.rollback(2)
+    assert not m2.active
+    m2.fill(row, 0)
+    assert bool((row == -1).all())
+
+
+def test_draft_mask_argument_errors(spec_grammars):
+    from deepinfer.structured import RequestMatcher
+
+    bits = torch.zeros((4, W), dtype=torch.int32)
+    with pytest.raises(ValueError, match="rows must hold"):
+        RequestMatcher(spec_grammars["regex"], max_rollback_tokens=4).fill_draft_masks(bits, [0, 1], [5, 6])
+    with pytest.raises(ValueError, match="max_rollback_tokens=2"):
+        RequestMatcher(spec_grammars["regex"], max_rollback_tokens=2).fill_draft_masks(bits, [0, 1, 2, 3], [5, 6, 7])
+    with pytest.raises(ValueError, match="max_rollback_tokens must be"):
+        RequestMatcher(spec_grammars["regex"], max_rollback_tokens=-1)
+    m = RequestMatcher(spec_grammars["regex"])  # no rollback: no drafts, row 0 only
+    assert m.fill_draft_masks(bits, [2], []) == 0 and bits[2].any()
