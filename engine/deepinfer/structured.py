@@ -390,7 +390,9 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
         bitmask: ``[m, ceil(V / 32)]`` int32 on the logits' device; bit ``t % 32`` of word ``t // 32`` of entry j
             set when token ``t`` is allowed in row ``rows[j]``.
     Elementwise (each element depends on its own logit and bit only), so a row's result does not depend on the
-    batch. Raises ValueError for a bitmask narrower than ``ceil(V / 32)`` or a row count mismatch.
+    batch. On the CPU it is xgrammar's kernel (``apply_token_bitmask_inplace``), elsewhere torch ops
+    (:func:`_apply_token_bitmask_torch`, tested equal). Raises ValueError for a bitmask narrower than
+    ``ceil(V / 32)`` or a row count mismatch.
     """
     out = logits.float().clone()
     m = rows.numel()
@@ -400,6 +402,21 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     if bitmask.dim() != 2 or bitmask.shape[0] != m or bitmask.shape[1] * 32 < vocab:
         raise ValueError(f"apply_token_bitmask: bitmask must be [{m}, >= {-(-vocab // 32)}], got "
                          f"{tuple(bitmask.shape)}")
+    if out.device.type == "cpu":  # xgrammar's C++ kernel, in place (the same result as below)
+        import xgrammar as xgr
+
+        if m == out.shape[0] and rows.tolist() == list(range(m)):  # every row, in order
+            xgr.apply_token_bitmask_inplace(out, bitmask.contiguous(), vocab_size=vocab)
+            return out
+        sub = out.index_select(0, rows)  # xgrammar's indices pick bitmask rows too: ours are compact
+        xgr.apply_token_bitmask_inplace(sub, bitmask.contiguous(), vocab_size=vocab)
+        return out.index_copy_(0, rows, sub)
+    return _apply_token_bitmask_torch(out, rows, bitmask)
+
+
+def _apply_token_bitmask_torch(out: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_token_bitmask` in torch ops, in place on the float32 ``out``."""
+    vocab = out.shape[1]
     key = (str(out.device), vocab)
     if key not in _BIT_CACHE:
         ids = torch.arange(vocab, device=out.device)

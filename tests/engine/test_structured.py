@@ -71,6 +71,26 @@ def test_bitmask_is_elementwise_and_batch_invariant():
         apply_token_bitmask(logits, rows, bits[:, :2])
 
 
+@pytest.mark.parametrize("n, vocab", [(1, 1), (7, 129280), (33, 95)])
+def test_bitmask_torch_path_equals_xgrammars(n, vocab):
+    """The CUDA path's torch ops (run here on the CPU) give what xgrammar's CPU kernel gives."""
+    from deepinfer.structured import _apply_token_bitmask_torch
+
+    g = torch.Generator().manual_seed(n)
+    logits = torch.randn(n, vocab, generator=g)
+    rows = torch.randperm(n, generator=g)[:max(1, n // 2)]
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (rows.numel(), -(-vocab // 32) + (n % 2)), generator=g,
+                         dtype=torch.int64).to(torch.int32)
+    bits[0] = 0  # a row with nothing allowed
+    out = apply_token_bitmask(logits, rows, bits)
+    assert torch.equal(out, _apply_token_bitmask_torch(logits.clone(), rows, bits))
+    assert bool(torch.isinf(out[rows[0]]).all())
+    every = torch.arange(n)  # every row in order: masked in place
+    wide = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, bits.shape[1]), generator=g, dtype=torch.int64).to(torch.int32)
+    assert torch.equal(apply_token_bitmask(logits, every, wide),
+                       _apply_token_bitmask_torch(logits.clone(), every, wide))
+
+
 def test_compiled_once_and_byte_limited(llm):
     comp = GrammarCompiler(llm.tokenizer_json, llm.vocab_size, llm.eos_token_ids, cache_bytes=1 << 20)
     n0 = comp.num_compiled
