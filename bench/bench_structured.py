@@ -119,6 +119,7 @@ def run(llm, args, shape_extra: dict) -> list[dict]:
         row = {"op": "structured_decode",
                "shape": {**shape_extra, "batch": b, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
                          "async_scheduling": llm.config.async_scheduling, "cuda_graphs": bool(llm.runner.graphs),
+                         "torch_threads": torch.get_num_threads(),
                          "schema": "records"},
                "us": round(1e3 * on["step_ms"], 3),
                "overhead_pct": round(100 * (on["step_ms"] / off["step_ms"] - 1), 2) if off["step_ms"] else None,
@@ -145,8 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.repeats < 1:
         p.error(f"--repeats: expected >= 1, got {args.repeats}")
     from deepinfer import LLM
