@@ -423,6 +423,22 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefix-replay-tokens", type=_positive_int, default=None,
                    help="positions a prefix-cache hit without a window snapshot recomputes (default: the model's "
                    "exact bound, layers x window; smaller is faster but changes outputs)")
+    d = p.add_argument_group("data and expert parallelism (docs/expert-parallel.md)")
+    d.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                   help="DP attention ranks: one process per rank, each with its own engine over its share of the "
+                   "requests (NCCL on CUDA, one GPU per rank; gloo on the CPU)")
+    d.add_argument("--expert-parallel-size", type=_positive_int, default=1,
+                   help="1, or the DP size to spread the routed experts over the ranks")
+    d.add_argument("--num-redundant-experts", type=_non_negative_int, default=0,
+                   help="extra expert slots per MoE layer for replicas of hot experts (with EP)")
+    d.add_argument("--eplb-interval", type=_positive_int, default=None,
+                   help="engine steps between expert-load rebalances (default: the initial placement stays)")
+    d.add_argument("--eplb-window", type=_positive_int, default=128, help="steps of expert counts a rebalance uses")
+    d.add_argument("--dp-prefill-budget", type=_positive_int, default=None,
+                   help="with EP, the most prefill tokens of all ranks together per step (default: "
+                   "--max-num-batched-tokens)")
+    d.add_argument("--dist-timeout", type=_positive_float, default=600.0,
+                   help="seconds a collective waits for the other ranks before the run fails")
 
 
 def engine_config(args: argparse.Namespace):
@@ -434,7 +450,11 @@ def engine_config(args: argparse.Namespace):
                         seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                         enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-                        prefix_replay_tokens=args.prefix_replay_tokens)
+                        prefix_replay_tokens=args.prefix_replay_tokens, data_parallel_size=args.data_parallel_size,
+                        expert_parallel_size=args.expert_parallel_size,
+                        num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
+                        eplb_window=args.eplb_window, dp_prefill_budget=args.dp_prefill_budget,
+                        dist_timeout_s=args.dist_timeout)
 
 
 def load_llm(args: argparse.Namespace, cfg=None, model_obj=None, **kwargs):
@@ -541,6 +561,9 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
                               max_request_bytes=args.max_request_bytes, request_timeout=args.request_timeout,
                               health_stall_s=args.health_stall_s)
     server_cfg.validate()  # before the model loads
+    if args.data_parallel_size > 1:
+        raise ValueError("serve: --data-parallel-size > 1 is not served yet (each rank's engine loop would need "
+                         "the server's request stream); use `deepinfer generate` or the LLM API for DP / EP runs")
     llm = load_llm(args, engine_config(args), model_obj)
     print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
     print(f"deepinfer: serving {llm.served_model_name!r} on http://{args.host}:{args.port}", file=sys.stderr)

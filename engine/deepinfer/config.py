@@ -55,6 +55,21 @@ class EngineConfig:
             before it to rebuild the sliding-window KV and the compressor state (rounded to a block). ``None``: the
             model's exact bound (DeepSeek-V4: layers x window, outputs equal those without the hit); a smaller value
             (DeepInfer's 140) is cheaper but changes outputs after the hit.
+        data_parallel_size: DP attention ranks (``docs/expert-parallel.md``). Above 1, ``LLM`` spawns one process
+            per rank (torch.multiprocessing; NCCL on CUDA, gloo on the CPU); each rank runs its own engine over its
+            share of the requests (its own scheduler and cache) and the results come back in request order.
+        expert_parallel_size: 1 (every rank holds every expert) or ``data_parallel_size`` (the routed experts are
+            spread over the ranks; the MoE layers meet across ranks every step and idle ranks run empty steps).
+        num_redundant_experts: extra expert slots per MoE layer (replicas of hot experts), with expert parallelism.
+        eplb_interval: engine steps between expert-load rebalances (None: the initial placement stays).
+        eplb_window: steps of expert counts a rebalance looks at.
+        dp_prefill_budget: under expert parallelism, the most prefill tokens all DP ranks together compute in one
+            step, shared out by the ranks each step from their demands (decode tokens never wait for it), so one
+            rank's long prompt delays the others' decode steps by at most this many prefill tokens' work. None:
+            ``max_num_batched_tokens``.
+        dist_backend: ``"gloo"`` / ``"nccl"`` (None: NCCL on CUDA, gloo on the CPU).
+        dist_timeout_s: seconds a collective may wait for the other ranks before it fails (a crashed or stuck rank
+            then ends the run with an error instead of a hang).
     """
 
     block_size: int = 128
@@ -77,6 +92,23 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     prefix_replay_tokens: int | None = None
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    num_redundant_experts: int = 0
+    eplb_interval: int | None = None
+    eplb_window: int = 128
+    dp_prefill_budget: int | None = None
+    dist_backend: str | None = None
+    dist_timeout_s: float = 600.0
+
+    @property
+    def parallel(self):
+        """The :class:`deepinfer.parallel.config.ParallelConfig` of these settings."""
+        from deepinfer.parallel.config import ParallelConfig
+
+        return ParallelConfig(self.data_parallel_size, self.expert_parallel_size, self.num_redundant_experts,
+                              self.eplb_window, self.eplb_interval, self.dist_backend,
+                              self.dp_prefill_budget, self.dist_timeout_s)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting has the wrong type or is out of range."""
@@ -124,6 +156,11 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.gemm must be 'auto', 'fp8' or 'dequant', got {self.gemm!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.parallel.validate()
+        if self.batch_invariant and self.dp_prefill_budget is not None and self.dp_prefill_budget < align:
+            raise ValueError(f"EngineConfig.dp_prefill_budget ({self.dp_prefill_budget}) must be >= "
+                             f"prefill_chunk_align ({align}) in batch-invariant mode, or a long prompt could never "
+                             f"advance")
 
     @property
     def chunk_align(self) -> int:

@@ -88,6 +88,23 @@ class EngineStats:
     # processes), which the means above carry in full
     steps: list[tuple[int, int, float, float, float, float]] = field(default_factory=list)
 
+    @classmethod
+    def merged(cls, parts: list["EngineStats"]) -> "EngineStats":
+        """The stats of data-parallel ranks that ran side by side: counts and per-request / per-step lists added
+        up, times and steps the longest rank's (so tok/s are the ranks' sum; step medians are per rank)."""
+        out = cls()
+        for p in parts:
+            for f in ("num_requests", "num_errors", "prompt_tokens", "completion_tokens", "prefill_tokens",
+                      "cached_tokens", "decode_tokens", "num_preemptions"):
+                setattr(out, f, getattr(out, f) + getattr(p, f))
+            for f in ("prefill_time", "decode_time", "wall_time", "num_steps"):
+                setattr(out, f, max(getattr(out, f), getattr(p, f)))
+            out.interrupted |= p.interrupted
+            out.ttft += p.ttft
+            out.tpot += p.tpot
+            out.steps += p.steps
+        return out
+
     def summary(self) -> dict:
         # some request finished (or, for stats built from steps alone, there are steps): the rates mean something
         measured = self.num_requests > self.num_errors or (self.num_requests == 0 and bool(self.steps))
@@ -136,14 +153,16 @@ class EngineStats:
                 f"steps {s['steps']} | preemptions {s['preemptions']} | wall {s['wall_s']:.2f} s")
 
 
-def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gemm: str = "auto"):
+def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gemm: str = "auto",
+                     expert_parallel=None):
     """Build the model from a checkpoint folder (integration point with ``deepinfer.checkpoint`` / ``deepinfer.models``).
 
     ``gemm`` (``EngineConfig.gemm``) resolved on ``device``: ``"fp8"`` reads the weights in their stored format on
     the CPU and converts them one by one on ``device`` (FP8 kept, FP4 experts -> FP8, see
     ``DeepseekV4ForCausalLM.load_native``); ``"dequant"`` dequantises them exactly on the CPU, one at a time, and
     moves them to ``device``. The model runs in float32 on the CPU and bfloat16 on CUDA. ``batch_invariant`` needs
-    nothing at load (the mode travels in each ``ForwardBatch``).
+    nothing at load (the mode travels in each ``ForwardBatch``). ``expert_parallel`` (a
+    ``parallel.sharding.ExpertParallel``): only this rank's routed experts are read.
     """
     from deepinfer import checkpoint
     from deepinfer.models.deepseek_v4 import resolve_gemm
@@ -154,12 +173,14 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gem
         return own.load(path, device=device, gemm=gemm).eval()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     path_kind = resolve_gemm(gemm, device)
-    check_load_memory(path, path_kind, dtype, device)
+    skip = expert_parallel.skip if expert_parallel is not None else None
+    check_load_memory(path, path_kind, dtype, device, skip)
     ck = checkpoint.load_checkpoint(path, dequantize=path_kind == "dequant", dtype=dtype,
-                                    device="cpu" if path_kind == "fp8" else device)
+                                    device="cpu" if path_kind == "fp8" else device, skip=skip)
     family = model_family(ck.config.extra.get("model_type"))
     # the model is built on the meta device and takes the tensors over where they are / go (no second copy)
-    model = family.model_class.from_parameters(ck.config, ck.params, dtype, path_kind, device=device)
+    ep = {} if expert_parallel is None else {"expert_parallel": expert_parallel}
+    model = family.model_class.from_parameters(ck.config, ck.params, dtype, path_kind, device=device, **ep)
     return model.eval()
 
 
@@ -224,8 +245,9 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def check_load_memory(path: str, gemm: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, before reading any weight, a load whose weights alone exceed the free memory where they go.
+def check_load_memory(path: str, gemm: str, dtype: torch.dtype, device: torch.device, skip=None) -> None:
+    """Refuse, before reading any weight, a load whose weights alone exceed the free memory where they go
+    (``skip(name)``: tensors not loaded, e.g. another EP rank's experts).
 
     Raises:
         ValueError: the figure needed, the figure free, and the alternatives (the other GEMM path when it needs
@@ -234,14 +256,14 @@ def check_load_memory(path: str, gemm: str, dtype: torch.dtype, device: torch.de
     from deepinfer import checkpoint
 
     cfg = checkpoint.read_config(path)
-    need = checkpoint.load_memory_bytes(cfg, gemm, dtype, Path(path) / checkpoint.CONFIG_FILE)
+    need = checkpoint.load_memory_bytes(cfg, gemm, dtype, Path(path) / checkpoint.CONFIG_FILE, skip)
     free = available_memory(device)
     if free is None or need <= free:
         return
     gib = 1 << 30
     alt = []
     if gemm == "dequant":
-        fp8 = checkpoint.load_memory_bytes(cfg, "fp8", dtype)
+        fp8 = checkpoint.load_memory_bytes(cfg, "fp8", dtype, skip=skip)
         if fp8 < need:
             alt.append(f"--gemm fp8 (gemm='fp8'; about {fp8 / gib:.1f} GiB)")
     alt.append("a checkpoint with fewer routed experts or layers (deepinfer make-checkpoint --num-experts N "
@@ -288,7 +310,7 @@ class LLM:
 
     def __init__(self, model: Any = "tiny", *, tokenizer: str | None = None, served_model_name: str | None = None,
                  model_version: str | None = None, batch_invariant: bool = False, config: EngineConfig | None = None,
-                 created: int | None = None, **overrides: Any) -> None:
+                 created: int | None = None, parallel_rank: int | None = None, **overrides: Any) -> None:
         cfg = dataclasses.replace(config) if config is not None else EngineConfig()  # never mutate the caller's
         for k, v in overrides.items():
             if not hasattr(cfg, k):
@@ -317,6 +339,13 @@ class LLM:
             self.device = first.device if first is not None else torch.device("cpu")
         else:  # DEEPINFER_ACCELERATOR (default auto); raises naming what is missing for an unavailable backend
             self.device = deepinfer_ops.device_for(deepinfer_ops.select_accelerator())
+        self.parallel_rank = parallel_rank  # this process's DP rank (set by the launcher), else None
+        self._dp_group = None  # the caller's side of data_parallel_size > 1 (parallel.launch.DataParallelGroup)
+        self._dp = None  # a rank's DP step loop under expert parallelism (parallel.dp_step.DPStepper)
+        self.rank_stats: list[dict | None] = []
+        if cfg.data_parallel_size > 1 and parallel_rank is None:
+            self._start_ranks(model, tokenizer, served_model_name, model_version, created)
+            return
 
         model_dir: Path | None = None
         if isinstance(model, (str, os.PathLike)):
@@ -334,7 +363,8 @@ class LLM:
                 if tokenizer is None:
                     tokenizer = _rebuilt_v41_tokenizer(model_dir)
             tokenizer = resolve_tokenizer_json(tokenizer, str(model_dir), preset=name in PRESETS)  # fail before loading
-            self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant, cfg.gemm)
+            self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant, cfg.gemm,
+                                          self._expert_parallel(model_dir))
         else:
             self.model = model
         self.tokenizer_json = resolve_tokenizer_json(tokenizer, None)  # a folder's was resolved before loading
@@ -382,6 +412,8 @@ class LLM:
         self.grammars = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.eos_token_ids) \
             if self.vocab_size else None
         self.engine = LLMEngine(cfg, self.scheduler, self.runner, self.grammars)
+        if parallel_rank is not None and cfg.expert_parallel_size > 1:
+            self._dp = self._dp_stepper()
         self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
                         "cache_bytes_per_token": spec.bytes_per_token() if spec is not None else None,
                         "cache": spec.report(cfg.num_blocks, window_blocks) if spec is not None else None,
@@ -399,9 +431,137 @@ class LLM:
         self.created = created
         self._frontend: ChatFrontend | None = None
         self._hf_tokenizer = None
+        seed = cfg.seed if parallel_rank is None or cfg.seed is None else f"{cfg.seed}/rank{parallel_rank}"
+        self._seed_rng = random.Random(seed) if cfg.seed is not None else None
+        self._next_id = 0
+        self.last_stats = EngineStats()
+
+    # ------------------------------------------------------------------ data / expert parallelism
+    def _start_ranks(self, model, tokenizer, served_model_name, model_version, created) -> None:
+        """The caller's side of ``data_parallel_size > 1``: spawn the ranks (``parallel.launch``) and take the
+        model's limits and names from them."""
+        from deepinfer.parallel.launch import DataParallelGroup
+
+        cfg = self.config
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"LLM: data_parallel_size={cfg.data_parallel_size} needs a preset name or a checkpoint "
+                             f"folder (every rank loads its own share), got a built {type(model).__name__}")
+        name = str(model)
+        if name in PRESETS:  # built here once, not by every rank at the same time
+            from deepinfer.presets import default_model_path
+
+            default_model_path(preset=_preset_names(name)[0])
+        elif not Path(name).is_dir():
+            raise ValueError(f"LLM(model={name!r}): not a checkpoint directory nor a preset {PRESETS}")
+        rank_cfg = dataclasses.replace(cfg, device=self.device.type)
+        self._dp_group = DataParallelGroup(name, dict(config=rank_cfg, tokenizer=tokenizer,
+                                                      served_model_name=served_model_name,
+                                                      model_version=model_version, created=created))
+        info = self._dp_group.infos[0]
+        for k in ("max_model_len", "vocab_size", "eos_token_ids", "eos_token_id", "tokenizer_json",
+                  "served_model_name", "model_aliases", "model_version"):
+            setattr(self, k, info[k])
+        self.startup = dict(info["startup"], data_parallel_size=cfg.data_parallel_size,
+                            expert_parallel_size=cfg.expert_parallel_size,
+                            ranks=[{"device": i["device"], "cache_blocks": i["startup"]["cache_blocks"]}
+                                   for i in self._dp_group.infos])
+        self.created = created
+        self._frontend = self._hf_tokenizer = None
         self._seed_rng = random.Random(cfg.seed) if cfg.seed is not None else None
         self._next_id = 0
         self.last_stats = EngineStats()
+
+    def _expert_parallel(self, model_dir: Path):
+        """This rank's ``ExpertParallel`` (the initial placement) under expert parallelism, else None."""
+        cfg = self.config
+        if self.parallel_rank is None or cfg.expert_parallel_size == 1:
+            return None
+        from deepinfer import checkpoint
+        from deepinfer.parallel.sharding import initial_expert_parallel
+
+        where = model_dir / checkpoint.CONFIG_FILE
+        conf = checkpoint.read_config(model_dir)
+        if checkpoint.family_of(conf, where).load is not None:
+            raise ValueError(f"expert_parallel_size={cfg.expert_parallel_size}: the "
+                             f"{checkpoint.family_of(conf, where).model_type} family has no expert-parallel MoE "
+                             f"(use expert_parallel_size=1: data parallelism alone)")
+        num_experts = checkpoint.parse_config(conf, where).n_routed_experts
+        return initial_expert_parallel(num_experts, self.parallel_rank, cfg.expert_parallel_size,
+                                       cfg.num_redundant_experts)
+
+    def _dp_stepper(self):
+        """A rank's DP step loop (expert parallelism): the per-step agreement, the shared prefill budget, empty
+        steps and, with ``eplb_interval``, the expert load balancer."""
+        from deepinfer.parallel.dp_step import DPStepper
+
+        cfg = self.config
+        eplb = None
+        if cfg.eplb_interval is not None:
+            from deepinfer.parallel.rearrange import EPLBController
+
+            eplb = EPLBController(self.model, cfg.num_redundant_experts, cfg.eplb_window, cfg.eplb_interval)
+        return DPStepper(self.engine, self.parallel_rank, cfg.data_parallel_size,
+                         cfg.dp_prefill_budget or cfg.max_num_batched_tokens,
+                         cfg.chunk_align if cfg.batch_invariant else 1, eplb, device=self.device)
+
+    def dp_stats(self) -> dict | None:
+        """This rank's DP figures of the last run (None outside a DP rank): ``rank``; under expert parallelism
+        also ``steps`` (per iteration: prefill tokens allowed, prefill tokens scheduled, all tokens scheduled),
+        ``num_empty_steps``, ``num_rebalances`` (over the engine's life) and ``placements`` (per MoE layer, its
+        ``ExpertPlacement.to_dict()``)."""
+        if self.parallel_rank is None:
+            return None
+        out: dict = {"rank": self.parallel_rank}
+        if self._dp is not None:
+            st = self._dp.stats
+            out.update(steps=list(st.steps), num_empty_steps=st.num_empty_steps, num_rebalances=st.num_rebalances,
+                       placements={k: p.to_dict() for k, p in self.model.expert_parallel.placements.items()})
+        return out
+
+    def _dp_call(self, method: str, shares: list[tuple]) -> list:
+        replies = self._dp_group.call(method, shares)
+        self.last_stats = EngineStats.merged([st for _, st, _ in replies])
+        self.rank_stats = [d for _, _, d in replies]
+        return [r for r, _, _ in replies]
+
+    def _dp_generate(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
+        """``generate`` over the ranks: the valid requests go round-robin, with their seeds (drawn here in request
+        order, as one process draws them); refused ones are answered here."""
+        R = self.config.data_parallel_size
+        live = [(i, s) for i, s in enumerate(seqs) if s.error is None]
+        shares = [live[r::R] for r in range(R)]
+        replies = self._dp_call("generate", [([s.prompt_token_ids for _, s in sh],
+                                              [dataclasses.replace(s.params, seed=s.seed) for _, s in sh],
+                                              use_tqdm and r == 0) for r, sh in enumerate(shares)])
+        outs = [self._request_output(i, s) if s.error is not None else None for i, s in enumerate(seqs)]
+        for sh, res in zip(shares, replies):
+            for (i, _), out in zip(sh, res):
+                out.index = i
+                outs[i] = out
+        self.last_stats.num_requests = len(outs)
+        self.last_stats.num_errors = sum(1 for o in outs if o.error is not None)
+        return outs
+
+    def _dp_chat(self, bodies: list, api: str, use_tqdm: bool) -> list[dict]:
+        R = self.config.data_parallel_size
+        replies = self._dp_call("chat", [(bodies[r::R], api, use_tqdm and r == 0) for r in range(R)])
+        results: list = [None] * len(bodies)
+        for r, res in enumerate(replies):
+            results[r::R] = res
+        self.last_stats.num_requests = len(results)
+        self.last_stats.num_errors = sum(1 for r in results if is_error_record(r))
+        return results
+
+    def close(self) -> None:
+        """Stop the data-parallel ranks, if any (idempotent; also done when the ``LLM`` is collected)."""
+        if self._dp_group is not None:
+            self._dp_group.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ helpers
     def _cache_spec(self):
@@ -508,9 +668,18 @@ class LLM:
         first = len(engine.records)
         generated0 = self.scheduler.num_generated_tokens
         counted: set[int] = set()  # finished requests the bar has counted (no recount over all requests per step)
+        if self._dp is not None:
+            self._dp.reset()
         try:
-            while engine.has_unfinished_requests():
-                touched = engine.step()
+            while True:
+                if self._dp is not None:  # every rank steps while any rank has work (an empty step if we have none)
+                    touched = self._dp.step()
+                    if touched is None:
+                        break
+                elif engine.has_unfinished_requests():
+                    touched = engine.step()
+                else:
+                    break
                 if outputs is not None:
                     outputs.process(touched)
                 if bar is not None:
@@ -570,6 +739,28 @@ class LLM:
         Returns:
             One ``RequestOutput`` per prompt, in order; refused prompts carry ``error``.
         """
+        seqs = self._make_seqs(prompts, sampling_params)
+        if self._dp_group is not None:
+            return self._dp_generate(seqs, use_tqdm)
+        self._run(seqs, use_tqdm, "generate")
+        return [self._request_output(i, seq) for i, seq in enumerate(seqs)]
+
+    def _request_output(self, i: int, seq: Sequence) -> RequestOutput:
+        out = RequestOutput(index=i, prompt_token_ids=seq.prompt_token_ids, seed=seq.seed, error=seq.error)
+        if seq.error is None:
+            out.token_ids = list(seq.output_token_ids)
+            out.logprobs = list(seq.output_logprobs)
+            out.top_logprobs = list(seq.output_top_logprobs)
+            out.text = self.decode(out.token_ids)
+            out.finish_reason = seq.finish_reason
+            out.stop_token_id = seq.stop_token_id
+            out.num_preemptions = seq.num_preemptions
+            out.num_cached_tokens = seq.num_cached_tokens
+        return out
+
+    def _make_seqs(self, prompts, sampling_params) -> list[Sequence]:
+        """One ``Sequence`` per prompt (a refused one finished, with its error record); raises TypeError /
+        ValueError for a wrong ``sampling_params`` as a whole."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -607,21 +798,7 @@ class LLM:
                 seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": msg}
                 seq.status = SequenceStatus.FINISHED
             seqs.append(seq)
-        self._run(seqs, use_tqdm, "generate")
-        outs = []
-        for i, seq in enumerate(seqs):
-            out = RequestOutput(index=i, prompt_token_ids=seq.prompt_token_ids, seed=seq.seed, error=seq.error)
-            if seq.error is None:
-                out.token_ids = list(seq.output_token_ids)
-                out.logprobs = list(seq.output_logprobs)
-                out.top_logprobs = list(seq.output_top_logprobs)
-                out.text = self.decode(out.token_ids)
-                out.finish_reason = seq.finish_reason
-                out.stop_token_id = seq.stop_token_id
-                out.num_preemptions = seq.num_preemptions
-                out.num_cached_tokens = seq.num_cached_tokens
-            outs.append(out)
-        return outs
+        return seqs
 
     def chat(self, requests: Seq[dict | str], api: str = "chat", use_tqdm: bool = False) -> list[dict]:
         """Run request bodies end to end through deepseek-recipe.
@@ -638,6 +815,8 @@ class LLM:
 
         if api not in API_KINDS:  # the caller's mistake, not one request's: raised, not an error record per body
             raise ValueError(f"chat: api must be one of {API_KINDS}, got {api!r}")
+        if self._dp_group is not None:
+            return self._dp_chat(list(requests), api, use_tqdm)
         fe = self.frontend
         outputs = OutputProcessor(self.engine)
         prepared: list[PreparedChat | None] = []

@@ -231,6 +231,7 @@ class ModelRunner:
         # one table per cache group, the first (kept) group always; others appear with their first blocks
         self.block_tables: dict[str, BlockTable] = {FULL_GROUP: BlockTable()}
         self._free_slots: list[int] = []
+        self.num_forwards = 0  # model forwards enqueued (real and empty steps): the DP step loop counts them
         if self.captures_graphs(model, self.device, enforce_eager, max_num_seqs, max_model_len):
             self.capture(graph_buckets(max_num_seqs), max_model_len)
 
@@ -455,6 +456,7 @@ class ModelRunner:
             input_ids.index_copy_(0, rows, prev.tokens.index_select(0, src).clamp(min=0))
         if gpu_events is not None:
             gpu_events[0].record()
+        self.num_forwards += 1
         if graph is not None:
             graph.graph.replay()
             logits = graph.logits[:len(logits_rows)]
@@ -496,6 +498,16 @@ class ModelRunner:
         self.last_enqueue_seconds = time.perf_counter() - t0
         return StepOutput(tokens, logprobs, tops, seq_rows, states_l, host, event, gpu_events, t0,
                           self.last_enqueue_seconds, graph is not None, int(decode.sum()))
+
+    @torch.inference_mode()
+    def execute_empty(self) -> None:
+        """An empty step: the model's forward over no tokens (under expert parallelism it still joins every MoE
+        layer's dispatch and combine, so the other DP ranks' step goes on; ``docs/expert-parallel.md``)."""
+        e = torch.empty(0, dtype=torch.int64, device=self.device)
+        batch = ForwardBatch(e, e, [], [], torch.zeros(0, 1, dtype=torch.int32, device=self.device), e,
+                             self.batch_invariant)
+        self.num_forwards += 1
+        self.model.forward(batch, self.cache)
 
     def _grammar_masks(self, states: list[RequestState], vocab: int):
         """``(rows [m] int64, bitmask [m, ceil(V / 32)] int32)`` on the device for the rows of ``states`` whose

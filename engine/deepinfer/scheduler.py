@@ -133,6 +133,11 @@ class Scheduler:
         self._steps: dict[int, list[Sequence]] = {}  # step_id -> its sampled requests, until postprocess
         self._finished_ids: list[int] = []
         self._next_step = 0
+        # DP attention (``deepinfer.parallel.dp_step``): the most prefill tokens the next ``schedule`` may take
+        # (None: no limit beyond the token budget; decodes never count against it), and what the last one took
+        self.prefill_budget: int | None = None
+        self.last_prefill_tokens = 0
+        self.last_num_tokens = 0
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
@@ -174,6 +179,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---------------------------------------------------------------- one step
+    @staticmethod
+    def _left(seq: Sequence) -> int:
+        """Tokens ``seq`` still has to compute before its next sample (1 for a decode)."""
+        return len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending - seq.num_computed_tokens
+
+    def prefill_demand(self) -> int:
+        """Prefill tokens the next step could take without a prefill limit (an upper estimate: the running
+        sequences' prompt remainders, then the waiting ones' contexts, at most ``max_num_batched_tokens``)."""
+        cap = self.config.max_num_batched_tokens
+        n = 0
+        for seq in self.running:
+            left = self._left(seq)
+            if left > 1:
+                n += left
+        for seq in self.waiting:
+            if n >= cap:
+                break
+            n += self._left(seq)
+        return min(n, cap)
+
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """New tokens for ``seq`` this step within ``budget`` (0: none; also when its pending tokens already reach
         ``max_tokens``: it finishes when they are applied)."""
@@ -196,18 +221,30 @@ class Scheduler:
             RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
         """
         budget = self.config.max_num_batched_tokens
+        prefill_left = self.prefill_budget
+        limited = False  # the prefill limit held a chunk back (an empty step is then no deadlock)
+
+        def within(seq: Sequence) -> int:
+            nonlocal limited
+            if prefill_left is None or self._left(seq) <= 1:
+                return budget
+            limited = limited or prefill_left < min(budget, self._left(seq))
+            return min(budget, prefill_left)
+
         bm = self.block_manager
         scheduled: list[ScheduledRequest] = []
         sampled: list[Sequence] = []
         new_requests: list[NewRequestData] = []
         preempted: list[int] = []
+        prefill_used = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             # blocks earlier steps filled become shareable (never those this step writes: a request admitted
             # below would read them in the same step)
             bm.cache_blocks(seq)
-            n = self._chunk(seq, budget)
+            is_prefill = self._left(seq) > 1
+            n = self._chunk(seq, within(seq))
             if n == 0:
                 i += 1
                 continue
@@ -225,6 +262,10 @@ class Scheduler:
                 changes = bm.allocate_step(seq, target)
             scheduled.append(self._take(seq, n, changes, sampled))
             budget -= n
+            if is_prefill:
+                prefill_used += n
+                if prefill_left is not None:
+                    prefill_left -= n
             i += 1
 
         if not preempted:
@@ -235,7 +276,8 @@ class Scheduler:
                 hit = bm.lookup(seq)  # None unless prefix caching finds the request's first block
                 if hit is not None:
                     bm.apply_hit(seq, hit)  # the hit counts as computed tokens
-                n = self._chunk(seq, budget)
+                is_prefill = self._left(seq) > 1
+                n = self._chunk(seq, within(seq))
                 target = seq.num_computed_tokens + n
                 if n == 0 or not bm.can_allocate(seq, target):
                     if hit is not None:  # give the shared blocks back; the lookup is redone next step
@@ -256,8 +298,14 @@ class Scheduler:
                                                    seq.grammar, seq.prefix_shared_tokens, seq.window_floor))
                 scheduled.append(self._take(seq, n, changes, sampled))
                 budget -= n
+                if is_prefill:
+                    prefill_used += n
+                    if prefill_left is not None:
+                        prefill_left -= n
 
-        if not scheduled and self.has_unfinished() and not any(s.num_pending for s in self.running + list(self.waiting)):
+        self.last_prefill_tokens = prefill_used
+        self.last_num_tokens = self.config.max_num_batched_tokens - budget
+        if not scheduled and not limited and self.has_unfinished() and not any(s.num_pending for s in self.running + list(self.waiting)):
             # Unreachable by construction (a queued request alone always fits); fail loudly instead of spinning.
             raise RuntimeError(
                 f"Scheduler made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "

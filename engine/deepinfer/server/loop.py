@@ -66,6 +66,8 @@ class EngineLoop:
     def __init__(self, llm, max_waiting: int = 256, metrics=None) -> None:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
+        if getattr(llm, "_dp_group", None) is not None:
+            raise ValueError("EngineLoop: an LLM with data_parallel_size > 1 cannot be served yet (use generate)")
         self.llm = llm
         self.engine = llm.engine
         self.metrics = metrics
