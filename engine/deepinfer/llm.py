@@ -543,8 +543,19 @@ class LLM:
         return outs
 
     def _dp_chat(self, bodies: list, api: str, use_tqdm: bool) -> list[dict]:
+        """``chat`` over the ranks, round-robin. Each body is prepared here once to draw its seed (if it takes one)
+        in request order, as one process draws them; the ranks prepare and run them with those seeds."""
         R = self.config.data_parallel_size
-        replies = self._dp_call("chat", [(bodies[r::R], api, use_tqdm and r == 0) for r in range(R)])
+        seeds: list[int | None] = []
+        for body in bodies:
+            drawn: list[int] = []
+            try:
+                self.frontend.prepare(body, api=api, seed_source=lambda: drawn.append(self._draw_seed()) or drawn[-1]
+                                      ).close()
+            except Exception:  # noqa: BLE001 - the rank answers the body with its error record
+                pass
+            seeds.append(drawn[-1] if drawn else None)
+        replies = self._dp_call("chat", [(bodies[r::R], api, use_tqdm and r == 0, seeds[r::R]) for r in range(R)])
         results: list = [None] * len(bodies)
         for r, res in enumerate(replies):
             results[r::R] = res
@@ -800,7 +811,8 @@ class LLM:
             seqs.append(seq)
         return seqs
 
-    def chat(self, requests: Seq[dict | str], api: str = "chat", use_tqdm: bool = False) -> list[dict]:
+    def chat(self, requests: Seq[dict | str], api: str = "chat", use_tqdm: bool = False,
+             _seeds: Seq[int | None] | None = None) -> list[dict]:
         """Run request bodies end to end through deepseek-recipe.
 
         Args:
@@ -822,9 +834,10 @@ class LLM:
         prepared: list[PreparedChat | None] = []
         results: list[dict | None] = []
         seqs: list[Sequence] = []
-        for body in requests:
-            try:
-                pc = fe.prepare(body, api=api, seed_source=self._draw_seed)
+        for i, body in enumerate(requests):
+            try:  # ``_seeds``: a DP rank takes the seeds the caller drew (``_dp_chat``)
+                pc = fe.prepare(body, api=api, seed_source=self._draw_seed if _seeds is None else
+                                (lambda s=_seeds[i]: s))
             except RequestError as e:
                 prepared.append(None)
                 results.append({"error": e.record})

@@ -167,6 +167,9 @@ class DataParallelGroup:
 
     def _fail(self, message: str, kind: str = "") -> None:
         self.error = message
+        for p in self._procs:  # the ranks' collectives are in an unknown state: no graceful exit to wait for
+            if p.is_alive():
+                p.kill()
         self._finalizer()
         exc = {"ValueError": ValueError, "TypeError": TypeError, "OSError": OSError,
                "FileNotFoundError": OSError}.get(kind, DataParallelError)
