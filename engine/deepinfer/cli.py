@@ -561,9 +561,6 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
                               max_request_bytes=args.max_request_bytes, request_timeout=args.request_timeout,
                               health_stall_s=args.health_stall_s)
     server_cfg.validate()  # before the model loads
-    if args.data_parallel_size > 1:
-        raise ValueError("serve: --data-parallel-size > 1 is not served yet (each rank's engine loop would need "
-                         "the server's request stream); use `deepinfer generate` or the LLM API for DP / EP runs")
     llm = load_llm(args, engine_config(args), model_obj)
     print(f"deepinfer: start-up {json.dumps(llm.startup)}", file=sys.stderr)
     print(f"deepinfer: serving {llm.served_model_name!r} on http://{args.host}:{args.port}", file=sys.stderr)
@@ -572,6 +569,8 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
                    log_level=args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT / SIGTERM it handled: the shutdown was clean
         pass
+    finally:
+        llm.close()  # the data-parallel ranks, if any
     return 0
 
 

@@ -563,6 +563,15 @@ class LLM:
         self.last_stats.num_errors = sum(1 for r in results if is_error_record(r))
         return results
 
+    def remote_engine(self):
+        """The server's engine over the data-parallel ranks (``parallel.serve.RemoteEngine``; starts their serve
+        loops, after which ``generate`` / ``chat`` are refused). Raises ValueError without data parallelism."""
+        if self._dp_group is None:
+            raise ValueError("remote_engine: this LLM has data_parallel_size=1 (use llm.engine)")
+        from deepinfer.parallel.serve import RemoteEngine
+
+        return RemoteEngine(self)
+
     def close(self) -> None:
         """Stop the data-parallel ranks, if any (idempotent; also done when the ``LLM`` is collected)."""
         if self._dp_group is not None:

@@ -1,7 +1,8 @@
 """DP attention + EP through the ``LLM`` API and the CLI (issue 24): one process per rank (gloo), results equal to
 one process (bitwise in batch-invariant mode) with uneven requests per rank, zero-token ranks, ranks finishing
 early, EPLB rearrangements during generation, the shared prefill budget, and a crashed rank ending the run with an
-error instead of a hang. Also the pure parts: the prefill allocation and the scheduler's prefill limit."""
+error instead of a hang. Also the pure parts: the prefill allocation and the scheduler's prefill limit. Serving:
+``tests/server/test_dp_serve.py``."""
 
 from __future__ import annotations
 
@@ -89,11 +90,6 @@ def test_parallel_settings_are_checked():
             cfg.dp_prefill_budget) == (4, 4, 4, 32, 1024)
     with pytest.raises(ValueError, match="built"):
         LLM(object.__new__(type("M", (), {"forward": lambda self: None})), data_parallel_size=2)
-
-
-def test_serve_refuses_data_parallel(capsys):
-    assert main(["serve", "--data-parallel-size", "2"]) == 2
-    assert "not served yet" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks, EP

@@ -114,15 +114,17 @@ def allocate_prefill(demands: list[int], budget: int, quantum: int = 1, step: in
     return [g * quantum for g in got]
 
 
-def dp_step_agreement(has_work: bool, demand: int, group=None, device: torch.device | str = "cpu") -> list[tuple[bool, int]]:
-    """Collective: every DP rank's ``(has_work, prefill demand)`` for this step, from one ``all_gather`` of two
-    integers (without an initialised process group: this rank's alone)."""
+def dp_step_agreement(has_work: bool, demand: int, group=None, device: torch.device | str = "cpu",
+                      stop: bool = False) -> list[tuple[bool, int, bool]]:
+    """Collective: every DP rank's ``(has_work, prefill demand, stop)`` for this step, from one ``all_gather`` of
+    three integers (without an initialised process group: this rank's alone). ``stop``: the rank asks every rank to
+    leave its loop (a server shutting down)."""
     if not (dist.is_available() and dist.is_initialized()):
-        return [(bool(has_work), int(demand))]
-    mine = torch.tensor([1 if has_work else 0, int(demand)], dtype=torch.int64, device=device)
+        return [(bool(has_work), int(demand), bool(stop))]
+    mine = torch.tensor([1 if has_work else 0, int(demand), 1 if stop else 0], dtype=torch.int64, device=device)
     out = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(out, mine, group=group)
-    return [(bool(t[0]), int(t[1])) for t in torch.stack(out).cpu()]
+    return [(bool(t[0]), int(t[1]), bool(t[2])) for t in torch.stack(out).cpu()]
 
 
 def dp_any_work(has_work: bool, group=None, device: torch.device | str = "cpu") -> bool:

@@ -43,22 +43,26 @@ class DPStepper:
         self.prefill_budget, self.quantum, self.eplb = prefill_budget, quantum, eplb
         self.group, self.device = group, device
         self.iteration = 0  # the same on every rank
+        self.stopped = False  # some rank asked every rank to stop (``step(stop=True)``)
         self.stats = DPStepStats()
 
     def reset(self) -> None:
         """Start a run's per-iteration log (the life counters stay)."""
         self.stats.steps = []
 
-    def step(self):
-        """One iteration: the sequences touched (as ``LLMEngine.step``), or None when no rank has work (every rank
-        then returns None at this same iteration)."""
+    def step(self, stop: bool = False):
+        """One iteration: the sequences touched (as ``LLMEngine.step``), or None when no rank has work or some rank
+        passed ``stop`` (then ``stopped`` is set); every rank returns None at this same iteration."""
         engine = self.engine
         sched, runner = engine.scheduler, engine.runner
         has = engine.has_unfinished_requests()
-        votes = dp_step_agreement(has, sched.prefill_demand() if has else 0, self.group, self.device)
-        if not any(h for h, _ in votes):
+        votes = dp_step_agreement(has, sched.prefill_demand() if has else 0, self.group, self.device, stop)
+        if any(s for _, _, s in votes):
+            self.stopped = True
             return None
-        allowed = allocate_prefill([d for _, d in votes], self.prefill_budget, self.quantum, self.iteration)
+        if not any(h for h, _, _ in votes):
+            return None
+        allowed = allocate_prefill([d for _, d, _ in votes], self.prefill_budget, self.quantum, self.iteration)
         self.iteration += 1
         sched.prefill_budget = allowed[self.rank]
         sched.last_prefill_tokens = sched.last_num_tokens = 0

@@ -87,6 +87,14 @@ def _rank_main(rank: int, world: int, store: str, model, llm_kwargs: dict, inbox
             if msg is None:
                 return
             call_id, method, args = pickle.loads(msg)
+            if method == "serve":  # until the stop message; then this rank is done
+                from .serve import rank_serve_loop
+
+                try:
+                    rank_serve_loop(llm, rank, inbox, outbox, parent)
+                except BaseException as e:  # noqa: BLE001
+                    outbox.put(("error", 0, rank, pickle.dumps(_error_info(e))))
+                return
             try:
                 result = getattr(llm, method)(*args)
                 outbox.put(("done", call_id, rank, pickle.dumps((result, llm.last_stats, llm.dp_stats()))))
@@ -148,6 +156,8 @@ class DataParallelGroup:
         self._inboxes = [ctx.Queue() for _ in range(self.world)]
         self._outbox = ctx.Queue()
         self._next_call = 1
+        self._dead_since = None  # when a dead rank was first seen
+        self.serving = False  # the ranks run their serve loops (``start_serving``)
         self.error: str | None = None  # why the group stopped, once it has
         pctx = mp.start_processes(_rank_main, nprocs=self.world, join=False, start_method="spawn",
                                   args=(self.world, os.path.join(self._store_dir, "store"), model, llm_kwargs,
@@ -175,35 +185,60 @@ class DataParallelGroup:
                "FileNotFoundError": OSError}.get(kind, DataParallelError)
         raise exc(message)
 
-    def _gather(self, call_id: int, what: str) -> list:
-        """Every rank's reply to ``call_id``, by rank."""
+    def _recv(self, timeout: float, what: str, done=()):
+        """The next message ``(tag, call_id, rank, payload)`` within ``timeout`` seconds, or None. Raises (after
+        stopping every rank) for a rank's error message, or a rank not in ``done`` whose process is gone."""
         import time
 
+        try:
+            tag, cid, rank, payload = self._outbox.get(timeout=timeout)
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None and r not in done]
+            if dead and self._dead_since is None:  # its last message may still be on the way: give it a moment
+                self._dead_since = time.monotonic()
+            elif dead and time.monotonic() - self._dead_since > DEAD_GRACE_S:
+                r, code = dead[0]
+                self._fail(f"data-parallel rank {r} exited with code {code} during {what} (killed or crashed); "
+                           f"every rank was stopped")
+            return None
+        if tag == "error":
+            kind, msg, tb = pickle.loads(payload)
+            if kind in ("ValueError", "TypeError", "OSError", "FileNotFoundError", "CheckpointError") \
+                    and what == "start-up":
+                self._fail(f"data-parallel rank {rank}: {msg}", "ValueError" if kind == "CheckpointError" else kind)
+            self._fail(f"data-parallel rank {rank} failed during {what}: {kind}: {msg}\n{tb}")
+        return tag, cid, rank, payload
+
+    def _gather(self, call_id: int, what: str) -> list:
+        """Every rank's reply to ``call_id``, by rank."""
         got: dict[int, object] = {}
-        dead_since = None
         while len(got) < self.world:
-            try:
-                tag, cid, rank, payload = self._outbox.get(timeout=POLL_S)
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if p.exitcode is not None and r not in got]
-                if dead and dead_since is None:  # its last message may still be on the way: give it a moment
-                    dead_since = time.monotonic()
-                elif dead and time.monotonic() - dead_since > DEAD_GRACE_S:
-                    r, code = dead[0]
-                    self._fail(f"data-parallel rank {r} exited with code {code} during {what} (killed or crashed); "
-                               f"every rank was stopped")
-                continue
-            if cid != call_id:
-                continue  # a late reply to an abandoned call
-            if tag == "error":
-                kind, msg, tb = pickle.loads(payload)
-                if kind in ("ValueError", "TypeError", "OSError", "FileNotFoundError", "CheckpointError") \
-                        and what == "start-up":
-                    self._fail(f"data-parallel rank {rank}: {msg}", "ValueError" if kind == "CheckpointError"
-                               else kind)
-                self._fail(f"data-parallel rank {rank} failed during {what}: {kind}: {msg}\n{tb}")
-            got[rank] = pickle.loads(payload)
+            msg = self._recv(POLL_S, what, got)
+            if msg is None or msg[1] != call_id:
+                continue  # nothing yet, or a late reply to an abandoned call
+            got[msg[2]] = pickle.loads(msg[3])
         return [got[r] for r in range(self.world)]
+
+    # serving (``parallel.serve``) ----------------------------------------------------------------------------
+    def start_serving(self) -> None:
+        """Start every rank's serve loop; from now on the group takes ``send`` / ``poll``, not ``call``."""
+        if self.error is not None:
+            raise DataParallelError(f"the data-parallel ranks are stopped: {self.error}")
+        for q in self._inboxes:
+            q.put(pickle.dumps((0, "serve", ())))
+        self.serving = True  # ``call`` refuses from now on
+
+    def send(self, rank: int, msg: tuple) -> None:
+        self._inboxes[rank].put(pickle.dumps(msg))
+
+    def poll(self, timeout: float) -> list[tuple[int, object]]:
+        """``[(rank, payload)]`` of the serve loops' messages within ``timeout`` (then whatever else is queued)."""
+        out = []
+        msg = self._recv(timeout, "serving")
+        while msg is not None:
+            out.append((msg[2], pickle.loads(msg[3])))
+            msg = self._recv(0.0, "serving")
+        return out
 
     def call(self, method: str, shares: list[tuple]) -> list:
         """Run ``LLM.<method>(*shares[rank])`` on every rank; returns ``[(result, stats, dp_stats)]`` by rank.
@@ -214,6 +249,8 @@ class DataParallelGroup:
         """
         if self.error is not None:
             raise DataParallelError(f"the data-parallel ranks are stopped: {self.error}")
+        if self.serving:
+            raise RuntimeError("the data-parallel ranks are serving: generate / chat are not available")
         call_id = self._next_call
         self._next_call += 1
         msgs = [pickle.dumps((call_id, method, share)) for share in shares]  # fails here, before anything is sent
