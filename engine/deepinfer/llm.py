@@ -303,9 +303,16 @@ class LLM:
         gemm (an ``EngineConfig`` field, e.g. ``LLM("tiny", gemm="fp8")``): the GEMM path of a model loaded from a
             checkpoint: ``"auto"`` (default: FP8 on CUDA, dequantised on the CPU), ``"fp8"`` or ``"dequant"``.
         config: an ``EngineConfig``; keyword arguments named like its fields override it.
+        data_parallel_size, expert_parallel_size, ... (``EngineConfig`` fields): above 1, one process per rank is
+            spawned (a script needs ``if __name__ == "__main__":``), each with its own engine over its share of the
+            requests; ``generate`` / ``chat`` return in request order; ``close()`` (or ``with LLM(...)``) stops
+            them. ``docs/expert-parallel.md``.
+        parallel_rank: set by the launcher in a rank's process (internal).
 
     Raises:
         ValueError: unknown preset / missing checkpoint directory / missing tokenizer.json / bad engine settings.
+        DataParallelError (``deepinfer.parallel.launch``): a data-parallel rank failed to start (a rank's
+            ValueError / OSError is raised as such, naming the rank).
     """
 
     def __init__(self, model: Any = "tiny", *, tokenizer: str | None = None, served_model_name: str | None = None,

@@ -163,11 +163,11 @@ def test_ep_dp_prefill_budget_bounds_the_others_decode(engines):
 def test_ep_dp_chat_in_order(engines):
     ref, dp = engines
     bodies = [{"messages": [{"role": "user", "content": f"hello {i}"}], "max_tokens": 5, "temperature": 0}
-              for i in range(3)]
+              for i in range(2)]
     bodies.insert(1, {"messages": []})
     want, got = ref.chat(bodies), dp.chat(bodies)
     assert "error" in got[1] and "error" in want[1]
-    for i in (0, 2, 3):
+    for i in (0, 2):
         assert got[i]["choices"] == want[i]["choices"] and got[i]["usage"] == want[i]["usage"]
 
 

@@ -1,17 +1,9 @@
 """Launching DP / EP engines: one process per rank (torch.multiprocessing spawn), driven from the caller's process.
 
-:class:`DataParallelGroup` (the caller's side) spawns ``data_parallel_size`` processes. Each initialises one
-torch.distributed group (a file store in a private temporary folder; NCCL on CUDA, gloo on the CPU; collectives
-time out after ``dist_timeout_s``), builds its own ``LLM`` (its rank's experts only under expert parallelism) and
-waits for calls. A call sends every rank its share of the requests (possibly none), every rank runs its engine
-loop (``dp_step.DPStepper``: the ranks step together while any has work) and sends its results back; the caller
-puts them back in request order.
-
-Failures: an exception in a rank is sent to the caller, which stops every rank and raises
-:class:`DataParallelError` with the rank's traceback; a rank that dies (killed, out of memory) is seen by the
-caller within a fraction of a second and ends the call the same way. The group is unusable afterwards (the
-ranks' collectives are in an unknown state). Ranks ignore SIGINT (the caller decides) and exit when the caller's
-process is gone.
+:class:`DataParallelGroup` (the caller's side) spawns the ranks; each (:func:`_rank_main`) joins one
+torch.distributed group, builds its own ``LLM`` and serves calls (``generate`` / ``chat`` on its share of the
+requests) or, once asked, its serve loop (``parallel.serve``). Failures and their handling:
+``docs/expert-parallel.md`` ("Launching").
 """
 
 from __future__ import annotations
@@ -167,6 +159,7 @@ class DataParallelGroup:
         self.infos = self._gather(0, "start-up")  # per rank: its limits, names and start-up report
 
     def pids(self) -> list[int]:
+        """The ranks' process ids, by rank."""
         return [p.pid for p in self._procs]
 
     def close(self) -> None:

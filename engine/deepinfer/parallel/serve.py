@@ -136,7 +136,11 @@ def rank_serve_loop(llm, rank: int, inbox, outbox, parent) -> None:
     engine, dp = llm.engine, llm._dp
     local: dict[int, tuple[Sequence, int]] = {}  # seq_id -> (sequence, tokens already sent)
     stop = False
+    checked = time.monotonic()
     while True:
+        if dp is not None and time.monotonic() - checked > 1.0:  # the caller gone: stop, by vote, like a stop message
+            checked = time.monotonic()
+            stop = stop or (parent is not None and not parent.is_alive())
         block = dp is None and not engine.has_unfinished_requests()
         ended: list[Sequence] = []
         while not stop:
