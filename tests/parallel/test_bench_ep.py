@@ -36,3 +36,17 @@ def test_bench_ep_smoke(tmp_path):
 def test_bench_ep_refuses_cpu_figures_as_h200_results():
     with pytest.raises(SystemExit):
         bench_ep.parse_args(["--device", "cpu", "--out-dir", str(ROOT / "bench" / "results" / "h200")])
+
+
+def test_bench_ep_engine_smoke(tmp_path):
+    from bench import bench_ep_engine
+
+    out = bench_ep_engine.main(["--model", "tiny", "--device", "cpu", "--configs", "dp2ep2", "--num-requests", "3",
+                                "--prompt-len", "8", "--max-tokens", "3", "--num-blocks", "8",
+                                "--out-dir", str(tmp_path)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["shape"]["data_parallel_size"] == row["shape"]["expert_parallel_size"] == 2
+    assert row["prefill_tok_s"] > 0 and row["decode_tok_s"] > 0
+    assert row["decode_tok_s_per_gpu"] == row["decode_tok_s"] / 2 and row["cache_blocks_per_rank"] == 8
+    with pytest.raises(SystemExit):
+        bench_ep_engine.parse_args(["--model", "tiny", "--configs", "dp2ep3x"])
