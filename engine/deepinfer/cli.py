@@ -423,6 +423,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefix-replay-tokens", type=_positive_int, default=None,
                    help="positions a prefix-cache hit without a window snapshot recomputes (default: the model's "
                    "exact bound, layers x window; smaller is faster but changes outputs)")
+    e.add_argument("--host-cache-gib", type=float, default=0.0,
+                   help="host memory (GiB, pinned on CUDA) keeping evicted prefix-cache blocks for later hits "
+                   "(default 0: off)")
     d = p.add_argument_group("data and expert parallelism (docs/expert-parallel.md)")
     d.add_argument("--data-parallel-size", type=_positive_int, default=1,
                    help="DP attention ranks: one process per rank, each with its own engine over its share of the "
@@ -450,7 +453,8 @@ def engine_config(args: argparse.Namespace):
                         seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                         enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-                        prefix_replay_tokens=args.prefix_replay_tokens, data_parallel_size=args.data_parallel_size,
+                        prefix_replay_tokens=args.prefix_replay_tokens, host_cache_gib=args.host_cache_gib,
+                        data_parallel_size=args.data_parallel_size,
                         expert_parallel_size=args.expert_parallel_size,
                         num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
                         eplb_window=args.eplb_window, dp_prefill_budget=args.dp_prefill_budget,
