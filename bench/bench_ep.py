@@ -13,7 +13,8 @@ after a barrier). ``link`` is ``all_to_all_single`` of the dispatch's byte count
 the issue's "70% of measured NVLink bandwidth" (DeepEP on H800: 153 GB/s intranode; 77 / 114 us low-latency
 dispatch / combine at EP8 with 128 tokens).
 
-GPUs: python bench/bench_ep.py --world 8            (writes bench/results/<gpu>/bench_ep.json)
+GPUs: python bench/bench_ep.py --world 8            (writes bench/results/<gpu>/bench_ep.json; --results-name
+    bench_ep_w4 with --world 4 keeps both)
 CPU smoke: python bench/bench_ep.py --device cpu --world 2 --tokens 16 --hidden 256 --num-experts 8 --top-k 2 \
     --out-dir /tmp/ep   (CPU figures are not GPU results: they are never written under bench/results/h200)
 """
@@ -52,11 +53,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     p.add_argument("--out-dir", type=Path, default=None, help="default: bench/results/<gpu>")
+    p.add_argument("--results-name", default="bench_ep", help="JSON file name without .json (one per --world)")
     args = p.parse_args(argv)
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.world is None:
         args.world = torch.cuda.device_count() if args.device == "cuda" else 2
+        if args.world < 2:  # tools/gpu_check.sh runs every bench: on one GPU there is nothing to measure
+            print("bench_ep: fewer than 2 GPUs visible: nothing measured (use a machine with several GPUs)")
+            raise SystemExit(0)
     if args.world < 2:
         p.error(f"--world must be >= 2, got {args.world}")
     if args.device == "cuda" and args.world > torch.cuda.device_count():
@@ -191,7 +196,7 @@ def main(argv=None) -> Path:
 
     args = parse_args(argv)
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    out = args.out_dir / "bench_ep.json"
+    out = args.out_dir / f"{args.results_name}.json"
     with tempfile.TemporaryDirectory(prefix="bench-ep-") as tmp:
         mp.start_processes(_rank, args=(args.world, os.path.join(tmp, "store"), args, str(out)),
                            nprocs=args.world, join=True, start_method="spawn")

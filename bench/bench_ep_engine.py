@@ -1,8 +1,10 @@
 """Engine prefill and decode tok/s per GPU with expert parallelism on and off (``LLM(data_parallel_size,
 expert_parallel_size)``), one configuration after another in one run.
 
-GPUs: python bench/bench_ep_engine.py --model /path/v4-flash-shapes --configs dp8ep8,dp8ep1
-    (a checkpoint from `deepinfer make-checkpoint --preset v4-flash-shapes [--num-layers 43 --num-experts 256]`;
+GPUs: python bench/bench_ep_engine.py [--model /path/v4-flash-shapes] [--configs dp8ep8,dp8ep1]
+    (default configs: dpNepN,dpNep1 over the N visible GPUs; without --model a v4-flash-shapes checkpoint of
+    --num-layers / --num-experts is made in a temporary folder and deleted after; the issue's run is
+    `deepinfer make-checkpoint --preset v4-flash-shapes --num-layers 43 --num-experts 256`, about 150 GB;
     dpNep1 holds every expert on every GPU, so it needs a checkpoint that fits one GPU)
 CPU smoke: python bench/bench_ep_engine.py --model tiny --device cpu --configs dp2ep2 --num-requests 4 \\
     --prompt-len 16 --max-tokens 4 --out-dir /tmp/ep   (never written under bench/results/h200)
@@ -29,8 +31,12 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="checkpoint folder or preset")
-    p.add_argument("--configs", default="dp8ep8,dp8ep1", help="comma-separated dp<N>ep<M> (M = 1 or N)")
+    p.add_argument("--model", default=None, help="checkpoint folder or preset (default: a v4-flash-shapes one)")
+    p.add_argument("--num-layers", type=int, default=4, help="of the generated checkpoint")
+    p.add_argument("--num-experts", type=int, default=64, help="of the generated checkpoint")
+    p.add_argument("--work-dir", default=None, help="where the generated checkpoint goes (default: /tmp)")
+    p.add_argument("--configs", default=None, help="comma-separated dp<N>ep<M> (M = 1 or N); default: "
+                   "dpNepN,dpNep1 over the visible GPUs")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
     p.add_argument("--num-requests", type=int, default=256, help="requests in all (shared out over the ranks)")
     p.add_argument("--prompt-len", type=int, default=1024)
@@ -44,6 +50,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     import torch
 
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.configs is None:
+        n = torch.cuda.device_count() if args.device == "cuda" else 2
+        if n < 2:  # tools/gpu_check.sh runs every bench: on one GPU there is nothing to compare
+            print("bench_ep_engine: fewer than 2 GPUs visible: nothing measured (use a machine with several GPUs)")
+            raise SystemExit(0)
+        args.configs = f"dp{n}ep{n},dp{n}ep1"
     configs = []
     for c in args.configs.split(","):
         m = re.fullmatch(r"dp(\d+)ep(\d+)", c.strip())
@@ -78,7 +90,9 @@ def run_config(dp: int, ep: int, args) -> dict:
         startup = llm.startup
     return {"op": "engine_ep",
             "shape": {"data_parallel_size": dp, "expert_parallel_size": ep, "num_requests": args.num_requests,
-                      "prompt_len": args.prompt_len, "max_tokens": args.max_tokens, "model": args.model,
+                      "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
+                      **({"model": "v4-flash-shapes", "num_layers": args.num_layers, "num_experts": args.num_experts}
+                         if args.generated else {"model": args.model}),
                       "num_redundant_experts": args.num_redundant_experts if ep > 1 else 0},
             "prefill_tok_s": pre["prefill_tok_s"], "decode_tok_s": dec["decode_tok_s"],
             "prefill_tok_s_per_gpu": pre["prefill_tok_s"] / dp, "decode_tok_s_per_gpu": dec["decode_tok_s"] / dp,
@@ -87,11 +101,27 @@ def run_config(dp: int, ep: int, args) -> dict:
 
 
 def main(argv=None) -> Path:
+    import shutil
+    import tempfile
+
     args = parse_args(argv)
+    tmp = None
+    args.generated = args.model is None
+    if args.generated:
+        from deepinfer.presets import make_checkpoint
+
+        tmp = tempfile.mkdtemp(prefix="bench-ep-v4fs-", dir=args.work_dir)
+        make_checkpoint("v4-flash-shapes", tmp, 0, num_layers=args.num_layers, num_experts=args.num_experts,
+                        progress=False)
+        args.model = tmp
     rows = []
-    for dp, ep in args.configs:
-        rows.append(run_config(dp, ep, args))
-        print(json.dumps(rows[-1]), flush=True)
+    try:
+        for dp, ep in args.configs:
+            rows.append(run_config(dp, ep, args))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     import torch
 
     args.out_dir.mkdir(parents=True, exist_ok=True)

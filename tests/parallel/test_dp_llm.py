@@ -212,3 +212,25 @@ def test_cli_generate_data_parallel(tmp_path, capsys):
     assert len(recs) == 4 and recs[1]["error"]["code"] and recs[1]["line"] == 2
     assert all(r["object"] == "chat.completion" for r in recs[:1] + recs[2:])
     assert '"data_parallel_size": 2' in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------- NCCL (several GPUs)
+@pytest.mark.cuda
+def test_ep_dp_nccl_greedy_identical():
+    """The same through NCCL, one GPU per rank (runs on a machine with 2 GPUs or more; FP8 path)."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (nvidia-h200-x2 or larger)")
+    kw = dict(batch_invariant=True, device="cuda", num_blocks=24)
+    prompts = _prompts(5, 9)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (6, 2, 9, 1, 4)]
+    want = LLM("tiny", **kw).generate(prompts, params)
+    with LLM("tiny", data_parallel_size=2, expert_parallel_size=2, num_redundant_experts=2, eplb_interval=2,
+             **kw) as dp:
+        got = dp.generate(prompts, params)
+        assert all(s["num_rebalances"] >= 2 for s in dp.rank_stats)
+        assert [r["device"] for r in dp.startup["ranks"]] == ["cuda:0", "cuda:1"]
+    for a, b in zip(want, got):
+        assert a.token_ids == b.token_ids, a.index
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-3, a.index
