@@ -4,7 +4,7 @@ expert_parallel_size)``), one configuration after another in one run.
 GPUs: python bench/bench_ep_engine.py [--model /path/v4-flash-shapes] [--configs dp8ep8,dp8ep1]
     (default configs: dpNepN,dpNep1 over the N visible GPUs; without --model a v4-flash-shapes checkpoint of
     --num-layers / --num-experts is made in a temporary folder and deleted after; the issue's run is
-    `deepinfer make-checkpoint --preset v4-flash-shapes --num-layers 43 --num-experts 256`, about 150 GB;
+    `deepinfer make-checkpoint --preset v4-flash-shapes --num-layers 43 --num-experts 256`, about 165 GiB;
     dpNep1 holds every expert on every GPU, so it needs a checkpoint that fits one GPU)
 CPU smoke: python bench/bench_ep_engine.py --model tiny --device cpu --configs dp2ep2 --num-requests 4 \\
     --prompt-len 16 --max-tokens 4 --out-dir /tmp/ep   (never written under bench/results/h200)

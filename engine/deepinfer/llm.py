@@ -542,11 +542,14 @@ class LLM:
         return [r for r, _, _ in replies]
 
     def _dp_generate(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
-        """``generate`` over the ranks: the valid requests go round-robin, with their seeds (drawn here in request
-        order, as one process draws them); refused ones are answered here."""
-        R = self.config.data_parallel_size
+        """``generate`` over the ranks: the valid requests are shared out by their tokens
+        (``launch.assign_requests``), with their seeds (drawn here in request order, as one process draws them);
+        refused ones are answered here."""
+        from deepinfer.parallel.launch import assign_requests
+
         live = [(i, s) for i, s in enumerate(seqs) if s.error is None]
-        shares = [live[r::R] for r in range(R)]
+        costs = [s.num_prompt_tokens + s.params.max_tokens for _, s in live]
+        shares = [[live[k] for k in ks] for ks in assign_requests(costs, self.config.data_parallel_size)]
         replies = self._dp_call("generate", [([s.prompt_token_ids for _, s in sh],
                                               [dataclasses.replace(s.params, seed=s.seed) for _, s in sh],
                                               use_tqdm and r == 0) for r, sh in enumerate(shares)])
@@ -560,22 +563,32 @@ class LLM:
         return outs
 
     def _dp_chat(self, bodies: list, api: str, use_tqdm: bool) -> list[dict]:
-        """``chat`` over the ranks, round-robin. Each body is prepared here once to draw its seed (if it takes one)
-        in request order, as one process draws them; the ranks prepare and run them with those seeds."""
-        R = self.config.data_parallel_size
+        """``chat`` over the ranks. Each body is prepared here once: to draw its seed (if it takes one) in request
+        order, as one process draws them, and to weigh it by its tokens for ``launch.assign_requests``; the ranks
+        prepare and run them with those seeds."""
+        from deepinfer.parallel.launch import assign_requests
+
         seeds: list[int | None] = []
+        costs: list[int] = []
         for body in bodies:
             drawn: list[int] = []
+            cost = 1  # a body that fails here costs its rank next to nothing: it answers with the error record
             try:
-                self.frontend.prepare(body, api=api, seed_source=lambda: drawn.append(self._draw_seed()) or drawn[-1]
-                                      ).close()
+                pc = self.frontend.prepare(body, api=api,
+                                           seed_source=lambda: drawn.append(self._draw_seed()) or drawn[-1])
+                cost = len(pc.prompt_token_ids) + pc.params.max_tokens
+                pc.close()
             except Exception:  # noqa: BLE001 - the rank answers the body with its error record
                 pass
             seeds.append(drawn[-1] if drawn else None)
-        replies = self._dp_call("chat", [(bodies[r::R], api, use_tqdm and r == 0, seeds[r::R]) for r in range(R)])
+            costs.append(cost)
+        shares = assign_requests(costs, self.config.data_parallel_size)
+        replies = self._dp_call("chat", [([bodies[i] for i in ks], api, use_tqdm and r == 0, [seeds[i] for i in ks])
+                                         for r, ks in enumerate(shares)])
         results: list = [None] * len(bodies)
-        for r, res in enumerate(replies):
-            results[r::R] = res
+        for ks, res in zip(shares, replies):
+            for i, rec in zip(ks, res):
+                results[i] = rec
         self.last_stats.num_requests = len(results)
         self.last_stats.num_errors = sum(1 for r in results if is_error_record(r))
         return results

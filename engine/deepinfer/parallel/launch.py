@@ -30,6 +30,19 @@ class DataParallelError(RuntimeError):
     """A DP rank failed (an exception, or its process died); every rank of the group was stopped."""
 
 
+def assign_requests(costs: list[int], world: int) -> list[list[int]]:
+    """Share requests out over ``world`` ranks by their cost (prompt + output tokens): largest first, each to the
+    rank with the least cost so far (ties: the lower rank). Returns per rank its request indices, ascending.
+    Deterministic; a rank may get none."""
+    load = [0] * world
+    out: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        load[r] += costs[i]
+        out[r].append(i)
+    return [sorted(x) for x in out]
+
+
 def _rank_device(device: str | None, rank: int) -> str | None:
     """The device of ``rank``: ``cuda`` / ``cuda:N`` become ``cuda:<rank>`` (one GPU per rank)."""
     if device is not None and device.split(":")[0] == "cuda":
