@@ -371,7 +371,7 @@ class LLM:
                     tokenizer = _rebuilt_v41_tokenizer(model_dir)
             tokenizer = resolve_tokenizer_json(tokenizer, str(model_dir), preset=name in PRESETS)  # fail before loading
             self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant, cfg.gemm,
-                                          self._expert_parallel(model_dir))
+                                          self._expert_parallel(model_dir, parallel_rank))
         else:
             self.model = model
         self.tokenizer_json = resolve_tokenizer_json(tokenizer, None)  # a folder's was resolved before loading
@@ -467,9 +467,12 @@ class LLM:
         if name in PRESETS:  # built here once, not by every rank at the same time
             from deepinfer.presets import default_model_path
 
-            default_model_path(preset=_preset_names(name)[0])
+            model_dir = Path(default_model_path(preset=_preset_names(name)[0]))
         elif not Path(name).is_dir():
             raise ValueError(f"LLM(model={name!r}): not a checkpoint directory nor a preset {PRESETS}")
+        else:
+            model_dir = Path(name)
+        self._expert_parallel(model_dir, 0)  # the placement's checks, here before any rank starts
         rank_cfg = dataclasses.replace(cfg, device=self.device.type)
         self._dp_group = DataParallelGroup(name, dict(config=rank_cfg, tokenizer=tokenizer,
                                                       served_model_name=served_model_name,
@@ -488,10 +491,11 @@ class LLM:
         self._next_id = 0
         self.last_stats = EngineStats()
 
-    def _expert_parallel(self, model_dir: Path):
-        """This rank's ``ExpertParallel`` (the initial placement) under expert parallelism, else None."""
+    def _expert_parallel(self, model_dir: Path, rank: int | None):
+        """Rank ``rank``'s ``ExpertParallel`` (the initial placement) under expert parallelism, else None. Raises
+        ValueError naming the setting for a family without EP or a placement that does not fit."""
         cfg = self.config
-        if self.parallel_rank is None or cfg.expert_parallel_size == 1:
+        if rank is None or cfg.expert_parallel_size == 1:
             return None
         from deepinfer import checkpoint
         from deepinfer.parallel.sharding import initial_expert_parallel
@@ -503,8 +507,7 @@ class LLM:
                              f"{checkpoint.family_of(conf, where).model_type} family has no expert-parallel MoE "
                              f"(use expert_parallel_size=1: data parallelism alone)")
         num_experts = checkpoint.parse_config(conf, where).n_routed_experts
-        return initial_expert_parallel(num_experts, self.parallel_rank, cfg.expert_parallel_size,
-                                       cfg.num_redundant_experts)
+        return initial_expert_parallel(num_experts, rank, cfg.expert_parallel_size, cfg.num_redundant_experts)
 
     def _dp_stepper(self):
         """A rank's DP step loop (expert parallelism): the per-step agreement, the shared prefill budget, empty

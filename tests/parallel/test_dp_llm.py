@@ -106,6 +106,11 @@ def test_parallel_settings_are_checked():
             cfg.dp_prefill_budget) == (4, 4, 4, 32, 1024)
     with pytest.raises(ValueError, match="built"):
         LLM(object.__new__(type("M", (), {"forward": lambda self: None})), data_parallel_size=2)
+    # checked before any rank starts: 8 experts + 1 redundant slot do not split over 2 ranks
+    with pytest.raises(ValueError, match="num_redundant_experts=1"):
+        LLM("tiny", data_parallel_size=2, expert_parallel_size=2, num_redundant_experts=1)
+    with pytest.raises(ValueError, match="not a checkpoint directory"):
+        LLM("/nonexistent/ckpt", data_parallel_size=2)
 
 
 # ---------------------------------------------------------------------------------------------- 2 ranks, EP
