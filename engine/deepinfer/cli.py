@@ -442,6 +442,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    "--max-num-batched-tokens)")
     d.add_argument("--dist-timeout", type=_positive_float, default=600.0,
                    help="seconds a collective waits for the other ranks before the run fails")
+    d.add_argument("--dist-backend", choices=("gloo", "nccl"), default=None,
+                   help="torch.distributed backend (default: nccl on CUDA, gloo on the CPU)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -458,7 +460,7 @@ def engine_config(args: argparse.Namespace):
                         expert_parallel_size=args.expert_parallel_size,
                         num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
                         eplb_window=args.eplb_window, dp_prefill_budget=args.dp_prefill_budget,
-                        dist_timeout_s=args.dist_timeout)
+                        dist_timeout_s=args.dist_timeout, dist_backend=args.dist_backend)
 
 
 def load_llm(args: argparse.Namespace, cfg=None, model_obj=None, **kwargs):

@@ -100,10 +100,12 @@ def test_parallel_settings_are_checked():
             EngineConfig(**kwargs).validate()
     args = build_parser().parse_args(["generate", "--input", "-", "--output", "-", "--data-parallel-size", "4",
                                       "--expert-parallel-size", "4", "--num-redundant-experts", "4",
-                                      "--eplb-interval", "32", "--dp-prefill-budget", "1024"])
+                                      "--eplb-interval", "32", "--dp-prefill-budget", "1024", "--dist-backend",
+                                      "gloo", "--dist-timeout", "30"])
     cfg = engine_config(args)
     assert (cfg.data_parallel_size, cfg.expert_parallel_size, cfg.num_redundant_experts, cfg.eplb_interval,
-            cfg.dp_prefill_budget) == (4, 4, 4, 32, 1024)
+            cfg.dp_prefill_budget, cfg.dist_backend, cfg.dist_timeout_s) == (4, 4, 4, 32, 1024, "gloo", 30.0)
+    assert cfg.parallel.resolved_backend("cuda") == "gloo"
     with pytest.raises(ValueError, match="built"):
         LLM(object.__new__(type("M", (), {"forward": lambda self: None})), data_parallel_size=2)
     # checked before any rank starts: 8 experts + 1 redundant slot do not split over 2 ranks
