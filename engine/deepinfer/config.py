@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 
 
+MAX_SPECULATIVE_TOKENS = 5
+
+
 @dataclass
 class EngineConfig:
     """Settings of the offline engine.
@@ -55,6 +58,12 @@ class EngineConfig:
             before it to rebuild the sliding-window KV and the compressor state (rounded to a block). ``None``: the
             model's exact bound (DeepSeek-V4: layers x window, outputs equal those without the hit); a smaller value
             (DeepInfer's 140) is cheaper but changes outputs after the hit.
+        speculative_method: ``None`` (off) or ``"mtp"``: speculative decoding with the model's MTP layer as the
+            drafter (``docs/speculative.md``). Steps then run in order (no asynchronous overlap) and without CUDA
+            graphs; requests with penalties, a logit bias or ``structured_outputs`` decode without drafts.
+        num_speculative_tokens: drafts per sequence and step with speculation on (1 to 5; default 3).
+        spec_schedule: ``"confidence"`` (the verified length per sequence maximises expected accepted tokens per
+            unit of step cost, from the drafts' confidences) or ``"fixed"`` (always ``num_speculative_tokens``).
     """
 
     block_size: int = 128
@@ -77,6 +86,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     prefix_replay_tokens: int | None = None
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    spec_schedule: str = "confidence"
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting has the wrong type or is out of range."""
@@ -122,8 +134,21 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_dtype must be 'auto', 'bf16' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.gemm not in ("auto", "fp8", "dequant"):
             raise ValueError(f"EngineConfig.gemm must be 'auto', 'fp8' or 'dequant', got {self.gemm!r}")
+        if self.speculative_method not in (None, "mtp"):
+            raise ValueError(f"EngineConfig.speculative_method must be None or 'mtp', got {self.speculative_method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"EngineConfig.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {k!r}")
+        if self.spec_schedule not in ("confidence", "fixed"):
+            raise ValueError(f"EngineConfig.spec_schedule must be 'confidence' or 'fixed', got {self.spec_schedule!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per sequence and step: ``num_speculative_tokens`` with speculation on, else 0."""
+        return self.num_speculative_tokens if self.speculative_method is not None else 0
 
     @property
     def chunk_align(self) -> int:

@@ -356,8 +356,9 @@ class LLM:
             raise ValueError(f"EngineConfig.kv_cache_dtype: {type(self.model).__name__} has no cache spec to store "
                              f"{cfg.kv_cache_dtype!r} in; use 'auto'")
         self.graph_memory_estimate = 0
+        eager = cfg.enforce_eager or cfg.speculative_method is not None  # speculative steps run eagerly
         if cfg.num_blocks is None:
-            if spec is not None and ModelRunner.captures_graphs(self.model, self.device, cfg.enforce_eager,
+            if spec is not None and ModelRunner.captures_graphs(self.model, self.device, eager,
                                                                 cfg.max_num_seqs, self.max_model_len):
                 self.graph_memory_estimate = ModelRunner.measure_graph_memory(
                     self.model, self.device, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
@@ -375,8 +376,12 @@ class LLM:
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
-                                  enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
+                                  enforce_eager=eager, max_num_seqs=cfg.max_num_seqs,
                                   max_model_len=self.max_model_len)
+        if cfg.speculative_method is not None:
+            from deepinfer.spec_decode import SpecDecoder
+
+            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, cfg.spec_schedule)
         from deepinfer.structured import GrammarCompiler
 
         self.grammars = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.eos_token_ids) \

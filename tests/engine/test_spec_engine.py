@@ -1,0 +1,214 @@
+"""Speculative decoding through the engine on the tiny model (random weights, CPU): greedy outputs equal speculation
+off, stops and max_tokens inside an accepted block, usage, preemption with drafts, a draining batch.
+
+With random weights the MTP layer's drafts are almost always rejected, so most tests also run an oracle drafter
+(the spec-off output, with some drafts deliberately wrong): blocks of several accepted drafts, partial rejections
+and their rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer.spec_decode as sd
+from deepinfer.config import EngineConfig
+from deepinfer.engine import OutputProcessor
+from deepinfer.llm import LLM
+from deepinfer.scheduler import Scheduler, ScheduledRequest, SchedulerOutput
+from deepinfer.sequence import SamplingParams, Sequence
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+PROMPTS = [[(7 * i + 3 * j) % 1000 + 10 for j in range(5 + 9 * i)] for i in range(4)]
+GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("tiny", max_num_seqs=8)
+    return {tuple(p): o for p, o in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
+
+
+def _spec(k: int, schedule: str = "fixed", **kw) -> LLM:
+    return LLM("tiny", speculative_method="mtp", num_speculative_tokens=k, spec_schedule=schedule,
+               **{"max_num_seqs": 8, **kw})
+
+
+@pytest.fixture
+def oracle(monkeypatch, reference):
+    """Drafts from the spec-off greedy output: right except where ``(output index + prompt length) % 3 == 0``."""
+    refs = {p: o.token_ids for p, o in reference.items()}
+    real = sd.SpecDecoder._draw
+
+    def draw(self, logits, states, counters):
+        toks, conf, probs = real(self, logits, states, counters)
+        for n, (st, c) in enumerate(zip(states, counters)):
+            ref = refs.get(tuple(st.token_ids[:st.num_prompt_tokens]))
+            if ref is not None and c < len(ref):
+                wrong = (c + st.num_prompt_tokens) % 3 == 0
+                toks[n] = (ref[c] + 1) % 1000 if wrong else ref[c]
+                conf[n] = 0.2 if wrong else 0.9
+                if probs[n] is not None:
+                    probs[n] = torch.nn.functional.one_hot(torch.tensor(toks[n]), probs[n].numel()).float()
+        return toks, conf, probs
+
+    monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
+    return refs
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_speculation_off_alone_and_batched(reference, k):
+    llm = _spec(k)
+    batched = llm.generate(PROMPTS, GREEDY)
+    alone = [llm.generate([p], GREEDY)[0] for p in PROMPTS[:2]]
+    for p, o in zip(PROMPTS, batched):
+        assert o.token_ids == reference[tuple(p)].token_ids and o.finish_reason == "length"
+    for p, o in zip(PROMPTS, alone):
+        assert o.token_ids == reference[tuple(p)].token_ids
+    assert llm.runner.spec.stats.verifications > 0
+
+
+@pytest.mark.parametrize("k,schedule", [(1, "fixed"), (3, "fixed"), (5, "fixed"), (3, "confidence")])
+def test_greedy_with_accepted_blocks_equals_speculation_off(reference, oracle, k, schedule):
+    llm = _spec(k, schedule)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        ref = reference[tuple(p)]
+        assert o.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+    stats = llm.runner.spec.stats
+    assert stats.accepted > 0 and stats.accepted < stats.drafted  # whole blocks and partial rejections
+    if k > 1:
+        assert stats.accepted_at[1] > 0
+
+
+def test_stop_token_inside_an_accepted_block(reference, oracle):
+    p = PROMPTS[2]
+    ref = reference[tuple(p)].token_ids
+    stop = ref[6]
+    cut = ref.index(stop)
+    out = _spec(3).generate([p], SamplingParams(max_tokens=14, temperature=0.0, stop_token_ids=(stop,)))[0]
+    assert out.token_ids == ref[:cut] and out.finish_reason == "stop" and out.stop_token_id == stop
+
+
+def test_max_tokens_inside_a_block(reference, oracle):
+    for n in (1, 2, 5, 7):
+        llm = _spec(3)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        for p, o in zip(PROMPTS, outs):
+            assert o.token_ids == reference[tuple(p)].token_ids[:n] and o.finish_reason == "length"
+        assert llm.last_stats.completion_tokens == n * len(PROMPTS)
+
+
+def test_postprocess_truncates_a_block_at_max_tokens_and_rolls_back():
+    cfg = EngineConfig(num_blocks=4, block_size=128, speculative_method="mtp", num_speculative_tokens=3)
+    from deepinfer.block_manager import BlockManager
+
+    sched = Scheduler(cfg, BlockManager(4, 128), 1024, eos_token_ids=(0,))
+    a = Sequence(1, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=False), seed=0)
+    b = Sequence(2, [5, 6, 7], SamplingParams(max_tokens=10), seed=0)
+    for s in (a, b):
+        sched.add(s)
+    sched.postprocess(sched.schedule(), [11, 11], [-0.5, -0.5])  # prefills: one token each
+    out = sched.schedule()
+    assert [r.num_draft_tokens for r in out.scheduled] == [1, 3]  # a: max_tokens leaves room for 1 draft
+    assert [r.num_new_tokens for r in out.scheduled] == [2, 4]
+    # a gets a longer block than it may keep; b's block holds EOS after 2 tokens
+    sched.postprocess(out, [[12, 13, 14], [21, 22, 0, 23]], [[-1.0] * 3, [-1.0] * 4], [[[]] * 3, [[]] * 4])
+    assert a.output_token_ids == [11, 12, 13] and a.finish_reason == "length"
+    assert b.output_token_ids == [11, 21, 22] and b.finish_reason == "stop" and b.stop_token_id == 0
+    assert sched.num_generated_tokens == 6
+    c = Sequence(3, [5, 6, 7], SamplingParams(max_tokens=10), seed=0)
+    sched.add(c)
+    sched.postprocess(sched.schedule(), [11], [-0.5])
+    out = sched.schedule()
+    sched.postprocess(out, [[31, 32]], [[-1.0, -1.0]], [[[], []]])  # one draft accepted of 3
+    assert c.num_computed_tokens == 3 + 2 and c.num_tokens == 6  # the rejected positions no longer count
+
+
+def test_stop_string_inside_a_block_ends_the_output_there(reference, oracle):
+    llm = _spec(3)
+    eng = llm.engine
+    out = OutputProcessor(eng)
+    p = PROMPTS[1]
+    seq = Sequence(900, list(p), SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), seed=0)
+    seen: list[int] = []
+
+    def stop_at_5(t, lp, top):
+        seen.append(t)
+        return len(seen) == 5
+
+    eng.add_request(seq)
+    out.add(seq, stop_at_5)
+    generated0 = llm.scheduler.num_generated_tokens
+    while eng.has_unfinished_requests():
+        out.process(eng.step())
+    assert seq.finish_reason == "stop" and seq.output_token_ids == seen == reference[tuple(p)].token_ids[:5]
+    assert len(seq.output_logprobs) == len(seq.output_top_logprobs) == 5
+    assert llm.scheduler.num_generated_tokens - generated0 == 5  # usage counts what is kept
+    assert llm.runner.spec.stats.accepted > 0
+
+
+def test_preemption_with_drafts_in_flight(reference, oracle):
+    # 3 blocks for 4 requests of up to 150 positions: requests are preempted and recomputed mid-decode
+    llm = _spec(3, num_blocks=3, max_num_batched_tokens=256)
+    long = [list(p) + [11] * 120 for p in PROMPTS]
+    ref_llm = LLM("tiny", max_num_seqs=8)
+    sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    refs = ref_llm.generate(long, sp)
+    outs = llm.generate(long, sp)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+
+
+def test_a_batch_draining_to_one_request_completes(reference):
+    llm = _spec(3, max_num_seqs=12)
+    prompts = [[(5 * i + j) % 900 + 20 for j in range(3 + i)] for i in range(12)]
+    params = [SamplingParams(max_tokens=1 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(12)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [1 + 2 * i for i in range(12)]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert not llm.engine.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.config.num_blocks
+
+
+def test_sampled_requests_are_batch_invariant_and_reproducible():
+    llm = _spec(3, batch_invariant=True)
+    sps = [SamplingParams(max_tokens=10, temperature=0.9, top_k=50, seed=100 + i, ignore_eos=True) for i in range(3)]
+    batched = llm.generate(PROMPTS[:3], sps)
+    alone = [llm.generate([p], sp)[0] for p, sp in zip(PROMPTS[:3], sps)]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == 10 for o in batched)
+
+
+def test_requests_that_cannot_speculate_decode_plainly_next_to_ones_that_do(reference):
+    llm = _spec(2)
+    penal = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, presence_penalty=0.5)
+    outs = llm.generate(PROMPTS[:2], [penal, GREEDY])
+    plain = LLM("tiny", max_num_seqs=8).generate([PROMPTS[0]], penal)[0]
+    assert outs[0].token_ids == plain.token_ids
+    assert outs[1].token_ids == reference[tuple(PROMPTS[1])].token_ids
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("speculative_method", "eagle", "speculative_method"),
+    ("num_speculative_tokens", 0, "num_speculative_tokens"),
+    ("num_speculative_tokens", 6, "num_speculative_tokens"),
+    ("num_speculative_tokens", 2.0, "num_speculative_tokens"),
+    ("spec_schedule", "adaptive", "spec_schedule"),
+])
+def test_bad_settings_name_the_field(field, value, match):
+    cfg = EngineConfig(speculative_method="mtp")
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=match):
+        cfg.validate()
+
+
+def test_choose_lengths_maximises_expected_tokens_per_cost():
+    flat = lambda extra: 1.0  # noqa: E731 - a step that costs the same for any number of drafts
+    assert sd.choose_lengths([[0.9, 0.5, 0.1], [0.2]], flat) == [3, 1]
+    steep = lambda extra: 1.0 + extra  # noqa: E731 - every draft costs a whole step
+    assert sd.choose_lengths([[0.9, 0.9], [0.6]], steep) == [0, 0]
+    mid = lambda extra: 1.0 + 0.25 * extra  # noqa: E731
+    # survivals 0.9, 0.81, 0.2: the first two pay for their cost, the third does not
+    assert sd.choose_lengths([[0.9, 0.9], [0.2]], mid) == [2, 0]
+    assert sd.choose_lengths([], flat) == []
