@@ -212,3 +212,55 @@ def test_choose_lengths_maximises_expected_tokens_per_cost():
     # survivals 0.9, 0.81, 0.2: the first two pay for their cost, the third does not
     assert sd.choose_lengths([[0.9, 0.9], [0.2]], mid) == [2, 0]
     assert sd.choose_lengths([], flat) == []
+
+
+def _recording(llm: LLM) -> dict:
+    """``{prompt ids: output ids}`` of the requests ``llm`` runs from now on (filled as they finish)."""
+    seen: list[Sequence] = []
+    new_seq = llm._new_seq
+
+    def record(prompt_ids, params):
+        seq = new_seq(prompt_ids, params)
+        seen.append(seq)
+        return seq
+
+    llm._new_seq = record
+    return seen
+
+
+def test_chat_with_speculation_equals_speculation_off(monkeypatch):
+    """Stop strings inside accepted blocks and the usage of LLM.chat (completion and reasoning tokens) are those
+    of speculation off."""
+    user = {"role": "user", "content": "Tell me about Paris."}
+    base = {"messages": [user], "max_tokens": 16, "temperature": 0, "seed": 1}
+    off = LLM("tiny", created=0)
+    seen = _recording(off)
+    free = off.chat([dict(base, thinking={"type": "disabled"}), dict(base, thinking={"type": "enabled"})])
+    refs = {tuple(s.prompt_token_ids): s.output_token_ids for s in seen}
+    text = free[0]["choices"][0]["message"]["content"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip()
+    real = sd.SpecDecoder._draw
+
+    def draw(self, logits, states, counters):  # drafts from speculation off, every third one wrong
+        toks, conf, probs = real(self, logits, states, counters)
+        for n, (st, c) in enumerate(zip(states, counters)):
+            ref = refs.get(tuple(st.token_ids[:st.num_prompt_tokens]), [])
+            if c < len(ref):
+                toks[n] = ref[c] if c % 3 else (ref[c] + 1) % 1000
+                if probs[n] is not None:  # a sampled request: the draft was drawn from a point mass
+                    probs[n] = torch.nn.functional.one_hot(torch.tensor(toks[n]), probs[n].numel()).float()
+        return toks, conf, probs
+
+    monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
+    reqs = [dict(base, thinking={"type": "disabled"}, stop=[stop]), dict(base, thinking={"type": "enabled"})]
+    want = off.chat(reqs)
+    llm = LLM("tiny", created=0, speculative_method="mtp", num_speculative_tokens=3, spec_schedule="fixed")
+    got = llm.chat(reqs)
+    assert llm.runner.spec.stats.accepted > 0
+    # greedy: the same text and usage; thinking mode samples (temperature is ignored there), so only the usage rules
+    assert got[0]["choices"] == want[0]["choices"] and got[0]["usage"] == want[0]["usage"]
+    assert got[0]["choices"][0]["finish_reason"] == "stop"
+    assert got[0]["usage"]["completion_tokens"] < 16
+    u = got[1]["usage"]
+    assert u["completion_tokens_details"]["reasoning_tokens"] <= u["completion_tokens"] == 16
