@@ -381,7 +381,13 @@ class LLM:
         if cfg.speculative_method is not None:
             from deepinfer.spec_decode import SpecDecoder
 
-            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, cfg.spec_schedule)
+            cost = None
+            if cfg.spec_schedule == "confidence" and self.device.type == "cuda":  # the CPU keeps the default model
+                from deepinfer.spec_decode import profile_step_cost
+
+                sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_num_seqs] + [cfg.max_num_seqs]
+                cost = profile_step_cost(self.runner, sizes, cfg.num_speculative_tokens)
+            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, cfg.spec_schedule, cost)
         from deepinfer.structured import GrammarCompiler
 
         self.grammars = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.eos_token_ids) \

@@ -363,6 +363,60 @@ class SpecDecoder:
                                                       mtp_streams[logits_rows[n]].clone())
 
 
+class StepCostTable:
+    """Measured step cost against batch shape, read on the host: ``table(num_seqs, num_tokens)`` -> seconds.
+
+    ``points``: ``{num_seqs: [(num_tokens, seconds), ...]}``. A query takes the smallest measured batch size at or
+    above ``num_seqs`` (the largest when none is), then interpolates linearly in ``num_tokens`` between its points
+    (extrapolating from the last two past either end). Raises ValueError naming ``points`` when it is empty or a
+    batch size has no point."""
+
+    def __init__(self, points: dict[int, list[tuple[int, float]]]) -> None:
+        if not points or any(not v for v in points.values()):
+            raise ValueError("points: every measured batch size needs at least one (num_tokens, seconds) point")
+        self.points = {int(n): sorted((int(t), float(c)) for t, c in v) for n, v in points.items()}
+        self._sizes = sorted(self.points)
+
+    def __call__(self, num_seqs: int, num_tokens: int) -> float:
+        fits = [n for n in self._sizes if n >= num_seqs]
+        pts = self.points[fits[0] if fits else self._sizes[-1]]
+        if len(pts) == 1:
+            return pts[0][1]
+        i = next((j for j in range(1, len(pts)) if pts[j][0] >= num_tokens), len(pts) - 1)
+        (t0, c0), (t1, c1) = pts[i - 1], pts[i]
+        c = c0 + (c1 - c0) * (num_tokens - t0) / max(t1 - t0, 1)
+        return max(c, 1e-9)
+
+
+@torch.inference_mode()
+def profile_step_cost(runner, batch_sizes: list[int], max_drafts: int, repeats: int = 2) -> StepCostTable:
+    """Time verification-shaped target forwards at start-up (before any request: the dummy sequences all write
+    block 0, as a graph capture's do): for each batch size ``n`` and each ``1 + k`` tokens per sequence (``k`` in
+    ``0 .. max_drafts``), the best of ``repeats`` timed forwards after one warm-up. Returns the
+    :class:`StepCostTable`."""
+    from deepinfer.models.deepseek_v4.plan import SeqStep
+
+    dev = runner.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    points: dict[int, list[tuple[int, float]]] = {}
+    for n in batch_sizes:
+        for q in range(1, max_drafts + 2):
+            plan_args = ([SeqStep(0, q, (0,))] * n, [0] * (n * q), list(range(n * q)))
+            best = float("inf")
+            for r in range(repeats + 1):
+                plan = runner.builder.build(*plan_args, runner.batch_invariant, checked=True)
+                for cp in plan.comp.values():
+                    cp.deferred = []
+                sync()
+                t = time.perf_counter()
+                runner.model.forward(plan, runner.cache)
+                sync()
+                if r:
+                    best = min(best, time.perf_counter() - t)
+            points.setdefault(n, []).append((n * q, best))
+    return StepCostTable(points)
+
+
 def default_step_cost(num_seqs: int, num_tokens: int) -> float:
     """A step's cost in arbitrary units when none was profiled: a fixed part and a part per token (the shape of a
     step that reads every weight once and then grows with its tokens)."""

@@ -264,3 +264,22 @@ def test_chat_with_speculation_equals_speculation_off(monkeypatch):
     assert got[0]["usage"]["completion_tokens"] < 16
     u = got[1]["usage"]
     assert u["completion_tokens_details"]["reasoning_tokens"] <= u["completion_tokens"] == 16
+
+
+def test_step_cost_table_is_profiled_and_interpolated():
+    llm = _spec(2, max_num_seqs=4)
+    table = sd.profile_step_cost(llm.runner, [1, 4], 2, repeats=1)
+    assert sorted(table.points) == [1, 4] and [t for t, _ in table.points[4]] == [4, 8, 12]
+    assert all(c > 0 for pts in table.points.values() for _, c in pts)
+    t = sd.StepCostTable({1: [(1, 1.0), (3, 2.0)], 8: [(8, 4.0), (16, 8.0)]})
+    assert t(1, 2) == 1.5 and t(2, 12) == 6.0 and t(100, 8) == 4.0 and t(1, 5) == 3.0
+    with pytest.raises(ValueError, match="points"):
+        sd.StepCostTable({})
+    # the engine's outputs do not depend on the cost model (greedy)
+    llm.runner.spec.cost = table
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == LLM("tiny").generate([PROMPTS[0]], GREEDY)[0].token_ids
+
+
+def test_a_model_without_an_mtp_drafter_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match="speculative_method"):
+        LLM("tiny-v41", speculative_method="mtp")
