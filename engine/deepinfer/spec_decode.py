@@ -165,8 +165,8 @@ class SpecDecoder:
         t0 = time.perf_counter()
         r = self.runner
         r.update_states(output)
-        for rid in output.finished_req_ids + output.preempted_req_ids:
-            self.drafts.pop(rid, None)
+        for rid in [rid for rid in self.drafts if rid not in r.requests]:  # finished or preempted (also in steps
+            del self.drafts[rid]                                             # that scheduled nothing)
         items = output.scheduled
         if not items:
             raise RuntimeError("ModelRunner.execute: the scheduler output schedules nothing")
