@@ -325,3 +325,19 @@ def test_batch_invariant_greedy_is_bitwise_speculation_off(oracle):
     on = _spec(3, batch_invariant=True).generate(PROMPTS[:2], GREEDY)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
     assert [o.logprobs for o in on] == [o.logprobs for o in off]
+
+
+def test_cli_options_reach_the_engine_config():
+    from deepinfer.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["generate", "--input", "a", "--output", "b", "--speculative-method", "mtp",
+                                      "--num-speculative-tokens", "2", "--spec-schedule", "fixed"])
+    cfg = engine_config(args)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.spec_schedule, cfg.num_drafts) == \
+        ("mtp", 2, "fixed", 2)
+    off = engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b"]))
+    assert off.speculative_method is None and off.num_drafts == 0
+    bad = engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b",
+                                                   "--speculative-method", "mtp", "--num-speculative-tokens", "9"]))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        bad.validate()
