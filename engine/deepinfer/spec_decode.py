@@ -129,10 +129,19 @@ class SpecDecoder:
         keep = [None if bool(g) else probs[i] for i, g in enumerate(greedy.tolist())]
         return tokens.tolist(), conf.tolist(), keep
 
-    def _chain(self, items, states, nv: list[int]) -> None:
-        """Extend each request's drafts to ``nv[i]`` tokens with the MTP layer on its own outputs."""
+    def _chain(self, items, states, nv: list[int]) -> list[int]:
+        """Extend each request's drafts to ``nv[i]`` tokens with the MTP layer on its own outputs; returns the
+        drafts each request holds (``"confidence"``: a request stops drafting once even a certain next draft
+        would not be verified, :meth:`_worth_drafting`)."""
+        nv = list(nv)
         for j in range(2, max(nv, default=0) + 1):
             sel = [i for i, k in enumerate(nv) if k >= j and len(self.drafts[items[i].req_id].tokens) < j]
+            if sel and self.schedule == "confidence":
+                sel = self._worth_drafting(items, nv, sel, j)
+            chained = set(sel)
+            for i, k in enumerate(nv):
+                if k >= j and i not in chained:
+                    nv[i] = min(k, len(self.drafts[items[i].req_id].tokens))
             if not sel:
                 continue
             ds = [self.drafts[items[i].req_id] for i in sel]
@@ -149,6 +158,19 @@ class SpecDecoder:
                 d.conf.append(conf[n])
                 d.probs.append(probs[n])
                 d.hidden = streams[n].clone()
+        return nv
+
+    def _worth_drafting(self, items, nv: list[int], sel: list[int], j: int) -> list[int]:
+        """The requests of ``sel`` whose draft ``j`` :func:`choose_lengths` would verify if its confidence were 1
+        (the best case; the other requests' drafts as known so far)."""
+        confs = []
+        candidates = set(sel)
+        for i, (it, k) in enumerate(zip(items, nv)):
+            c = self.drafts[it.req_id].conf[:min(k, j - 1)] if k else []
+            confs.append(c + [1.0] if i in candidates else c)
+        base = sum(it.num_new_tokens - it.num_draft_tokens for it in items)
+        best = choose_lengths(confs, lambda extra: self.cost(len(items), base + extra))
+        return [i for i in sel if best[i] >= j]
 
     def _lengths(self, items, nv: list[int]) -> list[int]:
         """Verified drafts per request: all of them (``"fixed"``), or :func:`choose_lengths` of the confidences."""
@@ -176,8 +198,7 @@ class SpecDecoder:
             ds = self.drafts.get(it.req_id)
             ok = it.num_draft_tokens and ds is not None and ds.position == it.start + 1 == len(st.token_ids)
             nv.append(it.num_draft_tokens if ok else 0)
-        self._chain(items, states, nv)
-        nv = self._lengths(items, nv)
+        nv = self._lengths(items, self._chain(items, states, nv))
 
         # 2. the target over every request's tokens: a verification's last token and drafts
         n_base = [it.num_new_tokens - it.num_draft_tokens for it in items]

@@ -341,3 +341,14 @@ def test_cli_options_reach_the_engine_config():
                                                    "--speculative-method", "mtp", "--num-speculative-tokens", "9"]))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         bad.validate()
+
+
+def test_confidence_schedule_stops_drafting_what_it_would_not_verify(reference, oracle):
+    """With a cost that makes a draft of confidence 0.2 not worth its tokens, the chain stops after a wrong
+    (0.2) draft and the verification stops before it: fewer drafts, the same greedy output."""
+    llm = _spec(5, "confidence")
+    llm.runner.spec.cost = lambda n, t: 1.0 + 0.5 * t  # noqa: E731 - half a step per token
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [reference[tuple(p)].token_ids for p in PROMPTS]
+    stats = llm.runner.spec.stats
+    assert stats.verifications > 0 and stats.accepted == stats.drafted  # no wrong draft was ever verified
