@@ -202,8 +202,9 @@ class LLMEngine:
         host_s += time.perf_counter() - t
         dt, self._last = t - self._last, t
         n_decode = out.num_decode_tokens
-        self.records.append(StepRecord(n_decode, output.num_scheduled_tokens - n_decode, dt, out.host_seconds,
-                                       host_s, out.gpu_seconds))
+        # a speculative step counts the tokens its decodes emitted, not the drafts it verified
+        n_prefill = getattr(out, "num_prefill_tokens", output.num_scheduled_tokens - n_decode)
+        self.records.append(StepRecord(n_decode, n_prefill, dt, out.host_seconds, host_s, out.gpu_seconds))
         return touched
 
 

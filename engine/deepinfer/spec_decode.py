@@ -45,15 +45,18 @@ class DraftState:
 class SpecStepOutput:
     """A finished speculative step (its results are on the host): what :class:`~deepinfer.model_runner.StepOutput`
     gives the engine. ``result()`` holds, per sampled request in step order, a token (no drafts) or the list of
-    tokens its verification emitted (with lists of their logprobs and top logprobs)."""
+    tokens its verification emitted (with lists of their logprobs and top logprobs). ``num_decode_tokens``: tokens
+    its decodes emitted (the throughput view); ``num_prefill_tokens``: its prefill chunks' tokens."""
 
     graph = False
     gpu_seconds = 0.0
 
-    def __init__(self, ids: list, logprobs: list, tops: list, t0: float, host_s: float, num_decode_tokens: int):
+    def __init__(self, ids: list, logprobs: list, tops: list, t0: float, host_s: float, num_decode_tokens: int,
+                 num_prefill_tokens: int):
         self._result = (ids, logprobs, tops, time.perf_counter() - t0)
         self.host_seconds = host_s
         self.num_decode_tokens = num_decode_tokens
+        self.num_prefill_tokens = num_prefill_tokens
         self.seq_rows: dict[int, int] = {}
 
     def result(self) -> tuple[list, list, list, float]:
@@ -243,9 +246,11 @@ class SpecDecoder:
 
         # 5. the MTP layer over the kept positions; the next step's first drafts
         self._mtp_pass(items, states, c0, kept, row_starts, streams)
-        n_decode = sum(it.num_new_tokens for it, st in zip(items, states) if it.start >= st.num_prompt_tokens
-                       and it.num_new_tokens - it.num_draft_tokens == 1)
-        return SpecStepOutput(ids_out, lps_out, tops_out, t0, time.perf_counter() - t0, n_decode)
+        decode = [it.start >= st.num_prompt_tokens and b == 1 for it, st, b in zip(items, states, n_base)]
+        # a decode emits its kept positions' worth of tokens (1 + accepted drafts)
+        n_decode = sum(k for k, d in zip(kept, decode) if d)
+        n_prefill = sum(it.num_new_tokens for it, d in zip(items, decode) if not d)
+        return SpecStepOutput(ids_out, lps_out, tops_out, t0, time.perf_counter() - t0, n_decode, n_prefill)
 
     def _sample(self, items, states, nv, logits, row_states, counters, masks):
         """Draws and acceptance: per sampled request its token(s), logprob(s) and top logprobs (in step order),

@@ -352,3 +352,12 @@ def test_confidence_schedule_stops_drafting_what_it_would_not_verify(reference, 
     assert [o.token_ids for o in outs] == [reference[tuple(p)].token_ids for p in PROMPTS]
     stats = llm.runner.spec.stats
     assert stats.verifications > 0 and stats.accepted == stats.drafted  # no wrong draft was ever verified
+
+
+def test_step_records_count_emitted_decode_tokens(oracle):
+    llm = _spec(3)
+    outs = llm.generate(PROMPTS, GREEDY)
+    st = llm.last_stats
+    assert st.prefill_tokens == sum(len(p) for p in PROMPTS)
+    # every output token but each request's first (sampled by its prefill) is a decode token
+    assert st.decode_tokens == sum(len(o.token_ids) - 1 for o in outs)
