@@ -129,6 +129,9 @@ class SpecDecoder:
         greedy = temp < MIN_SAMPLING_TEMPERATURE
         seeds = torch.tensor([st.seed for st in states], dtype=torch.int64, device=dev)
         tokens, conf = draw_drafts(probs, greedy, seeds, torch.tensor(counters, dtype=torch.int64, device=dev))
+        if bool(greedy.any()):  # a greedy draft's confidence: the drafter's softmax probability of its argmax
+            top = torch.softmax(logits.float(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            conf = torch.where(greedy, top, conf)
         keep = [None if bool(g) else probs[i] for i, g in enumerate(greedy.tolist())]
         return tokens.tolist(), conf.tolist(), keep
 

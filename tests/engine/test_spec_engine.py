@@ -361,3 +361,17 @@ def test_step_records_count_emitted_decode_tokens(oracle):
     assert st.prefill_tokens == sum(len(p) for p in PROMPTS)
     # every output token but each request's first (sampled by its prefill) is a decode token
     assert st.decode_tokens == sum(len(o.token_ids) - 1 for o in outs)
+
+
+def test_greedy_draft_confidence_is_the_drafters_probability():
+    llm = _spec(2)
+    spec = llm.runner.spec
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+
+    class St:
+        params = SamplingParams(temperature=0.0)
+        seed = 1
+
+    toks, conf, probs = spec._draw(logits, [St(), St()], [0, 0])
+    assert toks == [1, 0] and probs == [None, None]
+    torch.testing.assert_close(torch.tensor(conf), torch.softmax(logits, -1).max(-1).values)
