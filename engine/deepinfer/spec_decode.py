@@ -90,7 +90,8 @@ class SpecDecoder:
             that maximise expected emitted tokens per unit of :attr:`cost` from the drafts' confidences).
         cost: ``cost(num_seqs, num_tokens) -> float`` of a step (host data only); default :func:`default_step_cost`.
     Raises:
-        ValueError naming ``speculative_method`` when the model has no MTP layer or step plan.
+        ValueError naming ``speculative_method`` when the model has no MTP layer or step plan, or runs under
+        expert parallelism.
     """
 
     def __init__(self, runner, num_speculative_tokens: int, schedule: str = "confidence", cost=None) -> None:
@@ -99,6 +100,9 @@ class SpecDecoder:
                 or not len(getattr(model, "mtp", ())):
             raise ValueError(f"EngineConfig.speculative_method: 'mtp' needs a model with an MTP layer and a step plan "
                              f"(DeepSeek-V4); {type(model).__name__} has none")
+        if getattr(model, "expert_parallel", None) is not None:  # ranks must run the same forwards per step
+            raise ValueError("EngineConfig.speculative_method: not supported with expert parallelism yet (the "
+                             "number of MTP forwards per step differs between ranks)")
         self.runner = runner
         self.k = num_speculative_tokens
         self.schedule = schedule

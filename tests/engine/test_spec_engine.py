@@ -375,3 +375,26 @@ def test_greedy_draft_confidence_is_the_drafters_probability():
     toks, conf, probs = spec._draw(logits, [St(), St()], [0, 0])
     assert toks == [1, 0] and probs == [None, None]
     torch.testing.assert_close(torch.tensor(conf), torch.softmax(logits, -1).max(-1).values)
+
+
+def test_expert_parallel_models_are_refused():
+    llm = _spec(2)
+    llm.model.expert_parallel = object()
+    try:
+        with pytest.raises(ValueError, match="speculative_method.*expert parallelism"):
+            sd.SpecDecoder(llm.runner, 2)
+    finally:
+        llm.model.expert_parallel = None
+
+
+def test_structured_requests_decode_plainly_next_to_speculating_ones(reference):
+    from deepinfer.structured import StructuredOutputsParams
+
+    choice = SamplingParams(max_tokens=20, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(choice=("yes", "no", "maybe later")))
+    llm = _spec(3)
+    outs = llm.generate(PROMPTS[:2], [choice, GREEDY])
+    plain = LLM("tiny", max_num_seqs=8).generate([PROMPTS[0]], choice)[0]
+    assert outs[0].error is None and outs[0].token_ids == plain.token_ids
+    assert outs[0].text in ("yes", "no", "maybe later")
+    assert outs[1].token_ids == reference[tuple(PROMPTS[1])].token_ids
