@@ -423,6 +423,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefix-replay-tokens", type=_positive_int, default=None,
                    help="positions a prefix-cache hit without a window snapshot recomputes (default: the model's "
                    "exact bound, layers x window; smaller is faster but changes outputs)")
+    e.add_argument("--host-cache-gib", type=float, default=0.0,
+                   help="host memory (GiB, pinned on CUDA) keeping evicted prefix-cache blocks for later hits "
+                   "(default 0: off)")
     e.add_argument("--speculative-method", choices=("mtp",), default=None,
                    help="speculative decoding: 'mtp' drafts with the model's MTP layer (default: off)")
     e.add_argument("--num-speculative-tokens", type=_positive_int, default=3,
@@ -441,7 +444,7 @@ def engine_config(args: argparse.Namespace):
                         seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                         enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-                        prefix_replay_tokens=args.prefix_replay_tokens,
+                        prefix_replay_tokens=args.prefix_replay_tokens, host_cache_gib=args.host_cache_gib,
                         speculative_method=getattr(args, "speculative_method", None),
                         num_speculative_tokens=getattr(args, "num_speculative_tokens", 3),
                         spec_schedule=getattr(args, "spec_schedule", "confidence"))

@@ -58,6 +58,9 @@ class EngineConfig:
             before it to rebuild the sliding-window KV and the compressor state (rounded to a block). ``None``: the
             model's exact bound (DeepSeek-V4: layers x window, outputs equal those without the hit); a smaller value
             (DeepInfer's 140) is cheaper but changes outputs after the hit.
+        host_cache_gib: the prefix cache's host-memory tier: GiB of host memory (pinned on CUDA) that keeps the
+            content of evicted cached blocks and restores it on a hit (``docs/prefix-cache.md``); 0 (default): off.
+            Needs ``enable_prefix_caching`` and a model with cache groups.
         speculative_method: ``None`` (off) or ``"mtp"``: speculative decoding with the model's MTP layer as the
             drafter (``docs/speculative.md``). Steps then run in order (no asynchronous overlap) and without CUDA
             graphs; requests with penalties, a logit bias or ``structured_outputs`` decode without drafts.
@@ -86,6 +89,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     prefix_replay_tokens: int | None = None
+    host_cache_gib: float = 0.0
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
     spec_schedule: str = "confidence"
@@ -104,12 +108,17 @@ class EngineConfig:
                      "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("gpu_memory_utilization", "cpu_cache_gib"):
+        for name in ("gpu_memory_utilization", "cpu_cache_gib", "host_cache_gib"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"EngineConfig.{name} must be a finite number, got {v!r}")
         if self.cpu_cache_gib <= 0:
             raise ValueError(f"EngineConfig.cpu_cache_gib must be positive, got {self.cpu_cache_gib}")
+        if self.host_cache_gib < 0:
+            raise ValueError(f"EngineConfig.host_cache_gib must be >= 0, got {self.host_cache_gib}")
+        if self.host_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.host_cache_gib needs enable_prefix_caching (the host tier keeps evicted "
+                             "prefix-cache blocks)")
         if self.block_size <= 0:
             raise ValueError(f"EngineConfig.block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:

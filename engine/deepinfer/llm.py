@@ -365,19 +365,28 @@ class LLM:
                     cfg.batch_invariant, window_blocks=2, kv_cache_dtype=cfg.kv_cache_dtype)
             cfg.num_blocks = self._derive_num_blocks(spec, window_blocks)
         prefix = self._prefix_caching(spec, model_dir)
+        slots, host_tier = {}, None
         if spec is not None:
             window_blocks = min(window_blocks, cfg.num_blocks)
+            slots = self._host_slots(spec, window_blocks)
             self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size,
-                                              spec.cache_groups(cfg.num_blocks, window_blocks), prefix)
+                                              spec.cache_groups(cfg.num_blocks, window_blocks), prefix, slots)
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size, window_blocks=window_blocks,
                                         kv_cache_dtype=cfg.kv_cache_dtype)
+            if slots:
+                from deepinfer.host_cache import HostCacheTier
+
+                host_tier = HostCacheTier({g: self.cache.group_tensors(g) for g in slots}, slots)
         else:
+            if cfg.host_cache_gib:
+                raise ValueError(f"EngineConfig.host_cache_gib: {type(self.model).__name__} has no cache groups to "
+                                 "keep in host memory; use 0")
             self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, prefix_caching=prefix)
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
                                   enforce_eager=eager, max_num_seqs=cfg.max_num_seqs,
-                                  max_model_len=self.max_model_len)
+                                  max_model_len=self.max_model_len, host_tier=host_tier)
         if cfg.speculative_method is not None:
             from deepinfer.spec_decode import SpecDecoder
 
@@ -397,6 +406,7 @@ class LLM:
                         "cache_bytes_per_token": spec.bytes_per_token() if spec is not None else None,
                         "cache": spec.report(cfg.num_blocks, window_blocks) if spec is not None else None,
                         "prefix_caching": None if prefix is None else {"replay_tokens": prefix.replay_tokens},
+                        "host_cache": None if host_tier is None else {"slots": slots, "bytes": host_tier.nbytes},
                         "cuda_graphs": sorted(self.runner.graphs),
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
                         "graph_memory_bytes": self.runner.graph_memory_bytes,
@@ -445,6 +455,22 @@ class LLM:
         exact = spec.replay_tokens if spec is not None else 1
         replay = cfg.prefix_replay_tokens or exact
         return PrefixCaching(salt, replay, replay >= exact)
+
+    def _host_slots(self, spec, window_blocks: int) -> dict[str, int]:
+        """Host-tier slots per cache group for ``host_cache_gib`` (``deepinfer.host_cache.host_slots``). Raises
+        ValueError naming ``host_cache_gib`` when it holds no block at all."""
+        from deepinfer.host_cache import host_slots
+
+        gib = self.config.host_cache_gib
+        if not gib:
+            return {}
+        per_block = spec.group_bytes_per_block()
+        slots = host_slots(int(gib * (1 << 30)), per_block,
+                           {"full": self.config.num_blocks, "window": window_blocks})
+        if not slots:
+            raise ValueError(f"EngineConfig.host_cache_gib={gib} holds no cache block (a block takes "
+                             f"{sum(per_block.values())} bytes over its groups)")
+        return slots
 
     def _derive_num_blocks(self, spec, window_blocks: int | None) -> int:
         """Enough ``full``-group blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and,

@@ -214,12 +214,16 @@ class ModelRunner:
         enforce_eager: never use CUDA graphs.
         max_num_seqs / max_model_len: the largest decode batch and context a graph must hold (graphs are captured
             when both are given, on CUDA, for a model with a step plan on its FP8 path).
+        host_tier: the prefix cache's host-memory tier (:class:`~deepinfer.host_cache.HostCacheTier`) that runs a
+            step's ``cache_swaps``; None: a step with swaps is refused.
     """
 
     def __init__(self, model, cache, device: torch.device | str, batch_invariant: bool = False,
-                 enforce_eager: bool = True, max_num_seqs: int | None = None, max_model_len: int | None = None):
+                 enforce_eager: bool = True, max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 host_tier=None):
         self.model = model
         self.cache = cache
+        self.host_tier = host_tier
         self.device = torch.device(device)
         self.batch_invariant = batch_invariant
         self.sampler = Sampler(batch_invariant=batch_invariant)
@@ -337,6 +341,11 @@ class ModelRunner:
             RuntimeError: a scheduled request the runner has no state for, a new one it already has, or a released
             block id its table does not hold (naming ``released_block_ids``, the request and the group).
         """
+        if output.cache_swaps:  # before anything reads or writes the blocks this step
+            if self.host_tier is None:
+                raise RuntimeError("ModelRunner: the scheduler output carries cache_swaps but the runner has no "
+                                   "host tier")
+            self.host_tier.apply(output.cache_swaps)
         for rid in output.finished_req_ids + output.preempted_req_ids:
             state = self.requests.pop(rid, None)
             if state is not None:

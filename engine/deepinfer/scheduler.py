@@ -87,6 +87,8 @@ class SchedulerOutput:
         new_requests: requests new to the runner, before ``scheduled`` refers to them.
         finished_req_ids: requests finished or aborted since the previous output (the runner drops their state).
         preempted_req_ids: requests preempted by this output (blocks freed; they come back as new requests).
+        cache_swaps: block copies between the device pools and the host tier of the prefix cache
+            (:class:`~deepinfer.host_cache.SwapOp`), to run in order before the step's forward.
     """
 
     step_id: int
@@ -94,6 +96,7 @@ class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...] = ()
     finished_req_ids: tuple[int, ...] = ()
     preempted_req_ids: tuple[int, ...] = ()
+    cache_swaps: tuple = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -276,7 +279,7 @@ class Scheduler:
                 f"Scheduler made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "
                 f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free")
         out = SchedulerOutput(self._next_step, tuple(scheduled), tuple(new_requests), tuple(self._finished_ids),
-                              tuple(preempted))
+                              tuple(preempted), bm.take_swaps() if scheduled else ())  # else: the next step runs them
         self._next_step += 1
         self._finished_ids = []
         if sampled:
