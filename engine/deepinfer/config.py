@@ -67,6 +67,7 @@ class EngineConfig:
         num_speculative_tokens: drafts per sequence and step with speculation on (1 to 5; default 3).
         spec_schedule: ``"confidence"`` (the verified length per sequence maximises expected accepted tokens per
             unit of step cost, from the drafts' confidences) or ``"fixed"`` (always ``num_speculative_tokens``).
+            Batch-invariant mode always uses the fixed length (the scheduled one depends on the batch).
     """
 
     block_size: int = 128

@@ -391,12 +391,15 @@ class LLM:
             from deepinfer.spec_decode import SpecDecoder
 
             cost = None
-            if cfg.spec_schedule == "confidence" and self.device.type == "cuda":  # the CPU keeps the default model
+            if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
+                # profiled on CUDA; the CPU keeps default_step_cost
                 from deepinfer.spec_decode import profile_step_cost
 
                 sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_num_seqs] + [cfg.max_num_seqs]
                 cost = profile_step_cost(self.runner, sizes, cfg.num_speculative_tokens)
-            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, cfg.spec_schedule, cost)
+            # batch-invariant mode keeps the fixed length: the scheduled one depends on the batch
+            schedule = "fixed" if cfg.batch_invariant else cfg.spec_schedule
+            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, schedule, cost)
         from deepinfer.structured import GrammarCompiler
 
         self.grammars = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.eos_token_ids) \

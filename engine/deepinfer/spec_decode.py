@@ -31,8 +31,10 @@ from deepinfer.speculative import accept_drafts, draw_drafts, filtered_probs
 
 class DraftState:
     """A request's drafts: ``tokens[j]`` goes at context position ``position + j``, with the drafter's
-    distribution ``probs[j]`` (``[V]`` float32; ``None`` for a greedy request) and confidence ``conf[j]``;
-    ``hidden`` (``[hc_mult, hidden]``) the MTP output streams of the row that drafted ``tokens[-1]``."""
+    distribution ``probs[j]`` (``[V]`` float32; ``None`` for a greedy request) and confidence ``conf[j]`` (the
+    drafter's probability of its token: for a sampled request in expectation over the draw, ``sum_v q(v)^2``, so
+    that the verified length never depends on the drafted token and sampling stays lossless); ``hidden``
+    (``[hc_mult, hidden]``) the MTP output streams of the row that drafted ``tokens[-1]``."""
 
     __slots__ = ("position", "tokens", "probs", "conf", "hidden")
 
@@ -132,8 +134,12 @@ class SpecDecoder:
                                r.batch_invariant)
         greedy = temp < MIN_SAMPLING_TEMPERATURE
         seeds = torch.tensor([st.seed for st in states], dtype=torch.int64, device=dev)
-        tokens, conf = draw_drafts(probs, greedy, seeds, torch.tensor(counters, dtype=torch.int64, device=dev))
-        if bool(greedy.any()):  # a greedy draft's confidence: the drafter's softmax probability of its argmax
+        tokens, _ = draw_drafts(probs, greedy, seeds, torch.tensor(counters, dtype=torch.int64, device=dev))
+        # the confidence the schedule reads must not depend on the draw itself (docs/speculative.md): a sampled
+        # draft's is its probability in expectation over the draw, sum_v q(v)^2; a greedy draft's the drafter's
+        # softmax probability of its argmax
+        conf = (probs * probs).sum(-1)
+        if bool(greedy.any()):
             top = torch.softmax(logits.float(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
             conf = torch.where(greedy, top, conf)
         keep = [None if bool(g) else probs[i] for i, g in enumerate(greedy.tolist())]

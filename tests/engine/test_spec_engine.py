@@ -376,6 +376,20 @@ def test_greedy_draft_confidence_is_the_drafters_probability():
     assert toks == [1, 0] and probs == [None, None]
     torch.testing.assert_close(torch.tensor(conf), torch.softmax(logits, -1).max(-1).values)
 
+    class Sampled:
+        params = SamplingParams(temperature=1.0)
+        seed = 1
+
+    # a sampled draft's confidence does not depend on which token was drawn (lossless scheduling)
+    confs = set()
+    for c in range(20):
+        toks, conf, probs = spec._draw(logits[:1], [Sampled()], [c])
+        confs.add(round(conf[0], 6))
+        torch.testing.assert_close(probs[0], torch.softmax(logits[0], -1))
+    q = torch.softmax(logits[0], -1)
+    assert confs == {round(float((q * q).sum()), 6)}
+    assert spec.schedule == "fixed" and _spec(2, "confidence", batch_invariant=True).runner.spec.schedule == "fixed"
+
 
 def test_expert_parallel_models_are_refused():
     llm = _spec(2)

@@ -41,24 +41,31 @@ def _exact_joint(length: int) -> dict[tuple[int, ...], float]:
     return out
 
 
-def _speculate(n: int, length: int, greedy: bool = False, seed0: int = 1) -> torch.Tensor:
+def _speculate(n: int, length: int, greedy: bool = False, seed0: int = 1, verify=None) -> torch.Tensor:
     """``n`` independent requests (seeds ``seed0 ..``) decode ``length`` tokens with K drafts per step from the
-    drafter chain; returns ``[n, length]`` tokens."""
+    drafter chain; returns ``[n, length]`` tokens. ``verify(q_drawn [n, K], q_expected [n, K]) -> [n, K] bool``:
+    which drafts may be verified (a row verifies its leading run of them; default all), from each draft's
+    probability under the drafter and that probability in expectation over the draw (sum q^2)."""
     temp = 0.0 if greedy else TEMP
     seeds = torch.arange(seed0, seed0 + n, dtype=torch.int64) * 1000003
     out = torch.full((n, length + K + 1), -1, dtype=torch.int64)
     count = torch.zeros(n, dtype=torch.int64)
     last = torch.zeros(n, dtype=torch.int64)
     while bool((count < length).any()):
-        prev, drafts, q = last, [], []
+        prev, drafts, q, drawn, expected = last, [], [], [], []
         for j in range(K):  # the drafter proposes on its own outputs
             probs = spec.filtered_probs(DRAFTER[prev], *_params(n, 1.0, 0))
             d, conf = spec.draw_drafts(probs, torch.full((n,), greedy), seeds, count + j)
             assert torch.allclose(conf, probs.gather(1, d[:, None]).squeeze(1))
             drafts.append(d)
             q.append(probs)
+            drawn.append(conf)
+            expected.append((probs * probs).sum(-1))
             prev = d
         drafts = torch.stack(drafts, 1)
+        allowed = torch.ones(n, K, dtype=torch.bool) if verify is None else \
+            verify(torch.stack(drawn, 1), torch.stack(expected, 1))
+        num_drafts = torch.cumprod(allowed.to(torch.int64), 1).sum(1)
         ctx = torch.cat([last[:, None], drafts], 1)  # the token before each verified position
         base, p = [], []
         for j in range(K + 1):
@@ -67,7 +74,7 @@ def _speculate(n: int, length: int, greedy: bool = False, seed0: int = 1) -> tor
             p.append(spec.filtered_probs(logits, *_params(n, temp, TOP_K)))
         sampled = torch.full((n,), not greedy)
         m = 0 if greedy else n
-        tokens, n_emit = spec.accept_drafts(torch.stack(base, 1), drafts, torch.full((n,), K), sampled,
+        tokens, n_emit = spec.accept_drafts(torch.stack(base, 1), drafts, num_drafts, sampled,
                                             torch.stack(p[:K], 1)[:m], torch.stack(q, 1)[:m], seeds[:m], count[:m])
         assert bool(((n_emit >= 1) & (n_emit <= K + 1)).all())
         cols = torch.arange(K + 1)[None, :]
@@ -116,6 +123,19 @@ def test_the_statistical_test_catches_a_broken_rule(monkeypatch, broken):
     exact = _exact_joint(LENGTH)
     stat, impossible = _chi_square(_speculate(N_SAMPLES, LENGTH), exact)
     assert impossible > 0 or stat > 4 * CHI2_BOUND, stat
+
+
+def test_verified_length_may_depend_on_the_drafters_distribution_not_on_its_draw():
+    """Choosing how many drafts to verify from each draft's expected confidence (a function of the tokens before
+    it) keeps sampling lossless; choosing from the drawn token's own probability biases it. The confidence
+    schedule therefore reads sum q^2 for sampled requests."""
+    exact = _exact_joint(LENGTH)
+    safe = _speculate(N_SAMPLES, LENGTH, verify=lambda drawn, expected: expected > 0.35)
+    stat, impossible = _chi_square(safe, exact)
+    assert impossible == 0 and stat < CHI2_BOUND, stat
+    biased = _speculate(N_SAMPLES, LENGTH, verify=lambda drawn, expected: drawn > 0.35)
+    stat, impossible = _chi_square(biased, exact)
+    assert impossible > 0 or stat > 2 * CHI2_BOUND, stat
 
 
 def test_greedy_is_the_longest_matching_prefix_plus_the_next_token():
