@@ -10,6 +10,8 @@ import deepinfer.speculative as spec
 from deepinfer.sampler import sample
 
 
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
 V = 5  # a small vocabulary: the joint distribution of a few tokens is enumerable
 K = 3  # drafts per step
 TEMP, TOP_K = 0.8, 4  # the target's sampling parameters (top-k drops one token per context)
