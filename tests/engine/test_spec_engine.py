@@ -412,3 +412,25 @@ def test_structured_requests_decode_plainly_next_to_speculating_ones(reference):
     assert outs[0].error is None and outs[0].token_ids == plain.token_ids
     assert outs[0].text in ("yes", "no", "maybe later")
     assert outs[1].token_ids == reference[tuple(PROMPTS[1])].token_ids
+
+
+def test_nan_logits_inside_a_verification_fail_that_request_alone(reference, oracle, monkeypatch):
+    llm = _spec(3)
+    forward = llm.model.forward
+    calls = {"verify": 0}
+
+    def poisoned(plan, cache, return_hidden=False):
+        out = forward(plan, cache, return_hidden=return_hidden)
+        if plan.num_logits > 4 and calls["verify"] == 0:  # the first verification step: request 0 row 0
+            calls["verify"] += 1
+            out[0][0] = float("nan")
+        return out
+
+    monkeypatch.setattr(llm.model, "forward", poisoned)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert calls["verify"] == 1
+    failed = [o for o in outs if o.error is not None]
+    assert len(failed) == 1 and failed[0].error["code"] == "nan_logits"
+    for p, o in zip(PROMPTS, outs):
+        if o.error is None:
+            assert o.token_ids == reference[tuple(p)].token_ids
