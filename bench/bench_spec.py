@@ -129,7 +129,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<device>/bench_spec.json)")
     args = p.parse_args(argv)
     args.batch_max = max(int(b) for b in args.batches.split(","))
-    from deepinfer.llm import _load_checkpoint  # noqa: F401 - fail early on a broken install
     from deepinfer.presets import PRESETS
 
     model = args.model

@@ -14,7 +14,7 @@ import deepinfer.spec_decode as sd
 from deepinfer.config import EngineConfig
 from deepinfer.engine import OutputProcessor
 from deepinfer.llm import LLM
-from deepinfer.scheduler import Scheduler, ScheduledRequest, SchedulerOutput
+from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import SamplingParams, Sequence
 
 pytestmark = pytest.mark.usefixtures("one_cpu_thread")
