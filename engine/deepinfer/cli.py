@@ -426,6 +426,13 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--host-cache-gib", type=float, default=0.0,
                    help="host memory (GiB, pinned on CUDA) keeping evicted prefix-cache blocks for later hits "
                    "(default 0: off)")
+    e.add_argument("--speculative-method", choices=("mtp",), default=None,
+                   help="speculative decoding: 'mtp' drafts with the model's MTP layer (default: off)")
+    e.add_argument("--num-speculative-tokens", type=_positive_int, default=3,
+                   help="drafts per sequence and step with speculation (1 to 5; default 3)")
+    e.add_argument("--spec-schedule", choices=("confidence", "fixed"), default="confidence",
+                   help="verified drafts per step: chosen from the drafts' confidences and the step cost "
+                   "(default), or always --num-speculative-tokens")
     d = p.add_argument_group("data and expert parallelism (docs/expert-parallel.md)")
     d.add_argument("--data-parallel-size", type=_positive_int, default=1,
                    help="DP attention ranks: one process per rank, each with its own engine over its share of the "
@@ -456,6 +463,9 @@ def engine_config(args: argparse.Namespace):
                         enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
                         prefix_replay_tokens=args.prefix_replay_tokens, host_cache_gib=args.host_cache_gib,
+                        speculative_method=getattr(args, "speculative_method", None),
+                        num_speculative_tokens=getattr(args, "num_speculative_tokens", 3),
+                        spec_schedule=getattr(args, "spec_schedule", "confidence"),
                         data_parallel_size=args.data_parallel_size,
                         expert_parallel_size=args.expert_parallel_size,
                         num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,

@@ -393,8 +393,9 @@ class LLM:
             raise ValueError(f"EngineConfig.kv_cache_dtype: {type(self.model).__name__} has no cache spec to store "
                              f"{cfg.kv_cache_dtype!r} in; use 'auto'")
         self.graph_memory_estimate = 0
+        eager = cfg.enforce_eager or cfg.speculative_method is not None  # speculative steps run eagerly
         if cfg.num_blocks is None:
-            if spec is not None and ModelRunner.captures_graphs(self.model, self.device, cfg.enforce_eager,
+            if spec is not None and ModelRunner.captures_graphs(self.model, self.device, eager,
                                                                 cfg.max_num_seqs, self.max_model_len):
                 self.graph_memory_estimate = ModelRunner.measure_graph_memory(
                     self.model, self.device, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
@@ -421,8 +422,21 @@ class LLM:
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
-                                  enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
+                                  enforce_eager=eager, max_num_seqs=cfg.max_num_seqs,
                                   max_model_len=self.max_model_len, host_tier=host_tier)
+        if cfg.speculative_method is not None:
+            from deepinfer.spec_decode import SpecDecoder
+
+            cost = None
+            if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
+                # profiled on CUDA; the CPU keeps default_step_cost
+                from deepinfer.spec_decode import profile_step_cost
+
+                sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_num_seqs] + [cfg.max_num_seqs]
+                cost = profile_step_cost(self.runner, sizes, cfg.num_speculative_tokens)
+            # batch-invariant mode keeps the fixed length: the scheduled one depends on the batch
+            schedule = "fixed" if cfg.batch_invariant else cfg.spec_schedule
+            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, schedule, cost)
         from deepinfer.structured import GrammarCompiler
 
         self.grammars = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.eos_token_ids) \

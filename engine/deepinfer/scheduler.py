@@ -43,7 +43,9 @@ class ScheduledRequest(NamedTuple):
             this step was allocated (the blocks before the step's window): their entries in the request's table
             become ``-1`` before ``new_block_ids`` are appended (a released block may come straight back among
             them); groups without released blocks are left out.
-        num_draft_tokens: room for speculative draft tokens after the sampled one (0: none).
+        num_draft_tokens: speculative drafts verified after the request's last token (0: none): the last
+            ``num_draft_tokens`` of the ``num_new_tokens`` positions hold the runner's drafts (the runner may verify
+            fewer), and the step emits 1 to ``num_draft_tokens + 1`` tokens.
     """
 
     req_id: int
@@ -216,6 +218,16 @@ class Scheduler:
             n = (end // align) * align - seq.num_computed_tokens
         return max(n, 0)
 
+    def _num_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """Drafts to verify after ``seq``'s decode token this step: ``num_speculative_tokens`` for a decode (its
+        last token is the one not computed) of a request that speculates, within the budget and so that the step
+        emits no more than ``max_tokens`` (its positions then stay inside the request's admitted length)."""
+        k = self.config.num_drafts
+        if not k or n != 1 or seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 \
+                or not speculates(seq.params):
+            return 0
+        return max(0, min(k, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1))
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work and allocate its blocks. ``scheduled`` is empty only when nothing can run now (no
         request queued, or every one waits for a token in flight).
@@ -251,7 +263,8 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            target = seq.num_computed_tokens + n
+            d = self._num_drafts(seq, n, budget)
+            target = seq.num_computed_tokens + n + d
             changes = None
             if not bm.fits_held(seq, target):  # most decode steps fit the blocks the request holds
                 while not bm.can_allocate(seq, target):
@@ -263,8 +276,8 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:
                     break  # seq itself was preempted: everything after it is gone too
                 changes = bm.allocate_step(seq, target)
-            scheduled.append(self._take(seq, n, changes, sampled))
-            budget -= n
+            scheduled.append(self._take(seq, n + d, changes, sampled, d))
+            budget -= n + d
             if is_prefill:
                 prefill_used += n
                 if prefill_left is not None:
@@ -308,7 +321,8 @@ class Scheduler:
 
         self.last_prefill_tokens = prefill_used
         self.last_num_tokens = self.config.max_num_batched_tokens - budget
-        if not scheduled and not limited and self.has_unfinished() and not any(s.num_pending for s in self.running + list(self.waiting)):
+        if not scheduled and not limited and self.has_unfinished() \
+                and not any(s.num_pending for s in self.running + list(self.waiting)):
             # Unreachable by construction (a queued request alone always fits); fail loudly instead of spinning.
             raise RuntimeError(
                 f"Scheduler made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "
@@ -331,18 +345,22 @@ class Scheduler:
             stats.replayed += seq.prefix_shared_tokens - seq.num_computed_tokens if seq.prefix_shared_tokens else 0
 
     @staticmethod
-    def _take(seq: Sequence, n: int, changes: BlockChanges | None, sampled: list[Sequence]) -> ScheduledRequest:
-        """Schedule ``n`` tokens of ``seq``: they count as computed from now on (the next step may be scheduled
-        before this one's results are applied); a step that reaches the end of the context adds a pending token."""
+    def _take(seq: Sequence, n: int, changes: BlockChanges | None, sampled: list[Sequence],
+              drafts: int = 0) -> ScheduledRequest:
+        """Schedule ``n`` tokens of ``seq`` (the last ``drafts`` of them speculative): they count as computed from
+        now on (the next step may be scheduled before this one's results are applied; a verification's rejected
+        drafts are taken back when it is applied); a step that reaches the end of the context adds a pending
+        token."""
         start = seq.num_computed_tokens
-        needs = start + n == len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending
+        needs = start + n - drafts == len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending
         seq.num_computed_tokens = start + n
         if needs:
             seq.num_pending += 1
             sampled.append(seq)
         if changes is None:
-            return ScheduledRequest(seq.seq_id, n, start, needs)
-        return ScheduledRequest(seq.seq_id, n, start, needs, _per_group(changes.new), _per_group(changes.released))
+            return ScheduledRequest(seq.seq_id, n, start, needs, num_draft_tokens=drafts)
+        return ScheduledRequest(seq.seq_id, n, start, needs, _per_group(changes.new), _per_group(changes.released),
+                                drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, keep the tokens, requeue at the front."""
@@ -368,7 +386,10 @@ class Scheduler:
         ``structured_outputs``).
 
         ``token_ids``/``logprobs`` (and ``top_logprobs``) hold one entry per scheduled request with
-        ``needs_logits``, in order. Returns the requests that gained a token or finished here.
+        ``needs_logits``, in order; a verification step's entry (``num_draft_tokens`` > 0) is a list of the tokens
+        it emits (and lists of their logprobs / top logprobs), applied in order until one ends the request (a stop
+        token, ``max_tokens``: nothing after it is kept). Its rejected drafts' positions stop counting as computed.
+        Returns the requests that gained a token or finished here.
 
         Raises:
             RuntimeError: the number of tokens is not the step's number of sampled requests.
@@ -376,56 +397,81 @@ class Scheduler:
         seqs = self._steps.pop(output.step_id, [])
         if len(seqs) != len(token_ids):
             raise RuntimeError(f"Scheduler.postprocess: {len(token_ids)} sampled tokens for {len(seqs)} requests")
+        verified = {r.req_id: r for r in output.scheduled if r.num_draft_tokens}
         touched: list[Sequence] = []
         now = time.perf_counter()
         for k, seq in enumerate(seqs):
-            token = token_ids[k]
             seq.num_pending -= 1
             if seq.is_finished:  # it ended while this step ran (asynchronous scheduling): its token is dropped
                 continue
             touched.append(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if token == GRAMMAR_DEAD_END_TOKEN:  # the request's grammar matches nothing from here: its fault
-                seq.failure = RequestFailure(
-                    "grammar_dead_end", f"structured_outputs: the constraint allows no token at output token "
-                                        f"{seq.num_output_tokens} (a grammar that matches no string?)",
-                    param="structured_outputs")
-                self._finish(seq, "error", now)
+            item = verified.get(seq.seq_id)
+            if item is None:
+                self._apply_token(seq, token_ids[k], logprobs[k], top_logprobs[k] if top_logprobs is not None
+                                  else [], now)
                 continue
-            if token == GRAMMAR_VIOLATION_TOKEN:  # the runner's mark: the grammar rejected the drawn token
-                seq.failure = RequestFailure(
-                    "grammar_violation", f"output token {seq.num_output_tokens} broke the structured_outputs "
-                                         "constraint (an engine error)")
-                self._finish(seq, "error", now)
-                continue
-            if token < 0:  # the sampler's mark for NaN logits: the request fails, the others go on
-                seq.failure = RequestFailure(
-                    "nan_logits", f"the model produced NaN logits at output token {seq.num_output_tokens} "
-                                  "(broken weights or a kernel error)")
-                self._finish(seq, "error", now)
-                continue
-            params = seq.params
-            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-                seq.stop_token_id = token
-                self._finish(seq, "stop", now)
-            else:
-                seq.output_token_ids.append(token)
-                seq.output_logprobs.append(logprobs[k])
-                seq.output_top_logprobs.append(top_logprobs[k] if top_logprobs is not None else [])
-                self.num_generated_tokens += 1
-                if seq.num_output_tokens >= params.max_tokens:
-                    self._finish(seq, "length", now)
+            toks = token_ids[k]
+            # positions start .. start + len(toks) - 1 hold the request's last token and the accepted drafts
+            seq.num_computed_tokens = item.start + len(toks)
+            for j, token in enumerate(toks):
+                top = top_logprobs[k][j] if top_logprobs is not None else []
+                if self._apply_token(seq, token, logprobs[k][j], top, now):
+                    break
         return touched
+
+    def _apply_token(self, seq: Sequence, token: int, logprob: float, top: list, now: float) -> bool:
+        """Append one sampled token to ``seq`` or end it (marks, stop tokens, ``max_tokens``); True when it
+        ended."""
+        if token == GRAMMAR_DEAD_END_TOKEN:  # the request's grammar matches nothing from here: its fault
+            seq.failure = RequestFailure(
+                "grammar_dead_end", f"structured_outputs: the constraint allows no token at output token "
+                                    f"{seq.num_output_tokens} (a grammar that matches no string?)",
+                param="structured_outputs")
+            self._finish(seq, "error", now)
+            return True
+        if token == GRAMMAR_VIOLATION_TOKEN:  # the runner's mark: the grammar rejected the drawn token
+            seq.failure = RequestFailure(
+                "grammar_violation", f"output token {seq.num_output_tokens} broke the structured_outputs "
+                                     "constraint (an engine error)")
+            self._finish(seq, "error", now)
+            return True
+        if token < 0:  # the sampler's mark for NaN logits: the request fails, the others go on
+            seq.failure = RequestFailure(
+                "nan_logits", f"the model produced NaN logits at output token {seq.num_output_tokens} "
+                              "(broken weights or a kernel error)")
+            self._finish(seq, "error", now)
+            return True
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            seq.stop_token_id = token
+            self._finish(seq, "stop", now)
+            return True
+        seq.output_token_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        seq.output_top_logprobs.append(top)
+        self.num_generated_tokens += 1
+        if seq.num_output_tokens >= params.max_tokens:
+            self._finish(seq, "length", now)
+            return True
+        return False
 
     def drop(self, output: SchedulerOutput) -> None:
         """Forget ``output``'s results (its step's tokens will never be applied: an interrupted run)."""
         for seq in self._steps.pop(output.step_id, []):
             seq.num_pending -= 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, num_output_tokens: int | None = None) -> None:
         """End ``seq`` with ``reason`` now (an output processor saw a stop string); a sequence that ended at this
-        very token (``max_tokens``) takes the new reason."""
+        very token (``max_tokens``) takes the new reason. ``num_output_tokens``: keep only that many output tokens
+        (the stop string ended inside a block of accepted drafts; the usage counts what is kept)."""
+        if num_output_tokens is not None and 0 <= num_output_tokens <= seq.num_output_tokens:
+            self.num_generated_tokens -= seq.num_output_tokens - num_output_tokens
+            del seq.output_token_ids[num_output_tokens:]
+            del seq.output_logprobs[num_output_tokens:]
+            del seq.output_top_logprobs[num_output_tokens:]
+            seq.stop_token_id = None  # a stop token after the string is not part of the output either
         if seq.is_finished:
             seq.finish_reason = reason
             return
@@ -468,6 +514,12 @@ def _per_group(ids: dict[str, list[int]]) -> Mapping[str, tuple[int, ...]]:
     """``{group: ids}`` frozen, groups without ids left out."""
     kept = {name: tuple(b) for name, b in ids.items() if b}
     return MappingProxyType(kept) if kept else _NO_BLOCKS
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request's decode steps verify drafts when speculation is on: not with penalties or a logit bias
+    (they change with every token of a block) nor with ``structured_outputs`` (its mask needs each token first)."""
+    return not params.adjusts_logits and params.structured_outputs is None
 
 
 def _in_order(seq: Sequence) -> int:

@@ -95,7 +95,9 @@ def test_parallel_settings_are_checked():
     for kwargs, match in [(dict(data_parallel_size=2, expert_parallel_size=3), "must be 1 or equal"),
                           (dict(eplb_interval=4), "eplb_interval needs expert_parallel_size"),
                           (dict(dist_timeout_s=0), "timeout_s"),
-                          (dict(batch_invariant=True, dp_prefill_budget=64), "dp_prefill_budget")]:
+                          (dict(batch_invariant=True, dp_prefill_budget=64), "dp_prefill_budget"),
+                          (dict(data_parallel_size=2, expert_parallel_size=2, speculative_method="mtp"),
+                           "speculative_method")]:
         with pytest.raises(ValueError, match=match):
             EngineConfig(**kwargs).validate()
     args = build_parser().parse_args(["generate", "--input", "-", "--output", "-", "--data-parallel-size", "4",
