@@ -19,6 +19,7 @@ Scenarios, each on a fresh engine (empty cache), the model loaded once:
 * memory: bytes per cached token per cache kind (the ``full`` group's pools: what a hit reuses) and per window
   snapshot (one per kept boundary), the cache held after the shared-prefix run per cached token, and the peak blocks
   one request holds with caching on and off.
+* host tier: copy bandwidth of the host-memory tier (``--host-blocks`` blocks out to pinned host memory and back).
 Writes bench/results/<gpu>/bench_prefix_cache.json (``bench/timer.py`` ``write_results``) after each scenario; a run
 cut short keeps its finished rows, each marked ``partial_run``.
 """
@@ -165,6 +166,32 @@ def memory(model, args, held, vocab: int) -> dict:
     return row
 
 
+def host_tier(args, held) -> dict:
+    """Copy bandwidth of the host-memory tier: ``--host-blocks`` full-group blocks copied out to host slots, then
+    back into the same blocks (their content is unchanged), timed with the device synchronised around each."""
+    from deepinfer.block_manager import FULL_GROUP
+    from deepinfer.host_cache import HostCacheTier, SwapOp
+
+    cache = held.cache
+    n = min(args.host_blocks, cache.num_blocks)
+    tier = HostCacheTier({FULL_GROUP: cache.group_tensors(FULL_GROUP)}, {FULL_GROUP: n})
+    sync = torch.cuda.synchronize if tier.cuda else (lambda: None)
+    row = {"op": "host_tier", "shape": {"blocks": n, "block_bytes": tier.block_bytes(FULL_GROUP),
+                                        "tensors_per_block": len(tier.host[FULL_GROUP]), "pinned": tier.cuda}}
+    for kind in ("out", "in", "out", "in"):  # the first pair warms up
+        ops = [SwapOp(kind, FULL_GROUP, b, b) for b in range(n)]
+        sync()
+        t0 = time.perf_counter()
+        tier.apply(ops)
+        sync()
+        dt = time.perf_counter() - t0
+        row[f"{kind}_GBps"] = n * tier.block_bytes(FULL_GROUP) / dt / 1e9
+        row[f"{kind}_us_per_block"] = dt / n * 1e6
+    row["us"] = row["in_us_per_block"]
+    print(row, flush=True)
+    return row
+
+
 def run(args) -> list[dict]:
     from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 
@@ -201,6 +228,7 @@ def run(args) -> list[dict]:
     rows += multi_turn(model, args, vocab)
     save(rows)
     rows.append(memory(model, args, held, vocab))
+    rows.append(host_tier(args, held))
     save(rows, partial=False)
     return rows
 
@@ -224,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-blocks", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--prefix-replay-tokens", type=int, default=None, help="default: the model's exact bound")
+    p.add_argument("--host-blocks", type=int, default=64, help="blocks the host-tier bandwidth row copies")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args(argv)
     if args.tiny:

@@ -22,8 +22,9 @@ OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1
 if compgen -G ".whl/*.whl" >/dev/null; then
+  # .whl/serve/: the server stack for bench_serve (docs/serving.md)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "wheel install failed"; exit 1; }
+    $(compgen -G ".whl/serve/*.whl") || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD/python:$PWD/engine:$PWD${PYTHONPATH:+:$PYTHONPATH}

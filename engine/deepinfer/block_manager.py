@@ -17,6 +17,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from deepinfer.host_cache import HostIndex, SwapOp
 from deepinfer.prefix_cache import PrefixCaching, PrefixCacheStats, PrefixHit, block_hash
 from deepinfer.sequence import Sequence
 
@@ -59,8 +60,10 @@ class _Pool:
     """Blocks of one group: the uncached free list, the LRU of unreferenced blocks that keep cached content, the
     holders of every referenced block and the content keys (chain hashes) of cached blocks."""
 
-    def __init__(self, group: CacheGroup) -> None:
+    def __init__(self, group: CacheGroup, host: HostIndex | None = None, swaps: list[SwapOp] | None = None) -> None:
         self.group = group
+        self.host = host  # the host tier's slots of this group (None: evicted content is lost)
+        self.swaps = swaps  # the block manager's pending copies (shared by its pools, in order)
         self.free: deque[int] = deque(range(group.num_blocks))  # no content worth keeping: handed out first
         self.cached: OrderedDict[int, bytes] = OrderedDict()  # unreferenced, content kept; least recently used first
         self.holders: dict[int, set[int]] = {}  # referenced block -> the sequences holding it
@@ -80,6 +83,8 @@ class _Pool:
             block, key = self.cached.popitem(last=False)
             del self.key_of[block], self.by_key[key]
             self.evictions += 1
+            if self.host is not None:  # keep the content in host memory before the block is written again
+                self.swaps.append(SwapOp("out", self.group.name, block, self.host.put(key)))
         self.holders[block] = {seq_id}
         return block
 
@@ -109,6 +114,21 @@ class _Pool:
         if block not in self.key_of and key not in self.by_key:
             self.key_of[block] = key
             self.by_key[key] = block
+            if self.host is not None:
+                self.host.discard(key)  # the device holds it again
+
+    def has(self, key: bytes) -> bool:
+        """Whether ``key``'s content is cached on the device or in the host tier."""
+        return key in self.by_key or (self.host is not None and key in self.host)
+
+    def restore(self, key: bytes, seq_id: int) -> int:
+        """A device block for ``seq_id`` holding the host tier's copy of ``key`` (a copy-in is queued)."""
+        slot = self.host.take(key)  # first: the eviction that frees a device block may store into the host tier
+        block = self.take(seq_id)
+        self.swaps.append(SwapOp("in", self.group.name, block, slot))
+        self.host.release(slot)
+        self.register(block, key)
+        return block
 
 
 def window_blocks_needed(lookback: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:
@@ -140,7 +160,7 @@ class BlockManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, groups: list[CacheGroup] | None = None,
-                 prefix_caching: PrefixCaching | None = None) -> None:
+                 prefix_caching: PrefixCaching | None = None, host_slots: dict[str, int] | None = None) -> None:
         if block_size <= 0:
             raise ValueError(f"BlockManager: block_size must be positive, got {block_size}")
         groups = list(groups) if groups is not None else [CacheGroup(FULL_GROUP, num_blocks)]
@@ -155,13 +175,21 @@ class BlockManager:
                                  f"got {g.lookback!r}")
         if len({g.name for g in groups}) != len(groups):
             raise ValueError(f"BlockManager: group names must differ, got {[g.name for g in groups]}")
-        self.block_size = block_size
-        self.groups = groups
-        self._pools = {g.name: _Pool(g) for g in groups}
-        self.main = groups[0].name
         if prefix_caching is not None and not isinstance(prefix_caching, PrefixCaching):
             raise ValueError(f"BlockManager: prefix_caching must be a PrefixCaching or None, got "
                              f"{type(prefix_caching).__name__}")
+        host_slots = dict(host_slots or {})
+        if host_slots and prefix_caching is None:
+            raise ValueError("BlockManager: host_slots (the host-memory tier) needs prefix_caching")
+        unknown = set(host_slots) - {g.name for g in groups}
+        if unknown:
+            raise ValueError(f"BlockManager: host_slots names unknown cache groups {sorted(unknown)}")
+        self.block_size = block_size
+        self.groups = groups
+        self._swaps: list[SwapOp] = []
+        self._pools = {g.name: _Pool(g, HostIndex(host_slots[g.name]) if g.name in host_slots else None, self._swaps)
+                       for g in groups}
+        self.main = groups[0].name
         self.prefix_caching = prefix_caching
         self._prefix_stats = PrefixCacheStats()
 
@@ -200,9 +228,26 @@ class BlockManager:
 
     @property
     def prefix_stats(self) -> PrefixCacheStats:
-        """Hit counters (tokens) and evictions (:class:`~deepinfer.prefix_cache.PrefixCacheStats`)."""
-        self._prefix_stats.evictions = sum(p.evictions for p in self._pools.values())
-        return self._prefix_stats
+        """Hit counters (tokens), evictions and host-tier copies (:class:`~deepinfer.prefix_cache.PrefixCacheStats`)."""
+        st = self._prefix_stats
+        st.evictions = sum(p.evictions for p in self._pools.values())
+        hosts = [p.host for p in self._pools.values() if p.host is not None]
+        st.host_stores = sum(h.stores for h in hosts)
+        st.host_loads = sum(h.loads for h in hosts)
+        st.host_evictions = sum(h.evictions for h in hosts)
+        return st
+
+    def num_host_cached(self, group: str | None = None) -> int:
+        """Blocks of ``group`` (default: the first) whose content the host tier holds."""
+        host = self._pools[group or self.main].host
+        return 0 if host is None else len(host)
+
+    def take_swaps(self) -> tuple[SwapOp, ...]:
+        """The block copies queued since the last call (evictions to the host tier, restores from it), in the order
+        they must run, before any later step's forward; the list empties."""
+        out = tuple(self._swaps)
+        self._swaps.clear()
+        return out
 
     def first_needed_block(self, group: CacheGroup, start: int) -> int:
         """Index of the first block of ``group`` a step starting at position ``start`` reads."""
@@ -387,29 +432,55 @@ class BlockManager:
         kept = [g for g in self.groups if g.lookback is None]
         windows = [g for g in self.groups if g.lookback is not None]
         for g in kept:
-            by_key = self._pools[g.name].by_key
-            n = 0
-            while n < k and hashes[n] in by_key:
-                n += 1
-            k = n
+            k = self._cached_run(self._pools[g.name], hashes[:k])
         if k == 0:
             return None
         shared = k * B
-        ids = {g.name: {j: self._pools[g.name].by_key[hashes[j]] for j in range(k)} for g in kept}
+        ids: dict[str, dict[int, int]] = {}
+        host: dict[str, dict[int, bytes]] = {}
+        for g in kept:
+            self._split(self._pools[g.name], hashes, range(k), ids, host)
         if not windows:
-            return PrefixHit(shared, shared, 0, ids)
+            return PrefixHit(shared, shared, 0, ids, host)
         replay_start = max(0, shared - self.prefix_caching.replay_tokens) // B * B
         for e in range(k, replay_start // B, -1):  # the latest boundary with a window snapshot
-            snap = {}
+            snap_ids, snap_host = dict(ids), dict(host)
             for g in windows:
-                by_key = self._pools[g.name].by_key
                 cols = range(max(0, e * B - g.lookback) // B, e)
-                if not all(hashes[j] in by_key for j in cols):
+                if self._cached_run(self._pools[g.name], [hashes[j] for j in cols]) < len(cols):
                     break
-                snap[g.name] = {j: by_key[hashes[j]] for j in cols}
+                self._split(self._pools[g.name], hashes, cols, snap_ids, snap_host)
             else:
-                return PrefixHit(e * B, shared, 0, {**ids, **snap})
-        return PrefixHit(replay_start, shared, replay_start, ids)
+                return PrefixHit(e * B, shared, 0, snap_ids, snap_host)
+        return PrefixHit(replay_start, shared, replay_start, ids, host)
+
+    @staticmethod
+    def _cached_run(pool: _Pool, keys: list[bytes]) -> int:
+        """How many of ``keys``, from the first, the pool can give a hit: cached on the device, or in the host tier
+        while a free block is left to restore each into (the hit's own cached blocks are not free for that)."""
+        spare = pool.num_free
+        for n, key in enumerate(keys):
+            block = pool.by_key.get(key)
+            if block is not None:
+                spare -= block in pool.cached
+            elif pool.host is not None and key in pool.host:
+                spare -= 1
+            else:
+                return n
+            if spare < 0:
+                return n
+        return len(keys)
+
+    @staticmethod
+    def _split(pool: _Pool, hashes: list[bytes], cols, ids: dict, host: dict) -> None:
+        """File table indices ``cols`` of a hit under ``ids`` (device blocks) or ``host`` (chain hashes)."""
+        name = pool.group.name
+        for j in cols:
+            block = pool.by_key.get(hashes[j])
+            if block is not None:
+                ids.setdefault(name, {})[j] = block
+            else:
+                host.setdefault(name, {})[j] = hashes[j]
 
     def apply_hit(self, seq: Sequence, hit: PrefixHit) -> None:
         """Take ``hit`` (from :meth:`lookup`, for ``seq`` holding no blocks): hold its blocks in ``seq``'s tables
@@ -418,11 +489,15 @@ class BlockManager:
         for g in self.groups:
             table = seq.block_tables.setdefault(g.name, [])
             pool = self._pools[g.name]
-            for j, block in sorted(hit.ids.get(g.name, {}).items()):
+            placed = dict(hit.ids.get(g.name, {}))
+            for block in placed.values():  # hold first: a restore below must not evict the hit's own blocks
+                pool.hold(block, seq.seq_id)
+            for j, key in sorted(hit.host.get(g.name, {}).items()):
+                placed[j] = pool.restore(key, seq.seq_id)
+            for j, block in sorted(placed.items()):
                 if j >= len(table):
                     table.extend([-1] * (j + 1 - len(table)))
                 table[j] = block
-                pool.hold(block, seq.seq_id)
         seq.num_computed_tokens = hit.start
         seq.prefix_shared_tokens = hit.shared
         # a replay of the exact bound rebuilds the window at the end of the shared blocks: worth a snapshot

@@ -506,17 +506,21 @@ def load_checkpoint(
     return Checkpoint(root, config_dict, config, params, formats)
 
 
-def load_memory_bytes(config_dict: dict, gemm: str, dtype: torch.dtype, where: str | os.PathLike = "config") -> int:
+def load_memory_bytes(config_dict: dict, gemm: str, dtype: torch.dtype, where: str | os.PathLike = "config",
+                      skip: Callable[[str], bool] | None = None) -> int:
     """Bytes the weights of a checkpoint with ``config_dict`` take once loaded on GEMM path ``gemm``: ``"dequant"``:
     every float tensor in ``dtype`` (float32-kind ones in float32); ``"fp8"``: dense and expert linears as FP8 with
-    float32 128x128 block scales, the rest as on ``"dequant"``. A lower bound of the load's peak (one tensor in
-    flight is not counted). Raises :class:`CheckpointError` for a bad config."""
+    float32 128x128 block scales, the rest as on ``"dequant"``; tensors with ``skip(name)`` true are not counted
+    (another EP rank's experts). A lower bound of the load's peak (one tensor in flight is not counted). Raises
+    :class:`CheckpointError` for a bad config."""
     config = parse_config(config_dict, where)
     spec = family_of(config_dict, where).expected_parameters(config)
     size = torch.empty((), dtype=dtype).element_size()
     block = Q.FP8_BLOCK
     total = 0
-    for shape, kind in spec.values():
+    for name, (shape, kind) in spec.items():
+        if skip is not None and skip(name):
+            continue
         n = math.prod(shape)
         if gemm == "fp8" and kind in ("dense_linear", "expert_linear"):
             out, inp = shape

@@ -423,6 +423,34 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--prefix-replay-tokens", type=_positive_int, default=None,
                    help="positions a prefix-cache hit without a window snapshot recomputes (default: the model's "
                    "exact bound, layers x window; smaller is faster but changes outputs)")
+    e.add_argument("--host-cache-gib", type=float, default=0.0,
+                   help="host memory (GiB, pinned on CUDA) keeping evicted prefix-cache blocks for later hits "
+                   "(default 0: off)")
+    e.add_argument("--speculative-method", choices=("mtp",), default=None,
+                   help="speculative decoding: 'mtp' drafts with the model's MTP layer (default: off)")
+    e.add_argument("--num-speculative-tokens", type=_positive_int, default=3,
+                   help="drafts per sequence and step with speculation (1 to 5; default 3)")
+    e.add_argument("--spec-schedule", choices=("confidence", "fixed"), default="confidence",
+                   help="verified drafts per step: chosen from the drafts' confidences and the step cost "
+                   "(default), or always --num-speculative-tokens")
+    d = p.add_argument_group("data and expert parallelism (docs/expert-parallel.md)")
+    d.add_argument("--data-parallel-size", type=_positive_int, default=1,
+                   help="DP attention ranks: one process per rank, each with its own engine over its share of the "
+                   "requests (NCCL on CUDA, one GPU per rank; gloo on the CPU)")
+    d.add_argument("--expert-parallel-size", type=_positive_int, default=1,
+                   help="1, or the DP size to spread the routed experts over the ranks")
+    d.add_argument("--num-redundant-experts", type=_non_negative_int, default=0,
+                   help="extra expert slots per MoE layer for replicas of hot experts (with EP)")
+    d.add_argument("--eplb-interval", type=_positive_int, default=None,
+                   help="engine steps between expert-load rebalances (default: the initial placement stays)")
+    d.add_argument("--eplb-window", type=_positive_int, default=128, help="steps of expert counts a rebalance uses")
+    d.add_argument("--dp-prefill-budget", type=_positive_int, default=None,
+                   help="with EP, the most prefill tokens of all ranks together per step (default: "
+                   "--max-num-batched-tokens)")
+    d.add_argument("--dist-timeout", type=_positive_float, default=600.0,
+                   help="seconds a collective waits for the other ranks before the run fails")
+    d.add_argument("--dist-backend", choices=("gloo", "nccl"), default=None,
+                   help="torch.distributed backend (default: nccl on CUDA, gloo on the CPU)")
 
 
 def engine_config(args: argparse.Namespace):
@@ -434,7 +462,15 @@ def engine_config(args: argparse.Namespace):
                         seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                         enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
-                        prefix_replay_tokens=args.prefix_replay_tokens)
+                        prefix_replay_tokens=args.prefix_replay_tokens, host_cache_gib=args.host_cache_gib,
+                        speculative_method=getattr(args, "speculative_method", None),
+                        num_speculative_tokens=getattr(args, "num_speculative_tokens", 3),
+                        spec_schedule=getattr(args, "spec_schedule", "confidence"),
+                        data_parallel_size=args.data_parallel_size,
+                        expert_parallel_size=args.expert_parallel_size,
+                        num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
+                        eplb_window=args.eplb_window, dp_prefill_budget=args.dp_prefill_budget,
+                        dist_timeout_s=args.dist_timeout, dist_backend=args.dist_backend)
 
 
 def load_llm(args: argparse.Namespace, cfg=None, model_obj=None, **kwargs):
@@ -549,6 +585,8 @@ def run_serve(args: argparse.Namespace, model_obj=None) -> int:
                    log_level=args.log_level)
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT / SIGTERM it handled: the shutdown was clean
         pass
+    finally:
+        llm.close()  # the data-parallel ranks, if any
     return 0
 
 

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 
 
+MAX_SPECULATIVE_TOKENS = 5
+
+
 @dataclass
 class EngineConfig:
     """Settings of the offline engine.
@@ -55,6 +58,31 @@ class EngineConfig:
             before it to rebuild the sliding-window KV and the compressor state (rounded to a block). ``None``: the
             model's exact bound (DeepSeek-V4: layers x window, outputs equal those without the hit); a smaller value
             (DeepInfer's 140) is cheaper but changes outputs after the hit.
+        host_cache_gib: the prefix cache's host-memory tier: GiB of host memory (pinned on CUDA) that keeps the
+            content of evicted cached blocks and restores it on a hit (``docs/prefix-cache.md``); 0 (default): off.
+            Needs ``enable_prefix_caching`` and a model with cache groups.
+        speculative_method: ``None`` (off) or ``"mtp"``: speculative decoding with the model's MTP layer as the
+            drafter (``docs/speculative.md``). Steps then run in order (no asynchronous overlap) and without CUDA
+            graphs; requests with penalties, a logit bias or ``structured_outputs`` decode without drafts.
+        num_speculative_tokens: drafts per sequence and step with speculation on (1 to 5; default 3).
+        spec_schedule: ``"confidence"`` (the verified length per sequence maximises expected accepted tokens per
+            unit of step cost, from the drafts' confidences) or ``"fixed"`` (always ``num_speculative_tokens``).
+            Batch-invariant mode always uses the fixed length (the scheduled one depends on the batch).
+        data_parallel_size: DP attention ranks (``docs/expert-parallel.md``). Above 1, ``LLM`` spawns one process
+            per rank (torch.multiprocessing; NCCL on CUDA, gloo on the CPU); each rank runs its own engine over its
+            share of the requests (its own scheduler and cache) and the results come back in request order.
+        expert_parallel_size: 1 (every rank holds every expert) or ``data_parallel_size`` (the routed experts are
+            spread over the ranks; the MoE layers meet across ranks every step and idle ranks run empty steps).
+        num_redundant_experts: extra expert slots per MoE layer (replicas of hot experts), with expert parallelism.
+        eplb_interval: engine steps between expert-load rebalances (None: the initial placement stays).
+        eplb_window: steps of expert counts a rebalance looks at.
+        dp_prefill_budget: under expert parallelism, the most prefill tokens all DP ranks together compute in one
+            step, shared out by the ranks each step from their demands (decode tokens never wait for it), so one
+            rank's long prompt delays the others' decode steps by at most this many prefill tokens' work. None:
+            ``max_num_batched_tokens``.
+        dist_backend: ``"gloo"`` / ``"nccl"`` (None: NCCL on CUDA, gloo on the CPU).
+        dist_timeout_s: seconds a collective may wait for the other ranks before it fails (a crashed or stuck rank
+            then ends the run with an error instead of a hang).
     """
 
     block_size: int = 128
@@ -77,6 +105,27 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     prefix_replay_tokens: int | None = None
+    host_cache_gib: float = 0.0
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3
+    spec_schedule: str = "confidence"
+    data_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    num_redundant_experts: int = 0
+    eplb_interval: int | None = None
+    eplb_window: int = 128
+    dp_prefill_budget: int | None = None
+    dist_backend: str | None = None
+    dist_timeout_s: float = 600.0
+
+    @property
+    def parallel(self):
+        """The :class:`deepinfer.parallel.config.ParallelConfig` of these settings."""
+        from deepinfer.parallel.config import ParallelConfig
+
+        return ParallelConfig(self.data_parallel_size, self.expert_parallel_size, self.num_redundant_experts,
+                              self.eplb_window, self.eplb_interval, self.dist_backend,
+                              self.dp_prefill_budget, self.dist_timeout_s)
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the field when a setting has the wrong type or is out of range."""
@@ -92,12 +141,17 @@ class EngineConfig:
                      "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("gpu_memory_utilization", "cpu_cache_gib"):
+        for name in ("gpu_memory_utilization", "cpu_cache_gib", "host_cache_gib"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise ValueError(f"EngineConfig.{name} must be a finite number, got {v!r}")
         if self.cpu_cache_gib <= 0:
             raise ValueError(f"EngineConfig.cpu_cache_gib must be positive, got {self.cpu_cache_gib}")
+        if self.host_cache_gib < 0:
+            raise ValueError(f"EngineConfig.host_cache_gib must be >= 0, got {self.host_cache_gib}")
+        if self.host_cache_gib and not self.enable_prefix_caching:
+            raise ValueError("EngineConfig.host_cache_gib needs enable_prefix_caching (the host tier keeps evicted "
+                             "prefix-cache blocks)")
         if self.block_size <= 0:
             raise ValueError(f"EngineConfig.block_size must be positive, got {self.block_size}")
         if self.num_blocks is not None and self.num_blocks <= 0:
@@ -122,8 +176,29 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_dtype must be 'auto', 'bf16' or 'fp8', got {self.kv_cache_dtype!r}")
         if self.gemm not in ("auto", "fp8", "dequant"):
             raise ValueError(f"EngineConfig.gemm must be 'auto', 'fp8' or 'dequant', got {self.gemm!r}")
+        if self.speculative_method not in (None, "mtp"):
+            raise ValueError(f"EngineConfig.speculative_method must be None or 'mtp', got {self.speculative_method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"EngineConfig.num_speculative_tokens must be an integer in [1, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {k!r}")
+        if self.spec_schedule not in ("confidence", "fixed"):
+            raise ValueError(f"EngineConfig.spec_schedule must be 'confidence' or 'fixed', got {self.spec_schedule!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        self.parallel.validate()
+        if self.speculative_method is not None and self.expert_parallel_size > 1:
+            raise ValueError("EngineConfig.speculative_method: not supported with expert_parallel_size > 1 yet (every "
+                             "rank must run the same forwards per step)")
+        if self.batch_invariant and self.dp_prefill_budget is not None and self.dp_prefill_budget < align:
+            raise ValueError(f"EngineConfig.dp_prefill_budget ({self.dp_prefill_budget}) must be >= "
+                             f"prefill_chunk_align ({align}) in batch-invariant mode, or a long prompt could never "
+                             f"advance")
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per sequence and step: ``num_speculative_tokens`` with speculation on, else 0."""
+        return self.num_speculative_tokens if self.speculative_method is not None else 0
 
     @property
     def chunk_align(self) -> int:

@@ -127,9 +127,10 @@ class LLMEngine:
         self._compiling = keep
         return failed
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End ``seq`` with ``reason`` (its step in flight, if any, drops its token)."""
-        self.scheduler.finish(seq, reason)
+    def finish(self, seq: Sequence, reason: str, num_output_tokens: int | None = None) -> None:
+        """End ``seq`` with ``reason`` (its step in flight, if any, drops its token), keeping only its first
+        ``num_output_tokens`` output tokens when given (a stop string inside a block of accepted drafts)."""
+        self.scheduler.finish(seq, reason, num_output_tokens)
 
     def abort(self, seq: Sequence, error: dict | None = None) -> None:
         """End ``seq`` wherever it is (its step in flight, if any, drops its token): with ``error``, the record the
@@ -161,7 +162,8 @@ class LLMEngine:
         """One iteration; returns the sequences touched by the step applied in it (empty when none was)."""
         sched = self.scheduler
         touched: list[Sequence] = self._admit_compiled()
-        if self._in_flight is not None and (not self.config.async_scheduling or sched.num_running_in_order):
+        overlap = self.config.async_scheduling and not self.config.num_drafts  # speculation runs steps in order
+        if self._in_flight is not None and (not overlap or sched.num_running_in_order):
             touched += self._apply(self._in_flight)
             self._in_flight = None
         t = time.perf_counter()
@@ -176,7 +178,7 @@ class LLMEngine:
         if prev is not None:
             touched += self._apply(prev)
         self._in_flight = (output, out, host_s + out.host_seconds) if out is not None else None
-        if self._in_flight is not None and not self.config.async_scheduling:
+        if self._in_flight is not None and not overlap:
             touched += self._apply(self._in_flight)
             self._in_flight = None
         if self._in_flight is None and not sched.has_unfinished() and not self._compiling:
@@ -200,8 +202,9 @@ class LLMEngine:
         host_s += time.perf_counter() - t
         dt, self._last = t - self._last, t
         n_decode = out.num_decode_tokens
-        self.records.append(StepRecord(n_decode, output.num_scheduled_tokens - n_decode, dt, out.host_seconds,
-                                       host_s, out.gpu_seconds))
+        # a speculative step counts the tokens its decodes emitted, not the drafts it verified
+        n_prefill = getattr(out, "num_prefill_tokens", output.num_scheduled_tokens - n_decode)
+        self.records.append(StepRecord(n_decode, n_prefill, dt, out.host_seconds, host_s, out.gpu_seconds))
         return touched
 
 
@@ -240,6 +243,6 @@ class OutputProcessor:
                 except Exception as e:  # noqa: BLE001 - one request's output parser must not take the batch down
                     self.engine.abort(seq, error_record(RequestFailure("output_processing_failed", str(e))))
                     break
-                if stop:
-                    self.engine.finish(seq, "stop")
+                if stop:  # nothing after the token that stopped it (speculation appends several per step)
+                    self.engine.finish(seq, "stop", k + 1)
                     break

@@ -88,6 +88,23 @@ class EngineStats:
     # processes), which the means above carry in full
     steps: list[tuple[int, int, float, float, float, float]] = field(default_factory=list)
 
+    @classmethod
+    def merged(cls, parts: list["EngineStats"]) -> "EngineStats":
+        """The stats of data-parallel ranks that ran side by side: counts and per-request / per-step lists added
+        up, times and steps the longest rank's (so tok/s are the ranks' sum; step medians are per rank)."""
+        out = cls()
+        for p in parts:
+            for f in ("num_requests", "num_errors", "prompt_tokens", "completion_tokens", "prefill_tokens",
+                      "cached_tokens", "decode_tokens", "num_preemptions"):
+                setattr(out, f, getattr(out, f) + getattr(p, f))
+            for f in ("prefill_time", "decode_time", "wall_time", "num_steps"):
+                setattr(out, f, max(getattr(out, f), getattr(p, f)))
+            out.interrupted |= p.interrupted
+            out.ttft += p.ttft
+            out.tpot += p.tpot
+            out.steps += p.steps
+        return out
+
     def summary(self) -> dict:
         # some request finished (or, for stats built from steps alone, there are steps): the rates mean something
         measured = self.num_requests > self.num_errors or (self.num_requests == 0 and bool(self.steps))
@@ -136,14 +153,16 @@ class EngineStats:
                 f"steps {s['steps']} | preemptions {s['preemptions']} | wall {s['wall_s']:.2f} s")
 
 
-def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gemm: str = "auto"):
+def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gemm: str = "auto",
+                     expert_parallel=None):
     """Build the model from a checkpoint folder (integration point with ``deepinfer.checkpoint`` / ``deepinfer.models``).
 
     ``gemm`` (``EngineConfig.gemm``) resolved on ``device``: ``"fp8"`` reads the weights in their stored format on
     the CPU and converts them one by one on ``device`` (FP8 kept, FP4 experts -> FP8, see
     ``DeepseekV4ForCausalLM.load_native``); ``"dequant"`` dequantises them exactly on the CPU, one at a time, and
     moves them to ``device``. The model runs in float32 on the CPU and bfloat16 on CUDA. ``batch_invariant`` needs
-    nothing at load (the mode travels in each ``ForwardBatch``).
+    nothing at load (the mode travels in each ``ForwardBatch``). ``expert_parallel`` (a
+    ``parallel.sharding.ExpertParallel``): only this rank's routed experts are read.
     """
     from deepinfer import checkpoint
     from deepinfer.models.deepseek_v4 import resolve_gemm
@@ -154,12 +173,14 @@ def _load_checkpoint(path: str, device: torch.device, batch_invariant: bool, gem
         return own.load(path, device=device, gemm=gemm).eval()
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     path_kind = resolve_gemm(gemm, device)
-    check_load_memory(path, path_kind, dtype, device)
+    skip = expert_parallel.skip if expert_parallel is not None else None
+    check_load_memory(path, path_kind, dtype, device, skip)
     ck = checkpoint.load_checkpoint(path, dequantize=path_kind == "dequant", dtype=dtype,
-                                    device="cpu" if path_kind == "fp8" else device)
+                                    device="cpu" if path_kind == "fp8" else device, skip=skip)
     family = model_family(ck.config.extra.get("model_type"))
     # the model is built on the meta device and takes the tensors over where they are / go (no second copy)
-    model = family.model_class.from_parameters(ck.config, ck.params, dtype, path_kind, device=device)
+    ep = {} if expert_parallel is None else {"expert_parallel": expert_parallel}
+    model = family.model_class.from_parameters(ck.config, ck.params, dtype, path_kind, device=device, **ep)
     return model.eval()
 
 
@@ -224,8 +245,9 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def check_load_memory(path: str, gemm: str, dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse, before reading any weight, a load whose weights alone exceed the free memory where they go.
+def check_load_memory(path: str, gemm: str, dtype: torch.dtype, device: torch.device, skip=None) -> None:
+    """Refuse, before reading any weight, a load whose weights alone exceed the free memory where they go
+    (``skip(name)``: tensors not loaded, e.g. another EP rank's experts).
 
     Raises:
         ValueError: the figure needed, the figure free, and the alternatives (the other GEMM path when it needs
@@ -234,14 +256,14 @@ def check_load_memory(path: str, gemm: str, dtype: torch.dtype, device: torch.de
     from deepinfer import checkpoint
 
     cfg = checkpoint.read_config(path)
-    need = checkpoint.load_memory_bytes(cfg, gemm, dtype, Path(path) / checkpoint.CONFIG_FILE)
+    need = checkpoint.load_memory_bytes(cfg, gemm, dtype, Path(path) / checkpoint.CONFIG_FILE, skip)
     free = available_memory(device)
     if free is None or need <= free:
         return
     gib = 1 << 30
     alt = []
     if gemm == "dequant":
-        fp8 = checkpoint.load_memory_bytes(cfg, "fp8", dtype)
+        fp8 = checkpoint.load_memory_bytes(cfg, "fp8", dtype, skip=skip)
         if fp8 < need:
             alt.append(f"--gemm fp8 (gemm='fp8'; about {fp8 / gib:.1f} GiB)")
     alt.append("a checkpoint with fewer routed experts or layers (deepinfer make-checkpoint --num-experts N "
@@ -281,14 +303,21 @@ class LLM:
         gemm (an ``EngineConfig`` field, e.g. ``LLM("tiny", gemm="fp8")``): the GEMM path of a model loaded from a
             checkpoint: ``"auto"`` (default: FP8 on CUDA, dequantised on the CPU), ``"fp8"`` or ``"dequant"``.
         config: an ``EngineConfig``; keyword arguments named like its fields override it.
+        data_parallel_size, expert_parallel_size, ... (``EngineConfig`` fields): above 1, one process per rank is
+            spawned (a script needs ``if __name__ == "__main__":``), each with its own engine over its share of the
+            requests; ``generate`` / ``chat`` return in request order; ``close()`` (or ``with LLM(...)``) stops
+            them. ``docs/expert-parallel.md``.
+        parallel_rank: set by the launcher in a rank's process (internal).
 
     Raises:
         ValueError: unknown preset / missing checkpoint directory / missing tokenizer.json / bad engine settings.
+        DataParallelError (``deepinfer.parallel.launch``): a data-parallel rank failed to start (a rank's
+            ValueError / OSError is raised as such, naming the rank).
     """
 
     def __init__(self, model: Any = "tiny", *, tokenizer: str | None = None, served_model_name: str | None = None,
                  model_version: str | None = None, batch_invariant: bool = False, config: EngineConfig | None = None,
-                 created: int | None = None, **overrides: Any) -> None:
+                 created: int | None = None, parallel_rank: int | None = None, **overrides: Any) -> None:
         cfg = dataclasses.replace(config) if config is not None else EngineConfig()  # never mutate the caller's
         for k, v in overrides.items():
             if not hasattr(cfg, k):
@@ -317,6 +346,13 @@ class LLM:
             self.device = first.device if first is not None else torch.device("cpu")
         else:  # DEEPINFER_ACCELERATOR (default auto); raises naming what is missing for an unavailable backend
             self.device = deepinfer_ops.device_for(deepinfer_ops.select_accelerator())
+        self.parallel_rank = parallel_rank  # this process's DP rank (set by the launcher), else None
+        self._dp_group = None  # the caller's side of data_parallel_size > 1 (parallel.launch.DataParallelGroup)
+        self._dp = None  # a rank's DP step loop under expert parallelism (parallel.dp_step.DPStepper)
+        self.rank_stats: list[dict | None] = []
+        if cfg.data_parallel_size > 1 and parallel_rank is None:
+            self._start_ranks(model, tokenizer, served_model_name, model_version, created)
+            return
 
         model_dir: Path | None = None
         if isinstance(model, (str, os.PathLike)):
@@ -334,7 +370,8 @@ class LLM:
                 if tokenizer is None:
                     tokenizer = _rebuilt_v41_tokenizer(model_dir)
             tokenizer = resolve_tokenizer_json(tokenizer, str(model_dir), preset=name in PRESETS)  # fail before loading
-            self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant, cfg.gemm)
+            self.model = _load_checkpoint(str(model_dir), self.device, cfg.batch_invariant, cfg.gemm,
+                                          self._expert_parallel(model_dir, parallel_rank))
         else:
             self.model = model
         self.tokenizer_json = resolve_tokenizer_json(tokenizer, None)  # a folder's was resolved before loading
@@ -356,36 +393,62 @@ class LLM:
             raise ValueError(f"EngineConfig.kv_cache_dtype: {type(self.model).__name__} has no cache spec to store "
                              f"{cfg.kv_cache_dtype!r} in; use 'auto'")
         self.graph_memory_estimate = 0
+        eager = cfg.enforce_eager or cfg.speculative_method is not None  # speculative steps run eagerly
         if cfg.num_blocks is None:
-            if spec is not None and ModelRunner.captures_graphs(self.model, self.device, cfg.enforce_eager,
+            if spec is not None and ModelRunner.captures_graphs(self.model, self.device, eager,
                                                                 cfg.max_num_seqs, self.max_model_len):
                 self.graph_memory_estimate = ModelRunner.measure_graph_memory(
                     self.model, self.device, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
                     cfg.batch_invariant, window_blocks=2, kv_cache_dtype=cfg.kv_cache_dtype)
             cfg.num_blocks = self._derive_num_blocks(spec, window_blocks)
         prefix = self._prefix_caching(spec, model_dir)
+        slots, host_tier = {}, None
         if spec is not None:
             window_blocks = min(window_blocks, cfg.num_blocks)
+            slots = self._host_slots(spec, window_blocks)
             self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size,
-                                              spec.cache_groups(cfg.num_blocks, window_blocks), prefix)
+                                              spec.cache_groups(cfg.num_blocks, window_blocks), prefix, slots)
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size, window_blocks=window_blocks,
                                         kv_cache_dtype=cfg.kv_cache_dtype)
+            if slots:
+                from deepinfer.host_cache import HostCacheTier
+
+                host_tier = HostCacheTier({g: self.cache.group_tensors(g) for g in slots}, slots)
         else:
+            if cfg.host_cache_gib:
+                raise ValueError(f"EngineConfig.host_cache_gib: {type(self.model).__name__} has no cache groups to "
+                                 "keep in host memory; use 0")
             self.block_manager = BlockManager(cfg.num_blocks, cfg.block_size, prefix_caching=prefix)
             self.cache = allocate_cache(self.model, cfg.num_blocks, cfg.block_size)
         self.scheduler = Scheduler(cfg, self.block_manager, self.max_model_len, self.eos_token_ids)
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
-                                  enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.max_num_seqs,
-                                  max_model_len=self.max_model_len)
+                                  enforce_eager=eager, max_num_seqs=cfg.max_num_seqs,
+                                  max_model_len=self.max_model_len, host_tier=host_tier)
+        if cfg.speculative_method is not None:
+            from deepinfer.spec_decode import SpecDecoder
+
+            cost = None
+            if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
+                # profiled on CUDA; the CPU keeps default_step_cost
+                from deepinfer.spec_decode import profile_step_cost
+
+                sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_num_seqs] + [cfg.max_num_seqs]
+                cost = profile_step_cost(self.runner, sizes, cfg.num_speculative_tokens)
+            # batch-invariant mode keeps the fixed length: the scheduled one depends on the batch
+            schedule = "fixed" if cfg.batch_invariant else cfg.spec_schedule
+            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, schedule, cost)
         from deepinfer.structured import GrammarCompiler
 
         self.grammars = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.eos_token_ids) \
             if self.vocab_size else None
         self.engine = LLMEngine(cfg, self.scheduler, self.runner, self.grammars)
+        if parallel_rank is not None and cfg.expert_parallel_size > 1:
+            self._dp = self._dp_stepper()
         self.startup = {"cache_blocks": cfg.num_blocks, "cache_bytes": getattr(self.cache, "nbytes", None),
                         "cache_bytes_per_token": spec.bytes_per_token() if spec is not None else None,
                         "cache": spec.report(cfg.num_blocks, window_blocks) if spec is not None else None,
                         "prefix_caching": None if prefix is None else {"replay_tokens": prefix.replay_tokens},
+                        "host_cache": None if host_tier is None else {"slots": slots, "bytes": host_tier.nbytes},
                         "cuda_graphs": sorted(self.runner.graphs),
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
                         "graph_memory_bytes": self.runner.graph_memory_bytes,
@@ -399,9 +462,173 @@ class LLM:
         self.created = created
         self._frontend: ChatFrontend | None = None
         self._hf_tokenizer = None
+        seed = cfg.seed if parallel_rank is None or cfg.seed is None else f"{cfg.seed}/rank{parallel_rank}"
+        self._seed_rng = random.Random(seed) if cfg.seed is not None else None
+        self._next_id = 0
+        self.last_stats = EngineStats()
+
+    # ------------------------------------------------------------------ data / expert parallelism
+    def _start_ranks(self, model, tokenizer, served_model_name, model_version, created) -> None:
+        """The caller's side of ``data_parallel_size > 1``: spawn the ranks (``parallel.launch``) and take the
+        model's limits and names from them."""
+        from deepinfer.parallel.launch import DataParallelGroup
+
+        cfg = self.config
+        if not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"LLM: data_parallel_size={cfg.data_parallel_size} needs a preset name or a checkpoint "
+                             f"folder (every rank loads its own share), got a built {type(model).__name__}")
+        name = str(model)
+        if name in PRESETS:  # built here once, not by every rank at the same time
+            from deepinfer.presets import default_model_path
+
+            model_dir = Path(default_model_path(preset=_preset_names(name)[0]))
+        elif not Path(name).is_dir():
+            raise ValueError(f"LLM(model={name!r}): not a checkpoint directory nor a preset {PRESETS}")
+        else:
+            model_dir = Path(name)
+        self._expert_parallel(model_dir, 0)  # the placement's checks, here before any rank starts
+        rank_cfg = dataclasses.replace(cfg, device=self.device.type)
+        self._dp_group = DataParallelGroup(name, dict(config=rank_cfg, tokenizer=tokenizer,
+                                                      served_model_name=served_model_name,
+                                                      model_version=model_version, created=created))
+        info = self._dp_group.infos[0]
+        for k in ("max_model_len", "vocab_size", "eos_token_ids", "eos_token_id", "tokenizer_json",
+                  "served_model_name", "model_aliases", "model_version"):
+            setattr(self, k, info[k])
+        self.startup = dict(info["startup"], data_parallel_size=cfg.data_parallel_size,
+                            expert_parallel_size=cfg.expert_parallel_size,
+                            ranks=[{"device": i["device"], "cache_blocks": i["startup"]["cache_blocks"]}
+                                   for i in self._dp_group.infos])
+        self.created = created
+        self._frontend = self._hf_tokenizer = None
         self._seed_rng = random.Random(cfg.seed) if cfg.seed is not None else None
         self._next_id = 0
         self.last_stats = EngineStats()
+
+    def _expert_parallel(self, model_dir: Path, rank: int | None):
+        """Rank ``rank``'s ``ExpertParallel`` (the initial placement) under expert parallelism, else None. Raises
+        ValueError naming the setting for a family without EP or a placement that does not fit."""
+        cfg = self.config
+        if rank is None or cfg.expert_parallel_size == 1:
+            return None
+        from deepinfer import checkpoint
+        from deepinfer.parallel.sharding import initial_expert_parallel
+
+        where = model_dir / checkpoint.CONFIG_FILE
+        conf = checkpoint.read_config(model_dir)
+        if checkpoint.family_of(conf, where).load is not None:
+            raise ValueError(f"expert_parallel_size={cfg.expert_parallel_size}: the "
+                             f"{checkpoint.family_of(conf, where).model_type} family has no expert-parallel MoE "
+                             f"(use expert_parallel_size=1: data parallelism alone)")
+        num_experts = checkpoint.parse_config(conf, where).n_routed_experts
+        return initial_expert_parallel(num_experts, rank, cfg.expert_parallel_size, cfg.num_redundant_experts)
+
+    def _dp_stepper(self):
+        """A rank's DP step loop (expert parallelism): the per-step agreement, the shared prefill budget, empty
+        steps and, with ``eplb_interval``, the expert load balancer."""
+        from deepinfer.parallel.dp_step import DPStepper
+
+        cfg = self.config
+        eplb = None
+        if cfg.eplb_interval is not None:
+            from deepinfer.parallel.rearrange import EPLBController
+
+            eplb = EPLBController(self.model, cfg.num_redundant_experts, cfg.eplb_window, cfg.eplb_interval)
+        return DPStepper(self.engine, self.parallel_rank, cfg.data_parallel_size,
+                         cfg.dp_prefill_budget or cfg.max_num_batched_tokens,
+                         cfg.chunk_align if cfg.batch_invariant else 1, eplb, device=self.device)
+
+    def dp_stats(self) -> dict | None:
+        """This rank's DP figures of the last run (None outside a DP rank): ``rank``; under expert parallelism
+        also ``steps`` (per iteration: prefill tokens allowed, prefill tokens scheduled, all tokens scheduled),
+        ``num_empty_steps``, ``num_rebalances`` (over the engine's life) and ``placements`` (per MoE layer, its
+        ``ExpertPlacement.to_dict()``)."""
+        if self.parallel_rank is None:
+            return None
+        out: dict = {"rank": self.parallel_rank}
+        if self._dp is not None:
+            st = self._dp.stats
+            out.update(steps=list(st.steps), num_empty_steps=st.num_empty_steps, num_rebalances=st.num_rebalances,
+                       placements={k: p.to_dict() for k, p in self.model.expert_parallel.placements.items()})
+        return out
+
+    def _dp_call(self, method: str, shares: list[tuple]) -> list:
+        replies = self._dp_group.call(method, shares)
+        self.last_stats = EngineStats.merged([st for _, st, _ in replies])
+        self.rank_stats = [d for _, _, d in replies]
+        return [r for r, _, _ in replies]
+
+    def _dp_generate(self, seqs: list[Sequence], use_tqdm: bool) -> list[RequestOutput]:
+        """``generate`` over the ranks: the valid requests are shared out by their tokens
+        (``launch.assign_requests``), with their seeds (drawn here in request order, as one process draws them);
+        refused ones are answered here."""
+        from deepinfer.parallel.launch import assign_requests
+
+        live = [(i, s) for i, s in enumerate(seqs) if s.error is None]
+        costs = [s.num_prompt_tokens + s.params.max_tokens for _, s in live]
+        shares = [[live[k] for k in ks] for ks in assign_requests(costs, self.config.data_parallel_size)]
+        replies = self._dp_call("generate", [([s.prompt_token_ids for _, s in sh],
+                                              [dataclasses.replace(s.params, seed=s.seed) for _, s in sh],
+                                              use_tqdm and r == 0) for r, sh in enumerate(shares)])
+        outs = [self._request_output(i, s) if s.error is not None else None for i, s in enumerate(seqs)]
+        for sh, res in zip(shares, replies):
+            for (i, _), out in zip(sh, res):
+                out.index = i
+                outs[i] = out
+        self.last_stats.num_requests = len(outs)
+        self.last_stats.num_errors = sum(1 for o in outs if o.error is not None)
+        return outs
+
+    def _dp_chat(self, bodies: list, api: str, use_tqdm: bool) -> list[dict]:
+        """``chat`` over the ranks. Each body is prepared here once: to draw its seed (if it takes one) in request
+        order, as one process draws them, and to weigh it by its tokens for ``launch.assign_requests``; the ranks
+        prepare and run them with those seeds."""
+        from deepinfer.parallel.launch import assign_requests
+
+        seeds: list[int | None] = []
+        costs: list[int] = []
+        for body in bodies:
+            drawn: list[int] = []
+            cost = 1  # a body that fails here costs its rank next to nothing: it answers with the error record
+            try:
+                pc = self.frontend.prepare(body, api=api,
+                                           seed_source=lambda: drawn.append(self._draw_seed()) or drawn[-1])
+                cost = len(pc.prompt_token_ids) + pc.params.max_tokens
+                pc.close()
+            except Exception:  # noqa: BLE001 - the rank answers the body with its error record
+                pass
+            seeds.append(drawn[-1] if drawn else None)
+            costs.append(cost)
+        shares = assign_requests(costs, self.config.data_parallel_size)
+        replies = self._dp_call("chat", [([bodies[i] for i in ks], api, use_tqdm and r == 0, [seeds[i] for i in ks])
+                                         for r, ks in enumerate(shares)])
+        results: list = [None] * len(bodies)
+        for ks, res in zip(shares, replies):
+            for i, rec in zip(ks, res):
+                results[i] = rec
+        self.last_stats.num_requests = len(results)
+        self.last_stats.num_errors = sum(1 for r in results if is_error_record(r))
+        return results
+
+    def remote_engine(self):
+        """The server's engine over the data-parallel ranks (``parallel.serve.RemoteEngine``; starts their serve
+        loops, after which ``generate`` / ``chat`` are refused). Raises ValueError without data parallelism."""
+        if self._dp_group is None:
+            raise ValueError("remote_engine: this LLM has data_parallel_size=1 (use llm.engine)")
+        from deepinfer.parallel.serve import RemoteEngine
+
+        return RemoteEngine(self)
+
+    def close(self) -> None:
+        """Stop the data-parallel ranks, if any (idempotent; also done when the ``LLM`` is collected)."""
+        if self._dp_group is not None:
+            self._dp_group.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ helpers
     def _cache_spec(self):
@@ -434,6 +661,22 @@ class LLM:
         exact = spec.replay_tokens if spec is not None else 1
         replay = cfg.prefix_replay_tokens or exact
         return PrefixCaching(salt, replay, replay >= exact)
+
+    def _host_slots(self, spec, window_blocks: int) -> dict[str, int]:
+        """Host-tier slots per cache group for ``host_cache_gib`` (``deepinfer.host_cache.host_slots``). Raises
+        ValueError naming ``host_cache_gib`` when it holds no block at all."""
+        from deepinfer.host_cache import host_slots
+
+        gib = self.config.host_cache_gib
+        if not gib:
+            return {}
+        per_block = spec.group_bytes_per_block()
+        slots = host_slots(int(gib * (1 << 30)), per_block,
+                           {"full": self.config.num_blocks, "window": window_blocks})
+        if not slots:
+            raise ValueError(f"EngineConfig.host_cache_gib={gib} holds no cache block (a block takes "
+                             f"{sum(per_block.values())} bytes over its groups)")
+        return slots
 
     def _derive_num_blocks(self, spec, window_blocks: int | None) -> int:
         """Enough ``full``-group blocks for ``max_num_seqs`` full-length sequences, capped by ``max_cache_blocks`` and,
@@ -508,9 +751,18 @@ class LLM:
         first = len(engine.records)
         generated0 = self.scheduler.num_generated_tokens
         counted: set[int] = set()  # finished requests the bar has counted (no recount over all requests per step)
+        if self._dp is not None:
+            self._dp.reset()
         try:
-            while engine.has_unfinished_requests():
-                touched = engine.step()
+            while True:
+                if self._dp is not None:  # every rank steps while any rank has work (an empty step if we have none)
+                    touched = self._dp.step()
+                    if touched is None:
+                        break
+                elif engine.has_unfinished_requests():
+                    touched = engine.step()
+                else:
+                    break
                 if outputs is not None:
                     outputs.process(touched)
                 if bar is not None:
@@ -570,6 +822,28 @@ class LLM:
         Returns:
             One ``RequestOutput`` per prompt, in order; refused prompts carry ``error``.
         """
+        seqs = self._make_seqs(prompts, sampling_params)
+        if self._dp_group is not None:
+            return self._dp_generate(seqs, use_tqdm)
+        self._run(seqs, use_tqdm, "generate")
+        return [self._request_output(i, seq) for i, seq in enumerate(seqs)]
+
+    def _request_output(self, i: int, seq: Sequence) -> RequestOutput:
+        out = RequestOutput(index=i, prompt_token_ids=seq.prompt_token_ids, seed=seq.seed, error=seq.error)
+        if seq.error is None:
+            out.token_ids = list(seq.output_token_ids)
+            out.logprobs = list(seq.output_logprobs)
+            out.top_logprobs = list(seq.output_top_logprobs)
+            out.text = self.decode(out.token_ids)
+            out.finish_reason = seq.finish_reason
+            out.stop_token_id = seq.stop_token_id
+            out.num_preemptions = seq.num_preemptions
+            out.num_cached_tokens = seq.num_cached_tokens
+        return out
+
+    def _make_seqs(self, prompts, sampling_params) -> list[Sequence]:
+        """One ``Sequence`` per prompt (a refused one finished, with its error record); raises TypeError /
+        ValueError for a wrong ``sampling_params`` as a whole."""
         if isinstance(prompts, str):
             prompts = [prompts]
         prompts = list(prompts)
@@ -607,23 +881,10 @@ class LLM:
                 seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": msg}
                 seq.status = SequenceStatus.FINISHED
             seqs.append(seq)
-        self._run(seqs, use_tqdm, "generate")
-        outs = []
-        for i, seq in enumerate(seqs):
-            out = RequestOutput(index=i, prompt_token_ids=seq.prompt_token_ids, seed=seq.seed, error=seq.error)
-            if seq.error is None:
-                out.token_ids = list(seq.output_token_ids)
-                out.logprobs = list(seq.output_logprobs)
-                out.top_logprobs = list(seq.output_top_logprobs)
-                out.text = self.decode(out.token_ids)
-                out.finish_reason = seq.finish_reason
-                out.stop_token_id = seq.stop_token_id
-                out.num_preemptions = seq.num_preemptions
-                out.num_cached_tokens = seq.num_cached_tokens
-            outs.append(out)
-        return outs
+        return seqs
 
-    def chat(self, requests: Seq[dict | str], api: str = "chat", use_tqdm: bool = False) -> list[dict]:
+    def chat(self, requests: Seq[dict | str], api: str = "chat", use_tqdm: bool = False,
+             _seeds: Seq[int | None] | None = None) -> list[dict]:
         """Run request bodies end to end through deepseek-recipe.
 
         Args:
@@ -638,14 +899,17 @@ class LLM:
 
         if api not in API_KINDS:  # the caller's mistake, not one request's: raised, not an error record per body
             raise ValueError(f"chat: api must be one of {API_KINDS}, got {api!r}")
+        if self._dp_group is not None:
+            return self._dp_chat(list(requests), api, use_tqdm)
         fe = self.frontend
         outputs = OutputProcessor(self.engine)
         prepared: list[PreparedChat | None] = []
         results: list[dict | None] = []
         seqs: list[Sequence] = []
-        for body in requests:
-            try:
-                pc = fe.prepare(body, api=api, seed_source=self._draw_seed)
+        for i, body in enumerate(requests):
+            try:  # ``_seeds``: a DP rank takes the seeds the caller drew (``_dp_chat``)
+                pc = fe.prepare(body, api=api, seed_source=self._draw_seed if _seeds is None else
+                                (lambda s=_seeds[i]: s))
             except RequestError as e:
                 prepared.append(None)
                 results.append({"error": e.record})

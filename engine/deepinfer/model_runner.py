@@ -176,16 +176,21 @@ class StepOutput:
         else:
             toks, lps = self.tokens, self.logprobs
         n = self.tokens.shape[0]
-        ids = toks[:n].tolist()
-        for k, (state, t) in enumerate(zip(self.states, ids)):
-            if state.matcher is not None and state.matcher.dead_end:
-                ids[k] = GRAMMAR_DEAD_END_TOKEN
-            elif t >= 0:  # -1: NaN logits, the request fails
-                state.token_ids.append(t)
-                if state.matcher is not None and not state.matcher.accept(t):
-                    ids[k] = GRAMMAR_VIOLATION_TOKEN
+        ids = [host_token(state, t) for state, t in zip(self.states, toks[:n].tolist())]
         self._result = (ids, lps[:n].tolist(), self.tops, time.perf_counter() - self.t0)
         return self._result
+
+
+def host_token(state: RequestState, t: int) -> int:
+    """A sampled token reaching the host: appended to ``state.token_ids`` (unless ``-1``, NaN logits) and fed to
+    its grammar matcher; returns the token, or the scheduler's mark for a grammar dead end / violation."""
+    if state.matcher is not None and state.matcher.dead_end:
+        return GRAMMAR_DEAD_END_TOKEN
+    if t >= 0:
+        state.token_ids.append(t)
+        if state.matcher is not None and not state.matcher.accept(t):
+            return GRAMMAR_VIOLATION_TOKEN
+    return t
 
 
 class _Graph:
@@ -209,12 +214,16 @@ class ModelRunner:
         enforce_eager: never use CUDA graphs.
         max_num_seqs / max_model_len: the largest decode batch and context a graph must hold (graphs are captured
             when both are given, on CUDA, for a model with a step plan on its FP8 path).
+        host_tier: the prefix cache's host-memory tier (:class:`~deepinfer.host_cache.HostCacheTier`) that runs a
+            step's ``cache_swaps``; None: a step with swaps is refused.
     """
 
     def __init__(self, model, cache, device: torch.device | str, batch_invariant: bool = False,
-                 enforce_eager: bool = True, max_num_seqs: int | None = None, max_model_len: int | None = None):
+                 enforce_eager: bool = True, max_num_seqs: int | None = None, max_model_len: int | None = None,
+                 host_tier=None):
         self.model = model
         self.cache = cache
+        self.host_tier = host_tier
         self.device = torch.device(device)
         self.batch_invariant = batch_invariant
         self.sampler = Sampler(batch_invariant=batch_invariant)
@@ -231,6 +240,8 @@ class ModelRunner:
         # one table per cache group, the first (kept) group always; others appear with their first blocks
         self.block_tables: dict[str, BlockTable] = {FULL_GROUP: BlockTable()}
         self._free_slots: list[int] = []
+        self.num_forwards = 0  # model forwards enqueued (real and empty steps): the DP step loop counts them
+        self.spec = None  # a ``spec_decode.SpecDecoder`` runs every step when speculation is on
         if self.captures_graphs(model, self.device, enforce_eager, max_num_seqs, max_model_len):
             self.capture(graph_buckets(max_num_seqs), max_model_len)
 
@@ -331,6 +342,11 @@ class ModelRunner:
             RuntimeError: a scheduled request the runner has no state for, a new one it already has, or a released
             block id its table does not hold (naming ``released_block_ids``, the request and the group).
         """
+        if output.cache_swaps:  # before anything reads or writes the blocks this step
+            if self.host_tier is None:
+                raise RuntimeError("ModelRunner: the scheduler output carries cache_swaps but the runner has no "
+                                   "host tier")
+            self.host_tier.apply(output.cache_swaps)
         for rid in output.finished_req_ids + output.preempted_req_ids:
             state = self.requests.pop(rid, None)
             if state is not None:
@@ -411,6 +427,8 @@ class ModelRunner:
         Raises:
             RuntimeError: nothing scheduled, or a pending token whose step is not ``prev``.
         """
+        if self.spec is not None:
+            return self.spec.execute(output)
         t0 = time.perf_counter()
         self.update_states(output)
         scheduled = output.scheduled
@@ -428,16 +446,7 @@ class ModelRunner:
         decode = (q == 1) & (starts >= prompt)
         graph = None
         if self.builder is not None:
-            from deepinfer.models.deepseek_v4.plan import StepSeqs
-
-            slots = np.fromiter((st.slot for st in states), np.int64, len(states))
-            window = self.block_tables.get(WINDOW_GROUP)
-            shared = np.fromiter((st.shared_len for st in states), np.int64, len(states))
-            floor = np.fromiter((st.window_floor for st in states), np.int64, len(states))
-            prefix = bool(shared.any() or floor.any())  # a prefix-cache hit in the step
-            seqs = StepSeqs(starts, q, self.block_tables[FULL_GROUP].rows(slots),
-                            None if window is None else window.rows(slots), shared if prefix else None,
-                            floor if prefix else None)
+            seqs = self.step_seqs(states, starts, q)
             graph = self._graph_for(q, starts + q)
             if graph is not None:
                 graph.plan.num_tokens, graph.plan.num_logits = self.builder.fill(seqs, ids, logits_rows,
@@ -455,6 +464,7 @@ class ModelRunner:
             input_ids.index_copy_(0, rows, prev.tokens.index_select(0, src).clamp(min=0))
         if gpu_events is not None:
             gpu_events[0].record()
+        self.num_forwards += 1
         if graph is not None:
             graph.graph.replay()
             logits = graph.logits[:len(logits_rows)]
@@ -496,6 +506,30 @@ class ModelRunner:
         self.last_enqueue_seconds = time.perf_counter() - t0
         return StepOutput(tokens, logprobs, tops, seq_rows, states_l, host, event, gpu_events, t0,
                           self.last_enqueue_seconds, graph is not None, int(decode.sum()))
+
+    @torch.inference_mode()
+    def execute_empty(self) -> None:
+        """An empty step: the model's forward over no tokens (under expert parallelism it still joins every MoE
+        layer's dispatch and combine, so the other DP ranks' step goes on; ``docs/expert-parallel.md``)."""
+        e = torch.empty(0, dtype=torch.int64, device=self.device)
+        batch = ForwardBatch(e, e, [], [], torch.zeros(0, 1, dtype=torch.int32, device=self.device), e,
+                             self.batch_invariant)
+        self.num_forwards += 1
+        self.model.forward(batch, self.cache)
+
+    def step_seqs(self, states: list[RequestState], starts: np.ndarray, q: np.ndarray):
+        """The plan's ``StepSeqs`` of requests ``states`` computing positions ``[starts[i], starts[i] + q[i])``
+        (``[n]`` int64 each) over the runner's block tables."""
+        from deepinfer.models.deepseek_v4.plan import StepSeqs
+
+        slots = np.fromiter((st.slot for st in states), np.int64, len(states))
+        window = self.block_tables.get(WINDOW_GROUP)
+        shared = np.fromiter((st.shared_len for st in states), np.int64, len(states))
+        floor = np.fromiter((st.window_floor for st in states), np.int64, len(states))
+        prefix = bool(shared.any() or floor.any())  # a prefix-cache hit in the step
+        return StepSeqs(starts, q, self.block_tables[FULL_GROUP].rows(slots),
+                        None if window is None else window.rows(slots), shared if prefix else None,
+                        floor if prefix else None)
 
     def _grammar_masks(self, states: list[RequestState], vocab: int):
         """``(rows [m] int64, bitmask [m, ceil(V / 32)] int32)`` on the device for the rows of ``states`` whose

@@ -59,14 +59,17 @@ class PrefixHit(NamedTuple):
             (``shared >= start``; the positions ``[start, shared)`` are replayed).
         window_floor: sliding-window groups hold no block before this position (``start`` when no window snapshot
             ends at ``start``, else 0).
-        ids: ``{group: {table index: block id}}`` of the cached blocks it holds: every kept-group block before
-            ``shared``, and the window snapshot blocks before ``start`` when there is one.
+        ids: ``{group: {table index: block id}}`` of the cached device blocks it holds: every kept-group block
+            before ``shared``, and the window snapshot blocks before ``start`` when there is one.
+        host: ``{group: {table index: chain hash}}`` of the blocks among them that the host tier holds: they get a
+            device block and a copy-in when the hit is applied.
     """
 
     start: int
     shared: int
     window_floor: int
     ids: dict[str, dict[int, int]]
+    host: dict[str, dict[int, bytes]] = {}
 
 
 @dataclass
@@ -78,12 +81,17 @@ class PrefixCacheStats:
         hits: of them, tokens served from the cache (not computed).
         replayed: tokens recomputed before the end of a shared prefix (window rebuild).
         evictions: cached blocks handed out again (every group).
+        host_stores / host_loads / host_evictions: blocks copied to the host tier, restored from it, and dropped
+            from it to make room (every group).
     """
 
     queries: int = 0
     hits: int = 0
     replayed: int = 0
     evictions: int = 0
+    host_stores: int = 0
+    host_loads: int = 0
+    host_evictions: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -91,4 +99,5 @@ class PrefixCacheStats:
 
     def as_dict(self) -> dict:
         return {"queries": self.queries, "hits": self.hits, "replayed": self.replayed, "evictions": self.evictions,
-                "hit_rate": self.hit_rate}
+                "host_stores": self.host_stores, "host_loads": self.host_loads,
+                "host_evictions": self.host_evictions, "hit_rate": self.hit_rate}

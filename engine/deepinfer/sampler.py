@@ -111,13 +111,29 @@ def _keep_sorted(sorted_vals: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return keep & ((before < top_p[:, None]) | (rank == 0))
 
 
-def _draw_filtered_full(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor,
-                        counters: torch.Tensor) -> torch.Tensor:
+def _keep_full(scaled: torch.Tensor, top_k: torch.Tensor,
+               top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole row ranked (value descending, then lower token id) and the top-k / top-p keep mask over the ranks:
+    ``(sorted_vals [n, V], order [n, V] token ids, keep [n, V] bool)``."""
     vocab = scaled.shape[-1]
     sorted_vals, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=scaled.device)[None, :]
     masked = sorted_vals.masked_fill(rank >= top_k[:, None], float("-inf"))
-    keep = _keep_sorted(sorted_vals, top_k, top_p, torch.logsumexp(masked, dim=-1))
+    return sorted_vals, order, _keep_sorted(sorted_vals, top_k, top_p, torch.logsumexp(masked, dim=-1))
+
+
+def keep_mask(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The tokens top-k / top-p keep, in vocabulary order: ``[n, V]`` bool, the set the sampler's full-sort path
+    draws from (``scaled`` ``[n, V]`` float32 = logits / temperature; ``top_k`` ``[n]`` int64 already resolved to
+    ``[1, V]``; ``top_p`` ``[n]`` float32). Device ops only. Like the draw it serves, the sort, cumsum and logsumexp
+    it runs may round differently for a row alone and in a batch: batch-invariant callers pass one row at a time."""
+    _, order, keep = _keep_full(scaled, top_k, top_p)
+    return torch.zeros_like(keep).scatter_(1, order, keep)
+
+
+def _draw_filtered_full(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor,
+                        counters: torch.Tensor) -> torch.Tensor:
+    sorted_vals, order, keep = _keep_full(scaled, top_k, top_p)
     score = torch.where(keep, sorted_vals + gumbel_noise(seeds, counters, order), float("-inf"))
     return order.gather(1, torch.argmax(score, dim=-1, keepdim=True)).squeeze(1)
 

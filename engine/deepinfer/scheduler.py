@@ -43,7 +43,9 @@ class ScheduledRequest(NamedTuple):
             this step was allocated (the blocks before the step's window): their entries in the request's table
             become ``-1`` before ``new_block_ids`` are appended (a released block may come straight back among
             them); groups without released blocks are left out.
-        num_draft_tokens: room for speculative draft tokens after the sampled one (0: none).
+        num_draft_tokens: speculative drafts verified after the request's last token (0: none): the last
+            ``num_draft_tokens`` of the ``num_new_tokens`` positions hold the runner's drafts (the runner may verify
+            fewer), and the step emits 1 to ``num_draft_tokens + 1`` tokens.
     """
 
     req_id: int
@@ -85,6 +87,8 @@ class SchedulerOutput:
         new_requests: requests new to the runner, before ``scheduled`` refers to them.
         finished_req_ids: requests finished or aborted since the previous output (the runner drops their state).
         preempted_req_ids: requests preempted by this output (blocks freed; they come back as new requests).
+        cache_swaps: block copies between the device pools and the host tier of the prefix cache
+            (:class:`~deepinfer.host_cache.SwapOp`), to run in order before the step's forward.
     """
 
     step_id: int
@@ -92,6 +96,7 @@ class SchedulerOutput:
     new_requests: tuple[NewRequestData, ...] = ()
     finished_req_ids: tuple[int, ...] = ()
     preempted_req_ids: tuple[int, ...] = ()
+    cache_swaps: tuple = ()
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -133,6 +138,11 @@ class Scheduler:
         self._steps: dict[int, list[Sequence]] = {}  # step_id -> its sampled requests, until postprocess
         self._finished_ids: list[int] = []
         self._next_step = 0
+        # DP attention (``deepinfer.parallel.dp_step``): the most prefill tokens the next ``schedule`` may take
+        # (None: no limit beyond the token budget; decodes never count against it), and what the last one took
+        self.prefill_budget: int | None = None
+        self.last_prefill_tokens = 0
+        self.last_num_tokens = 0
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
@@ -174,6 +184,26 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---------------------------------------------------------------- one step
+    @staticmethod
+    def _left(seq: Sequence) -> int:
+        """Tokens ``seq`` still has to compute before its next sample (1 for a decode)."""
+        return len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending - seq.num_computed_tokens
+
+    def prefill_demand(self) -> int:
+        """Prefill tokens the next step could take without a prefill limit (an upper estimate: the running
+        sequences' prompt remainders, then the waiting ones' contexts, at most ``max_num_batched_tokens``)."""
+        cap = self.config.max_num_batched_tokens
+        n = 0
+        for seq in self.running:
+            left = self._left(seq)
+            if left > 1:
+                n += left
+        for seq in self.waiting:
+            if n >= cap:
+                break
+            n += self._left(seq)
+        return min(n, cap)
+
     def _chunk(self, seq: Sequence, budget: int) -> int:
         """New tokens for ``seq`` this step within ``budget`` (0: none; also when its pending tokens already reach
         ``max_tokens``: it finishes when they are applied)."""
@@ -188,6 +218,16 @@ class Scheduler:
             n = (end // align) * align - seq.num_computed_tokens
         return max(n, 0)
 
+    def _num_drafts(self, seq: Sequence, n: int, budget: int) -> int:
+        """Drafts to verify after ``seq``'s decode token this step: ``num_speculative_tokens`` for a decode (its
+        last token is the one not computed) of a request that speculates, within the budget and so that the step
+        emits no more than ``max_tokens`` (its positions then stay inside the request's admitted length)."""
+        k = self.config.num_drafts
+        if not k or n != 1 or seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 \
+                or not speculates(seq.params):
+            return 0
+        return max(0, min(k, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1))
+
     def schedule(self) -> SchedulerOutput:
         """Pick this step's work and allocate its blocks. ``scheduled`` is empty only when nothing can run now (no
         request queued, or every one waits for a token in flight).
@@ -196,22 +236,35 @@ class Scheduler:
             RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
         """
         budget = self.config.max_num_batched_tokens
+        prefill_left = self.prefill_budget
+        limited = False  # the prefill limit held a chunk back (an empty step is then no deadlock)
+
+        def within(seq: Sequence) -> int:
+            nonlocal limited
+            if prefill_left is None or self._left(seq) <= 1:
+                return budget
+            limited = limited or prefill_left < min(budget, self._left(seq))
+            return min(budget, prefill_left)
+
         bm = self.block_manager
         scheduled: list[ScheduledRequest] = []
         sampled: list[Sequence] = []
         new_requests: list[NewRequestData] = []
         preempted: list[int] = []
+        prefill_used = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             # blocks earlier steps filled become shareable (never those this step writes: a request admitted
             # below would read them in the same step)
             bm.cache_blocks(seq)
-            n = self._chunk(seq, budget)
+            is_prefill = self._left(seq) > 1
+            n = self._chunk(seq, within(seq))
             if n == 0:
                 i += 1
                 continue
-            target = seq.num_computed_tokens + n
+            d = self._num_drafts(seq, n, budget)
+            target = seq.num_computed_tokens + n + d
             changes = None
             if not bm.fits_held(seq, target):  # most decode steps fit the blocks the request holds
                 while not bm.can_allocate(seq, target):
@@ -223,8 +276,12 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING:
                     break  # seq itself was preempted: everything after it is gone too
                 changes = bm.allocate_step(seq, target)
-            scheduled.append(self._take(seq, n, changes, sampled))
-            budget -= n
+            scheduled.append(self._take(seq, n + d, changes, sampled, d))
+            budget -= n + d
+            if is_prefill:
+                prefill_used += n
+                if prefill_left is not None:
+                    prefill_left -= n
             i += 1
 
         if not preempted:
@@ -235,7 +292,8 @@ class Scheduler:
                 hit = bm.lookup(seq)  # None unless prefix caching finds the request's first block
                 if hit is not None:
                     bm.apply_hit(seq, hit)  # the hit counts as computed tokens
-                n = self._chunk(seq, budget)
+                is_prefill = self._left(seq) > 1
+                n = self._chunk(seq, within(seq))
                 target = seq.num_computed_tokens + n
                 if n == 0 or not bm.can_allocate(seq, target):
                     if hit is not None:  # give the shared blocks back; the lookup is redone next step
@@ -256,14 +314,21 @@ class Scheduler:
                                                    seq.grammar, seq.prefix_shared_tokens, seq.window_floor))
                 scheduled.append(self._take(seq, n, changes, sampled))
                 budget -= n
+                if is_prefill:
+                    prefill_used += n
+                    if prefill_left is not None:
+                        prefill_left -= n
 
-        if not scheduled and self.has_unfinished() and not any(s.num_pending for s in self.running + list(self.waiting)):
+        self.last_prefill_tokens = prefill_used
+        self.last_num_tokens = self.config.max_num_batched_tokens - budget
+        if not scheduled and not limited and self.has_unfinished() \
+                and not any(s.num_pending for s in self.running + list(self.waiting)):
             # Unreachable by construction (a queued request alone always fits); fail loudly instead of spinning.
             raise RuntimeError(
                 f"Scheduler made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "
                 f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free")
         out = SchedulerOutput(self._next_step, tuple(scheduled), tuple(new_requests), tuple(self._finished_ids),
-                              tuple(preempted))
+                              tuple(preempted), bm.take_swaps() if scheduled else ())  # else: the next step runs them
         self._next_step += 1
         self._finished_ids = []
         if sampled:
@@ -280,18 +345,22 @@ class Scheduler:
             stats.replayed += seq.prefix_shared_tokens - seq.num_computed_tokens if seq.prefix_shared_tokens else 0
 
     @staticmethod
-    def _take(seq: Sequence, n: int, changes: BlockChanges | None, sampled: list[Sequence]) -> ScheduledRequest:
-        """Schedule ``n`` tokens of ``seq``: they count as computed from now on (the next step may be scheduled
-        before this one's results are applied); a step that reaches the end of the context adds a pending token."""
+    def _take(seq: Sequence, n: int, changes: BlockChanges | None, sampled: list[Sequence],
+              drafts: int = 0) -> ScheduledRequest:
+        """Schedule ``n`` tokens of ``seq`` (the last ``drafts`` of them speculative): they count as computed from
+        now on (the next step may be scheduled before this one's results are applied; a verification's rejected
+        drafts are taken back when it is applied); a step that reaches the end of the context adds a pending
+        token."""
         start = seq.num_computed_tokens
-        needs = start + n == len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending
+        needs = start + n - drafts == len(seq.prompt_token_ids) + len(seq.output_token_ids) + seq.num_pending
         seq.num_computed_tokens = start + n
         if needs:
             seq.num_pending += 1
             sampled.append(seq)
         if changes is None:
-            return ScheduledRequest(seq.seq_id, n, start, needs)
-        return ScheduledRequest(seq.seq_id, n, start, needs, _per_group(changes.new), _per_group(changes.released))
+            return ScheduledRequest(seq.seq_id, n, start, needs, num_draft_tokens=drafts)
+        return ScheduledRequest(seq.seq_id, n, start, needs, _per_group(changes.new), _per_group(changes.released),
+                                drafts)
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: free the blocks, keep the tokens, requeue at the front."""
@@ -317,7 +386,10 @@ class Scheduler:
         ``structured_outputs``).
 
         ``token_ids``/``logprobs`` (and ``top_logprobs``) hold one entry per scheduled request with
-        ``needs_logits``, in order. Returns the requests that gained a token or finished here.
+        ``needs_logits``, in order; a verification step's entry (``num_draft_tokens`` > 0) is a list of the tokens
+        it emits (and lists of their logprobs / top logprobs), applied in order until one ends the request (a stop
+        token, ``max_tokens``: nothing after it is kept). Its rejected drafts' positions stop counting as computed.
+        Returns the requests that gained a token or finished here.
 
         Raises:
             RuntimeError: the number of tokens is not the step's number of sampled requests.
@@ -325,56 +397,81 @@ class Scheduler:
         seqs = self._steps.pop(output.step_id, [])
         if len(seqs) != len(token_ids):
             raise RuntimeError(f"Scheduler.postprocess: {len(token_ids)} sampled tokens for {len(seqs)} requests")
+        verified = {r.req_id: r for r in output.scheduled if r.num_draft_tokens}
         touched: list[Sequence] = []
         now = time.perf_counter()
         for k, seq in enumerate(seqs):
-            token = token_ids[k]
             seq.num_pending -= 1
             if seq.is_finished:  # it ended while this step ran (asynchronous scheduling): its token is dropped
                 continue
             touched.append(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
-            if token == GRAMMAR_DEAD_END_TOKEN:  # the request's grammar matches nothing from here: its fault
-                seq.failure = RequestFailure(
-                    "grammar_dead_end", f"structured_outputs: the constraint allows no token at output token "
-                                        f"{seq.num_output_tokens} (a grammar that matches no string?)",
-                    param="structured_outputs")
-                self._finish(seq, "error", now)
+            item = verified.get(seq.seq_id)
+            if item is None:
+                self._apply_token(seq, token_ids[k], logprobs[k], top_logprobs[k] if top_logprobs is not None
+                                  else [], now)
                 continue
-            if token == GRAMMAR_VIOLATION_TOKEN:  # the runner's mark: the grammar rejected the drawn token
-                seq.failure = RequestFailure(
-                    "grammar_violation", f"output token {seq.num_output_tokens} broke the structured_outputs "
-                                         "constraint (an engine error)")
-                self._finish(seq, "error", now)
-                continue
-            if token < 0:  # the sampler's mark for NaN logits: the request fails, the others go on
-                seq.failure = RequestFailure(
-                    "nan_logits", f"the model produced NaN logits at output token {seq.num_output_tokens} "
-                                  "(broken weights or a kernel error)")
-                self._finish(seq, "error", now)
-                continue
-            params = seq.params
-            if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
-                seq.stop_token_id = token
-                self._finish(seq, "stop", now)
-            else:
-                seq.output_token_ids.append(token)
-                seq.output_logprobs.append(logprobs[k])
-                seq.output_top_logprobs.append(top_logprobs[k] if top_logprobs is not None else [])
-                self.num_generated_tokens += 1
-                if seq.num_output_tokens >= params.max_tokens:
-                    self._finish(seq, "length", now)
+            toks = token_ids[k]
+            # positions start .. start + len(toks) - 1 hold the request's last token and the accepted drafts
+            seq.num_computed_tokens = item.start + len(toks)
+            for j, token in enumerate(toks):
+                top = top_logprobs[k][j] if top_logprobs is not None else []
+                if self._apply_token(seq, token, logprobs[k][j], top, now):
+                    break
         return touched
+
+    def _apply_token(self, seq: Sequence, token: int, logprob: float, top: list, now: float) -> bool:
+        """Append one sampled token to ``seq`` or end it (marks, stop tokens, ``max_tokens``); True when it
+        ended."""
+        if token == GRAMMAR_DEAD_END_TOKEN:  # the request's grammar matches nothing from here: its fault
+            seq.failure = RequestFailure(
+                "grammar_dead_end", f"structured_outputs: the constraint allows no token at output token "
+                                    f"{seq.num_output_tokens} (a grammar that matches no string?)",
+                param="structured_outputs")
+            self._finish(seq, "error", now)
+            return True
+        if token == GRAMMAR_VIOLATION_TOKEN:  # the runner's mark: the grammar rejected the drawn token
+            seq.failure = RequestFailure(
+                "grammar_violation", f"output token {seq.num_output_tokens} broke the structured_outputs "
+                                     "constraint (an engine error)")
+            self._finish(seq, "error", now)
+            return True
+        if token < 0:  # the sampler's mark for NaN logits: the request fails, the others go on
+            seq.failure = RequestFailure(
+                "nan_logits", f"the model produced NaN logits at output token {seq.num_output_tokens} "
+                              "(broken weights or a kernel error)")
+            self._finish(seq, "error", now)
+            return True
+        params = seq.params
+        if (not params.ignore_eos and token in self.eos_token_ids) or token in params.stop_token_ids:
+            seq.stop_token_id = token
+            self._finish(seq, "stop", now)
+            return True
+        seq.output_token_ids.append(token)
+        seq.output_logprobs.append(logprob)
+        seq.output_top_logprobs.append(top)
+        self.num_generated_tokens += 1
+        if seq.num_output_tokens >= params.max_tokens:
+            self._finish(seq, "length", now)
+            return True
+        return False
 
     def drop(self, output: SchedulerOutput) -> None:
         """Forget ``output``'s results (its step's tokens will never be applied: an interrupted run)."""
         for seq in self._steps.pop(output.step_id, []):
             seq.num_pending -= 1
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, num_output_tokens: int | None = None) -> None:
         """End ``seq`` with ``reason`` now (an output processor saw a stop string); a sequence that ended at this
-        very token (``max_tokens``) takes the new reason."""
+        very token (``max_tokens``) takes the new reason. ``num_output_tokens``: keep only that many output tokens
+        (the stop string ended inside a block of accepted drafts; the usage counts what is kept)."""
+        if num_output_tokens is not None and 0 <= num_output_tokens <= seq.num_output_tokens:
+            self.num_generated_tokens -= seq.num_output_tokens - num_output_tokens
+            del seq.output_token_ids[num_output_tokens:]
+            del seq.output_logprobs[num_output_tokens:]
+            del seq.output_top_logprobs[num_output_tokens:]
+            seq.stop_token_id = None  # a stop token after the string is not part of the output either
         if seq.is_finished:
             seq.finish_reason = reason
             return
@@ -417,6 +514,12 @@ def _per_group(ids: dict[str, list[int]]) -> Mapping[str, tuple[int, ...]]:
     """``{group: ids}`` frozen, groups without ids left out."""
     kept = {name: tuple(b) for name, b in ids.items() if b}
     return MappingProxyType(kept) if kept else _NO_BLOCKS
+
+
+def speculates(params: SamplingParams) -> bool:
+    """Whether a request's decode steps verify drafts when speculation is on: not with penalties or a logit bias
+    (they change with every token of a block) nor with ``structured_outputs`` (its mask needs each token first)."""
+    return not params.adjusts_logits and params.structured_outputs is None
 
 
 def _in_order(seq: Sequence) -> int:

@@ -100,3 +100,29 @@ class ExpertParallel:
             raise ValueError(f"tensor {name!r}: expert {expert} of {moe} is not on EP rank {self.rank} "
                              f"(its experts: {list(local)})")
         return f"{moe}.experts.{local.index(expert)}.{leaf}"
+
+
+def initial_expert_parallel(num_experts: int, rank: int, world_size: int, num_redundant: int = 0,
+                            **kwargs) -> ExpertParallel:
+    """The placement a model starts with, the same for every MoE layer: contiguous without redundant slots, else
+    ``eplb.rebalance`` of no counts (every expert once, the redundant slots to the lowest ids). ``kwargs`` go to
+    :class:`ExpertParallel` (``layout``, ...).
+
+    Raises:
+        ValueError naming ``num_redundant_experts`` when ``num_experts + num_redundant`` is not a multiple of
+        ``world_size``, or there are more redundant slots than ``num_experts * (world_size - 1)``.
+    """
+    import numpy as np
+
+    from .eplb import rebalance
+
+    _int("num_redundant_experts", num_redundant, 0)
+    if (num_experts + num_redundant) % world_size:
+        raise ValueError(f"num_redundant_experts={num_redundant}: the {num_experts} routed experts plus the redundant "
+                         f"slots must be a multiple of expert_parallel_size={world_size}")
+    if num_redundant > num_experts * (world_size - 1):
+        raise ValueError(f"num_redundant_experts={num_redundant}: at most {num_experts * (world_size - 1)} for "
+                         f"{num_experts} experts over {world_size} ranks (one replica per rank)")
+    placement = ExpertPlacement.contiguous(num_experts, world_size) if num_redundant == 0 else \
+        rebalance(np.zeros((1, num_experts)), world_size, num_redundant)
+    return ExpertParallel(rank, world_size, default=placement, **kwargs)

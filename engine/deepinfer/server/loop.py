@@ -67,7 +67,8 @@ class EngineLoop:
         if isinstance(max_waiting, bool) or not isinstance(max_waiting, int) or max_waiting < 0:
             raise ValueError(f"max_waiting must be an integer >= 0, got {max_waiting!r}")
         self.llm = llm
-        self.engine = llm.engine
+        # data parallelism: the ranks' engines behind one interface (``deepinfer.parallel.serve``)
+        self.engine = llm.remote_engine() if getattr(llm, "_dp_group", None) is not None else llm.engine
         self.metrics = metrics
         self.capacity = llm.config.max_num_seqs + max_waiting
         self.outputs = OutputProcessor(self.engine)
@@ -79,8 +80,8 @@ class EngineLoop:
         self._draining = False  # new requests are refused; open ones run on
         self.heartbeat = time.monotonic()
         self.busy = False  # work was pending at the last heartbeat
-        self.snapshot = {"running": 0, "waiting": 0, "cache_used_blocks": 0,
-                         "cache_blocks": llm.block_manager.num_blocks}
+        self.snapshot = {"running": 0, "waiting": 0, "cache_used_blocks": 0, "cache_blocks": 0}
+        self._publish()
         self.thread = threading.Thread(target=self._run, name="deepinfer-engine-loop", daemon=True)
 
     # ---------------------------------------------------------------- HTTP side (any thread)
@@ -253,6 +254,9 @@ class EngineLoop:
         h.post(item)
 
     def _publish(self) -> None:
+        if hasattr(self.engine, "snapshot"):  # the DP ranks' figures
+            self.snapshot = dict(self.engine.snapshot(), waiting=self.engine.snapshot()["waiting"] + len(self._inbox))
+            return
         sched, bm = self.llm.scheduler, self.llm.block_manager
         self.snapshot = {"running": len(sched.running), "waiting": len(sched.waiting) + len(self._inbox),
                          "cache_used_blocks": bm.num_blocks - bm.num_free_blocks, "cache_blocks": bm.num_blocks}

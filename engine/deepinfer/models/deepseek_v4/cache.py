@@ -231,6 +231,11 @@ class DeepseekV4Cache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
 
+    def group_tensors(self, group: str) -> list[torch.Tensor]:
+        """Every pool of cache group ``group`` over all layers (first dim: the block id), in layer order."""
+        return [t for layer, ls in zip(self.layers, self.spec.layers) for name, t in layer.items()
+                if ls.pools[name].group == group]
+
 
 def allocate_cache(config: DeepseekV4Config, num_blocks: int, device: torch.device | str = "cpu",
                    dtype: torch.dtype = torch.bfloat16, window_blocks: int | None = None,

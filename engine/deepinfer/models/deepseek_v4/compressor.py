@@ -54,9 +54,25 @@ class Compressor(nn.Module):
                 cp.dst))
             deepinfer_ops.rotary_embedding(entries, cp.w_pos, rope_table)
             write_cache(pool, entries, cp.dst)
-        if cp.st_dst.shape[0]:
+        if cp.deferred is not None:
+            cp.deferred.append((ring_kv, ring_gate, kv_new, gate_new))
+        elif cp.st_dst.shape[0]:
             deepinfer_ops.compressor_state_write(ring_kv, ring_gate, kv_new, gate_new, cp.ring_src, cp.st_src,
                                                  cp.st_dst)
+
+
+def commit_deferred_state(comp: dict, lists: dict) -> None:
+    """Write the ring state a step deferred (``CompressorPlan.deferred`` of each plan in ``comp``, ``{ratio:
+    CompressorPlan}``) with the lists of :meth:`~.plan.PlanBuilder.state_commit` (``{ratio: (ring_src, st_src,
+    st_dst)}``): every compressor of every layer of that ratio, in the order they ran. Device work only."""
+    for m, cp in comp.items():
+        if not cp.deferred:
+            continue
+        ring_src, st_src, st_dst = lists[m]
+        if st_dst.shape[0]:
+            for ring_kv, ring_gate, kv_new, gate_new in cp.deferred:
+                deepinfer_ops.compressor_state_write(ring_kv, ring_gate, kv_new, gate_new, ring_src, st_src, st_dst)
+        cp.deferred = []
 
 
 class Indexer(nn.Module):

@@ -21,7 +21,7 @@ import torch
 
 import deepinfer_ops
 
-from deepinfer.forward_batch import ForwardBatch, HostStager
+from deepinfer.forward_batch import ForwardBatch, HostStager, index_tensors
 
 from .cache import window_lookback
 from .config import CSA, HCA, DeepseekV4Config
@@ -136,6 +136,10 @@ class CompressorPlan:
         dst: ``[n_close]`` int64 compressed-pool slots (``-1``: not written).
         st_src / st_dst: ``[n_st]`` int64 rows of ``all`` and the ring slots they are persisted to (``-1``: skipped).
         n_close: number of closing windows (host int; graph mode: the capacity).
+        deferred: ``None`` (the state is written in the step), or a list: the step writes no ring state and each
+            compressor appends ``(ring_kv, ring_gate, kv_new, gate_new)`` to it instead, for
+            :func:`~.compressor.commit_deferred_state` once the step's kept length is known (speculative
+            verification: a rejected position must not overwrite a ring row still needed).
     """
 
     ratio: int
@@ -150,6 +154,7 @@ class CompressorPlan:
     st_src: torch.Tensor
     st_dst: torch.Tensor
     n_close: int
+    deferred: list | None = None
 
 
 @dataclass
@@ -551,6 +556,38 @@ class PlanBuilder:
                 if name != "n_close":
                     chunks[f"{name}{m}"] = arr
         return chunks, meta, T, rows, max_len
+
+    def state_commit(self, seqs: StepSeqs, row_starts: np.ndarray) -> dict[int, tuple[torch.Tensor, ...]]:
+        """The ring-state writes of a step whose state was deferred (``CompressorPlan.deferred``), for the tokens
+        it keeps: sequence ``i`` keeps positions ``[c0[i], c0[i] + q[i])`` of the step, whose token rows start at
+        ``row_starts[i]`` (``[num_seqs]`` int64, the step's own rows). Returns ``{ratio: (ring_src, st_src,
+        st_dst)}`` on the device (one copy), the lists :meth:`build` makes for a step of exactly the kept tokens
+        (new-token rows pointing into the deferred step's rows). Host data; raises ValueError naming the field."""
+        self.check_arrays(seqs)
+        B = self.block_size
+        c0s, qs = seqs.c0.astype(np.int64), seqs.q.astype(np.int64)
+        Ls = c0s + qs
+        S = len(c0s)
+        row_starts = np.asarray(row_starts, dtype=np.int64)
+        if row_starts.shape != (S,):
+            raise ValueError(f"row_starts: expected [{S}] ints, got shape {row_starts.shape}")
+        w0s = np.maximum(c0s - self.lookback, 0) // B
+        wt = seqs.block_tables if seqs.window_tables is None else seqs.window_tables
+        need = -(-Ls // B)
+        nwb = int((need - w0s).max()) if S else 1
+        cols = w0s[:, None] + np.arange(nwb)[None, :]
+        inside = (cols < need[:, None]) & (cols < wt.shape[1])
+        wbt = np.where(inside, wt[np.arange(S)[:, None], np.minimum(cols, wt.shape[1] - 1)], -1)
+        shared = None if seqs.shared_len is None else seqs.shared_len.tolist()
+        out, lists = {}, []
+        for m, overlap in self.ratios:
+            got = self._compressor_lists(c0s.tolist(), Ls.tolist(), seqs.block_tables.tolist(), wbt.tolist(),
+                                         w0s.tolist(), row_starts.tolist(), m, overlap, None, shared)
+            lists += [got["ring_src"], got["st_src"], got["st_dst"]]
+        dev = index_tensors(lists, self.device) if lists else []
+        for j, (m, _) in enumerate(self.ratios):
+            out[m] = tuple(dev[3 * j:3 * j + 3])
+        return out
 
     def check_ids(self, ids) -> None:
         """Token ids must lie in ``[0, vocab_size)`` (host data; raises ValueError naming ``input_ids``)."""

@@ -1,0 +1,147 @@
+"""Speculative decoding: decode throughput and acceptance with MTP drafts, spec off / fixed k / confidence-scheduled.
+
+Usage (from the repository root, PYTHONPATH=python:engine):
+    python bench/bench_spec.py --model /path/to/checkpoint --prompts held_out.txt   # a trained model
+    python bench/bench_spec.py --model v4-flash-shapes                            # cost only (random weights)
+    python bench/bench_spec.py --model tiny --batches 1,4 --ks 1,3 --max-tokens 16  # CPU smoke run
+
+Per batch size (--batches, default 1,8,64,256) and mode (``off``; ``fixed-k`` for each k of --ks, default 1..5;
+``scheduled``: spec_schedule="confidence" with k = the largest of --ks): one warm-up generate, then --batch requests
+decode --max-tokens tokens each (greedy unless --temperature; ignore_eos). Prompts: lines of --prompts (tokenized
+with the model's tokenizer, cycled), else random token ids of --prompt-len.
+
+Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.llm.EngineStats``), its median over pure
+decode steps, TPOT, and with speculation the acceptance length (mean tokens per verification = 1 + accepted drafts),
+the acceptance rate per draft position (accepted / verified at that position), the verification overhead (median
+decode step time over the spec-off median at the same batch size, minus 1, in percent) and the speedup over spec off;
+greedy rows also record whether the tokens equal spec off's (``greedy_identical``). Writes
+bench/results/<device>/bench_spec.json (--out to override).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def make_prompts(llm, args) -> list[list[int]]:
+    """``args.batch_max`` prompts: the lines of ``args.prompts`` (cut to ``args.prompt_len`` tokens, cycled), else
+    random ids."""
+    n = args.batch_max
+    if args.prompts:
+        lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
+        if not lines:
+            raise ValueError(f"--prompts: {args.prompts} has no non-empty line")
+        ids = [llm.encode(ln)[:args.prompt_len] or [1] for ln in lines]
+        return [ids[i % len(ids)] for i in range(n)]
+    rng = random.Random(0)
+    return [[rng.randrange(3, llm.vocab_size) for _ in range(args.prompt_len)] for _ in range(n)]
+
+
+def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) -> tuple[dict, list[list[int]]]:
+    """One (batch size, mode) row and the generated token ids."""
+    from deepinfer import LLM, SamplingParams
+
+    spec = {} if mode == "off" else {"speculative_method": "mtp", "num_speculative_tokens": k,
+                                     "spec_schedule": "confidence" if mode == "scheduled" else "fixed"}
+    llm = LLM(model, max_num_seqs=batch, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.prompt_len + args.max_tokens + 128, **spec)
+    sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
+    llm.generate(prompts[:min(batch, 4)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
+    stats0 = _spec_counters(llm)
+    outs = llm.generate(prompts[:batch], sp)
+    s = llm.last_stats.summary()
+    row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
+                                                        "max_tokens": args.max_tokens, "k": k if spec else 0,
+                                                        "temperature": args.temperature},
+           "decode_tok_s": s["decode_tok_s"], "decode_tok_s_median": s["decode_tok_s_median"],
+           "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
+           "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan")}
+    if spec:
+        st = _spec_counters(llm)
+        ver = st["verifications"] - stats0["verifications"]
+        acc = st["accepted"] - stats0["accepted"]
+        at = [a - b for a, b in zip(st["accepted_at"], stats0["accepted_at"])]
+        vat = [a - b for a, b in zip(st["verified_at"], stats0["verified_at"])]
+        row.update({"verifications": ver, "acceptance_length": 1 + acc / ver if ver else 1.0,
+                    "acceptance_per_position": [a / v if v else None for a, v in zip(at, vat)],
+                    "drafts_verified_per_step": (st["drafted"] - stats0["drafted"]) / ver if ver else 0.0})
+    return row, [o.token_ids for o in outs]
+
+
+def _spec_counters(llm) -> dict:
+    spec = llm.runner.spec
+    if spec is None:
+        return {}
+    s = spec.stats
+    return {"verifications": s.verifications, "accepted": s.accepted, "drafted": s.drafted,
+            "accepted_at": list(s.accepted_at), "verified_at": list(s.verified_at)}
+
+
+def sweep(model, args) -> list[dict]:
+    """Every (batch, mode) row; spec rows carry the speedup and overhead against the spec-off row."""
+    from deepinfer import LLM
+
+    ks = [int(x) for x in args.ks.split(",")]
+    modes = [("off", 0)] + [(f"fixed-{k}", k) for k in ks] + ([("scheduled", max(ks))] if not args.no_scheduled else [])
+    rows = []
+    probe = LLM(model, max_num_seqs=1, device=args.device, num_blocks=2)
+    prompts = make_prompts(probe, args)
+    del probe
+    for batch in [int(b) for b in args.batches.split(",")]:
+        base = base_tokens = None
+        for mode, k in modes:
+            row, tokens = run(model, batch, mode, k, args, prompts)
+            if mode == "off":
+                base, base_tokens = row, tokens
+            else:
+                row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else None
+                if base["decode_step_ms_median"]:
+                    row["verification_overhead_pct"] = 100 * (row["decode_step_ms_median"]
+                                                              / base["decode_step_ms_median"] - 1)
+                if args.temperature == 0:
+                    row["greedy_identical"] = tokens == base_tokens
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny", help="checkpoint directory or preset (default: tiny)")
+    p.add_argument("--prompts", default=None, help="text file, one prompt per line (default: random token ids)")
+    p.add_argument("--batches", default="1,8,64,256")
+    p.add_argument("--ks", default="1,2,3,4,5")
+    p.add_argument("--no-scheduled", action="store_true", help="skip the confidence-scheduled rows")
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<device>/bench_spec.json)")
+    args = p.parse_args(argv)
+    args.batch_max = max(int(b) for b in args.batches.split(","))
+    from deepinfer.presets import PRESETS
+
+    model = args.model
+    if model not in PRESETS and not Path(model).is_dir():
+        raise SystemExit(f"--model: {model!r} is neither a preset nor a checkpoint directory")
+    rows = sweep(model, args)
+    dev = "h200" if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name() else \
+        ("cuda" if torch.cuda.is_available() else "cpu")
+    out = args.out or ROOT / "bench" / "results" / dev / "bench_spec.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,494 @@
+"""Speculative decoding in the engine: MTP drafts, one target forward verifying them, rollback of rejected positions.
+
+:class:`SpecDecoder` runs every step of a :class:`~deepinfer.model_runner.ModelRunner` when speculation is on
+(``EngineConfig.speculative_method = "mtp"``). Per step (design and proofs of the cache rules:
+``docs/speculative.md``):
+
+1. the drafter chain: a request decoding with ``k`` drafts holds its first draft (from the previous step) and
+   runs the MTP layer ``k - 1`` more times on its own outputs, at positions the step's blocks already cover;
+2. one target forward over every request's tokens (a decode: its last token then its drafts), its compressor ring
+   state deferred;
+3. sampling (requests without drafts, as the plain runner) and acceptance (:mod:`deepinfer.speculative`);
+4. the ring state written for the kept positions only;
+5. the MTP layer over the kept positions (the target's hidden streams, the next tokens as input): the MTP cache
+   of every computed position, and each sampling request's first draft for the next step.
+
+Steps run in order (the engine applies each before scheduling the next) and eagerly.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from deepinfer.model_runner import RequestState, host_token
+from deepinfer.sampler import MIN_SAMPLING_TEMPERATURE, _log_softmax_normaliser
+from deepinfer.scheduler import SchedulerOutput, speculates
+from deepinfer.speculative import accept_drafts, draw_drafts, filtered_probs
+
+
+class DraftState:
+    """A request's drafts: ``tokens[j]`` goes at context position ``position + j``, with the drafter's
+    distribution ``probs[j]`` (``[V]`` float32; ``None`` for a greedy request) and confidence ``conf[j]`` (the
+    drafter's probability of its token: for a sampled request in expectation over the draw, ``sum_v q(v)^2``, so
+    that the verified length never depends on the drafted token and sampling stays lossless); ``hidden``
+    (``[hc_mult, hidden]``) the MTP output streams of the row that drafted ``tokens[-1]``."""
+
+    __slots__ = ("position", "tokens", "probs", "conf", "hidden")
+
+    def __init__(self, position: int, token: int, probs: torch.Tensor | None, conf: float, hidden: torch.Tensor):
+        self.position = position
+        self.tokens, self.probs, self.conf = [token], [probs], [conf]
+        self.hidden = hidden
+
+
+class SpecStepOutput:
+    """A finished speculative step (its results are on the host): what :class:`~deepinfer.model_runner.StepOutput`
+    gives the engine. ``result()`` holds, per sampled request in step order, a token (no drafts) or the list of
+    tokens its verification emitted (with lists of their logprobs and top logprobs). ``num_decode_tokens``: tokens
+    its decodes emitted (the throughput view); ``num_prefill_tokens``: its prefill chunks' tokens."""
+
+    graph = False
+    gpu_seconds = 0.0
+
+    def __init__(self, ids: list, logprobs: list, tops: list, t0: float, host_s: float, num_decode_tokens: int,
+                 num_prefill_tokens: int):
+        self._result = (ids, logprobs, tops, time.perf_counter() - t0)
+        self.host_seconds = host_s
+        self.num_decode_tokens = num_decode_tokens
+        self.num_prefill_tokens = num_prefill_tokens
+        self.seq_rows: dict[int, int] = {}
+
+    def result(self) -> tuple[list, list, list, float]:
+        return self._result
+
+
+class SpecStats:
+    """Counters of the verifications so far: steps, drafts verified, drafts accepted, accepted per position
+    (``accepted_at[j]``: verifications whose draft ``j`` was accepted; ``verified_at[j]``: that verified one)."""
+
+    def __init__(self, k: int) -> None:
+        self.verifications = 0
+        self.drafted = 0
+        self.accepted = 0
+        self.accepted_at = [0] * k
+        self.verified_at = [0] * k
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens a verification emits (accepted drafts + 1)."""
+        return 1.0 + self.accepted / self.verifications if self.verifications else 0.0
+
+
+class SpecDecoder:
+    """Speculative steps of ``runner`` (a model with a step plan and an MTP layer: ``forward_mtp``).
+
+    Args:
+        runner: the model runner (its requests, block tables, sampler, model and cache).
+        num_speculative_tokens: the most drafts a request verifies per step (1 to 5).
+        schedule: ``"fixed"`` (verify every scheduled draft) or ``"confidence"`` (per step, the verified lengths
+            that maximise expected emitted tokens per unit of :attr:`cost` from the drafts' confidences).
+        cost: ``cost(num_seqs, num_tokens) -> float`` of a step (host data only); default :func:`default_step_cost`.
+    Raises:
+        ValueError naming ``speculative_method`` when the model has no MTP layer or step plan, or runs under
+        expert parallelism.
+    """
+
+    def __init__(self, runner, num_speculative_tokens: int, schedule: str = "confidence", cost=None) -> None:
+        model = runner.model
+        if runner.builder is None or not callable(getattr(model, "forward_mtp", None)) \
+                or not len(getattr(model, "mtp", ())):
+            raise ValueError(f"EngineConfig.speculative_method: 'mtp' needs a model with an MTP layer and a step plan "
+                             f"(DeepSeek-V4); {type(model).__name__} has none")
+        if getattr(model, "expert_parallel", None) is not None:  # ranks must run the same forwards per step
+            raise ValueError("EngineConfig.speculative_method: not supported with expert parallelism yet (the "
+                             "number of MTP forwards per step differs between ranks)")
+        self.runner = runner
+        self.k = num_speculative_tokens
+        self.schedule = schedule
+        self.cost = cost or default_step_cost
+        self.drafts: dict[int, DraftState] = {}
+        self.stats = SpecStats(num_speculative_tokens)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int],
+                     hidden: torch.Tensor, logits_rows: list[int], discard_state: bool = False):
+        r = self.runner
+        plan = r.builder.build(r.step_seqs(states, c0, q), ids, logits_rows, r.batch_invariant,
+                               r.model.step_pad(r.batch_invariant, r.device))
+        if discard_state:  # a draft chain step: its positions are provisional, the rings keep the kept state
+            for cp in plan.comp.values():
+                cp.deferred = []
+        return r.model.forward_mtp(plan, r.cache, hidden, 0, return_hidden=True)
+
+    def _draw(self, logits: torch.Tensor, states: list[RequestState], counters: list[int]):
+        """Draft tokens / confidences / distributions (None rows for greedy requests) for rows of ``logits``."""
+        r = self.runner
+        dev = logits.device
+        params = [st.params for st in states]
+        temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        probs = filtered_probs(logits, temp, torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
+                               torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+                               r.batch_invariant)
+        greedy = temp < MIN_SAMPLING_TEMPERATURE
+        seeds = torch.tensor([st.seed for st in states], dtype=torch.int64, device=dev)
+        tokens, _ = draw_drafts(probs, greedy, seeds, torch.tensor(counters, dtype=torch.int64, device=dev))
+        # the confidence the schedule reads must not depend on the draw itself (docs/speculative.md): a sampled
+        # draft's is its probability in expectation over the draw, sum_v q(v)^2; a greedy draft's the drafter's
+        # softmax probability of its argmax
+        conf = (probs * probs).sum(-1)
+        if bool(greedy.any()):
+            top = torch.softmax(logits.float(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            conf = torch.where(greedy, top, conf)
+        keep = [None if bool(g) else probs[i] for i, g in enumerate(greedy.tolist())]
+        return tokens.tolist(), conf.tolist(), keep
+
+    def _chain(self, items, states, nv: list[int]) -> list[int]:
+        """Extend each request's drafts to ``nv[i]`` tokens with the MTP layer on its own outputs; returns the
+        drafts each request holds (``"confidence"``: a request stops drafting once even a certain next draft
+        would not be verified, :meth:`_worth_drafting`)."""
+        nv = list(nv)
+        for j in range(2, max(nv, default=0) + 1):
+            sel = [i for i, k in enumerate(nv) if k >= j and len(self.drafts[items[i].req_id].tokens) < j]
+            if sel and self.schedule == "confidence":
+                sel = self._worth_drafting(items, nv, sel, j)
+            chained = set(sel)
+            for i, k in enumerate(nv):
+                if k >= j and i not in chained:
+                    nv[i] = min(k, len(self.drafts[items[i].req_id].tokens))
+            if not sel:
+                continue
+            ds = [self.drafts[items[i].req_id] for i in sel]
+            sts = [states[i] for i in sel]
+            # the MTP row at position t takes token t + 1 and predicts t + 2: the next draft
+            c0 = np.array([items[i].start + j - 2 for i in sel], dtype=np.int64)
+            hidden = torch.stack([d.hidden for d in ds])
+            logits, streams = self._forward_mtp(sts, c0, np.ones(len(sel), dtype=np.int64),
+                                                [d.tokens[j - 2] for d in ds], hidden, list(range(len(sel))),
+                                                discard_state=True)
+            toks, conf, probs = self._draw(logits, sts, [int(c) + 2 - st.num_prompt_tokens for c, st in zip(c0, sts)])
+            for n, d in enumerate(ds):
+                d.tokens.append(toks[n])
+                d.conf.append(conf[n])
+                d.probs.append(probs[n])
+                d.hidden = streams[n].clone()
+        return nv
+
+    def _worth_drafting(self, items, nv: list[int], sel: list[int], j: int) -> list[int]:
+        """The requests of ``sel`` whose draft ``j`` :func:`choose_lengths` would verify if its confidence were 1
+        (the best case; the other requests' drafts as known so far)."""
+        confs = []
+        candidates = set(sel)
+        for i, (it, k) in enumerate(zip(items, nv)):
+            c = self.drafts[it.req_id].conf[:min(k, j - 1)] if k else []
+            confs.append(c + [1.0] if i in candidates else c)
+        base = sum(it.num_new_tokens - it.num_draft_tokens for it in items)
+        best = choose_lengths(confs, lambda extra: self.cost(len(items), base + extra))
+        return [i for i in sel if best[i] >= j]
+
+    def _lengths(self, items, nv: list[int]) -> list[int]:
+        """Verified drafts per request: all of them (``"fixed"``), or :func:`choose_lengths` of the confidences."""
+        if self.schedule == "fixed" or not any(nv):
+            return nv
+        confs = [self.drafts[it.req_id].conf[:k] if k else [] for it, k in zip(items, nv)]
+        base = sum(it.num_new_tokens - it.num_draft_tokens for it in items)
+        return choose_lengths(confs, lambda extra: self.cost(len(items), base + extra))
+
+    # ------------------------------------------------------------------------------------------------ the step
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> SpecStepOutput:
+        """Run one scheduled step to its end (synchronises): drafts, verification, rollback, next drafts."""
+        t0 = time.perf_counter()
+        r = self.runner
+        r.update_states(output)
+        for rid in [rid for rid in self.drafts if rid not in r.requests]:  # finished or preempted (also in steps
+            del self.drafts[rid]                                             # that scheduled nothing)
+        items = output.scheduled
+        if not items:
+            raise RuntimeError("ModelRunner.execute: the scheduler output schedules nothing")
+        states = [r.requests[it.req_id] for it in items]
+        nv = []
+        for it, st in zip(items, states):
+            ds = self.drafts.get(it.req_id)
+            ok = it.num_draft_tokens and ds is not None and ds.position == it.start + 1 == len(st.token_ids)
+            nv.append(it.num_draft_tokens if ok else 0)
+        nv = self._lengths(items, self._chain(items, states, nv))
+
+        # 2. the target over every request's tokens: a verification's last token and drafts
+        n_base = [it.num_new_tokens - it.num_draft_tokens for it in items]
+        c0 = np.fromiter((it.start for it in items), np.int64, len(items))
+        q = np.array([b + k for b, k in zip(n_base, nv)], dtype=np.int64)
+        row_starts = np.cumsum(q) - q
+        ids: list[int] = []
+        logits_rows: list[int] = []
+        for it, st, b, k in zip(items, states, n_base, nv):
+            ids.extend(st.token_ids[it.start:it.start + b])
+            if k:
+                ids.extend(self.drafts[it.req_id].tokens[:k])
+            if it.needs_logits:
+                logits_rows.extend(range(len(ids) - k - 1, len(ids)))
+        if len(ids) != int(q.sum()):
+            raise RuntimeError("SpecDecoder: a scheduled token's id is not on the host (steps must run in order)")
+        seqs = r.step_seqs(states, c0, q)
+        plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant, r.model.step_pad(r.batch_invariant, r.device))
+        deferred = any(nv)
+        if deferred:
+            for cp in plan.comp.values():
+                cp.deferred = []
+        logits, streams = r.model.forward(plan, r.cache, return_hidden=True)
+
+        # 3. sampling: one draw per logits row (a verification's rows are the positions after each of its drafts)
+        row_states: list[RequestState] = []
+        counters: list[int] = []
+        for it, st, k in zip(items, states, nv):
+            if it.needs_logits:
+                first = int(it.start) + it.num_new_tokens - it.num_draft_tokens - st.num_prompt_tokens
+                row_states.extend([st] * (k + 1))
+                counters.extend(range(first, first + k + 1))
+        masks = r._grammar_masks(row_states, logits.shape[1]) if row_states else None
+        ids_out, lps_out, tops_out, kept = self._sample(items, states, nv, logits, row_states, counters, masks)
+
+        # 4. the ring state of the kept positions only
+        if deferred:
+            from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
+
+            lists = r.builder.state_commit(r.step_seqs(states, c0, np.array(kept, dtype=np.int64)), row_starts)
+            commit_deferred_state(plan.comp, lists)
+
+        # 5. the MTP layer over the kept positions; the next step's first drafts
+        self._mtp_pass(items, states, c0, kept, row_starts, streams)
+        decode = [it.start >= st.num_prompt_tokens and b == 1 for it, st, b in zip(items, states, n_base)]
+        # a decode emits its kept positions' worth of tokens (1 + accepted drafts)
+        n_decode = sum(k for k, d in zip(kept, decode) if d)
+        n_prefill = sum(it.num_new_tokens for it, d in zip(items, decode) if not d)
+        return SpecStepOutput(ids_out, lps_out, tops_out, t0, time.perf_counter() - t0, n_decode, n_prefill)
+
+    def _sample(self, items, states, nv, logits, row_states, counters, masks):
+        """Draws and acceptance: per sampled request its token(s), logprob(s) and top logprobs (in step order),
+        and per request the positions it keeps (``q`` of a request without drafts, 1 + accepted drafts else)."""
+        r = self.runner
+        kept = [it.num_new_tokens - it.num_draft_tokens + k for it, k in zip(items, nv)]
+        if not row_states:
+            return [], [], [], kept
+        base, base_lp, tops = r.sampler.sample_device(logits, row_states, counters, masks)
+        spec_items = [i for i, (it, k) in enumerate(zip(items, nv)) if it.needs_logits and k]
+        emitted = {}
+        if spec_items:
+            emitted = self._accept(items, states, nv, logits, base, counters, spec_items)
+        base_h = base.tolist()
+        base_lp_h = base_lp.tolist()
+        ids_out, lps_out, tops_out = [], [], []
+        row = 0
+        for i, (it, st, k) in enumerate(zip(items, states, nv)):
+            if not it.needs_logits:
+                continue
+            if i not in emitted:  # no drafts: one token, as the plain runner
+                ids_out.append([host_token(st, base_h[row])] if it.num_draft_tokens else host_token(st, base_h[row]))
+                lps_out.append([base_lp_h[row]] if it.num_draft_tokens else base_lp_h[row])
+                tops_out.append([tops[row]] if it.num_draft_tokens else tops[row])
+            else:
+                toks, lps = emitted[i]
+                for t in toks:
+                    if t >= 0:
+                        st.token_ids.append(t)
+                ids_out.append(toks)
+                lps_out.append(lps)
+                tops_out.append(tops[row:row + len(toks)])
+                kept[i] = it.num_new_tokens - it.num_draft_tokens + len(toks) - 1
+            row += k + 1
+        return ids_out, lps_out, tops_out, kept
+
+    def _accept(self, items, states, nv, logits, base, counters, spec_items) -> dict[int, tuple[list, list]]:
+        """:func:`~deepinfer.speculative.accept_drafts` over the requests ``spec_items``: ``{item: (tokens,
+        logprobs)}`` of what each emits (cut after a NaN row, whose token is ``-1``)."""
+        r = self.runner
+        dev = logits.device
+        K = max(nv[i] for i in spec_items)
+        V = logits.shape[1]
+        first_row = {}
+        row = 0
+        for i, (it, k) in enumerate(zip(items, nv)):
+            if it.needs_logits:
+                first_row[i] = row
+                row += k + 1
+        n = len(spec_items)
+        base_rows = torch.full((n, K + 1), 0, dtype=torch.int64)
+        draft_t = torch.zeros((n, K), dtype=torch.int64)
+        num_d = torch.zeros(n, dtype=torch.int64)
+        sampled = []
+        for a, i in enumerate(spec_items):
+            k = nv[i]
+            base_rows[a, :k + 1] = torch.arange(first_row[i], first_row[i] + k + 1)
+            draft_t[a, :k] = torch.tensor(self.drafts[items[i].req_id].tokens[:k])
+            num_d[a] = k
+            sampled.append(states[i].params.temperature >= MIN_SAMPLING_TEMPERATURE)
+        base_rows, draft_t, num_d = base_rows.to(dev), draft_t.to(dev), num_d.to(dev)
+        sampled_t = torch.tensor(sampled, dtype=torch.bool, device=dev)
+        base_tok = base[base_rows]
+        target_p = draft_p = seeds = ctr = None
+        srows = [a for a, s in enumerate(sampled) if s]
+        if srows:
+            m = len(srows)
+            sel = base_rows[srows][:, :K].reshape(-1)
+            st_rows = [states[spec_items[a]] for a in srows for _ in range(K)]
+            temp = torch.tensor([s.params.temperature for s in st_rows], dtype=torch.float32, device=dev)
+            top_k = torch.tensor([s.params.top_k for s in st_rows], dtype=torch.int64, device=dev)
+            top_p = torch.tensor([s.params.top_p for s in st_rows], dtype=torch.float32, device=dev)
+            target_p = filtered_probs(logits[sel], temp, top_k, top_p, r.batch_invariant).view(m, K, V)
+            draft_p = torch.zeros((m, K, V), dtype=torch.float32, device=dev)
+            for b, a in enumerate(srows):
+                ps = self.drafts[items[spec_items[a]].req_id].probs
+                for j in range(nv[spec_items[a]]):
+                    draft_p[b, j] = ps[j]
+            seeds = torch.tensor([states[spec_items[a]].seed for a in srows], dtype=torch.int64, device=dev)
+            ctr = torch.tensor([counters[first_row[spec_items[a]]] for a in srows], dtype=torch.int64, device=dev)
+        tokens, n_emit = accept_drafts(base_tok, draft_t, num_d, sampled_t, target_p, draft_p, seeds, ctr)
+        raw = logits[base_rows.reshape(-1)].float()
+        lse = _log_softmax_normaliser(raw).view(n, K + 1)
+        tok_lp = raw.view(n, K + 1, V).gather(2, tokens.clamp(min=0)[:, :, None]).squeeze(2) - lse
+        tokens_h, n_h, lp_h = tokens.tolist(), n_emit.tolist(), tok_lp.tolist()
+        out = {}
+        for a, i in enumerate(spec_items):
+            toks, lps = tokens_h[a][:n_h[a]], lp_h[a][:n_h[a]]
+            for j, lp in enumerate(lps):
+                if lp != lp:  # NaN logits at this position: the request fails there
+                    toks, lps = toks[:j] + [-1], lps[:j + 1]
+                    break
+            out[i] = (toks, lps)
+            self.stats.verifications += 1
+            self.stats.drafted += nv[i]
+            acc = len(toks) - 1
+            self.stats.accepted += acc
+            for j in range(nv[i]):
+                self.stats.verified_at[j] += 1
+                self.stats.accepted_at[j] += int(j < acc)
+        return out
+
+    def _mtp_pass(self, items, states, c0, kept, row_starts, streams) -> None:
+        """The MTP layer over each speculating request's kept positions (input: the token after each), and the
+        first draft of every request that sampled."""
+        sel = [i for i, (it, st) in enumerate(zip(items, states))
+               if speculates(st.params) and len(st.token_ids) > c0[i] + kept[i]]
+        for i, it in enumerate(items):
+            if it.needs_logits:
+                self.drafts.pop(it.req_id, None)
+        if not sel:
+            return
+        sts = [states[i] for i in sel]
+        c = c0[sel]
+        q = np.array([kept[i] for i in sel], dtype=np.int64)
+        ids: list[int] = []
+        rows: list[int] = []
+        logits_rows: list[int] = []
+        drafting = []
+        for i, st, ci, qi in zip(sel, sts, c.tolist(), q.tolist()):
+            ids.extend(st.token_ids[ci + 1:ci + qi + 1])
+            rows.extend(range(int(row_starts[i]), int(row_starts[i]) + qi))
+            if items[i].needs_logits:
+                logits_rows.append(len(ids) - 1)
+                drafting.append(i)
+        hidden = streams[torch.tensor(rows, dtype=torch.int64, device=streams.device)]
+        logits, mtp_streams = self._forward_mtp(sts, c, q, ids, hidden, logits_rows)
+        if not drafting:
+            return
+        dst = [states[i] for i in drafting]
+        # the first draft goes at position c0 + kept + 1: the token after the next step's input
+        pos = [int(c0[i]) + kept[i] + 1 for i in drafting]
+        toks, conf, probs = self._draw(logits, dst, [p - st.num_prompt_tokens for p, st in zip(pos, dst)])
+        for n, (i, p) in enumerate(zip(drafting, pos)):
+            self.drafts[items[i].req_id] = DraftState(p, toks[n], probs[n], conf[n],
+                                                      mtp_streams[logits_rows[n]].clone())
+
+
+class StepCostTable:
+    """Measured step cost against batch shape, read on the host: ``table(num_seqs, num_tokens)`` -> seconds.
+
+    ``points``: ``{num_seqs: [(num_tokens, seconds), ...]}``. A query takes the smallest measured batch size at or
+    above ``num_seqs`` (the largest when none is), then interpolates linearly in ``num_tokens`` between its points
+    (extrapolating from the last two past either end). Raises ValueError naming ``points`` when it is empty or a
+    batch size has no point."""
+
+    def __init__(self, points: dict[int, list[tuple[int, float]]]) -> None:
+        if not points or any(not v for v in points.values()):
+            raise ValueError("points: every measured batch size needs at least one (num_tokens, seconds) point")
+        self.points = {int(n): sorted((int(t), float(c)) for t, c in v) for n, v in points.items()}
+        self._sizes = sorted(self.points)
+
+    def __call__(self, num_seqs: int, num_tokens: int) -> float:
+        fits = [n for n in self._sizes if n >= num_seqs]
+        pts = self.points[fits[0] if fits else self._sizes[-1]]
+        if len(pts) == 1:
+            return pts[0][1]
+        i = next((j for j in range(1, len(pts)) if pts[j][0] >= num_tokens), len(pts) - 1)
+        (t0, c0), (t1, c1) = pts[i - 1], pts[i]
+        c = c0 + (c1 - c0) * (num_tokens - t0) / max(t1 - t0, 1)
+        return max(c, 1e-9)
+
+
+@torch.inference_mode()
+def profile_step_cost(runner, batch_sizes: list[int], max_drafts: int, repeats: int = 2) -> StepCostTable:
+    """Time verification-shaped target forwards at start-up (before any request: the dummy sequences all write
+    block 0, as a graph capture's do): for each batch size ``n`` and each ``1 + k`` tokens per sequence (``k`` in
+    ``0 .. max_drafts``), the best of ``repeats`` timed forwards after one warm-up. Returns the
+    :class:`StepCostTable`."""
+    from deepinfer.models.deepseek_v4.plan import SeqStep
+
+    dev = runner.device
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    points: dict[int, list[tuple[int, float]]] = {}
+    for n in batch_sizes:
+        for q in range(1, max_drafts + 2):
+            plan_args = ([SeqStep(0, q, (0,))] * n, [0] * (n * q), list(range(n * q)))
+            best = float("inf")
+            for r in range(repeats + 1):
+                plan = runner.builder.build(*plan_args, runner.batch_invariant, checked=True)
+                for cp in plan.comp.values():
+                    cp.deferred = []
+                sync()
+                t = time.perf_counter()
+                runner.model.forward(plan, runner.cache)
+                sync()
+                if r:
+                    best = min(best, time.perf_counter() - t)
+            points.setdefault(n, []).append((n * q, best))
+    return StepCostTable(points)
+
+
+def default_step_cost(num_seqs: int, num_tokens: int) -> float:
+    """A step's cost in arbitrary units when none was profiled: a fixed part and a part per token (the shape of a
+    step that reads every weight once and then grows with its tokens)."""
+    return 1.0 + num_tokens / 64.0
+
+
+def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
+    """Verified drafts per sequence that maximise expected emitted tokens per unit of step cost.
+
+    A sequence verifying ``j`` drafts emits ``1 + sum_{i <= j} s_i`` tokens in expectation, where the survival
+    ``s_i`` is the product of its first ``i`` confidences. Survivals only fall along a sequence, so the best
+    choice for ``T`` extra tokens takes the ``T`` largest survivals; every ``T`` is tried.
+
+    Args:
+        confidences: per sequence, its drafts' confidences (probabilities in [0, 1]), in order.
+        step_cost: ``step_cost(extra_tokens) -> float > 0``, the step's cost with that many drafts verified.
+    Returns:
+        drafts to verify per sequence (each at most its number of drafts).
+    """
+    cand = []
+    for i, cs in enumerate(confidences):
+        s = 1.0
+        for j, c in enumerate(cs):
+            s *= min(max(float(c), 0.0), 1.0)
+            cand.append((-s, j, i))
+    cand.sort()
+    k = [0] * len(confidences)
+    expected = float(len(confidences))
+    best, best_k = expected / step_cost(0), list(k)
+    for t, (neg_s, j, i) in enumerate(cand, 1):
+        k[i] = max(k[i], j + 1)
+        expected -= neg_s
+        rate = expected / step_cost(t)
+        if rate > best:
+            best, best_k = rate, list(k)
+    return best_k

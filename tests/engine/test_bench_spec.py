@@ -1,0 +1,31 @@
+"""bench/bench_spec.py on the tiny model (CPU): the rows, the speculation fields, greedy identity with spec off."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+def test_bench_spec_rows(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # the bench package
+    mod = importlib.import_module("bench.bench_spec")
+    out = tmp_path / "bench_spec.json"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The quick brown fox\n\nimport os\n")
+    mod.main(["--batches", "2", "--ks", "2", "--max-tokens", "4", "--prompt-len", "8", "--prompts", str(prompts),
+              "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["mode"] for r in rows] == ["off", "fixed-2", "scheduled"]
+    for r in rows:
+        assert r["decode_tok_s"] > 0 and r["shape"]["batch"] == 2
+    for r in rows[1:]:
+        assert r["greedy_identical"] and r["verifications"] >= 0 and r["acceptance_length"] >= 1.0
+        assert len(r["acceptance_per_position"]) == 2 and r["speedup"] > 0
+    with pytest.raises(SystemExit, match="--model"):
+        mod.main(["--model", str(tmp_path / "missing")])

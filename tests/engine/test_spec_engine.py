@@ -1,0 +1,436 @@
+"""Speculative decoding through the engine on the tiny model (random weights, CPU): greedy outputs equal speculation
+off, stops and max_tokens inside an accepted block, usage, preemption with drafts, a draining batch.
+
+With random weights the MTP layer's drafts are almost always rejected, so most tests also run an oracle drafter
+(the spec-off output, with some drafts deliberately wrong): blocks of several accepted drafts, partial rejections
+and their rollback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import deepinfer.spec_decode as sd
+from deepinfer.config import EngineConfig
+from deepinfer.engine import OutputProcessor
+from deepinfer.llm import LLM
+from deepinfer.scheduler import Scheduler
+from deepinfer.sequence import SamplingParams, Sequence
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+PROMPTS = [[(7 * i + 3 * j) % 1000 + 10 for j in range(5 + 9 * i)] for i in range(4)]
+GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("tiny", max_num_seqs=8)
+    return {tuple(p): o for p, o in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
+
+
+def _spec(k: int, schedule: str = "fixed", **kw) -> LLM:
+    return LLM("tiny", speculative_method="mtp", num_speculative_tokens=k, spec_schedule=schedule,
+               **{"max_num_seqs": 8, **kw})
+
+
+@pytest.fixture
+def oracle(monkeypatch, reference):
+    """Drafts from the spec-off greedy output: right except where ``(output index + prompt length) % 3 == 0``."""
+    refs = {p: o.token_ids for p, o in reference.items()}
+    _use_oracle(monkeypatch, refs)
+    return refs
+
+
+def _use_oracle(monkeypatch, refs: dict) -> None:
+    """Make the drafter propose ``refs[prompt]`` (output tokens by index), every third one wrong."""
+    real = sd.SpecDecoder._draw
+
+    def draw(self, logits, states, counters):
+        toks, conf, probs = real(self, logits, states, counters)
+        for n, (st, c) in enumerate(zip(states, counters)):
+            ref = refs.get(tuple(st.token_ids[:st.num_prompt_tokens]))
+            if ref is not None and c < len(ref):
+                wrong = (c + st.num_prompt_tokens) % 3 == 0
+                toks[n] = (ref[c] + 1) % 1000 if wrong else ref[c]
+                conf[n] = 0.2 if wrong else 0.9
+                if probs[n] is not None:
+                    probs[n] = torch.nn.functional.one_hot(torch.tensor(toks[n]), probs[n].numel()).float()
+        return toks, conf, probs
+
+    monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_greedy_equals_speculation_off_alone_and_batched(reference, k):
+    llm = _spec(k)
+    batched = llm.generate(PROMPTS, GREEDY)
+    alone = [llm.generate([p], GREEDY)[0] for p in PROMPTS[:2]]
+    for p, o in zip(PROMPTS, batched):
+        assert o.token_ids == reference[tuple(p)].token_ids and o.finish_reason == "length"
+    for p, o in zip(PROMPTS, alone):
+        assert o.token_ids == reference[tuple(p)].token_ids
+    assert llm.runner.spec.stats.verifications > 0
+
+
+@pytest.mark.parametrize("k,schedule", [(1, "fixed"), (3, "confidence"), (5, "fixed")])
+def test_greedy_with_accepted_blocks_equals_speculation_off(reference, oracle, k, schedule):
+    llm = _spec(k, schedule)
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        ref = reference[tuple(p)]
+        assert o.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+    stats = llm.runner.spec.stats
+    assert stats.accepted > 0 and stats.accepted < stats.drafted  # whole blocks and partial rejections
+    if k > 1:
+        assert stats.accepted_at[1] > 0
+
+
+def test_stop_token_inside_an_accepted_block(reference, oracle):
+    p = PROMPTS[2]
+    ref = reference[tuple(p)].token_ids
+    stop = ref[6]
+    cut = ref.index(stop)
+    out = _spec(3).generate([p], SamplingParams(max_tokens=14, temperature=0.0, stop_token_ids=(stop,)))[0]
+    assert out.token_ids == ref[:cut] and out.finish_reason == "stop" and out.stop_token_id == stop
+
+
+def test_max_tokens_inside_a_block(reference, oracle):
+    llm = _spec(3)
+    for n in (1, 2, 5):
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        for p, o in zip(PROMPTS, outs):
+            assert o.token_ids == reference[tuple(p)].token_ids[:n] and o.finish_reason == "length"
+        assert llm.last_stats.completion_tokens == n * len(PROMPTS)
+
+
+def test_postprocess_truncates_a_block_at_max_tokens_and_rolls_back():
+    cfg = EngineConfig(num_blocks=4, block_size=128, speculative_method="mtp", num_speculative_tokens=3)
+    from deepinfer.block_manager import BlockManager
+
+    sched = Scheduler(cfg, BlockManager(4, 128), 1024, eos_token_ids=(0,))
+    a = Sequence(1, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=False), seed=0)
+    b = Sequence(2, [5, 6, 7], SamplingParams(max_tokens=10), seed=0)
+    for s in (a, b):
+        sched.add(s)
+    sched.postprocess(sched.schedule(), [11, 11], [-0.5, -0.5])  # prefills: one token each
+    out = sched.schedule()
+    assert [r.num_draft_tokens for r in out.scheduled] == [1, 3]  # a: max_tokens leaves room for 1 draft
+    assert [r.num_new_tokens for r in out.scheduled] == [2, 4]
+    # a gets a longer block than it may keep; b's block holds EOS after 2 tokens
+    sched.postprocess(out, [[12, 13, 14], [21, 22, 0, 23]], [[-1.0] * 3, [-1.0] * 4], [[[]] * 3, [[]] * 4])
+    assert a.output_token_ids == [11, 12, 13] and a.finish_reason == "length"
+    assert b.output_token_ids == [11, 21, 22] and b.finish_reason == "stop" and b.stop_token_id == 0
+    assert sched.num_generated_tokens == 6
+    c = Sequence(3, [5, 6, 7], SamplingParams(max_tokens=10), seed=0)
+    sched.add(c)
+    sched.postprocess(sched.schedule(), [11], [-0.5])
+    out = sched.schedule()
+    sched.postprocess(out, [[31, 32]], [[-1.0, -1.0]], [[[], []]])  # one draft accepted of 3
+    assert c.num_computed_tokens == 3 + 2 and c.num_tokens == 6  # the rejected positions no longer count
+
+
+def test_stop_string_inside_a_block_ends_the_output_there(reference, oracle):
+    llm = _spec(3)
+    eng = llm.engine
+    out = OutputProcessor(eng)
+    p = PROMPTS[1]
+    seq = Sequence(900, list(p), SamplingParams(temperature=0, max_tokens=14, ignore_eos=True), seed=0)
+    seen: list[int] = []
+
+    def stop_at_5(t, lp, top):
+        seen.append(t)
+        return len(seen) == 5
+
+    eng.add_request(seq)
+    out.add(seq, stop_at_5)
+    generated0 = llm.scheduler.num_generated_tokens
+    while eng.has_unfinished_requests():
+        out.process(eng.step())
+    assert seq.finish_reason == "stop" and seq.output_token_ids == seen == reference[tuple(p)].token_ids[:5]
+    assert len(seq.output_logprobs) == len(seq.output_top_logprobs) == 5
+    assert llm.scheduler.num_generated_tokens - generated0 == 5  # usage counts what is kept
+    assert llm.runner.spec.stats.accepted > 0
+
+
+def test_preemption_with_drafts_in_flight(reference, oracle):
+    # 3 blocks for 4 requests of up to 150 positions: requests are preempted and recomputed mid-decode
+    llm = _spec(3, num_blocks=3, max_num_batched_tokens=256)
+    long = [list(p) + [11] * 120 for p in PROMPTS]
+    ref_llm = LLM("tiny", max_num_seqs=8)
+    sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
+    refs = ref_llm.generate(long, sp)
+    outs = llm.generate(long, sp)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+
+
+def test_a_batch_draining_to_one_request_completes(reference):
+    llm = _spec(3, max_num_seqs=10)
+    prompts = [[(5 * i + j) % 900 + 20 for j in range(3 + i)] for i in range(10)]
+    params = [SamplingParams(max_tokens=1 + 2 * i, temperature=0.0, ignore_eos=True) for i in range(10)]
+    outs = llm.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [1 + 2 * i for i in range(10)]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert not llm.engine.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.config.num_blocks
+
+
+def test_sampled_requests_are_batch_invariant_and_reproducible():
+    # (top-k / top-p filtering of the target and drafter distributions: test_speculative.py)
+    llm = _spec(3, batch_invariant=True)
+    sps = [SamplingParams(max_tokens=8, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(3)]
+    batched = llm.generate(PROMPTS[:3], sps)
+    alone = [llm.generate([p], sp)[0] for p, sp in zip(PROMPTS[:3], sps)]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    assert all(len(o.token_ids) == 8 for o in batched)
+
+
+def test_requests_that_cannot_speculate_decode_plainly_next_to_ones_that_do(reference):
+    llm = _spec(2)
+    penal = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, presence_penalty=0.5)
+    outs = llm.generate(PROMPTS[:2], [penal, GREEDY])
+    plain = LLM("tiny", max_num_seqs=8).generate([PROMPTS[0]], penal)[0]
+    assert outs[0].token_ids == plain.token_ids
+    assert outs[1].token_ids == reference[tuple(PROMPTS[1])].token_ids
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("speculative_method", "eagle", "speculative_method"),
+    ("num_speculative_tokens", 0, "num_speculative_tokens"),
+    ("num_speculative_tokens", 6, "num_speculative_tokens"),
+    ("num_speculative_tokens", 2.0, "num_speculative_tokens"),
+    ("spec_schedule", "adaptive", "spec_schedule"),
+])
+def test_bad_settings_name_the_field(field, value, match):
+    cfg = EngineConfig(speculative_method="mtp")
+    setattr(cfg, field, value)
+    with pytest.raises(ValueError, match=match):
+        cfg.validate()
+
+
+def test_choose_lengths_maximises_expected_tokens_per_cost():
+    flat = lambda extra: 1.0  # noqa: E731 - a step that costs the same for any number of drafts
+    assert sd.choose_lengths([[0.9, 0.5, 0.1], [0.2]], flat) == [3, 1]
+    steep = lambda extra: 1.0 + extra  # noqa: E731 - every draft costs a whole step
+    assert sd.choose_lengths([[0.9, 0.9], [0.6]], steep) == [0, 0]
+    mid = lambda extra: 1.0 + 0.25 * extra  # noqa: E731
+    # survivals 0.9, 0.81, 0.2: the first two pay for their cost, the third does not
+    assert sd.choose_lengths([[0.9, 0.9], [0.2]], mid) == [2, 0]
+    assert sd.choose_lengths([], flat) == []
+
+
+def _recording(llm: LLM) -> dict:
+    """``{prompt ids: output ids}`` of the requests ``llm`` runs from now on (filled as they finish)."""
+    seen: list[Sequence] = []
+    new_seq = llm._new_seq
+
+    def record(prompt_ids, params):
+        seq = new_seq(prompt_ids, params)
+        seen.append(seq)
+        return seq
+
+    llm._new_seq = record
+    return seen
+
+
+def test_chat_with_speculation_equals_speculation_off(monkeypatch):
+    """Stop strings inside accepted blocks and the usage of LLM.chat (completion and reasoning tokens) are those
+    of speculation off."""
+    user = {"role": "user", "content": "Tell me about Paris."}
+    base = {"messages": [user], "max_tokens": 16, "temperature": 0, "seed": 1}
+    off = LLM("tiny", created=0)
+    seen = _recording(off)
+    free = off.chat([dict(base, thinking={"type": "disabled"}), dict(base, thinking={"type": "enabled"})])
+    refs = {tuple(s.prompt_token_ids): s.output_token_ids for s in seen}
+    text = free[0]["choices"][0]["message"]["content"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    assert stop.strip()
+    real = sd.SpecDecoder._draw
+
+    def draw(self, logits, states, counters):  # drafts from speculation off, every third one wrong
+        toks, conf, probs = real(self, logits, states, counters)
+        for n, (st, c) in enumerate(zip(states, counters)):
+            ref = refs.get(tuple(st.token_ids[:st.num_prompt_tokens]), [])
+            if c < len(ref):
+                toks[n] = ref[c] if c % 3 else (ref[c] + 1) % 1000
+                if probs[n] is not None:  # a sampled request: the draft was drawn from a point mass
+                    probs[n] = torch.nn.functional.one_hot(torch.tensor(toks[n]), probs[n].numel()).float()
+        return toks, conf, probs
+
+    monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
+    reqs = [dict(base, thinking={"type": "disabled"}, stop=[stop]), dict(base, thinking={"type": "enabled"})]
+    want = off.chat(reqs)
+    llm = LLM("tiny", created=0, speculative_method="mtp", num_speculative_tokens=3, spec_schedule="fixed")
+    got = llm.chat(reqs)
+    assert llm.runner.spec.stats.accepted > 0
+    # greedy: the same text and usage; thinking mode samples (temperature is ignored there), so only the usage rules
+    assert got[0]["choices"] == want[0]["choices"] and got[0]["usage"] == want[0]["usage"]
+    assert got[0]["choices"][0]["finish_reason"] == "stop"
+    assert got[0]["usage"]["completion_tokens"] < 16
+    u = got[1]["usage"]
+    assert u["completion_tokens_details"]["reasoning_tokens"] <= u["completion_tokens"] == 16
+
+
+def test_step_cost_table_is_profiled_and_interpolated():
+    llm = _spec(2, max_num_seqs=4)
+    table = sd.profile_step_cost(llm.runner, [1, 4], 2, repeats=1)
+    assert sorted(table.points) == [1, 4] and [t for t, _ in table.points[4]] == [4, 8, 12]
+    assert all(c > 0 for pts in table.points.values() for _, c in pts)
+    t = sd.StepCostTable({1: [(1, 1.0), (3, 2.0)], 8: [(8, 4.0), (16, 8.0)]})
+    assert t(1, 2) == 1.5 and t(2, 12) == 6.0 and t(100, 8) == 4.0 and t(1, 5) == 3.0
+    with pytest.raises(ValueError, match="points"):
+        sd.StepCostTable({})
+    # the engine's outputs do not depend on the cost model (greedy)
+    llm.runner.spec.cost = table
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == LLM("tiny").generate([PROMPTS[0]], GREEDY)[0].token_ids
+
+
+def test_a_model_without_an_mtp_drafter_is_refused_naming_the_setting():
+    with pytest.raises(ValueError, match="speculative_method"):
+        LLM("tiny-v41", speculative_method="mtp")
+
+
+def test_prefix_cache_hits_chunked_prefill_and_top_logprobs(monkeypatch):
+    """Requests sharing a 260-token prefix (prefix-cache hits, replayed window), prompts prefilled in chunks
+    next to verifications, top logprobs of emitted tokens: all as with speculation off."""
+    shared = [(13 * j) % 997 + 3 for j in range(260)]
+    prompts = [shared + [500 + i] * (3 + i) for i in range(3)]
+    sp = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, top_logprobs=2)
+    run = lambda llm: [o for p in (prompts[:1], prompts[1:]) for o in llm.generate(p, sp)]  # noqa: E731
+    refs = run(LLM("tiny", max_num_batched_tokens=96))
+    _use_oracle(monkeypatch, {tuple(p): r.token_ids for p, r in zip(prompts, refs)})
+    llm = _spec(3, max_num_batched_tokens=96)
+    outs = run(llm)
+    assert llm.block_manager.prefix_stats.hits > 0 and llm.runner.spec.stats.accepted > 0
+    for o, r in zip(outs, refs):
+        assert o.token_ids == r.token_ids
+        assert [[t for t, _ in top] for top in o.top_logprobs] == [[t for t, _ in top] for top in r.top_logprobs]
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(r.logprobs), atol=1e-4, rtol=1e-4)
+
+
+def test_sampled_acceptance_with_a_one_token_target_is_greedy(reference, oracle):
+    """top_k = 1 makes the target a point mass at its argmax: speculative sampling (acceptance ratios, residual
+    resamples, each verified row's target distribution at its own position) must give the greedy output."""
+    llm = _spec(3)
+    sps = [SamplingParams(max_tokens=14, temperature=1.0, top_k=1, seed=7 + i, ignore_eos=True) for i in range(4)]
+    outs = llm.generate(PROMPTS, sps)
+    assert [o.token_ids for o in outs] == [reference[tuple(p)].token_ids for p in PROMPTS]
+    stats = llm.runner.spec.stats
+    assert 0 < stats.accepted < stats.drafted
+
+
+def test_batch_invariant_greedy_is_bitwise_speculation_off(oracle):
+    off = LLM("tiny", batch_invariant=True, max_num_seqs=8).generate(PROMPTS[:2], GREEDY)
+    on = _spec(3, batch_invariant=True).generate(PROMPTS[:2], GREEDY)
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert [o.logprobs for o in on] == [o.logprobs for o in off]
+
+
+def test_cli_options_reach_the_engine_config():
+    from deepinfer.cli import build_parser, engine_config
+
+    args = build_parser().parse_args(["generate", "--input", "a", "--output", "b", "--speculative-method", "mtp",
+                                      "--num-speculative-tokens", "2", "--spec-schedule", "fixed"])
+    cfg = engine_config(args)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.spec_schedule, cfg.num_drafts) == \
+        ("mtp", 2, "fixed", 2)
+    off = engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b"]))
+    assert off.speculative_method is None and off.num_drafts == 0
+    bad = engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b",
+                                                   "--speculative-method", "mtp", "--num-speculative-tokens", "9"]))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        bad.validate()
+
+
+def test_confidence_schedule_stops_drafting_what_it_would_not_verify(reference, oracle):
+    """With a cost that makes a draft of confidence 0.2 not worth its tokens, the chain stops after a wrong
+    (0.2) draft and the verification stops before it: fewer drafts, the same greedy output."""
+    llm = _spec(5, "confidence")
+    llm.runner.spec.cost = lambda n, t: 1.0 + 0.5 * t  # noqa: E731 - half a step per token
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [reference[tuple(p)].token_ids for p in PROMPTS]
+    stats = llm.runner.spec.stats
+    assert stats.verifications > 0 and stats.accepted == stats.drafted  # no wrong draft was ever verified
+
+
+def test_step_records_count_emitted_decode_tokens(oracle):
+    llm = _spec(3)
+    outs = llm.generate(PROMPTS, GREEDY)
+    st = llm.last_stats
+    assert st.prefill_tokens == sum(len(p) for p in PROMPTS)
+    # every output token but each request's first (sampled by its prefill) is a decode token
+    assert st.decode_tokens == sum(len(o.token_ids) - 1 for o in outs)
+
+
+def test_greedy_draft_confidence_is_the_drafters_probability():
+    llm = _spec(2)
+    spec = llm.runner.spec
+    logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
+
+    class St:
+        params = SamplingParams(temperature=0.0)
+        seed = 1
+
+    toks, conf, probs = spec._draw(logits, [St(), St()], [0, 0])
+    assert toks == [1, 0] and probs == [None, None]
+    torch.testing.assert_close(torch.tensor(conf), torch.softmax(logits, -1).max(-1).values)
+
+    class Sampled:
+        params = SamplingParams(temperature=1.0)
+        seed = 1
+
+    # a sampled draft's confidence does not depend on which token was drawn (lossless scheduling)
+    confs = set()
+    for c in range(20):
+        toks, conf, probs = spec._draw(logits[:1], [Sampled()], [c])
+        confs.add(round(conf[0], 6))
+        torch.testing.assert_close(probs[0], torch.softmax(logits[0], -1))
+    q = torch.softmax(logits[0], -1)
+    assert confs == {round(float((q * q).sum()), 6)}
+    assert spec.schedule == "fixed" and _spec(2, "confidence", batch_invariant=True).runner.spec.schedule == "fixed"
+
+
+def test_expert_parallel_models_are_refused():
+    llm = _spec(2)
+    llm.model.expert_parallel = object()
+    try:
+        with pytest.raises(ValueError, match="speculative_method.*expert parallelism"):
+            sd.SpecDecoder(llm.runner, 2)
+    finally:
+        llm.model.expert_parallel = None
+
+
+def test_structured_requests_decode_plainly_next_to_speculating_ones(reference):
+    from deepinfer.structured import StructuredOutputsParams
+
+    choice = SamplingParams(max_tokens=20, temperature=0.0,
+                            structured_outputs=StructuredOutputsParams(choice=("yes", "no", "maybe later")))
+    llm = _spec(3)
+    outs = llm.generate(PROMPTS[:2], [choice, GREEDY])
+    plain = LLM("tiny", max_num_seqs=8).generate([PROMPTS[0]], choice)[0]
+    assert outs[0].error is None and outs[0].token_ids == plain.token_ids
+    assert outs[0].text in ("yes", "no", "maybe later")
+    assert outs[1].token_ids == reference[tuple(PROMPTS[1])].token_ids
+
+
+def test_nan_logits_inside_a_verification_fail_that_request_alone(reference, oracle, monkeypatch):
+    llm = _spec(3)
+    forward = llm.model.forward
+    calls = {"verify": 0}
+
+    def poisoned(plan, cache, return_hidden=False):
+        out = forward(plan, cache, return_hidden=return_hidden)
+        if plan.num_logits > 4 and calls["verify"] == 0:  # the first verification step: request 0 row 0
+            calls["verify"] += 1
+            out[0][0] = float("nan")
+        return out
+
+    monkeypatch.setattr(llm.model, "forward", poisoned)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert calls["verify"] == 1
+    failed = [o for o in outs if o.error is not None]
+    assert len(failed) == 1 and failed[0].error["code"] == "nan_logits"
+    for p, o in zip(PROMPTS, outs):
+        if o.error is None:
+            assert o.token_ids == reference[tuple(p)].token_ids
