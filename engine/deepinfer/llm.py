@@ -447,13 +447,21 @@ class LLM:
 
     def _host_slots(self, spec, window_blocks: int) -> dict[str, int]:
         """Host-tier slots per cache group for ``host_cache_gib`` (``deepinfer.host_cache.host_slots``). Raises
-        ValueError naming ``host_cache_gib`` when it holds no block at all."""
+        ValueError naming ``host_cache_gib`` when it holds no block at all, or asks for more than the host's
+        available memory (``available_memory``), before anything is allocated."""
         from deepinfer.host_cache import host_slots
 
         gib = self.config.host_cache_gib
         if not gib:
             return {}
         per_block = spec.group_bytes_per_block()
+        free = available_memory(torch.device("cpu"))
+        if free is not None and self.device.type == "cpu":  # the device cache, not yet allocated, is host memory too
+            free -= per_block.get("full", 0) * self.config.num_blocks + per_block.get("window", 0) * window_blocks
+        if free is not None and gib * (1 << 30) > free:
+            raise ValueError(f"EngineConfig.host_cache_gib={gib} is more than the {max(free, 0) / (1 << 30):.1f} GiB "
+                             "of host memory available (MemAvailable, less a CPU device cache); use a smaller "
+                             "--host-cache-gib")
         slots = host_slots(int(gib * (1 << 30)), per_block,
                            {"full": self.config.num_blocks, "window": window_blocks})
         if not slots:
