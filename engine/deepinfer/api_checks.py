@@ -389,11 +389,35 @@ def _check_thinking(body: dict, api: str) -> None:
                            param="thinking.budget_tokens")
 
 
+# Responses input items the engine renders (an item without a type is a message); deepseek-recipe drops the
+# others without a word, which would change the prompt (an ``item_reference`` to a stored item, a ``bogus`` one).
+RESPONSES_INPUT_ITEMS = ("message", "function_call", "function_call_output", "reasoning", "custom_tool_call",
+                         "custom_tool_call_output")
+
+
+def _check_input_items(body: dict) -> None:
+    items = body.get("input")
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        ty = item.get("type") if isinstance(item, dict) else None
+        if ty is None:
+            continue
+        path = f"input[{i}].type"
+        if not isinstance(ty, str):
+            raise RequestError(f"{path} must be a string, got {_show(ty)}", param=path)
+        if ty not in RESPONSES_INPUT_ITEMS:
+            why = _NO_STORE if ty == "item_reference" else "this engine renders only " + ", ".join(
+                RESPONSES_INPUT_ITEMS)
+            raise RequestError(f"{path}: {ty!r} input items are not supported ({why})",
+                               code="unsupported_parameter", param=path)
+
+
 def _check_nested(body: dict, api: str) -> None:
     """The nested fields of the tables above, naming the path."""
     if api in ("chat", "messages"):
         _check_messages(body, api)
         _check_thinking(body, api)
+    if api == "responses":
+        _check_input_items(body)
     if api in API_KINDS:
         _check_tool_list(body, api)
         _check_tool_choice(body, api)
@@ -450,8 +474,9 @@ def check_request(body: dict, api: str, stream: bool = False) -> None:
             finite, an unknown field (``code="unknown_parameter"``), a field or value the engine does not implement
             (``code="unsupported_parameter"``), a missing required field, more than ``MAX_STOP_SEQUENCES`` stop
             strings or an empty one, a string with a lone surrogate, an integer beyond 64 bits or a non-finite
-            number at any depth, nesting deeper than ``MAX_NESTING``, a tool type other than a function, or a
-            ``tool_choice`` naming an undeclared tool.
+            number at any depth, nesting deeper than ``MAX_NESTING``, a tool type other than a function, a
+            ``tool_choice`` naming an undeclared tool, or a Responses input item of a type the engine does not
+            render (``item_reference``, ``web_search_call``, ...; ``RESPONSES_INPUT_ITEMS``).
         ValueError: an unknown ``api``.
     """
     if api not in FIELDS:

@@ -458,3 +458,23 @@ def test_a_tiny_positive_top_p_keeps_the_most_likely_token(fe, top_p):
     with pytest.raises(RequestError) as e:
         fe.prepare({"messages": [USER], "top_p": 0.0, "max_tokens": 4})
     assert e.value.record["param"] == "top_p"
+
+
+# ------------------------------------------------------------------ round three (issue 25 verification)
+@pytest.mark.parametrize("kind", ["item_reference", "web_search_call", "mcp_call", "computer_call_output",
+                                  "local_shell_call", "compaction", "bogus"])
+def test_responses_input_items_the_recipe_would_drop_are_refused(fe, kind):
+    """deepseek-recipe dropped these items without a word: an ``item_reference`` alone rendered a prompt without any
+    user turn. Each is refused naming ``input[i].type``; the items the engine renders still pass."""
+    with pytest.raises(RequestError) as e:
+        fe.prepare({"input": [{"role": "user", "content": "hi"}, {"type": kind, "id": "x"}],
+                    "max_output_tokens": 4}, api="responses")
+    assert e.value.record["param"] == "input[1].type" and e.value.record["code"] == "unsupported_parameter"
+    with pytest.raises(RequestError) as e:
+        fe.prepare({"input": [{"type": 5, "role": "user", "content": "hi"}], "max_output_tokens": 4}, api="responses")
+    assert e.value.record["param"] == "input[0].type"
+    call = [{"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "sunny"}]
+    for items in ([{"type": "message", "role": "user", "content": "hi"}], [{"role": "user", "content": "hi"}, *call],
+                  [{"type": "reasoning", "id": "r", "summary": []}, {"role": "user", "content": "hi"}]):
+        fe.prepare({"input": items, "max_output_tokens": 4, "tools": [WEATHER_RESP]}, api="responses").close()
