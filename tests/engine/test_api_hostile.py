@@ -478,3 +478,20 @@ def test_responses_input_items_the_recipe_would_drop_are_refused(fe, kind):
     for items in ([{"type": "message", "role": "user", "content": "hi"}], [{"role": "user", "content": "hi"}, *call],
                   [{"type": "reasoning", "id": "r", "summary": []}, {"role": "user", "content": "hi"}]):
         fe.prepare({"input": items, "max_output_tokens": 4, "tools": [WEATHER_RESP]}, api="responses").close()
+
+
+@pytest.mark.parametrize("api,body", [
+    ("responses", {"input": "hi", "max_output_tokens": 4}),
+    ("chat", {"messages": [USER], "max_tokens": 4}),
+    ("messages", {"messages": [USER], "max_tokens": 4}),
+])
+def test_a_recipe_error_in_a_body_with_two_faults_names_its_own_field(fe, api, body):
+    """An unknown model beside a tool schema the recipe refuses: removing either field alone still fails, and the
+    unknown-model error (which the recipe reports without a field) was blamed on ``input`` / ``messages``."""
+    bad_schema = {"type": "object", "properties": 5}
+    tool = ({"type": "function", "function": {"name": "f", "parameters": bad_schema}} if api == "chat" else
+            {"name": "f", "input_schema": bad_schema} if api == "messages" else
+            {"type": "function", "name": "f", "parameters": bad_schema})
+    with pytest.raises(RequestError) as e:
+        fe.prepare({**body, "model": "no-such-model", "tools": [tool]}, api=api)
+    assert "no-such-model" in e.value.record["message"] and e.value.record["param"] == "model", e.value.record
