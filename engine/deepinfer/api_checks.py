@@ -336,6 +336,35 @@ def _check_tool_list(body: dict, api: str) -> None:
                                        param=f"{path}.name")
 
 
+def dsml_key_problem(key: str) -> str | None:
+    """Why a tool's argument name cannot be written in DeepSeek's DSML call syntax (``<｜DSML｜parameter
+    name="KEY" ...>``), or None: deepseek-recipe's parser reads no call whose name holds a ``"`` or a character
+    up to U+0020 (the space and the ASCII controls below it), so such an argument could never be passed."""
+    bad = next((c for c in key if c == '"' or ord(c) <= 0x20), None)
+    return None if bad is None else f"it holds {bad!r}"
+
+
+def _check_argument_names(body: dict, api: str) -> None:
+    """Each function tool's ``properties`` names can be written as DSML parameter names (``dsml_key_problem``);
+    skipped with ``tool_choice`` none (the recipe then renders no tools)."""
+    choice = body.get("tool_choice")
+    if choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none" and api == "messages"):
+        return
+    for i, t in enumerate(body.get("tools") or []):
+        if not isinstance(t, dict) or (api == "responses" and t.get("type") != "function"):
+            continue
+        where, schema = ((f"tools[{i}].function.parameters", (t.get("function") or {}).get("parameters"))
+                         if api == "chat" else (f"tools[{i}].input_schema", t.get("input_schema"))
+                         if api == "messages" else (f"tools[{i}].parameters", t.get("parameters")))
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        for key in props if isinstance(props, dict) else ():
+            why = dsml_key_problem(key)
+            if why:
+                raise RequestError(f"{where}.properties: the argument name {key!r} cannot be written in DeepSeek's "
+                                   f"DSML tool-call syntax ({why}), so the model could never pass it",
+                                   code="unsupported_parameter", param=f"{where}.properties")
+
+
 def tool_choice_requires_call(body: dict, api: str) -> bool:
     """The body's ``tool_choice`` asks for a call (Chat / Responses ``"required"`` or a named function; Messages
     ``any`` or ``tool``)."""
@@ -421,6 +450,7 @@ def _check_nested(body: dict, api: str) -> None:
     if api in API_KINDS:
         _check_tool_list(body, api)
         _check_tool_choice(body, api)
+        _check_argument_names(body, api)
 
 
 def declared_tool_names(body: dict, api: str) -> frozenset[str] | None:
@@ -476,7 +506,8 @@ def check_request(body: dict, api: str, stream: bool = False) -> None:
             strings or an empty one, a string with a lone surrogate, an integer beyond 64 bits or a non-finite
             number at any depth, nesting deeper than ``MAX_NESTING``, a tool type other than a function, a
             ``tool_choice`` naming an undeclared tool, or a Responses input item of a type the engine does not
-            render (``item_reference``, ``web_search_call``, ...; ``RESPONSES_INPUT_ITEMS``).
+            render (``item_reference``, ``web_search_call``, ...; ``RESPONSES_INPUT_ITEMS``), or a function
+            tool's argument name the DSML call syntax cannot carry (``dsml_key_problem``).
         ValueError: an unknown ``api``.
     """
     if api not in FIELDS:

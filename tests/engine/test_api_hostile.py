@@ -495,3 +495,56 @@ def test_a_recipe_error_in_a_body_with_two_faults_names_its_own_field(fe, api, b
     with pytest.raises(RequestError) as e:
         fe.prepare({**body, "model": "no-such-model", "tools": [tool]}, api=api)
     assert "no-such-model" in e.value.record["message"] and e.value.record["param"] == "model", e.value.record
+
+
+NAMES_THE_PARSER_REFUSES = ['a"b', "a b", " a", "a\tb", "a\nb", "a\rb", "a\x0bb", "a\x00b", "a\x1fb"]
+NAMES_THE_PARSER_READS = ["a>b", "ü", "", "a\u00a0b", "a\u2028b", "a=b", "c｜DSML｜d", "a/b", "a'b", "a\x7fb"]
+
+
+def _call_with_key(key: str) -> str:
+    return ("\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"" + key +
+            "\" string=\"true\">v</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+
+
+def _key_tool(api: str, key: str) -> dict:
+    schema = {"type": "object", "properties": {key: {"type": "string"}}, "required": [key]}
+    return ({"type": "function", "function": {"name": "f", "parameters": schema}} if api == "chat" else
+            {"name": "f", "input_schema": schema} if api == "messages" else
+            {"type": "function", "name": "f", "parameters": schema})
+
+
+def test_the_dsml_argument_name_rule_is_the_parsers(fe):
+    """``dsml_key_problem`` refuses exactly the names whose call deepseek-recipe's parser does not read."""
+    from deepinfer.api_checks import dsml_key_problem
+
+    for key in NAMES_THE_PARSER_REFUSES + NAMES_THE_PARSER_READS:
+        assert (dsml_key_problem(key) is None) == (_parse_call(fe, key) == "tool_calls"), key
+
+
+def _parse_call(fe, key: str) -> str:
+    """The finish reason the recipe's parser gives the call text with ``key``, bypassing the name check."""
+    from deepinfer import api_checks
+
+    saved = api_checks.dsml_key_problem
+    api_checks.dsml_key_problem = lambda k: None
+    try:
+        body = {"messages": [USER], "max_tokens": 200, "tools": [_key_tool("chat", key)], "thinking": OFF}
+        return run(fe, body, fe.tokenizer.encode(_call_with_key(key)))["choices"][0]["finish_reason"]
+    finally:
+        api_checks.dsml_key_problem = saved
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_tool_argument_names_dsml_cannot_carry_are_refused(fe, api):
+    """A property named ``a b`` passed the checks, but no call the model writes for it parses: with a required
+    ``tool_choice`` every answer was a ``tool_call_missing`` error, otherwise the call came back as text."""
+    base = {"chat": {"messages": [USER], "max_tokens": 8}, "messages": {"messages": [USER], "max_tokens": 8},
+            "responses": {"input": "hi", "max_output_tokens": 8}}[api]
+    where = {"chat": "tools[0].function.parameters", "messages": "tools[0].input_schema",
+             "responses": "tools[0].parameters"}[api]
+    with pytest.raises(RequestError) as e:
+        fe.prepare({**base, "tools": [_key_tool(api, "a b")]}, api=api)
+    assert e.value.record["param"] == f"{where}.properties" and "'a b'" in e.value.record["message"]
+    fe.prepare({**base, "tools": [_key_tool(api, "ü")]}, api=api).close()
+    none = {"type": "none"} if api == "messages" else "none"
+    fe.prepare({**base, "tools": [_key_tool(api, "a b")], "tool_choice": none}, api=api).close()
