@@ -661,17 +661,24 @@ class LLM:
         """Run request bodies end to end through deepseek-recipe.
 
         Args:
-            requests: Chat Completions bodies (``api="chat"``), or Messages / Responses bodies, as dicts or JSON text.
+            requests: Chat Completions bodies (``api="chat"``), or Messages / Responses bodies, as dicts or JSON text;
+                one body (a dict, str or bytes) is a list of one, as one prompt is in ``generate``.
             api: ``"chat"``, ``"messages"`` or ``"responses"`` (ValueError otherwise).
 
         Returns:
             One dict per request, in order: the response object (with ``"seed"``, the seed used), or
             ``{"error": {message, type, code, param, status_code}}``.
+        Raises:
+            TypeError: ``requests`` is not a body nor an iterable of bodies.
         """
         from deepinfer.chat import API_KINDS
 
         if api not in API_KINDS:  # the caller's mistake, not one request's: raised, not an error record per body
             raise ValueError(f"chat: api must be one of {API_KINDS}, got {api!r}")
+        if isinstance(requests, (dict, str, bytes)):  # one body, not its keys or characters as bodies
+            requests = [requests]
+        elif not hasattr(requests, "__iter__"):
+            raise TypeError(f"chat: requests must be a list of request bodies, got {type(requests).__name__}")
         fe = self.frontend
         outputs = OutputProcessor(self.engine)
         prepared: list[PreparedChat | None] = []
