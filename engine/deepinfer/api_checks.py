@@ -336,6 +336,35 @@ def _check_tool_list(body: dict, api: str) -> None:
                                        param=f"{path}.name")
 
 
+def dsml_key_problem(key: str) -> str | None:
+    """Why a tool's argument name cannot be written in DeepSeek's DSML call syntax (``<｜DSML｜parameter
+    name="KEY" ...>``), or None: deepseek-recipe's parser reads no call whose name holds a ``"`` or a character
+    up to U+0020 (the space and the ASCII controls below it), so such an argument could never be passed."""
+    bad = next((c for c in key if c == '"' or ord(c) <= 0x20), None)
+    return None if bad is None else f"it holds {bad!r}"
+
+
+def _check_argument_names(body: dict, api: str) -> None:
+    """Each function tool's ``properties`` names can be written as DSML parameter names (``dsml_key_problem``);
+    skipped with ``tool_choice`` none (the recipe then renders no tools)."""
+    choice = body.get("tool_choice")
+    if choice == "none" or (isinstance(choice, dict) and choice.get("type") == "none" and api == "messages"):
+        return
+    for i, t in enumerate(body.get("tools") or []):
+        if not isinstance(t, dict) or (api == "responses" and t.get("type") != "function"):
+            continue
+        where, schema = ((f"tools[{i}].function.parameters", (t.get("function") or {}).get("parameters"))
+                         if api == "chat" else (f"tools[{i}].input_schema", t.get("input_schema"))
+                         if api == "messages" else (f"tools[{i}].parameters", t.get("parameters")))
+        props = schema.get("properties") if isinstance(schema, dict) else None
+        for key in props if isinstance(props, dict) else ():
+            why = dsml_key_problem(key)
+            if why:
+                raise RequestError(f"{where}.properties: the argument name {key!r} cannot be written in DeepSeek's "
+                                   f"DSML tool-call syntax ({why}), so the model could never pass it",
+                                   code="unsupported_parameter", param=f"{where}.properties")
+
+
 def tool_choice_requires_call(body: dict, api: str) -> bool:
     """The body's ``tool_choice`` asks for a call (Chat / Responses ``"required"`` or a named function; Messages
     ``any`` or ``tool``)."""
@@ -389,14 +418,39 @@ def _check_thinking(body: dict, api: str) -> None:
                            param="thinking.budget_tokens")
 
 
+# Responses input items the engine renders (an item without a type is a message); deepseek-recipe drops the
+# others without a word, which would change the prompt (an ``item_reference`` to a stored item, a ``bogus`` one).
+RESPONSES_INPUT_ITEMS = ("message", "function_call", "function_call_output", "reasoning", "custom_tool_call",
+                         "custom_tool_call_output")
+
+
+def _check_input_items(body: dict) -> None:
+    items = body.get("input")
+    for i, item in enumerate(items if isinstance(items, list) else ()):
+        ty = item.get("type") if isinstance(item, dict) else None
+        if ty is None:
+            continue
+        path = f"input[{i}].type"
+        if not isinstance(ty, str):
+            raise RequestError(f"{path} must be a string, got {_show(ty)}", param=path)
+        if ty not in RESPONSES_INPUT_ITEMS:
+            why = _NO_STORE if ty == "item_reference" else "this engine renders only " + ", ".join(
+                RESPONSES_INPUT_ITEMS)
+            raise RequestError(f"{path}: {ty!r} input items are not supported ({why})",
+                               code="unsupported_parameter", param=path)
+
+
 def _check_nested(body: dict, api: str) -> None:
     """The nested fields of the tables above, naming the path."""
     if api in ("chat", "messages"):
         _check_messages(body, api)
         _check_thinking(body, api)
+    if api == "responses":
+        _check_input_items(body)
     if api in API_KINDS:
         _check_tool_list(body, api)
         _check_tool_choice(body, api)
+        _check_argument_names(body, api)
 
 
 def declared_tool_names(body: dict, api: str) -> frozenset[str] | None:
@@ -450,8 +504,10 @@ def check_request(body: dict, api: str, stream: bool = False) -> None:
             finite, an unknown field (``code="unknown_parameter"``), a field or value the engine does not implement
             (``code="unsupported_parameter"``), a missing required field, more than ``MAX_STOP_SEQUENCES`` stop
             strings or an empty one, a string with a lone surrogate, an integer beyond 64 bits or a non-finite
-            number at any depth, nesting deeper than ``MAX_NESTING``, a tool type other than a function, or a
-            ``tool_choice`` naming an undeclared tool.
+            number at any depth, nesting deeper than ``MAX_NESTING``, a tool type other than a function, a
+            ``tool_choice`` naming an undeclared tool, or a Responses input item of a type the engine does not
+            render (``item_reference``, ``web_search_call``, ...; ``RESPONSES_INPUT_ITEMS``), or a function
+            tool's argument name the DSML call syntax cannot carry (``dsml_key_problem``).
         ValueError: an unknown ``api``.
     """
     if api not in FIELDS:

@@ -794,19 +794,30 @@ class ChatFrontend:
 
     def _blame_field(self, req_cls, body: dict, api: str) -> str | None:
         """The top-level field a recipe error without ``param`` is about: the first field whose removal (``model``:
-        the served name instead) lets the body convert; else the conversation itself (``messages`` / ``input``)."""
+        the served name instead) lets the body convert; else, when several fields are at fault, the first one that
+        fails added alone to the conversation (``messages`` / ``input``, with the served model name); else the
+        conversation itself."""
         options = self.messages_options if api == "messages" else self.options
         primary = "input" if api == "responses" else "messages"
-        for name in body:
-            if name == primary or (name == "max_tokens" and api == "messages"):
-                continue
-            trial = {**body, "model": self.served_model_name} if name == "model" else {
-                k: v for k, v in body.items() if k != name}
+
+        def converts(trial: dict) -> bool:
             try:
                 req_cls(trial).convert(options)
             except (R.ConversionError, ValueError, TypeError, OverflowError):
-                continue
-            return name
+                return False
+            return True
+
+        fields = [n for n in body if n != primary and not (n == "max_tokens" and api == "messages")]
+        for name in fields:
+            if converts({**body, "model": self.served_model_name} if name == "model" else {
+                    k: v for k, v in body.items() if k != name}):
+                return name
+        base = {k: body[k] for k in (primary, "max_tokens") if k in body and (k == primary or api == "messages")}
+        base["model"] = self.served_model_name
+        if converts(base):
+            for name in fields:
+                if not converts({**base, name: body[name]}):
+                    return name
         return primary if primary in body else None
 
     def prepare(self, body: Any, api: str = "chat", seed_source=None, stream: bool = False) -> PreparedChat:

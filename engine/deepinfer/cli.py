@@ -209,6 +209,7 @@ def _parse_lines(lines: list[bytes], api: str) -> tuple[list, list, list, list]:
     Batch ``custom_id`` (None for a plain body); the request bodies and their line indices."""
     records: list[dict | None] = [None] * len(lines)
     custom_ids: list[str | None] = [None] * len(lines)  # the Batch API line's custom_id, None for a plain body
+    seen: dict[str, int] = {}  # custom_id -> the 0-based line that holds it first
     bodies, where = [], []
     for i, raw in enumerate(lines):
         try:
@@ -229,9 +230,10 @@ def _parse_lines(lines: list[bytes], api: str) -> tuple[list, list, list, list]:
                                      "invalid_request_error")
             continue
         if is_batch_line(body):
-            body, records[i], custom_ids[i] = _unwrap_batch_line(body, i + 1, api, custom_ids)
+            body, records[i], custom_ids[i] = _unwrap_batch_line(body, i + 1, api, seen)
             if body is None:
                 continue
+            seen[custom_ids[i]] = i
         bodies.append(body)
         where.append(i)
     return records, custom_ids, bodies, where
@@ -265,10 +267,10 @@ def _batch_error(line_no: int, custom_id, message: str, param: str) -> dict:
                       "line": line_no}}
 
 
-def _unwrap_batch_line(line: dict, line_no: int, api: str, custom_ids: list) -> tuple:
+def _unwrap_batch_line(line: dict, line_no: int, api: str, seen: dict[str, int]) -> tuple:
     """``(request body, None, custom_id)`` for a valid Batch line of ``api``'s endpoint, else ``(None, error record,
-    None)`` naming the field at fault (unknown key, ``method`` not POST, ``url`` of another endpoint, a repeated
-    ``custom_id``)."""
+    None)`` naming the field at fault (unknown key, ``method`` not POST, ``url`` of another endpoint, a
+    ``custom_id`` that repeats one in ``seen``: ``{custom_id: 0-based line}``)."""
     cid = line.get("custom_id")
     extra = [k for k in line if k not in BATCH_KEYS]
     if extra:
@@ -276,9 +278,8 @@ def _unwrap_batch_line(line: dict, line_no: int, api: str, custom_ids: list) -> 
     if not isinstance(cid, str) or not cid or len(cid) > 512:
         return None, _batch_error(line_no, cid, "custom_id must be a non-empty string (at most 512 characters)",
                                   "custom_id"), None
-    if cid in custom_ids:
-        return None, _batch_error(line_no, cid, f"custom_id {cid!r} repeats line {custom_ids.index(cid) + 1}",
-                                  "custom_id"), None
+    if cid in seen:
+        return None, _batch_error(line_no, cid, f"custom_id {cid!r} repeats line {seen[cid] + 1}", "custom_id"), None
     if line.get("method") != "POST":
         return None, _batch_error(line_no, cid, f"method must be \"POST\", got {line.get('method')!r}", "method"), None
     if line.get("url") != BATCH_URLS[api]:

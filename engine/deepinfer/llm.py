@@ -664,13 +664,21 @@ class LLM:
 
     def _host_slots(self, spec, window_blocks: int) -> dict[str, int]:
         """Host-tier slots per cache group for ``host_cache_gib`` (``deepinfer.host_cache.host_slots``). Raises
-        ValueError naming ``host_cache_gib`` when it holds no block at all."""
+        ValueError naming ``host_cache_gib`` when it holds no block at all, or asks for more than the host's
+        available memory (``available_memory``), before anything is allocated."""
         from deepinfer.host_cache import host_slots
 
         gib = self.config.host_cache_gib
         if not gib:
             return {}
         per_block = spec.group_bytes_per_block()
+        free = available_memory(torch.device("cpu"))
+        if free is not None and self.device.type == "cpu":  # the device cache, not yet allocated, is host memory too
+            free -= per_block.get("full", 0) * self.config.num_blocks + per_block.get("window", 0) * window_blocks
+        if free is not None and gib * (1 << 30) > free:
+            raise ValueError(f"EngineConfig.host_cache_gib={gib} is more than the {max(free, 0) / (1 << 30):.1f} GiB "
+                             "of host memory available (MemAvailable, less a CPU device cache); use a smaller "
+                             "--host-cache-gib")
         slots = host_slots(int(gib * (1 << 30)), per_block,
                            {"full": self.config.num_blocks, "window": window_blocks})
         if not slots:
@@ -888,17 +896,24 @@ class LLM:
         """Run request bodies end to end through deepseek-recipe.
 
         Args:
-            requests: Chat Completions bodies (``api="chat"``), or Messages / Responses bodies, as dicts or JSON text.
+            requests: Chat Completions bodies (``api="chat"``), or Messages / Responses bodies, as dicts or JSON text;
+                one body (a dict, str or bytes) is a list of one, as one prompt is in ``generate``.
             api: ``"chat"``, ``"messages"`` or ``"responses"`` (ValueError otherwise).
 
         Returns:
             One dict per request, in order: the response object (with ``"seed"``, the seed used), or
             ``{"error": {message, type, code, param, status_code}}``.
+        Raises:
+            TypeError: ``requests`` is not a body nor an iterable of bodies.
         """
         from deepinfer.chat import API_KINDS
 
         if api not in API_KINDS:  # the caller's mistake, not one request's: raised, not an error record per body
             raise ValueError(f"chat: api must be one of {API_KINDS}, got {api!r}")
+        if isinstance(requests, (dict, str, bytes)):  # one body, not its keys or characters as bodies
+            requests = [requests]
+        elif not hasattr(requests, "__iter__"):
+            raise TypeError(f"chat: requests must be a list of request bodies, got {type(requests).__name__}")
         if self._dp_group is not None:
             return self._dp_chat(list(requests), api, use_tqdm)
         fe = self.frontend

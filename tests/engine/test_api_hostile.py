@@ -458,3 +458,93 @@ def test_a_tiny_positive_top_p_keeps_the_most_likely_token(fe, top_p):
     with pytest.raises(RequestError) as e:
         fe.prepare({"messages": [USER], "top_p": 0.0, "max_tokens": 4})
     assert e.value.record["param"] == "top_p"
+
+
+# ------------------------------------------------------------------ round three (issue 25 verification)
+@pytest.mark.parametrize("kind", ["item_reference", "web_search_call", "mcp_call", "computer_call_output",
+                                  "local_shell_call", "compaction", "bogus"])
+def test_responses_input_items_the_recipe_would_drop_are_refused(fe, kind):
+    """deepseek-recipe dropped these items without a word: an ``item_reference`` alone rendered a prompt without any
+    user turn. Each is refused naming ``input[i].type``; the items the engine renders still pass."""
+    with pytest.raises(RequestError) as e:
+        fe.prepare({"input": [{"role": "user", "content": "hi"}, {"type": kind, "id": "x"}],
+                    "max_output_tokens": 4}, api="responses")
+    assert e.value.record["param"] == "input[1].type" and e.value.record["code"] == "unsupported_parameter"
+    with pytest.raises(RequestError) as e:
+        fe.prepare({"input": [{"type": 5, "role": "user", "content": "hi"}], "max_output_tokens": 4}, api="responses")
+    assert e.value.record["param"] == "input[0].type"
+    call = [{"type": "function_call", "call_id": "c", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c", "output": "sunny"}]
+    for items in ([{"type": "message", "role": "user", "content": "hi"}], [{"role": "user", "content": "hi"}, *call],
+                  [{"type": "reasoning", "id": "r", "summary": []}, {"role": "user", "content": "hi"}]):
+        fe.prepare({"input": items, "max_output_tokens": 4, "tools": [WEATHER_RESP]}, api="responses").close()
+
+
+@pytest.mark.parametrize("api,body", [
+    ("responses", {"input": "hi", "max_output_tokens": 4}),
+    ("chat", {"messages": [USER], "max_tokens": 4}),
+    ("messages", {"messages": [USER], "max_tokens": 4}),
+])
+def test_a_recipe_error_in_a_body_with_two_faults_names_its_own_field(fe, api, body):
+    """An unknown model beside a tool schema the recipe refuses: removing either field alone still fails, and the
+    unknown-model error (which the recipe reports without a field) was blamed on ``input`` / ``messages``."""
+    bad_schema = {"type": "object", "properties": 5}
+    tool = ({"type": "function", "function": {"name": "f", "parameters": bad_schema}} if api == "chat" else
+            {"name": "f", "input_schema": bad_schema} if api == "messages" else
+            {"type": "function", "name": "f", "parameters": bad_schema})
+    with pytest.raises(RequestError) as e:
+        fe.prepare({**body, "model": "no-such-model", "tools": [tool]}, api=api)
+    assert "no-such-model" in e.value.record["message"] and e.value.record["param"] == "model", e.value.record
+
+
+NAMES_THE_PARSER_REFUSES = ['a"b', "a b", " a", "a\tb", "a\nb", "a\rb", "a\x0bb", "a\x00b", "a\x1fb"]
+NAMES_THE_PARSER_READS = ["a>b", "ü", "", "a\u00a0b", "a\u2028b", "a=b", "c｜DSML｜d", "a/b", "a'b", "a\x7fb"]
+
+
+def _call_with_key(key: str) -> str:
+    return ("\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"f\">\n<｜DSML｜parameter name=\"" + key +
+            "\" string=\"true\">v</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>")
+
+
+def _key_tool(api: str, key: str) -> dict:
+    schema = {"type": "object", "properties": {key: {"type": "string"}}, "required": [key]}
+    return ({"type": "function", "function": {"name": "f", "parameters": schema}} if api == "chat" else
+            {"name": "f", "input_schema": schema} if api == "messages" else
+            {"type": "function", "name": "f", "parameters": schema})
+
+
+def test_the_dsml_argument_name_rule_is_the_parsers(fe):
+    """``dsml_key_problem`` refuses exactly the names whose call deepseek-recipe's parser does not read."""
+    from deepinfer.api_checks import dsml_key_problem
+
+    for key in NAMES_THE_PARSER_REFUSES + NAMES_THE_PARSER_READS:
+        assert (dsml_key_problem(key) is None) == (_parse_call(fe, key) == "tool_calls"), key
+
+
+def _parse_call(fe, key: str) -> str:
+    """The finish reason the recipe's parser gives the call text with ``key``, bypassing the name check."""
+    from deepinfer import api_checks
+
+    saved = api_checks.dsml_key_problem
+    api_checks.dsml_key_problem = lambda k: None
+    try:
+        body = {"messages": [USER], "max_tokens": 200, "tools": [_key_tool("chat", key)], "thinking": OFF}
+        return run(fe, body, fe.tokenizer.encode(_call_with_key(key)))["choices"][0]["finish_reason"]
+    finally:
+        api_checks.dsml_key_problem = saved
+
+
+@pytest.mark.parametrize("api", ["chat", "messages", "responses"])
+def test_tool_argument_names_dsml_cannot_carry_are_refused(fe, api):
+    """A property named ``a b`` passed the checks, but no call the model writes for it parses: with a required
+    ``tool_choice`` every answer was a ``tool_call_missing`` error, otherwise the call came back as text."""
+    base = {"chat": {"messages": [USER], "max_tokens": 8}, "messages": {"messages": [USER], "max_tokens": 8},
+            "responses": {"input": "hi", "max_output_tokens": 8}}[api]
+    where = {"chat": "tools[0].function.parameters", "messages": "tools[0].input_schema",
+             "responses": "tools[0].parameters"}[api]
+    with pytest.raises(RequestError) as e:
+        fe.prepare({**base, "tools": [_key_tool(api, "a b")]}, api=api)
+    assert e.value.record["param"] == f"{where}.properties" and "'a b'" in e.value.record["message"]
+    fe.prepare({**base, "tools": [_key_tool(api, "ü")]}, api=api).close()
+    none = {"type": "none"} if api == "messages" else "none"
+    fe.prepare({**base, "tools": [_key_tool(api, "a b")], "tool_choice": none}, api=api).close()

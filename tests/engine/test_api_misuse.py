@@ -24,6 +24,22 @@ def test_generate_with_sampling_params_of_the_wrong_type_raises(llm, bad):
         llm.generate(["a"], bad)
 
 
+
+def test_chat_with_one_body_runs_it_once(llm):
+    """A dict or JSON text passed as ``requests`` was iterated: its keys or characters each became a body, giving
+    one error record per key or character instead of the answer."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "seed": 3,
+            "thinking": {"type": "disabled"}}
+    import json
+
+    want = llm.chat([body])
+    assert len(want) == 1 and want[0]["object"] == "chat.completion"
+    for one in (body, json.dumps(body), json.dumps(body).encode()):
+        got = llm.chat(one)
+        assert len(got) == 1 and got[0]["id"] == want[0]["id"] and got[0]["choices"] == want[0]["choices"]
+    with pytest.raises(TypeError, match="requests must be a list of request bodies"):
+        llm.chat(5)
+
 def test_summary_json_in_a_missing_folder_fails_before_the_run(tmp_path, capsys):
     inp = tmp_path / "in.jsonl"
     inp.write_text('{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}\n')

@@ -311,3 +311,16 @@ def test_cli_flag_reaches_the_engine_config():
     add_engine_options(p)
     assert engine_config(p.parse_args(["--host-cache-gib", "2.5"])).host_cache_gib == 2.5
     assert engine_config(p.parse_args([])).host_cache_gib == 0.0
+
+
+def test_a_host_tier_larger_than_the_host_memory_is_refused_before_allocating(monkeypatch):
+    """``--host-cache-gib 1e6`` used to die in a MemoryError traceback building the slot list, and a figure above
+    the free memory was accepted (its pages fill as blocks are evicted, until the OOM killer ends the run)."""
+    import deepinfer.llm as L
+
+    with pytest.raises(ValueError, match=r"host_cache_gib=1000000.0 is more than the .* GiB of host memory"):
+        LLM(_model(), num_blocks=8, max_model_len=1024, host_cache_gib=1e6)
+    monkeypatch.setattr(L, "available_memory", lambda device: 64 << 20)  # 64 MiB free, of which the cache takes some
+    with pytest.raises(ValueError, match="host_cache_gib=0.0625 is more than"):
+        LLM(_model(), num_blocks=8, max_model_len=1024, host_cache_gib=0.0625)
+    assert LLM(_model(), num_blocks=8, max_model_len=1024, host_cache_gib=0.01).startup["host_cache"]["bytes"] > 0

@@ -183,3 +183,16 @@ def test_sigterm_ends_in_flight_requests_and_exits(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_streamed_constraint_that_does_not_compile_is_a_400(start_server):
+    """Streamed, it used to be a 200 whose only event was the error; without streaming it was already a 400. A
+    constraint that compiles still streams, and a good request after them is answered."""
+    srv = start_server(LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), num_blocks=16))
+    bad = {**CHAT, "structured_outputs": {"regex": "(a|"}}
+    for stream in (False, True):
+        r = _post(srv.url, {**bad, "stream": stream})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.regex", (stream, r.text)
+    r = _post(srv.url, {**CHAT, "stream": True, "structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.status_code == 200 and "data: [DONE]" in r.text and '"error"' not in r.text, r.text
+    assert _post(srv.url, CHAT).status_code == 200

@@ -18,6 +18,7 @@ from deepinfer.chat import RequestError
 from deepinfer.server.completions import prepare_completion
 from deepinfer.server.loop import EngineLoop, Overloaded, RequestHandle, Unavailable
 from deepinfer.server.metrics import ServerMetrics
+from deepinfer.structured import GrammarError
 
 
 @dataclass
@@ -202,6 +203,22 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             raise _Refused(error_record(f"invalid request: {type(e).__name__}: {e}"[:1000], 400,
                                         "invalid_request")) from None
 
+    async def compile_first(pc) -> None:
+        """Compile a streamed request's output constraint before its stream opens, so one that does not compile is
+        a 400 naming the field, as without streaming (the engine then finds it in the compiler's cache). A
+        compilation still running at the compiler's timeout is left to the engine's own deadline."""
+        spec = getattr(getattr(pc, "params", None), "structured_outputs", None)
+        if spec is None or llm.grammars is None:
+            return
+        future = asyncio.wrap_future(llm.grammars.submit(spec))
+        try:  # shielded: the compilation is shared with the engine's submission of the same constraint
+            await asyncio.wait_for(asyncio.shield(future), llm.grammars.timeout_s)
+        except GrammarError as e:
+            pc.close()
+            raise _Refused(error_record(str(e), 400, "invalid_request", e.param)) from None
+        except asyncio.TimeoutError:
+            pass
+
     def submit(pc) -> RequestHandle:
         handle = RequestHandle(pc, asyncio.get_running_loop())
         try:
@@ -221,6 +238,8 @@ def create_app(llm, config: ServerConfig | None = None) -> FastAPI:
             check_model(body)
             stream = body.get("stream") is True  # any other non-null value is refused by check_request
             pc = prepare(api, body, stream)
+            if stream:
+                await compile_first(pc)
             handle = submit(pc)
         except _Refused as e:
             return error_response(api, e.record, e.retry_after)
