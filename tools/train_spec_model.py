@@ -37,7 +37,7 @@ FORMATS = {"fp8-fp4": {"quant": "fp8", "expert_quant": "fp4"},
            "fp32": {"quant": "none", "expert_quant": "none", "dtype": torch.float32}}
 #: defaults that differ for ``--tiny`` (full run, tiny run)
 RUN_DEFAULTS = {"steps": (900, 6), "batch_size": (32, 2), "seq_len": (512, 64), "warmup": (50, 1),
-                "mtp_depth": (3, 2), "max_files": (None, 12), "eval_rows": (64, 4), "lr": (2e-3, 1e-2),
+                "mtp_depth": (3, 2), "max_files": (None, 12), "eval_rows": (64, 4), "lr": (2e-3, 3e-2),
                 "num_prompts": (64, 2), "prompt_len": (128, 16)}
 
 
