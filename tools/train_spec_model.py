@@ -69,7 +69,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--mtp-depth", type=int, help="chained MTP draft steps trained per position (default 3)")
     g.add_argument("--mtp-weight", type=float, default=0.5, help="loss = LM + w * mean MTP step loss")
     g.add_argument("--balance-rate", type=float, default=1e-3, help="aux-loss-free router bias step")
-    g.add_argument("--experts-impl", default="eager", help="transformers experts implementation (eager, grouped_mm)")
+    g.add_argument("--experts-impl", default="dense",
+                   help="transformers experts implementation: dense (every expert, no host sync), eager, grouped_mm")
     g = p.add_argument_group("data")
     g.add_argument("--heldout-permille", type=int, default=D.DEFAULT_HELDOUT_PERMILLE)
     g.add_argument("--max-files", type=int, help="use only the first N train files (default all; --tiny 12)")
@@ -130,9 +131,9 @@ def train(model: SM.SpecModel, corpus: D.Corpus, args, device: torch.device, log
     opt = make_optimizer(model, args, device)
     balancer = SM.ExpertBalancer(model, args.balance_rate)
     amp = autocast_for(device)
-    rows = corpus.train_rows
+    rows = corpus.train_rows.to(device)  # indexed on the device: no host sync per step
     g = torch.Generator().manual_seed(args.seed)
-    order = torch.randperm(rows.shape[0], generator=g)
+    order = torch.randperm(rows.shape[0], generator=g).to(device)
     pos = 0
     curve, stopped = [], "steps"
     model.train()
@@ -143,8 +144,8 @@ def train(model: SM.SpecModel, corpus: D.Corpus, args, device: torch.device, log
             stopped = "minutes"
             break
         if pos + args.batch_size > order.numel():
-            order, pos = torch.randperm(rows.shape[0], generator=g), 0
-        batch = rows[order[pos:pos + args.batch_size]].to(device, non_blocking=True)
+            order, pos = torch.randperm(rows.shape[0], generator=g).to(device), 0
+        batch = rows[order[pos:pos + args.batch_size]]
         pos += args.batch_size
         for grp in opt.param_groups:
             grp["lr"] = lr_at(step, args)
@@ -155,16 +156,18 @@ def train(model: SM.SpecModel, corpus: D.Corpus, args, device: torch.device, log
         opt.step()
         opt.zero_grad(set_to_none=True)
         imbalance = balancer.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step == args.steps - 1:  # the only host syncs of the loop
             el = time.perf_counter() - t0
-            rec = {"step": step, "loss": float(loss.detach()), **parts, "grad_norm": float(gnorm), "lr": lr_at(step, args),
-                   "max_expert_load": imbalance, "seconds": round(el, 2)}
+            parts = {k: float(v) for k, v in parts.items()}
+            rec = {"step": step, "loss": float(loss.detach()), **parts, "grad_norm": float(gnorm),
+                   "lr": lr_at(step, args), "max_expert_load": float(imbalance) if imbalance is not None else None,
+                   "seconds": round(el, 2)}
             curve.append(rec)
             log(f"step {step:5d}  loss {rec['loss']:.4f}  lm {parts['lm']:.4f}  "
                 + "  ".join(f"{k} {v:.3f}" for k, v in parts.items() if k.startswith("mtp"))
-                + f"  |g| {rec['grad_norm']:.2f}  load {imbalance:.2f}  {el:.0f} s")
-        if not math.isfinite(parts["lm"]):
-            raise RuntimeError(f"training diverged at step {step}: LM loss {parts['lm']}")
+                + f"  |g| {rec['grad_norm']:.2f}  load {rec['max_expert_load'] or 0:.2f}  {el:.0f} s")
+            if not math.isfinite(rec["loss"]):
+                raise RuntimeError(f"training diverged by step {step}: loss {rec['loss']}")
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     done = step + 1 if stopped == "steps" else step

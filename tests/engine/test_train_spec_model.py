@@ -86,6 +86,32 @@ def test_targets_shift_and_mask():
         assert t[0, j:-1].tolist() == list(range(102 + j, 110))
 
 
+def test_dense_experts_match_eager_and_the_balancer_moves_biases():
+    cfg = SM.model_config(tiny=True)
+    rows = torch.randint(0, cfg["vocab_size"], (2, 33), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for impl in ("dense", "eager"):
+        m = SM.SpecModel(cfg, seed=0, experts_implementation=impl)
+        loss, _ = SM.train_loss(m, rows, 2, 0.5)
+        loss.backward()
+        results[impl] = (loss.detach(), {k: p.grad for k, p in m.named_parameters() if p.grad is not None})
+    (ld, gd), (le, ge) = results["dense"], results["eager"]
+    assert torch.allclose(ld, le, rtol=1e-5, atol=0) and gd.keys() == ge.keys()
+    for k in gd:
+        assert torch.allclose(gd[k], ge[k], rtol=1e-3, atol=1e-6), k
+    # one balancing step: each score-routed router's bias moves by -rate on experts above the mean load
+    bal = SM.ExpertBalancer(m, rate=0.25)
+    seen = {}
+    for r in bal.routers:
+        r.register_forward_hook(lambda mod, a, out, r=r: seen.__setitem__(r, out[2].flatten()))
+    with torch.no_grad():
+        m(rows[:, :-1], rows[:, 1:], 1)
+    assert bal.step() is not None and len(seen) == len(bal.routers) == 3  # layers 2 and 3, mtp.0
+    for r in bal.routers:
+        load = torch.bincount(seen[r], minlength=r.num_experts).float()
+        assert torch.equal(r.e_score_correction_bias, 0.25 * torch.sign(load.mean() - load))
+
+
 # ---- the trained tiny model --------------------------------------------------------------------------------------------
 
 

@@ -58,10 +58,32 @@ def model_config(tiny: bool = False, **overrides) -> dict:
     return cfg
 
 
-def hf_config(cfg: dict, experts_implementation: str = "eager"):
-    """transformers' ``DeepseekV4Config`` for the native config dict ``cfg`` (eager attention)."""
+def dense_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                          top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers experts implementation ``"dense"``: every expert on every token, summed with the routing
+    weights scattered to ``[tokens, experts]`` (zero for experts not chosen). The same function as ``"eager"``
+    with ``num_experts / top_k`` times the expert FLOPs, but no data-dependent shapes, so no host sync (the eager
+    loop synchronises several times per expert and layer). ``hidden_states [N, D]``, ``top_k_index`` /
+    ``top_k_weights [N, k]`` -> ``[N, D]``."""
+    E = self.gate_up_proj.shape[0]
+    w = top_k_weights.new_zeros(top_k_index.shape[0], E).scatter_add(1, top_k_index, top_k_weights)
+    act = self._apply_gate(torch.einsum("nd,efd->enf", hidden_states, self.gate_up_proj))  # [E, N, I]
+    y = torch.einsum("eni,edi->end", act, self.down_proj)  # [E, N, D]
+    return torch.einsum("end,ne->nd", y, w.to(y.dtype)).to(hidden_states.dtype)
+
+
+def _register_dense_experts() -> None:
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register("dense", dense_experts_forward)
+
+
+def hf_config(cfg: dict, experts_implementation: str = "dense"):
+    """transformers' ``DeepseekV4Config`` for the native config dict ``cfg`` (eager attention; experts
+    ``"dense"`` (:func:`dense_experts_forward`), ``"eager"`` or another transformers implementation)."""
     import transformers
 
+    _register_dense_experts()
     c = transformers.DeepseekV4Config.from_dict(cfg)
     c._attn_implementation = "eager"
     c._experts_implementation = experts_implementation
@@ -78,7 +100,7 @@ class MTPLayer(nn.Module):
     """``mtp.0``: ``e_proj`` / ``h_proj`` ``[D, D]``, ``enorm`` / ``hnorm`` / ``norm`` RMSNorms, ``block`` (a
     transformers V4 decoder block: score-routed MoE, the MTP layer's attention kind) and ``hc_head``."""
 
-    def __init__(self, cfg: dict, experts_implementation: str = "eager"):
+    def __init__(self, cfg: dict, experts_implementation: str = "dense"):
         super().__init__()
         from transformers.models.deepseek_v4 import modeling_deepseek_v4 as M
 
@@ -119,7 +141,7 @@ class SpecModel(nn.Module):
     """transformers' ``DeepseekV4ForCausalLM`` (``lm``) plus :class:`MTPLayer` (``mtp``), sharing embedding and LM
     head. Initialised with transformers' own init and seeded hash-routing tables ``tid2eid`` (``seed``)."""
 
-    def __init__(self, cfg: dict, seed: int = 0, experts_implementation: str = "eager"):
+    def __init__(self, cfg: dict, seed: int = 0, experts_implementation: str = "dense"):
         super().__init__()
         import transformers
 
@@ -167,15 +189,16 @@ def _ce_sum(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(F.linear(h, w).float(), y, ignore_index=IGNORE, reduction="sum")
 
 
-def chunked_ce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> tuple[torch.Tensor, int]:
-    """Summed cross entropy of ``h [N, D] @ w.T`` against ``y [N]`` (``IGNORE`` skipped) and the count of targets.
-    Each chunk of rows is checkpointed, so at most one ``[chunk, vocab]`` logits block is alive at a time."""
+def chunked_ce(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunk: int = 4096) -> torch.Tensor:
+    """Token-mean cross entropy of ``h [N, D] @ w.T`` against ``y [N]`` (``IGNORE`` skipped), a 0-d float32
+    tensor (no host sync). Each chunk of rows is checkpointed, so at most one ``[chunk, vocab]`` logits block is
+    alive at a time."""
     total = h.new_zeros((), dtype=torch.float32)
     for i in range(0, h.shape[0], chunk):
         hi, yi = h[i:i + chunk], y[i:i + chunk]
         total = total + (checkpoint(_ce_sum, hi, w, yi, use_reentrant=False) if torch.is_grad_enabled()
                          else _ce_sum(hi, w, yi))
-    return total, int((y != IGNORE).sum())
+    return total / (y != IGNORE).sum().clamp_min(1)
 
 
 def targets(rows: torch.Tensor, mtp_depth: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -195,20 +218,15 @@ def targets(rows: torch.Tensor, mtp_depth: int) -> tuple[torch.Tensor, torch.Ten
 
 def train_loss(model: SpecModel, rows: torch.Tensor, mtp_depth: int, mtp_weight: float) -> tuple[torch.Tensor, dict]:
     """``LM loss + mtp_weight * mean over steps of the MTP loss`` (token-mean cross entropies) for one batch of rows
-    ``[B, S + 1]``; also returns the parts as floats."""
+    ``[B, S + 1]``; also returns the parts (``lm``, ``mtp1`` ...) as detached 0-d tensors (no host sync)."""
     ids, nxt, y, ys = targets(rows, mtp_depth)
     h, hs = model(ids, nxt, mtp_depth)
     w = model.head_weight
-    s, n = chunked_ce(h.flatten(0, 1), w, y.flatten())
-    lm = s / max(n, 1)
-    parts = {"lm": lm}
-    mtp = []
-    for j, (hj, yj) in enumerate(zip(hs, ys)):
-        sj, nj = chunked_ce(hj.flatten(0, 1), w, yj.flatten())
-        mtp.append(sj / max(nj, 1))
-        parts[f"mtp{j + 1}"] = mtp[-1]
+    lm = chunked_ce(h.flatten(0, 1), w, y.flatten())
+    mtp = [chunked_ce(hj.flatten(0, 1), w, yj.flatten()) for hj, yj in zip(hs, ys)]
     loss = lm + mtp_weight * torch.stack(mtp).mean() if mtp else lm
-    return loss, {k: float(v.detach()) for k, v in parts.items()}
+    parts = {"lm": lm.detach(), **{f"mtp{j + 1}": m.detach() for j, m in enumerate(mtp)}}
+    return loss, parts
 
 
 @torch.no_grad()
@@ -386,20 +404,22 @@ class ExpertBalancer:
             r.register_forward_hook(lambda mod, args, out, i=i: self._count(i, mod, out))
 
     def _count(self, i, mod, out) -> None:
-        if mod.training and self.rate:
-            c = torch.bincount(out[2].flatten(), minlength=mod.num_experts)
+        if mod.training:
+            idx = out[2].flatten()
+            c = torch.zeros(mod.num_experts, device=idx.device).index_add_(0, idx, torch.ones(idx.shape, device=idx.device))
             self.loads[i] = c if self.loads[i] is None else self.loads[i] + c
 
     @torch.no_grad()
-    def step(self) -> float:
-        """Apply the update; returns the worst max-load / mean-load ratio seen since the last step (1.0 = even)."""
-        worst = 1.0
+    def step(self) -> torch.Tensor | None:
+        """Apply the update. Returns the worst max-load / mean-load ratio seen since the last step (1.0 = even) as
+        a 0-d tensor (no host sync), or None when no score-routed layer ran."""
+        worst = None
         for i, r in enumerate(self.routers):
             c = self.loads[i]
             if c is None:
                 continue
-            c = c.float()
             r.e_score_correction_bias.add_(self.rate * torch.sign(c.mean() - c))
-            worst = max(worst, float(c.max() / c.mean().clamp_min(1e-9)))
+            ratio = c.max() / c.mean().clamp_min(1e-9)
+            worst = ratio if worst is None else torch.maximum(worst, ratio)
             self.loads[i] = None
         return worst
