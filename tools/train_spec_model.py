@@ -72,6 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--experts-impl", default="dense",
                    help="transformers experts implementation: dense (every expert, no host sync), eager, grouped_mm")
     g = p.add_argument_group("data")
+    g.add_argument("--data-root", help="folder of .py files to train on (default: this Python's stdlib)")
     g.add_argument("--heldout-permille", type=int, default=D.DEFAULT_HELDOUT_PERMILLE)
     g.add_argument("--max-files", type=int, help="use only the first N train files (default all; --tiny 12)")
     g = p.add_argument_group("evaluation and output")
@@ -249,7 +250,8 @@ def run(argv=None) -> tuple[dict, SM.SpecModel, D.Corpus]:
                                                 "num_experts_per_tok", "moe_intermediate_size",
                                                 "num_attention_heads")}
     cfg = SM.model_config(args.tiny, **overrides)
-    corpus = D.build_corpus(args.seq_len, heldout_permille=args.heldout_permille, max_files=args.max_files,
+    corpus = D.build_corpus(args.seq_len, root=args.data_root, heldout_permille=args.heldout_permille,
+                            max_files=args.max_files,
                             bos_id=int(cfg.get("bos_token_id", 0)))
     log(f"corpus {json.dumps(corpus.summary())}")
     model = SM.SpecModel(cfg, args.seed, args.experts_impl).to(device)
@@ -286,7 +288,10 @@ def run(argv=None) -> tuple[dict, SM.SpecModel, D.Corpus]:
 
     check = None
     if not args.no_engine_check:
-        check = engine_check(out, model, held[0], device)
+        try:
+            check = engine_check(out, model, held[0], device)
+        except Exception as e:  # the checkpoint is written: report the failure instead of losing the run
+            check = {"error": f"{type(e).__name__}: {e}"}
         log(f"engine check: {json.dumps(check)}")
     prompts = D.heldout_prompts(corpus.heldout_docs, corpus.heldout_files, args.num_prompts, args.prompt_len)
     with open(out / PROMPTS, "w", encoding="utf-8") as f:

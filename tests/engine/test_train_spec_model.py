@@ -77,6 +77,14 @@ def test_listing_skips_third_party_folders_and_pack_drops_the_tail(tmp_path):
         D.pack([[0, 1]], 3)
 
 
+def test_heldout_prompts_take_openings_first_then_later_windows():
+    docs = [list(range(100, 110)), list(range(200, 230)), list(range(300, 305))]
+    got = D.heldout_prompts(docs, ["a", "b", "c"], 5, 3)
+    assert [(p["file"], p["offset"]) for p in got] == [("a", 0), ("b", 0), ("b", 6), ("b", 12), ("b", 18)]
+    assert got[2]["prompt_token_ids"] == [206, 207, 208]
+    assert len(D.heldout_prompts(docs, ["a", "b", "c"], 50, 3)) == 6  # c is too short for any prompt
+
+
 def test_targets_shift_and_mask():
     rows = torch.arange(10).view(1, 10) + 100
     ids, nxt, y, ys = SM.targets(rows, 3)
@@ -132,7 +140,11 @@ def test_run_writes_checkpoint_report_and_prompts(trained):
     assert saved["format"] == "fp32" and saved["steps_done"] == 6 and saved["stopped_by"] == "steps"
     assert saved["corpus"]["digest"] == corpus.digest and len(saved["curve"]) == 6
     prompts = [json.loads(x) for x in (out / T.PROMPTS).read_text().splitlines()]
-    assert prompts and all(p["file"] in corpus.heldout_files and p["prompt_token_ids"][0] == 0 for p in prompts)
+    docs = dict(zip(corpus.heldout_files, corpus.heldout_docs))
+    assert len(prompts) == report["args"]["num_prompts"]
+    for p in prompts:
+        ids = docs[p["file"]][p["offset"]:p["offset"] + len(p["prompt_token_ids"])]
+        assert ids == p["prompt_token_ids"] and (p["offset"] > 0 or ids[0] == 0)
 
 
 def test_loss_decreases(trained):

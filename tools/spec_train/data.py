@@ -130,12 +130,16 @@ def build_corpus(seq_len: int, *, root: str | Path | None = None, heldout_permil
 
 
 def heldout_prompts(docs: list[list[int]], files: list[str], num: int, prompt_len: int) -> list[dict]:
-    """Up to ``num`` prompts from the held-out files: the first ``prompt_len`` tokens of each file (its BOS
-    included) of at least ``2 * prompt_len`` tokens, in file order: ``{"file", "prompt_token_ids"}``."""
+    """Up to ``num`` prompts of ``prompt_len`` tokens from the held-out files, each followed by at least
+    ``prompt_len`` more tokens of its file: first every file's opening (its BOS included), in file order, then
+    windows starting ``2 * prompt_len``, ``4 * prompt_len``, ... tokens in, until ``num`` are found:
+    ``{"file", "offset", "prompt_token_ids"}``."""
     out = []
-    for f, d in zip(files, docs):
-        if len(d) >= 2 * prompt_len:
-            out.append({"file": f, "prompt_token_ids": d[:prompt_len]})
-        if len(out) == num:
-            break
+    for k in range(max((len(d) for d in docs), default=0) // (2 * prompt_len) + 1):
+        start = 2 * prompt_len * k
+        for f, d in zip(files, docs):
+            if len(d) >= start + 2 * prompt_len:
+                out.append({"file": f, "offset": start, "prompt_token_ids": d[start:start + prompt_len]})
+                if len(out) == num:
+                    return out
     return out
