@@ -94,6 +94,12 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{k.replace('_', '-')} must be >= 1, got {getattr(args, k)}")
     if args.mtp_depth < 1:
         p.error(f"--mtp-depth must be >= 1, got {args.mtp_depth}")
+    for k in ("lr", "minutes"):
+        if not getattr(args, k) > 0:
+            p.error(f"--{k} must be > 0, got {getattr(args, k)}")
+    for k in ("warmup", "mtp_weight", "weight_decay", "balance_rate"):
+        if not getattr(args, k) >= 0:
+            p.error(f"--{k.replace('_', '-')} must be >= 0, got {getattr(args, k)}")
     return args
 
 
@@ -272,6 +278,7 @@ def run(argv=None) -> tuple[dict, SM.SpecModel, D.Corpus]:
     candidates = [c for c in candidates if c != "fp32" or args.quant == "fp32"]
     per_format = {}
     for fmt in candidates:
+        shutil.rmtree(out / f".candidate-{fmt}", ignore_errors=True)  # left by an interrupted run
         d = write_format(out / f".candidate-{fmt}", cfg, native, fmt)
         SM.load_native(model, read_back(d))
         per_format[fmt] = SM.evaluate(model, held, args.mtp_depth, args.batch_size, device, amp)

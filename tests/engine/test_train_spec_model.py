@@ -260,5 +260,6 @@ def test_format_choice_and_schedule():
     lrs = [T.lr_at(s, args) for s in range(100)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0) and lrs[10] == pytest.approx(1.0)
     assert lrs[99] == pytest.approx(0.1, abs=1e-3) and all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
-    with pytest.raises(SystemExit):
-        T.parse_args(["--out", "x", "--mtp-depth", "0"])
+    for bad in (["--mtp-depth", "0"], ["--lr", "0"], ["--warmup", "-1"], ["--steps", "0"]):
+        with pytest.raises(SystemExit):
+            T.parse_args(["--out", "x", *bad])
