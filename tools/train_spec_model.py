@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     g.add_argument("--grad-clip", type=float, default=1.0)
     g.add_argument("--mtp-depth", type=int, help="chained MTP draft steps trained per position (default 3)")
     g.add_argument("--mtp-weight", type=float, default=0.5, help="loss = LM + w * mean MTP step loss")
-    g.add_argument("--balance-rate", type=float, default=1e-3, help="aux-loss-free router bias step")
+    g.add_argument("--balance-rate", type=float, default=1e-2, help="aux-loss-free router bias step (default 1e-2)")
     g.add_argument("--experts-impl", default="dense",
                    help="transformers experts implementation: dense (every expert, no host sync), eager, grouped_mm")
     g = p.add_argument_group("data")
