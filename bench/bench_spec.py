@@ -34,13 +34,28 @@ sys.path.insert(0, str(ROOT))
 
 def make_prompts(llm, args) -> list[list[int]]:
     """``args.batch_max`` prompts: the lines of ``args.prompts`` (cut to ``args.prompt_len`` tokens, cycled), else
-    random ids."""
+    random ids. A ``.jsonl`` file holds one object per line with ``prompt_token_ids`` (the training script's
+    ``heldout_prompts.jsonl``); any other file, one text prompt per line."""
     n = args.batch_max
     if args.prompts:
         lines = [ln for ln in Path(args.prompts).read_text().splitlines() if ln.strip()]
         if not lines:
             raise ValueError(f"--prompts: {args.prompts} has no non-empty line")
-        ids = [llm.encode(ln)[:args.prompt_len] or [1] for ln in lines]
+        if str(args.prompts).endswith(".jsonl"):
+            ids = []
+            for i, ln in enumerate(lines, 1):
+                try:
+                    obj = json.loads(ln)
+                except ValueError:
+                    obj = None
+                toks = obj.get("prompt_token_ids") if isinstance(obj, dict) else None
+                if not (isinstance(toks, list) and toks and all(isinstance(t, int) and not isinstance(t, bool)
+                                                                and 0 <= t < llm.vocab_size for t in toks)):
+                    raise ValueError(f"--prompts: line {i} of {args.prompts} has no prompt_token_ids list of token "
+                                     f"ids in [0, {llm.vocab_size})")
+                ids.append(toks[:args.prompt_len])
+        else:
+            ids = [llm.encode(ln)[:args.prompt_len] or [1] for ln in lines]
         return [ids[i % len(ids)] for i in range(n)]
     rng = random.Random(0)
     return [[rng.randrange(3, llm.vocab_size) for _ in range(args.prompt_len)] for _ in range(n)]
@@ -117,7 +132,7 @@ def sweep(model, args) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset (default: tiny)")
-    p.add_argument("--prompts", default=None, help="text file, one prompt per line (default: random token ids)")
+    p.add_argument("--prompts", default=None, help="text file, one prompt per line, or .jsonl with prompt_token_ids (default: random token ids)")
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--ks", default="1,2,3,4,5")
     p.add_argument("--no-scheduled", action="store_true", help="skip the confidence-scheduled rows")

@@ -29,3 +29,21 @@ def test_bench_spec_rows(tmp_path, monkeypatch):
         assert len(r["acceptance_per_position"]) == 2 and r["speedup"] > 0
     with pytest.raises(SystemExit, match="--model"):
         mod.main(["--model", str(tmp_path / "missing")])
+
+
+def test_bench_spec_reads_token_id_prompts(tmp_path, monkeypatch):
+    """The training script's heldout_prompts.jsonl (``prompt_token_ids``) feeds the bench; a bad line is named."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    mod = importlib.import_module("bench.bench_spec")
+    args = mod.argparse.Namespace(batch_max=3, prompts=str(tmp_path / "p.jsonl"), prompt_len=4)
+
+    class Tok:
+        vocab_size = 100
+
+    (tmp_path / "p.jsonl").write_text('{"file": "a.py", "prompt_token_ids": [5, 6, 7, 8, 9]}\n\n'
+                                      '{"prompt_token_ids": [1, 2]}\n')
+    assert mod.make_prompts(Tok(), args) == [[5, 6, 7, 8], [1, 2], [5, 6, 7, 8]]
+    for bad in ('{"prompt_token_ids": [1, 200]}', '{"prompt_token_ids": []}', '[1, 2]', '{"x": 1}', '{bad'):
+        (tmp_path / "p.jsonl").write_text('{"prompt_token_ids": [3]}\n' + bad + "\n")
+        with pytest.raises(ValueError, match="line 2 of .*prompt_token_ids"):
+            mod.make_prompts(Tok(), args)
