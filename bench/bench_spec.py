@@ -132,7 +132,8 @@ def sweep(model, args) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="tiny", help="checkpoint directory or preset (default: tiny)")
-    p.add_argument("--prompts", default=None, help="text file, one prompt per line, or .jsonl with prompt_token_ids (default: random token ids)")
+    p.add_argument("--prompts", default=None,
+                   help="text file, one prompt per line, or .jsonl with prompt_token_ids (default: random token ids)")
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--ks", default="1,2,3,4,5")
     p.add_argument("--no-scheduled", action="store_true", help="skip the confidence-scheduled rows")
