@@ -371,6 +371,13 @@ def _non_negative_int(text: str) -> int:
     return v
 
 
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in [0, 65535], got {v}")
+    return v
+
+
 def _positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
@@ -552,7 +559,7 @@ def _add_serve(sub, fmt) -> None:
                        "completions, messages, responses; /health, /metrics)")
     add_engine_options(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    s.add_argument("--port", type=_non_negative_int, default=8000, help="TCP port")
+    s.add_argument("--port", type=_port, default=8000, help="TCP port")
     s.add_argument("--api-key", default=None,
                    help="require this key as 'Authorization: Bearer KEY' or 'x-api-key: KEY' on /v1/*")
     s.add_argument("--max-waiting", type=_non_negative_int, default=256,

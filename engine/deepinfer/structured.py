@@ -111,12 +111,23 @@ class StructuredOutputsParams:
         kind = self.kind()
         v = getattr(self, kind)
         if kind in ("json", "structural_tag"):
-            return kind, json.dumps(json.loads(v) if isinstance(v, str) else v, sort_keys=True)
+            return kind, json.dumps(_canonical(json.loads(v) if isinstance(v, str) else v))
         if kind == "json_object":
             return kind, ""
         if kind == "choice":
             return kind, json.dumps(list(v))
         return kind, v
+
+
+def _canonical(v, keep_order: bool = False):
+    """``v`` with every object's keys sorted, except the members of ``properties``: their declared order is the
+    order the generated JSON writes them in (a schema may put ``reasoning`` before ``answer`` on purpose)."""
+    if isinstance(v, dict):
+        items = v.items() if keep_order else sorted(v.items())
+        return {k: _canonical(x, k == "properties" and not keep_order) for k, x in items}
+    if isinstance(v, list):
+        return [_canonical(x) for x in v]
+    return v
 
 
 class GrammarError(ValueError):

@@ -242,3 +242,11 @@ def test_interrupted_run_keeps_finished_results(tmp_path):
     assert len(recs) == 4 and recs[0]["object"] == "chat.completion"
     assert recs[1]["error"]["code"] == "interrupted" and recs[3]["error"]["code"] == "interrupted"
     assert recs[2]["line"] == 3 and recs[2]["error"]["code"] != "interrupted"
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "x"])
+def test_serve_refuses_a_port_out_of_range_before_loading(port, capsys):
+    """Found by a newcomer: --port 99999 loaded the model, then died in bind() with a traceback."""
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["serve", "--port", port])
+    assert e.value.code == 2 and "--port" in capsys.readouterr().err

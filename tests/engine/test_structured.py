@@ -414,3 +414,19 @@ def test_draft_mask_argument_errors(spec_grammars):
         RequestMatcher(spec_grammars["regex"], max_rollback_tokens=-1)
     m = RequestMatcher(spec_grammars["regex"])  # no rollback: no drafts, row 0 only
     assert m.fill_draft_masks(bits, [2], []) == 0 and bits[2].any()
+
+
+def test_json_keeps_the_schemas_property_order(llm):
+    """Properties come out in their declared order (found by a newcomer: the canonical key sorted them)."""
+    import json
+
+    def schema(names):
+        return {"type": "object", "properties": {n: {"type": "boolean"} for n in names}, "required": list(names),
+                "additionalProperties": False}
+
+    assert S(json=schema("ba")).cache_key() != S(json=schema("ab")).cache_key()
+    assert S(json=schema("ba")).cache_key() == S(json=dict(reversed(list(schema("ba").items())))).cache_key()
+    for names in ("ba", "zay"):
+        out = llm.generate(["Answer:"], SamplingParams(temperature=0, max_tokens=40,
+                                                        structured_outputs=S(json=schema(names))))[0]
+        assert list(json.loads(out.text)) == list(names), out.text
