@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 
@@ -98,6 +98,4 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
     def as_dict(self) -> dict:
-        return {"queries": self.queries, "hits": self.hits, "replayed": self.replayed, "evictions": self.evictions,
-                "host_stores": self.host_stores, "host_loads": self.host_loads,
-                "host_evictions": self.host_evictions, "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate}
