@@ -75,6 +75,7 @@ class RequestResult:
     ttft_ms: float | None = None
     tpot_ms: float | None = None
     e2el_ms: float | None = None
+    connect_retries: int = 0  # connection errors before the request reached the server (each retried)
     itl_ms: list[float] = field(default_factory=list)
 
 
@@ -126,19 +127,35 @@ def jsonl_requests(path: str, n: int, output_len: int, seed: int) -> list[BenchR
 
 
 # ---------------------------------------------------------------------------- one request, one point
-async def send(client, model: str, req: BenchRequest, t0: float) -> RequestResult:
-    """Stream one request with the official ``openai`` client and time its chunks."""
+async def _open_stream(client, model: str, req: BenchRequest, res: RequestResult, connect_retries: int):
+    """The request's stream; a connection error before any response (a full listen backlog when hundreds of
+    clients connect at once) is retried up to ``connect_retries`` times and counted in ``res``."""
+    import openai
+
+    kw = dict(model=model, stream=True, stream_options={"include_usage": True})
+    while True:
+        try:
+            if req.api == "completions":
+                body = dict(req.body)
+                extra = {k: body.pop(k) for k in ("ignore_eos",) if k in body}
+                return await client.completions.create(**kw, **body, extra_body=extra or None)
+            return await client.chat.completions.create(**kw, **req.body)
+        except openai.APITimeoutError:
+            raise
+        except openai.APIConnectionError:
+            if res.connect_retries >= connect_retries:
+                raise
+            res.connect_retries += 1
+            await asyncio.sleep(0.05 * res.connect_retries)
+
+
+async def send(client, model: str, req: BenchRequest, t0: float, connect_retries: int = 0) -> RequestResult:
+    """Stream one request with the official ``openai`` client and time its chunks (from the first try)."""
     res = RequestResult(start_s=time.perf_counter() - t0)
     start = time.perf_counter()
     last = None
     try:
-        kw = dict(model=model, stream=True, stream_options={"include_usage": True})
-        if req.api == "completions":
-            body = dict(req.body)
-            extra = {k: body.pop(k) for k in ("ignore_eos",) if k in body}
-            stream = await client.completions.create(**kw, **body, extra_body=extra or None)
-        else:
-            stream = await client.chat.completions.create(**kw, **req.body)
+        stream = await _open_stream(client, model, req, res, connect_retries)
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.usage is not None:
@@ -163,12 +180,13 @@ async def send(client, model: str, req: BenchRequest, t0: float) -> RequestResul
         if not res.ok:
             res.error = "the stream carried no usage (no output tokens counted)"
     except Exception as e:  # noqa: BLE001 - one failed request is a counted failure, never the run's end
-        res.error = f"{type(e).__name__}: {e}"[:500]
+        cause = e.__cause__ or e.__context__
+        res.error = (f"{type(e).__name__}: {e}" + (f" ({type(cause).__name__}: {cause})" if cause else ""))[:500]
     return res
 
 
 async def run_point(client, model: str, requests: list[BenchRequest], rate: float, max_concurrency: int | None,
-                    burstiness: float, seed: int) -> tuple[list[RequestResult], float]:
+                    burstiness: float, seed: int, connect_retries: int = 0) -> tuple[list[RequestResult], float]:
     """Send ``requests`` at ``rate`` requests/s (inf: at once), at most ``max_concurrency`` open; returns the
     results (in send order) and the wall time of the point in seconds."""
     rng = random.Random(seed)
@@ -176,9 +194,9 @@ async def run_point(client, model: str, requests: list[BenchRequest], rate: floa
 
     async def one(req):
         if sem is None:
-            return await send(client, model, req, t0)
+            return await send(client, model, req, t0, connect_retries)
         async with sem:
-            return await send(client, model, req, t0)
+            return await send(client, model, req, t0, connect_retries)
 
     t0 = time.perf_counter()
     tasks = []
@@ -207,7 +225,8 @@ def summarize(results: list[RequestResult], duration_s: float, goodput: dict[str
     ok = [r for r in results if r.ok]
     out = {"completed": len(ok), "failed": len(results) - len(ok), "duration_s": round(duration_s, 4),
            "total_input_tokens": sum(r.prompt_tokens for r in ok),
-           "total_output_tokens": sum(r.output_tokens for r in ok)}
+           "total_output_tokens": sum(r.output_tokens for r in ok),
+           "connect_retries": sum(r.connect_retries for r in results)}
     d = max(duration_s, 1e-9)
     out["request_throughput"] = round(len(ok) / d, 4)
     out["input_throughput"] = round(out["total_input_tokens"] / d, 3)
@@ -358,7 +377,8 @@ async def bench(url: str, api_key: str, model: str | None, requests: list[BenchR
         rows, per_request = [], []
         for k, (rate, conc) in enumerate(points):
             reqs = requests[:num_prompts(args, rate, conc)]
-            results, duration = await run_point(client, model, reqs, rate, conc, args.burstiness, args.seed + k)
+            results, duration = await run_point(client, model, reqs, rate, conc, args.burstiness, args.seed + k,
+                                                args.connect_retries)
             stats = summarize(results, duration, goodput)
             shape = {"request_rate": "inf" if math.isinf(rate) else rate, "max_concurrency": conc,
                      "num_prompts": len(reqs), "dataset": args.dataset,
@@ -405,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--goodput", nargs="*", default=None, metavar="METRIC:MS",
                    help="SLOs of goodput, e.g. ttft:2000 tpot:50 (metrics ttft, tpot, e2el)")
     p.add_argument("--request-timeout", type=float, default=3600.0, help="client timeout per request (s)")
+    p.add_argument("--connect-retries", type=int, default=2,
+                   help="retries of a connection error before any response (counted per point as connect_retries)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--smoke", action="store_true", help="CPU smoke run: the tiny preset, 6 short requests, "
                    "concurrency 1 and 3")

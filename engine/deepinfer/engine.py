@@ -163,7 +163,7 @@ class LLMEngine:
         sched = self.scheduler
         touched: list[Sequence] = self._admit_compiled()
         overlap = self.config.async_scheduling and not self.config.num_drafts  # speculation runs steps in order
-        if self._in_flight is not None and (not overlap or sched.num_running_in_order):
+        if self._in_flight is not None and not overlap:
             touched += self._apply(self._in_flight)
             self._in_flight = None
         t = time.perf_counter()

@@ -85,6 +85,13 @@ class RequestState:
                                           data.output_token_ids)
         self._counts: tuple[int, dict[int, int]] = (self.num_prompt_tokens, {})
 
+    @property
+    def needs_history(self) -> bool:
+        """Whether this request's draw needs every earlier token on the host: a grammar's mask, frequency /
+        presence penalties."""
+        p = self.params
+        return self.matcher is not None or bool(p.frequency_penalty or p.presence_penalty)
+
     def output_token_counts(self) -> dict[int, int]:
         """``{token_id: occurrences}`` over the output tokens (updated incrementally: O(new tokens) per call)."""
         done, counts = self._counts
@@ -262,16 +269,18 @@ class ModelRunner:
         """Device bytes the decode graphs of every bucket will hold, measured before the cache is sized: every
         bucket is captured over a 2-block cache (as :meth:`capture` does: largest first, one pool), then freed.
         The free device memory before and after the capture gives the figure (torch's pool and the driver's
-        graph memory). Capturing the largest and smallest bucket alone underestimated it (1.89 vs 2.30 GB on the
+        graph memory), at least the growth of torch's reserved memory. Capturing the largest and smallest bucket alone underestimated it (1.89 vs 2.30 GB on the
         H200 at 35 buckets: the pool does not reuse every block across bucket sizes)."""
         import gc
 
         torch.cuda.synchronize(device)
         cache = allocate_cache(model, 2, block_size, **cache_options)
         runner = cls(model, cache, device, batch_invariant=batch_invariant)
-        free1 = torch.cuda.mem_get_info(device)[0]
+        free1, reserved1 = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
         runner.capture(graph_buckets(max_num_seqs), max_model_len)
-        total = max(0, free1 - torch.cuda.mem_get_info(device)[0])
+        # the larger of the driver's and torch's figure: the driver's free memory missed the pool's growth in a
+        # long-lived process on the H200 (0 against 54 MiB reserved)
+        total = max(0, free1 - torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device) - reserved1)
         del runner, cache
         gc.collect()
         torch.cuda.empty_cache()  # what stays (the model's tables, cuBLAS workspaces) is out of the free memory
@@ -481,6 +490,8 @@ class ModelRunner:
         states_l = [st for st, k in zip(states, sampled) if k]
         if states_l:
             counters = (starts + q - prompt)[sampled]  # the index of the output token each row draws
+            if prev is not None and any(st.needs_history and st.req_id in prev.seq_rows for st in states_l):
+                prev.result()  # their masks / penalties need prev's tokens: wait for them behind this forward
             # the grammar rows' bitmask is filled on the host while the device runs the forward
             masks = self._grammar_masks(states_l, logits.shape[1])
             if graph is not None and graph.greedy is not None and masks is None and Sampler.plain_greedy(states_l):

@@ -133,7 +133,6 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.num_generated_tokens = 0  # output tokens appended so far (progress without a recount)
-        self.num_running_in_order = 0  # running requests with frequency / presence penalties
         self._live: dict[int, Sequence] = {}  # queued or running, by request id
         self._steps: dict[int, list[Sequence]] = {}  # step_id -> its sampled requests, until postprocess
         self._finished_ids: list[int] = []
@@ -308,7 +307,6 @@ class Scheduler:
                     self._count_prefix(seq)
                 seq.status = SequenceStatus.RUNNING
                 self.running.append(seq)
-                self.num_running_in_order += _in_order(seq)
                 new_requests.append(NewRequestData(seq.seq_id, tuple(seq.prompt_token_ids),
                                                    tuple(seq.output_token_ids), seq.params, seq.seed,
                                                    seq.grammar, seq.prefix_shared_tokens, seq.window_floor))
@@ -374,7 +372,6 @@ class Scheduler:
 
     def _leave_running(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.num_running_in_order -= _in_order(seq)
 
     # ---------------------------------------------------------------- after the model ran
     def postprocess(self, output: SchedulerOutput, token_ids: list[int], logprobs: list[float],
@@ -520,10 +517,3 @@ def speculates(params: SamplingParams) -> bool:
     """Whether a request's decode steps verify drafts when speculation is on: not with penalties or a logit bias
     (they change with every token of a block) nor with ``structured_outputs`` (its mask needs each token first)."""
     return not params.adjusts_logits and params.structured_outputs is None
-
-
-def _in_order(seq: Sequence) -> int:
-    """1 when ``seq``'s steps must run in order (frequency / presence penalties and a grammar's mask need every
-    drawn token)."""
-    p = seq.params
-    return int(bool(p.frequency_penalty or p.presence_penalty or p.structured_outputs is not None))

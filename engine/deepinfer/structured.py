@@ -333,8 +333,9 @@ class RequestMatcher:
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into ``bitmask[row]`` (``[rows, ceil(V / 32)]`` int32, bit ``t % 32`` of
-        word ``t // 32`` set when token ``t`` is allowed); an inactive matcher allows every token."""
-        if not self.active or self.failed:
+        word ``t // 32`` set when token ``t`` is allowed); an inactive matcher allows every token, and so does one
+        that took its stop token (its request ends with that token; the step in flight behind it is dropped)."""
+        if not self.active or self.failed or self.matcher.is_terminated():
             bitmask[row] = -1
         else:
             self.matcher.fill_next_token_bitmask(bitmask, row)

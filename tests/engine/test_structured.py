@@ -430,3 +430,38 @@ def test_json_keeps_the_schemas_property_order(llm):
         out = llm.generate(["Answer:"], SamplingParams(temperature=0, max_tokens=40,
                                                         structured_outputs=S(json=schema(names))))[0]
         assert list(json.loads(out.text)) == list(names), out.text
+
+
+def test_constrained_and_penalised_steps_overlap_and_match_in_order_runs(monkeypatch):
+    """Async scheduling keeps overlapping with grammar and penalty rows: the next step's forward is enqueued
+    before the step in flight is applied (its tokens reach the matchers behind that forward), and the outputs
+    equal an in-order run's, seeded sampling included."""
+    from deepinfer.llm import LLM
+    from deepinfer.model_runner import ModelRunner
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"enum": ["x", "yy"]}},
+              "required": ["a", "b"]}
+    params = [SamplingParams(temperature=0, max_tokens=24, structured_outputs=S(json=schema)),
+              SamplingParams(temperature=0.9, seed=4, max_tokens=12, structured_outputs=S(regex="(ab|c)+d")),
+              SamplingParams(temperature=0.8, seed=5, max_tokens=10, frequency_penalty=1.5, presence_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=9, structured_outputs=S(choice=("yes", "no"))),
+              SamplingParams(temperature=0, max_tokens=7)]
+    prompts = [[5, 6, 7 + i] for i in range(len(params))]
+    forced = []
+    real_execute = ModelRunner.execute
+
+    def execute(self, output, prev=None):
+        pending = prev is not None and prev._result is None
+        out = real_execute(self, output, prev)
+        forced.append(pending and prev._result is not None)  # execute fetched prev's tokens itself
+        return out
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    runs = {}
+    for async_ in (False, True):
+        forced.clear()
+        llm = LLM("tiny", async_scheduling=async_, max_num_seqs=8)
+        runs[async_] = [(g.token_ids, g.finish_reason, g.error) for g in llm.generate(prompts, params)]
+        assert any(forced) == async_
+    assert runs[True] == runs[False]
+    assert all(err is None for _, _, err in runs[True])

@@ -87,6 +87,47 @@ def test_failed_requests_are_counted_not_fatal(bench, start_server, tmp_path):
     server.wait_idle()
 
 
+class _FlakyCompletions:
+    """``completions.create`` that fails to connect ``fails`` times, then streams one chunk with usage."""
+
+    def __init__(self, fails: int, exc):
+        self.fails, self.exc, self.calls = fails, exc, 0
+
+    async def create(self, **kw):
+        self.calls += 1
+        if self.calls <= self.fails:
+            raise self.exc(request=None)
+
+        async def stream():
+            usage = type("U", (), {"prompt_tokens": 2, "completion_tokens": 1})()
+            yield type("C", (), {"usage": usage, "choices": [type("Ch", (), {"text": "x"})()]})()
+
+        return stream()
+
+
+@pytest.mark.parametrize("fails,retries,ok", [(0, 2, True), (2, 2, True), (3, 2, False), (1, 0, False)])
+def test_connection_errors_before_a_response_are_retried_and_counted(bench, fails, retries, ok):
+    import asyncio
+
+    client = type("Client", (), {})()
+    client.completions = _FlakyCompletions(fails, openai.APIConnectionError)
+    req = bench.BenchRequest("completions", {"prompt": [5, 6], "max_tokens": 1}, 2, 1)
+    res = asyncio.run(bench.send(client, "m", req, 0.0, connect_retries=retries))
+    assert res.ok is ok and res.connect_retries == min(fails, retries)
+    if not ok:
+        assert res.error.startswith("APIConnectionError")
+    assert bench.summarize([res], 1.0, {})["connect_retries"] == res.connect_retries
+
+
+def test_timeouts_are_never_retried(bench):
+    import asyncio
+
+    client = type("Client", (), {})()
+    client.completions = _FlakyCompletions(1, openai.APITimeoutError)
+    res = asyncio.run(bench.send(client, "m", bench.BenchRequest("completions", {"prompt": [5], "max_tokens": 1}, 1, 1), 0.0, 2))
+    assert not res.ok and res.connect_retries == 0 and client.completions.calls == 1
+
+
 def test_summary_arithmetic(bench):
     R = bench.RequestResult
     rs = [R(ok=True, prompt_tokens=10, output_tokens=5, ttft_ms=t, tpot_ms=2 * t, e2el_ms=10 * t, itl_ms=[t, t])
