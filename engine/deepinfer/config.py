@@ -50,7 +50,8 @@ class EngineConfig:
             in the model dtype). A model that cannot store the choice refuses it naming ``kv_cache_dtype``.
         async_scheduling: schedule and enqueue step N + 1 while the device runs step N; the sampled ids stay on the
             device and feed the next step, stops and finishes are applied one step late (the extra token of a
-            finished request is dropped). Steps of requests with frequency / presence penalties run in order.
+            finished request is dropped). Rows whose draw needs the token before (penalties, a grammar) wait
+            for it behind the next forward (``docs/engine.md``, Overlap).
         enable_prefix_caching: share the cache blocks of common prompt prefixes between requests and keep freed
             blocks' content in an LRU until the memory is needed (``docs/prefix-cache.md``); a hit counts as computed
             tokens and is reported as cached prompt tokens.

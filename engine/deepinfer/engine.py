@@ -53,14 +53,13 @@ class LLMEngine:
     ``step()`` runs one iteration: with asynchronous scheduling (``config.async_scheduling``) it schedules and
     enqueues the next step, then applies the one in flight; otherwise it schedules, runs and applies one step. It
     returns the sequences that gained a token or finished in the applied step, and appends a :class:`StepRecord` to
-    ``records``. Requests with frequency / presence penalties make it run in order (they need every drawn token on
-    the host). The scheduler hands the runner a :class:`SchedulerOutput` (plain data) per step; a failed request's
+    ``records``. Speculative steps run in order. The scheduler hands the runner a :class:`SchedulerOutput` (plain data) per step; a failed request's
     ``Sequence.error`` is its error record (:func:`error_record` of the scheduler's ``Sequence.failure``).
 
     A request with ``structured_outputs`` is compiled by ``grammars`` (a ``structured.GrammarCompiler``, off the
     step loop) before it reaches the scheduler; a constraint that fails to compile, or compiles for longer than
-    ``grammars.timeout_s``, ends that request alone with an ``invalid_request`` record naming the field. Constrained
-    requests run in order (their mask needs the previous token on the host).
+    ``grammars.timeout_s``, ends that request alone with an ``invalid_request`` record naming the field. Their masks
+    are filled behind the next forward (``docs/engine.md``, Overlap).
     """
 
     def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, grammars=None) -> None:
