@@ -19,7 +19,8 @@ Scenarios, each on a fresh engine (empty cache), the model loaded once:
 * memory: bytes per cached token per cache kind (the ``full`` group's pools: what a hit reuses) and per window
   snapshot (one per kept boundary), the cache held after the shared-prefix run per cached token, and the peak blocks
   one request holds with caching on and off.
-* host tier: copy bandwidth of the host-memory tier (``--host-blocks`` blocks out to pinned host memory and back).
+* host tier: copy bandwidth of the host-memory tier (``--host-blocks`` blocks out to pinned host memory and back),
+  to consecutive slots and to scattered ones; ``--only host_tier`` runs these rows alone.
 Writes bench/results/<gpu>/bench_prefix_cache.json (``bench/timer.py`` ``write_results``) after each scenario; a run
 cut short keeps its finished rows, each marked ``partial_run``.
 """
@@ -166,20 +167,26 @@ def memory(model, args, held, vocab: int) -> dict:
     return row
 
 
-def host_tier(args, held) -> dict:
+def host_tier(args, held, scattered: bool = False) -> dict:
     """Copy bandwidth of the host-memory tier: ``--host-blocks`` full-group blocks copied out to host slots, then
-    back into the same blocks (their content is unchanged), timed with the device synchronised around each."""
+    back into the same blocks (their content is unchanged), timed with the device synchronised around each. Slot
+    ``b`` for block ``b`` (one run of consecutive slots: a fresh tier), or with ``scattered`` every other slot of a
+    tier twice as large, in a random order (after LRU churn; one host copy per block and tensor)."""
     from deepinfer.block_manager import FULL_GROUP
     from deepinfer.host_cache import HostCacheTier, SwapOp
 
     cache = held.cache
     n = min(args.host_blocks, cache.num_blocks)
-    tier = HostCacheTier({FULL_GROUP: cache.group_tensors(FULL_GROUP)}, {FULL_GROUP: n})
+    slots = list(range(n))
+    if scattered:
+        slots = random.Random(0).sample(range(0, 2 * n, 2), n)
+    tier = HostCacheTier({FULL_GROUP: cache.group_tensors(FULL_GROUP)}, {FULL_GROUP: 2 * n if scattered else n})
     sync = torch.cuda.synchronize if tier.cuda else (lambda: None)
-    row = {"op": "host_tier", "shape": {"blocks": n, "block_bytes": tier.block_bytes(FULL_GROUP),
-                                        "tensors_per_block": len(tier.host[FULL_GROUP]), "pinned": tier.cuda}}
+    row = {"op": "host_tier_scattered" if scattered else "host_tier",
+           "shape": {"blocks": n, "block_bytes": tier.block_bytes(FULL_GROUP),
+                     "tensors_per_block": len(tier.host[FULL_GROUP]), "pinned": tier.cuda}}
     for kind in ("out", "in", "out", "in"):  # the first pair warms up
-        ops = [SwapOp(kind, FULL_GROUP, b, b) for b in range(n)]
+        ops = [SwapOp(kind, FULL_GROUP, b, s) for b, s in zip(range(n), slots)]
         sync()
         t0 = time.perf_counter()
         tier.apply(ops)
@@ -224,11 +231,20 @@ def run(args) -> list[dict]:
         out = [dict(r, shape=dict(r["shape"], **shape), **({"partial_run": True} if partial else {})) for r in rows]
         write_results("bench_prefix_cache", out, args.out_dir)
 
+    if args.only == "host_tier":  # the copy rows alone, over a small engine's cache
+        args.num_blocks = args.num_blocks or 2 * args.host_blocks
+        held = _llm(model, args, caching=True)
+        rows = [host_tier(args, held), host_tier(args, held, scattered=True)]
+        write_results("bench_prefix_cache_host_tier", [dict(r, shape=dict(
+            r["shape"], layers=model.config.num_hidden_layers, gemm=getattr(model, "gemm", None))) for r in rows],
+            args.out_dir)
+        return rows
     rows, held = shared_prefix(model, args, vocab, save)
     rows += multi_turn(model, args, vocab)
     save(rows)
     rows.append(memory(model, args, held, vocab))
     rows.append(host_tier(args, held))
+    rows.append(host_tier(args, held, scattered=True))
     save(rows, partial=False)
     return rows
 
@@ -253,6 +269,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--prefix-replay-tokens", type=int, default=None, help="default: the model's exact bound")
     p.add_argument("--host-blocks", type=int, default=64, help="blocks the host-tier bandwidth row copies")
+    p.add_argument("--only", choices=("host_tier",), default=None,
+                   help="host_tier: only the copy rows (bench_prefix_cache_host_tier.json)")
     p.add_argument("--out-dir", type=Path, default=None)
     args = p.parse_args(argv)
     if args.tiny:

@@ -156,10 +156,48 @@ class HostCacheTier:
             self._copy(ops, non_blocking=False)
 
     def _copy(self, ops, non_blocking: bool) -> None:
-        for op in ops:
-            for dev, host in zip(self.pools[op.group], self.host[op.group]):
-                if op.kind == "out":
-                    host[op.slot].copy_(dev[op.block], non_blocking=non_blocking)
+        for kind, group, blocks, slots in _runs(ops):
+            # one gather (or scatter) per pool tensor on the device and one host copy per run of consecutive slots,
+            # not one copy per tensor per block (62 tensors per block at V4-Flash's depth)
+            order = sorted(range(len(slots)), key=slots.__getitem__)
+            blocks = [blocks[i] for i in order]
+            slots = [slots[i] for i in order]
+            idx = torch.tensor(blocks, dtype=torch.long).to(self.pools[group][0].device, non_blocking=non_blocking)
+            spans = _spans(slots)
+            for dev, host in zip(self.pools[group], self.host[group]):
+                if kind == "out":
+                    staged = dev.index_select(0, idx)
+                    for j, s0, n in spans:
+                        host[s0:s0 + n].copy_(staged[j:j + n], non_blocking=non_blocking)
                 else:
-                    dev[op.block].copy_(host[op.slot], non_blocking=non_blocking)
-            self.bytes_copied += self.block_bytes(op.group)
+                    staged = torch.empty((len(blocks), *dev.shape[1:]), dtype=dev.dtype, device=dev.device)
+                    for j, s0, n in spans:
+                        staged[j:j + n].copy_(host[s0:s0 + n], non_blocking=non_blocking)
+                    dev.index_copy_(0, idx, staged)
+            self.bytes_copied += self.block_bytes(group) * len(blocks)
+
+
+def _runs(ops):
+    """``ops`` as maximal runs ``(kind, group, blocks, slots)`` of one kind and group in which no destination (a
+    slot for ``out``, a block for ``in``) repeats: a run's copies commute (sources and destinations sit in different
+    memories), so each run is copied at once and the runs, in order, give the ops' in-order result."""
+    runs, key, dests = [], None, set()
+    for op in ops:
+        dest = op.slot if op.kind == "out" else op.block
+        if (op.kind, op.group) != key or dest in dests:
+            runs.append((op.kind, op.group, [], []))
+            key, dests = (op.kind, op.group), set()
+        runs[-1][2].append(op.block)
+        runs[-1][3].append(op.slot)
+        dests.add(dest)
+    return runs
+
+
+def _spans(slots: list[int]) -> list[tuple[int, int, int]]:
+    """Sorted ``slots`` as runs of consecutive ids: ``[(index of the first, first slot, length)]``."""
+    spans, j = [], 0
+    for i in range(1, len(slots) + 1):
+        if i == len(slots) or slots[i] != slots[i - 1] + 1:
+            spans.append((j, slots[j], i - j))
+            j = i
+    return spans

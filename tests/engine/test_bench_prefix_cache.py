@@ -28,3 +28,16 @@ def test_tiny_smoke_run_writes_every_row(tmp_path):
     mem = rows["memory", None]
     assert mem["single_request_peak_blocks"]["on"] == mem["single_request_peak_blocks"]["off"]
     assert mem["full_bytes_per_cached_token"] > 0 and mem["window_snapshot_bytes"] > 0
+    for op in ("host_tier", "host_tier_scattered"):
+        assert rows[op, None]["out_GBps"] > 0 and rows[op, None]["in_GBps"] > 0
+
+
+def test_only_host_tier_writes_its_own_file(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench_prefix_cache_only", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(["--tiny", "--only", "host_tier", "--host-blocks", "8", "--out-dir", str(tmp_path)])
+    doc = json.loads((tmp_path / "bench_prefix_cache_host_tier.json").read_text())
+    assert [r["op"] for r in doc["rows"]] == ["host_tier", "host_tier_scattered"]
+    assert all(r["shape"]["blocks"] == 8 for r in doc["rows"])
+    assert not (tmp_path / "bench_prefix_cache.json").exists()

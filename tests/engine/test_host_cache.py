@@ -324,3 +324,36 @@ def test_a_host_tier_larger_than_the_host_memory_is_refused_before_allocating(mo
     with pytest.raises(ValueError, match="host_cache_gib=0.0625 is more than"):
         LLM(_model(), num_blocks=8, max_model_len=1024, host_cache_gib=0.0625)
     assert LLM(_model(), num_blocks=8, max_model_len=1024, host_cache_gib=0.01).startup["host_cache"]["bytes"] > 0
+
+
+def test_batched_runs_and_slot_spans():
+    from deepinfer.host_cache import _runs, _spans
+
+    ops = [SwapOp("out", FULL_GROUP, b, s) for b, s in ((4, 7), (2, 5), (9, 6))]
+    ops += [SwapOp("out", FULL_GROUP, 1, 5)]  # slot 5 again: a new run
+    ops += [SwapOp("in", FULL_GROUP, 3, 7), SwapOp("in", WINDOW_GROUP, 3, 0), SwapOp("in", WINDOW_GROUP, 3, 1)]
+    assert _runs(ops) == [("out", FULL_GROUP, [4, 2, 9], [7, 5, 6]), ("out", FULL_GROUP, [1], [5]),
+                          ("in", FULL_GROUP, [3], [7]), ("in", WINDOW_GROUP, [3], [0]),
+                          ("in", WINDOW_GROUP, [3], [1])]
+    assert _spans([5, 6, 7]) == [(0, 5, 3)]
+    assert _spans([0, 2, 3, 9]) == [(0, 0, 1), (1, 2, 2), (3, 9, 1)]
+
+
+def test_large_batches_of_scattered_slots_match_per_block_copies():
+    rng = random.Random(7)
+    pools = _pools(5, blocks=40)
+    tier = HostCacheTier(pools, {FULL_GROUP: 32, WINDOW_GROUP: 4})
+    slots = rng.sample(range(32), 24)
+    out = [SwapOp("out", FULL_GROUP, b, s) for b, s in zip(rng.sample(range(40), 24), slots)]
+    tier.apply(out)
+    for op in out:
+        assert all(torch.equal(h[op.slot], d[op.block]) for h, d in zip(tier.host[FULL_GROUP], pools[FULL_GROUP]))
+    for t in pools[FULL_GROUP]:
+        t.zero_()
+    back = [SwapOp("in", FULL_GROUP, b, s) for b, s in zip(rng.sample(range(40), 24), slots)]
+    tier.apply(back)
+    for op in back:
+        assert all(torch.equal(h[op.slot], d[op.block]) for h, d in zip(tier.host[FULL_GROUP], pools[FULL_GROUP]))
+    untouched = set(range(40)) - {op.block for op in back}
+    assert all(not t[sorted(untouched)].any() for t in pools[FULL_GROUP])
+    assert tier.bytes_copied == 48 * tier.block_bytes(FULL_GROUP)
