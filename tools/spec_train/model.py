@@ -234,7 +234,7 @@ def _logit_stats(h: torch.Tensor, w: torch.Tensor, y: torch.Tensor, chunk: int =
     """(summed CE, argmax ``[N]``) of ``h [N, D] @ w.T`` against ``y``, chunked."""
     loss, arg = 0.0, []
     for i in range(0, h.shape[0], chunk):
-        lg = F.linear(h[i:i + chunk], w).float()
+        lg = F.linear(h[i:i + chunk].to(w.dtype), w).float()  # h is bf16 under CUDA autocast, w float32
         loss += float(F.cross_entropy(lg, y[i:i + chunk], ignore_index=IGNORE, reduction="sum"))
         arg.append(lg.argmax(-1))
     return loss, torch.cat(arg)
