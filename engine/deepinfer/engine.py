@@ -53,7 +53,7 @@ class LLMEngine:
     ``step()`` runs one iteration: with asynchronous scheduling (``config.async_scheduling``) it schedules and
     enqueues the next step, then applies the one in flight; otherwise it schedules, runs and applies one step. It
     returns the sequences that gained a token or finished in the applied step, and appends a :class:`StepRecord` to
-    ``records``. Speculative steps run in order. The scheduler hands the runner a :class:`SchedulerOutput` (plain data) per step; a failed request's
+    ``records``. Speculative steps run in order (plain steps with speculation on overlap as usual). The scheduler hands the runner a :class:`SchedulerOutput` (plain data) per step; a failed request's
     ``Sequence.error`` is its error record (:func:`error_record` of the scheduler's ``Sequence.failure``).
 
     A request with ``structured_outputs`` is compiled by ``grammars`` (a ``structured.GrammarCompiler``, off the
@@ -161,12 +161,13 @@ class LLMEngine:
         """One iteration; returns the sequences touched by the step applied in it (empty when none was)."""
         sched = self.scheduler
         touched: list[Sequence] = self._admit_compiled()
-        overlap = self.config.async_scheduling and not self.config.num_drafts  # speculation runs steps in order
+        speculate = sched.speculates_next()
+        overlap = self.config.async_scheduling and not speculate  # a speculative step runs in order
         if self._in_flight is not None and not overlap:
             touched += self._apply(self._in_flight)
             self._in_flight = None
         t = time.perf_counter()
-        output = sched.schedule()
+        output = sched.schedule(speculate)
         host_s = time.perf_counter() - t
         prev = self._in_flight
         out = None

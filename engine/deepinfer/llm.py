@@ -393,7 +393,7 @@ class LLM:
             raise ValueError(f"EngineConfig.kv_cache_dtype: {type(self.model).__name__} has no cache spec to store "
                              f"{cfg.kv_cache_dtype!r} in; use 'auto'")
         self.graph_memory_estimate = 0
-        eager = cfg.enforce_eager or cfg.speculative_method is not None  # speculative steps run eagerly
+        eager = cfg.enforce_eager  # speculative steps run eagerly; plain steps with speculation on use the graphs
         if cfg.num_blocks is None:
             if spec is not None and ModelRunner.captures_graphs(self.model, self.device, eager,
                                                                 cfg.max_num_seqs, self.max_model_len):
@@ -427,16 +427,19 @@ class LLM:
         if cfg.speculative_method is not None:
             from deepinfer.spec_decode import SpecDecoder
 
-            cost = None
+            cost = plain = None
             if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
                 # profiled on CUDA; the CPU keeps default_step_cost
-                from deepinfer.spec_decode import profile_step_cost
+                from deepinfer.spec_decode import profile_plain_steps, profile_step_cost
 
                 sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_num_seqs] + [cfg.max_num_seqs]
                 cost = profile_step_cost(self.runner, sizes, cfg.num_speculative_tokens)
+                plain = profile_plain_steps(self.runner)
             # batch-invariant mode keeps the fixed length: the scheduled one depends on the batch
             schedule = "fixed" if cfg.batch_invariant else cfg.spec_schedule
-            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, schedule, cost)
+            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, schedule, cost, plain)
+            if self.runner.spec.plain_cost is not None:
+                self.scheduler.spec_pays = self.runner.spec.pays
         from deepinfer.structured import GrammarCompiler
 
         self.grammars = GrammarCompiler(self.tokenizer_json, self.vocab_size, self.eos_token_ids) \
@@ -453,6 +456,9 @@ class LLM:
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
                         "graph_memory_bytes": self.runner.graph_memory_bytes,
                         "graph_memory_estimate_bytes": self.graph_memory_estimate}
+        spec_dec = self.runner.spec
+        if spec_dec is not None and spec_dec.plain_cost is not None:  # where verification can pay, per bucket
+            self.startup["speculation_pays"] = {b: spec_dec.pays(b) for b in spec_dec.plain_cost}
         self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []
         if isinstance(model, str) and model in PRESETS:  # the names of the same built-in checkpoint

@@ -260,7 +260,7 @@ class ModelRunner:
         self.block_tables: dict[str, BlockTable] = {FULL_GROUP: BlockTable()}
         self._free_slots: list[int] = []
         self.num_forwards = 0  # model forwards enqueued (real and empty steps): the DP step loop counts them
-        self.spec = None  # a ``spec_decode.SpecDecoder`` runs every step when speculation is on
+        self.spec = None  # a ``spec_decode.SpecDecoder`` runs the speculative steps when speculation is on
         if self.captures_graphs(model, self.device, enforce_eager, max_num_seqs, max_model_len):
             self.capture(graph_buckets(max_num_seqs), max_model_len)
 
@@ -450,7 +450,9 @@ class ModelRunner:
             RuntimeError: nothing scheduled, or a pending token whose step is not ``prev``.
         """
         if self.spec is not None:
-            return self.spec.execute(output)
+            if output.speculative:
+                return self.spec.execute(output)
+            self.spec.stats.plain_steps += 1
         t0 = time.perf_counter()
         self.update_states(output)
         scheduled = output.scheduled

@@ -89,6 +89,8 @@ class SchedulerOutput:
         preempted_req_ids: requests preempted by this output (blocks freed; they come back as new requests).
         cache_swaps: block copies between the device pools and the host tier of the prefix cache
             (:class:`~deepinfer.host_cache.SwapOp`), to run in order before the step's forward.
+        speculative: the step verifies drafts (speculation on and worth it at this batch size); a plain step
+            otherwise, run as without speculation.
     """
 
     step_id: int
@@ -97,6 +99,7 @@ class SchedulerOutput:
     finished_req_ids: tuple[int, ...] = ()
     preempted_req_ids: tuple[int, ...] = ()
     cache_swaps: tuple = ()
+    speculative: bool = False
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -142,6 +145,10 @@ class Scheduler:
         self.prefill_budget: int | None = None
         self.last_prefill_tokens = 0
         self.last_num_tokens = 0
+        # speculation: ``spec_pays(num_seqs) -> bool``, whether verifying drafts beats a plain step at that batch
+        # size (``SpecDecoder.pays``; None: always); the drafts the step being scheduled may verify
+        self.spec_pays = None
+        self._step_drafts = config.num_drafts
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
@@ -221,19 +228,31 @@ class Scheduler:
         """Drafts to verify after ``seq``'s decode token this step: ``num_speculative_tokens`` for a decode (its
         last token is the one not computed) of a request that speculates, within the budget and so that the step
         emits no more than ``max_tokens`` (its positions then stay inside the request's admitted length)."""
-        k = self.config.num_drafts
+        k = self._step_drafts
         if not k or n != 1 or seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 \
                 or not speculates(seq.params):
             return 0
         return max(0, min(k, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1))
 
-    def schedule(self) -> SchedulerOutput:
+    def speculates_next(self) -> bool:
+        """Whether the next step verifies drafts: speculation is on and, when :attr:`spec_pays` is set, pays at the
+        batch size the next step can reach (the running requests topped up from the waiting ones)."""
+        if not self.config.num_drafts:
+            return False
+        if self.spec_pays is None:
+            return True
+        return bool(self.spec_pays(max(1, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))))
+
+    def schedule(self, speculate: bool | None = None) -> SchedulerOutput:
         """Pick this step's work and allocate its blocks. ``scheduled`` is empty only when nothing can run now (no
-        request queued, or every one waits for a token in flight).
+        request queued, or every one waits for a token in flight). ``speculate`` False makes a plain step with
+        speculation on (no drafts; None: speculate whenever speculation is on).
 
         Raises:
             RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
         """
+        speculative = bool(self.config.num_drafts) and speculate is not False
+        self._step_drafts = self.config.num_drafts if speculative else 0
         budget = self.config.max_num_batched_tokens
         prefill_left = self.prefill_budget
         limited = False  # the prefill limit held a chunk back (an empty step is then no deadlock)
@@ -326,7 +345,8 @@ class Scheduler:
                 f"Scheduler made no progress: {len(self.waiting)} waiting, {len(self.running)} running, "
                 f"{self.block_manager.num_free_blocks}/{self.block_manager.num_blocks} blocks free")
         out = SchedulerOutput(self._next_step, tuple(scheduled), tuple(new_requests), tuple(self._finished_ids),
-                              tuple(preempted), bm.take_swaps() if scheduled else ())  # else: the next step runs them
+                              tuple(preempted), bm.take_swaps() if scheduled else (),  # else: the next step runs them
+                              speculative)
         self._next_step += 1
         self._finished_ids = []
         if sampled:

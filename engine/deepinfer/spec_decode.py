@@ -70,6 +70,7 @@ class SpecStats:
     (``accepted_at[j]``: verifications whose draft ``j`` was accepted; ``verified_at[j]``: that verified one)."""
 
     def __init__(self, k: int) -> None:
+        self.plain_steps = 0  # steps run without drafts because verifying would not pay (:meth:`SpecDecoder.pays`)
         self.verifications = 0
         self.drafted = 0
         self.accepted = 0
@@ -91,12 +92,16 @@ class SpecDecoder:
         schedule: ``"fixed"`` (verify every scheduled draft) or ``"confidence"`` (per step, the verified lengths
             that maximise expected emitted tokens per unit of :attr:`cost` from the drafts' confidences).
         cost: ``cost(num_seqs, num_tokens) -> float`` of a step (host data only); default :func:`default_step_cost`.
+        plain_cost: ``{num_seqs: seconds}`` of a plain decode step per CUDA-graph bucket
+            (:func:`profile_plain_steps`), in the units of ``cost``; with it and the ``"confidence"`` schedule,
+            :meth:`pays` lets the scheduler run plain steps where verification cannot pay.
     Raises:
         ValueError naming ``speculative_method`` when the model has no MTP layer or step plan, or runs under
         expert parallelism.
     """
 
-    def __init__(self, runner, num_speculative_tokens: int, schedule: str = "confidence", cost=None) -> None:
+    def __init__(self, runner, num_speculative_tokens: int, schedule: str = "confidence", cost=None,
+                 plain_cost: dict[int, float] | None = None) -> None:
         model = runner.model
         if runner.builder is None or not callable(getattr(model, "forward_mtp", None)) \
                 or not len(getattr(model, "mtp", ())):
@@ -111,6 +116,19 @@ class SpecDecoder:
         self.cost = cost or default_step_cost
         self.drafts: dict[int, DraftState] = {}
         self.stats = SpecStats(num_speculative_tokens)
+        self.plain_cost = dict(sorted(plain_cost.items())) if plain_cost and schedule == "confidence" else None
+
+    def pays(self, num_seqs: int) -> bool:
+        """Whether a speculative step can beat a plain one at ``num_seqs`` sequences: verifying ``k`` drafts each
+        (``cost``) takes less than ``1 + k`` plain steps (``plain_cost`` of the smallest bucket that fits), the
+        most a verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps run
+        eagerly there too)."""
+        if self.plain_cost is None:
+            return True
+        plain = next((c for b, c in self.plain_cost.items() if b >= num_seqs), None)
+        if plain is None:
+            return True
+        return self.cost(num_seqs, num_seqs * (1 + self.k)) < (1 + self.k) * plain
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int],
@@ -454,6 +472,24 @@ def profile_step_cost(runner, batch_sizes: list[int], max_drafts: int, repeats: 
                     best = min(best, time.perf_counter() - t)
             points.setdefault(n, []).append((n * q, best))
     return StepCostTable(points)
+
+
+@torch.inference_mode()
+def profile_plain_steps(runner, repeats: int = 3) -> dict[int, float]:
+    """Seconds of a plain decode step per captured CUDA-graph bucket at start-up: the best of ``repeats`` timed
+    replays (after one warm-up) of each bucket's graph over its dummy plan. Empty without graphs."""
+    out = {}
+    for bucket, g in sorted(runner.graphs.items()):
+        best = float("inf")
+        for r in range(repeats + 1):
+            torch.cuda.synchronize(runner.device)
+            t = time.perf_counter()
+            g.graph.replay()
+            torch.cuda.synchronize(runner.device)
+            if r:
+                best = min(best, time.perf_counter() - t)
+        out[bucket] = best
+    return out
 
 
 def default_step_cost(num_seqs: int, num_tokens: int) -> float:

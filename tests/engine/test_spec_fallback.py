@@ -1,0 +1,89 @@
+"""Speculation falls back to plain steps where verifying cannot pay (`SpecDecoder.pays`, the confidence schedule):
+the decision rule, and engine runs that switch between plain and speculative steps as the batch drains (CPU, tiny
+model; the oracle drafter of test_spec_engine.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+import deepinfer.spec_decode as sd
+from deepinfer.llm import LLM
+from deepinfer.model_runner import ModelRunner
+from deepinfer.sequence import SamplingParams
+from test_spec_engine import PROMPTS, _use_oracle
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+
+class _Runner:
+    """The attributes ``SpecDecoder`` reads from a runner."""
+
+    def __init__(self, model):
+        self.model, self.builder = model, object()
+
+
+def _decoder(plain, schedule="confidence", k=3):
+    model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
+    return sd.SpecDecoder(_Runner(model), k, schedule, cost=lambda n, t: 1.0 + t / 8, plain_cost=plain)
+
+
+def test_pays_compares_a_full_verification_with_plain_steps():
+    d = _decoder({1: 0.5, 4: 0.6, 16: 1.0})
+    # one sequence: 1 + 4/8 = 1.5 against 4 x 0.5 = 2; four: 1 + 16/8 = 3 against 2.4; sixteen: 9 against 4
+    assert d.pays(1) and not d.pays(3) and not d.pays(4) and not d.pays(16)
+    assert d.pays(17)  # past the largest graph bucket plain steps run eagerly too
+    assert _decoder(None).pays(16)  # nothing profiled (the CPU): always
+    assert _decoder({1: 0.5}, schedule="fixed").plain_cost is None and _decoder({1: 0.5}, "fixed").pays(8)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    llm = LLM("tiny", max_num_seqs=8)
+    sp = [SamplingParams(max_tokens=4 + 5 * i, temperature=0.0, ignore_eos=True) for i in range(len(PROMPTS))]
+    return sp, [o.token_ids for o in llm.generate(PROMPTS, sp)]
+
+
+@pytest.mark.parametrize("async_", [False, True])
+def test_plain_steps_while_the_batch_is_large_then_speculation(monkeypatch, reference, async_):
+    """Verification "pays" only at <= 2 running requests: the first steps are plain (and overlap under async
+    scheduling), the last ones verify drafts; greedy outputs equal speculation off, nothing leaks."""
+    sp, ref = reference
+    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(PROMPTS, ref)})
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=3, spec_schedule="confidence",
+              max_num_seqs=8, async_scheduling=async_)
+    llm.scheduler.spec_pays = lambda n: n <= 2
+    modes, overlapped = [], []
+    real = ModelRunner.execute
+
+    def execute(self, output, prev=None):
+        modes.append(output.speculative)
+        overlapped.append(prev is not None and prev._result is None)
+        return real(self, output, prev)
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == ref
+    stats = llm.runner.spec.stats
+    assert stats.plain_steps > 0 and stats.verifications > 0 and stats.accepted > 0
+    first = modes.index(True)
+    assert not any(modes[:first]) and all(modes[first:])  # 4 requests drain: plain, then speculative
+    assert any(overlapped) == async_
+    assert not llm.engine.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.config.num_blocks
+
+
+def test_sampled_requests_switching_modes_finish_with_their_lengths(monkeypatch):
+    """Seeded sampled requests through both kinds of step: every request ends at max_tokens, tokens in the
+    vocabulary, the same outputs on a second run (the switch points depend on the batch only)."""
+    params = [SamplingParams(max_tokens=3 + 4 * i, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(len(PROMPTS))]
+    runs = []
+    for _ in range(2):
+        llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=2, spec_schedule="confidence",
+                  max_num_seqs=8)
+        llm.scheduler.spec_pays = lambda n: n % 2 == 1
+        outs = llm.generate(PROMPTS, params)
+        assert [len(o.token_ids) for o in outs] == [3 + 4 * i for i in range(len(PROMPTS))]
+        assert all(0 <= t < llm.vocab_size for o in outs for t in o.token_ids)
+        assert llm.runner.spec.stats.plain_steps > 0
+        runs.append([o.token_ids for o in outs])
+    assert runs[0] == runs[1]
