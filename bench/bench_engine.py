@@ -17,7 +17,7 @@ Method: the model is loaded once and shared by both modes (the mode travels in e
 run is kept under "runs"). Per run: a warm-up
 generate (not counted), then prefill -- every request with max_tokens=1, tok/s = prompt tokens / prefill step time --
 then decode -- the same requests with max_tokens=N and ignore_eos, tok/s = decode tokens / decode step time (step
-times are split between prefill and decode in proportion to their tokens, see `deepinfer.llm.EngineStats`; every step
+times are split between prefill and decode in proportion to their tokens, see `deepinfer.stats.EngineStats`; every step
 ends with a device synchronisation). Then request 0 runs alone for a few tokens and its logprobs are compared bitwise
 with its logprobs in the batched decode run (`alone_equals_batched`: expected true with the mode on; with the mode off
 it records whether cuBLAS's choice by batch size changed anything).

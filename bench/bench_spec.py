@@ -10,7 +10,7 @@ Per batch size (--batches, default 1,8,64,256) and mode (``off``; ``fixed-k`` fo
 decode --max-tokens tokens each (greedy unless --temperature; ignore_eos). Prompts: lines of --prompts (tokenized
 with the model's tokenizer, cycled), else random token ids of --prompt-len.
 
-Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.llm.EngineStats``), its median over pure
+Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.EngineStats``), its median over pure
 decode steps, TPOT, and with speculation the acceptance length (mean tokens per verification = 1 + accepted drafts),
 the acceptance rate per draft position (accepted / verified at that position), the verification overhead (median
 decode step time over the spec-off median at the same batch size, minus 1, in percent) and the speedup over spec off;

@@ -436,9 +436,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    "(default 0: off)")
     e.add_argument("--speculative-method", choices=("mtp",), default=None,
                    help="speculative decoding: 'mtp' drafts with the model's MTP layer (default: off)")
-    e.add_argument("--num-speculative-tokens", type=_positive_int, default=3,
+    e.add_argument("--num-speculative-tokens", type=_positive_int, default=None,
                    help="drafts per sequence and step with speculation (1 to 5; default 3)")
-    e.add_argument("--spec-schedule", choices=("confidence", "fixed"), default="confidence",
+    e.add_argument("--spec-schedule", choices=("confidence", "fixed"), default=None,
                    help="verified drafts per step: chosen from the drafts' confidences and the step cost "
                    "(default), or always --num-speculative-tokens")
     d = p.add_argument_group("data and expert parallelism (docs/expert-parallel.md)")
@@ -465,15 +465,19 @@ def engine_config(args: argparse.Namespace):
     """The ``EngineConfig`` of ``add_engine_options``' arguments."""
     from deepinfer.config import EngineConfig
 
+    method = getattr(args, "speculative_method", None)
+    for flag in ("num_speculative_tokens", "spec_schedule"):
+        if getattr(args, flag, None) is not None and method is None:
+            raise ValueError(f"--{flag.replace('_', '-')}: needs --speculative-method mtp (speculation is off)")
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
                         seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                         enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
                         prefix_replay_tokens=args.prefix_replay_tokens, host_cache_gib=args.host_cache_gib,
-                        speculative_method=getattr(args, "speculative_method", None),
-                        num_speculative_tokens=getattr(args, "num_speculative_tokens", 3),
-                        spec_schedule=getattr(args, "spec_schedule", "confidence"),
+                        speculative_method=method,
+                        num_speculative_tokens=getattr(args, "num_speculative_tokens", None) or 3,
+                        spec_schedule=getattr(args, "spec_schedule", None) or "confidence",
                         data_parallel_size=args.data_parallel_size,
                         expert_parallel_size=args.expert_parallel_size,
                         num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,

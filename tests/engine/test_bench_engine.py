@@ -55,7 +55,7 @@ def test_run_mode_both_modes_and_overhead_rows():
 
 
 def test_engine_stats_medians_take_pure_steps_only():
-    from deepinfer.llm import EngineStats
+    from deepinfer.stats import EngineStats
 
     st = EngineStats(steps=[(0, 100, 0.1, 0.05, 0.06, 0.09), (0, 100, 0.2, 0.1, 0.1, 0.1), (0, 100, 10.0, 0.1, 0.1, 0.1),
                             (4, 0, 0.01, 0.008, 0.009, 0.004), (4, 0, 0.02, 0.006, 0.007, 0.006),

@@ -212,7 +212,7 @@ def test_output_to_a_fifo_is_written_in_place_not_replaced(tmp_path):
 def test_summary_reports_no_throughput_when_nothing_finished(tmp_path, capsys):
     """Every request refused or failed: the tok/s figures are 0 and a note says why (they were computed from the
     steps of requests that never finished)."""
-    from deepinfer.llm import NO_THROUGHPUT, EngineStats
+    from deepinfer.stats import NO_THROUGHPUT, EngineStats
 
     steps = [(0, 100, 0.1, 0.0, 0.0, 0.0), (4, 0, 0.01, 0.0, 0.0, 0.0)]
     failed = EngineStats(num_requests=2, num_errors=2, decode_tokens=4, decode_time=0.01, prefill_tokens=100,

@@ -341,6 +341,9 @@ def test_cli_options_reach_the_engine_config():
                                                    "--speculative-method", "mtp", "--num-speculative-tokens", "9"]))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         bad.validate()
+    for flag, value in (("--num-speculative-tokens", "2"), ("--spec-schedule", "fixed")):
+        with pytest.raises(ValueError, match=f"{flag}: needs --speculative-method mtp"):
+            engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b", flag, value]))
 
 
 def test_confidence_schedule_stops_drafting_what_it_would_not_verify(reference, oracle):
@@ -352,6 +355,21 @@ def test_confidence_schedule_stops_drafting_what_it_would_not_verify(reference, 
     assert [o.token_ids for o in outs] == [reference[tuple(p)].token_ids for p in PROMPTS]
     stats = llm.runner.spec.stats
     assert stats.verifications > 0 and stats.accepted == stats.drafted  # no wrong draft was ever verified
+
+
+def test_run_stats_report_this_runs_verifications(oracle):
+    llm = _spec(3)
+    llm.generate(PROMPTS[:2], GREEDY)
+    first = llm.last_stats.summary()["speculation"]
+    llm.generate(PROMPTS, GREEDY)
+    sp = llm.last_stats.summary()["speculation"]
+    st = llm.runner.spec.stats
+    assert sp["verifications"] == st.verifications - first["verifications"] > 0  # this run's counts only
+    assert sp["acceptance_length"] == pytest.approx(1 + sp["accepted"] / sp["verifications"]) and sp["accepted"] > 0
+    assert f"{sp['verifications']} verifications, acceptance {sp['acceptance_length']:.2f}" in llm.last_stats.format()
+    off = LLM("tiny", max_num_seqs=8)
+    off.generate(PROMPTS[:1], GREEDY)
+    assert off.last_stats.summary()["speculation"] is None and "speculation" not in off.last_stats.format()
 
 
 def test_step_records_count_emitted_decode_tokens(oracle):
