@@ -451,6 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
         p.error(f"--range-ratio: expected 0 <= r < 1, got {args.range_ratio}")
     if not args.burstiness > 0:
         p.error(f"--burstiness: expected > 0, got {args.burstiness}")
+    if args.connect_retries < 0:
+        p.error(f"--connect-retries: expected >= 0, got {args.connect_retries}")
     try:
         points = sweep_points(args)
         parse_goodput(args.goodput)

@@ -53,8 +53,8 @@ class LLMEngine:
     ``step()`` runs one iteration: with asynchronous scheduling (``config.async_scheduling``) it schedules and
     enqueues the next step, then applies the one in flight; otherwise it schedules, runs and applies one step. It
     returns the sequences that gained a token or finished in the applied step, and appends a :class:`StepRecord` to
-    ``records``. Speculative steps run in order (plain steps with speculation on overlap as usual). The scheduler hands the runner a :class:`SchedulerOutput` (plain data) per step; a failed request's
-    ``Sequence.error`` is its error record (:func:`error_record` of the scheduler's ``Sequence.failure``).
+    ``records``. Speculative steps run in order (plain steps with speculation on overlap as usual). The scheduler
+    hands the runner a :class:`SchedulerOutput` (plain data) per step; a failed request's ``Sequence.error`` is its error record (:func:`error_record` of the scheduler's ``Sequence.failure``).
 
     A request with ``structured_outputs`` is compiled by ``grammars`` (a ``structured.GrammarCompiler``, off the
     step loop) before it reaches the scheduler; a constraint that fails to compile, or compiles for longer than

@@ -281,8 +281,9 @@ class ModelRunner:
         """Device bytes the decode graphs of every bucket will hold, measured before the cache is sized: every
         bucket is captured over a 2-block cache (as :meth:`capture` does: largest first, one pool), then freed.
         The free device memory before and after the capture gives the figure (torch's pool and the driver's
-        graph memory), at least the growth of torch's reserved memory. Capturing the largest and smallest bucket alone underestimated it (1.89 vs 2.30 GB on the
-        H200 at 35 buckets: the pool does not reuse every block across bucket sizes)."""
+        graph memory), at least the growth of torch's reserved memory and the graph pool's segments. Capturing
+        the largest and smallest bucket alone underestimated it (the pool does not reuse every block across
+        bucket sizes)."""
         import gc
 
         torch.cuda.synchronize(device)

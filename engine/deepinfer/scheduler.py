@@ -146,9 +146,8 @@ class Scheduler:
         self.last_prefill_tokens = 0
         self.last_num_tokens = 0
         # speculation: ``spec_pays(num_seqs) -> bool``, whether verifying drafts beats a plain step at that batch
-        # size (``SpecDecoder.pays``; None: always); the drafts the step being scheduled may verify
+        # size (``SpecDecoder.pays``; None: always)
         self.spec_pays = None
-        self._step_drafts = config.num_drafts
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
@@ -224,11 +223,10 @@ class Scheduler:
             n = (end // align) * align - seq.num_computed_tokens
         return max(n, 0)
 
-    def _num_drafts(self, seq: Sequence, n: int, budget: int) -> int:
-        """Drafts to verify after ``seq``'s decode token this step: ``num_speculative_tokens`` for a decode (its
+    def _num_drafts(self, seq: Sequence, n: int, budget: int, k: int) -> int:
+        """Drafts to verify after ``seq``'s decode token this step: ``k`` (0 in a plain step) for a decode (its
         last token is the one not computed) of a request that speculates, within the budget and so that the step
         emits no more than ``max_tokens`` (its positions then stay inside the request's admitted length)."""
-        k = self._step_drafts
         if not k or n != 1 or seq.num_pending or seq.num_computed_tokens != seq.num_tokens - 1 \
                 or not speculates(seq.params):
             return 0
@@ -252,7 +250,7 @@ class Scheduler:
             RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
         """
         speculative = bool(self.config.num_drafts) and speculate is not False
-        self._step_drafts = self.config.num_drafts if speculative else 0
+        k = self.config.num_drafts if speculative else 0
         budget = self.config.max_num_batched_tokens
         prefill_left = self.prefill_budget
         limited = False  # the prefill limit held a chunk back (an empty step is then no deadlock)
@@ -281,7 +279,7 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            d = self._num_drafts(seq, n, budget)
+            d = self._num_drafts(seq, n, budget, k)
             target = seq.num_computed_tokens + n + d
             changes = None
             if not bm.fits_held(seq, target):  # most decode steps fit the blocks the request holds

@@ -153,6 +153,7 @@ def test_summary_arithmetic(bench):
     (["--goodput", "ttft:-1"], "--goodput"),
     (["--num-prompts", "0"], "--num-prompts"),
     (["--range-ratio", "1.5"], "--range-ratio"),
+    (["--connect-retries", "-1"], "--connect-retries"),
 ])
 def test_bad_arguments_name_the_flag(bench, argv, needle, capsys):
     with pytest.raises(SystemExit) as e:
