@@ -4,6 +4,7 @@ Usage (GPU machine, from the repository root, PYTHONPATH=python:engine):
     python bench/bench_engine.py                    # makes a v4-flash-shapes checkpoint in a temp dir, deletes it after
     python bench/bench_engine.py --model /tmp/v4fs  # an existing one (`deepinfer make-checkpoint --preset ...`)
     python bench/bench_engine.py --num-experts 256  # the full preset (~20 GB on disk, ~66 GB of bf16 weights)
+    python bench/bench_engine.py --preset v41-flash-shapes --num-experts 8  # DeepSeek-V4.1 rows (merged in)
 Without --model the checkpoint is `v4-flash-shapes` (V4-Flash hidden 4096, 64 heads x 512, q_lora 1024, o 8 x 1024,
 experts of 2048, indexer 64 x 128 top-512, hc 4, vocab 129,280) at --num-layers (default 4: sliding, sliding, CSA,
 HCA) and --num-experts routed experts (default 64 instead of 256, to keep the checkpoint near 7 GB and its
@@ -285,10 +286,25 @@ def overhead_rows(off: dict, on: dict) -> list[dict]:
     return rows
 
 
+def kept_rows(out_dir: Path | None, checkpoint: str) -> list[dict]:
+    """The rows of bench_engine.json measured on another checkpoint (another preset's rows stay when one preset is
+    re-run), each with its own commit recorded."""
+    from bench.timer import gpu_tag
+
+    path = (out_dir or ROOT / "bench" / "results" / gpu_tag()) / "bench_engine.json"
+    if not path.is_file():
+        return []
+    doc = json.loads(path.read_text())
+    return [{**r, "commit": r.get("commit", doc.get("commit"))} for r in doc.get("rows", [])
+            if r.get("shape", {}).get("checkpoint") != checkpoint]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None,
-                   help="checkpoint folder; default: make a v4-flash-shapes checkpoint in a temp dir (deleted after)")
+                   help="checkpoint folder; default: make a --preset checkpoint in a temp dir (deleted after)")
+    p.add_argument("--preset", choices=("v4-flash-shapes", "v41-flash-shapes"), default="v4-flash-shapes",
+                   help="the generated checkpoint's preset; bench_engine.json keeps the rows of other checkpoints")
     p.add_argument("--num-layers", type=int, default=None,
                    help="depth of the generated checkpoint (default: the preset's 4)")
     p.add_argument("--num-experts", type=int, default=64,
@@ -341,20 +357,22 @@ def main() -> None:
     model_path = args.model
     shape_extra: dict = {"checkpoint": model_path}
     if model_path is None:
-        tmp = tempfile.mkdtemp(prefix="bench-v4fs-", dir=args.work_dir)
+        tmp = tempfile.mkdtemp(prefix="bench-fs-", dir=args.work_dir)
         t0 = time.perf_counter()
-        make_checkpoint("v4-flash-shapes", tmp, 0, num_layers=args.num_layers, num_experts=args.num_experts,
+        make_checkpoint(args.preset, tmp, 0, num_layers=args.num_layers, num_experts=args.num_experts,
                         progress=False)
-        print(f"made v4-flash-shapes (layers={args.num_layers or 'preset'}, experts={args.num_experts}) in "
+        print(f"made {args.preset} (layers={args.num_layers or 'preset'}, experts={args.num_experts}) in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
         model_path = tmp
-        shape_extra = {"checkpoint": "v4-flash-shapes", "num_experts": args.num_experts}
+        shape_extra = {"checkpoint": args.preset, "num_experts": args.num_experts}
     try:
         t0 = time.perf_counter()
         model = _load_checkpoint(model_path, device, batch_invariant=False, gemm=args.gemm)
         cfg = model.config
-        shape_extra.update({"num_layers": cfg.num_hidden_layers, "n_routed_experts": cfg.n_routed_experts,
-                            "hidden_size": cfg.hidden_size, "gemm": model.gemm})
+        v41 = hasattr(cfg, "kv_source_layers")  # DeepSeek-V4.1's config names its fields like the reference
+        shape_extra.update({"num_layers": cfg.n_layers if v41 else cfg.num_hidden_layers,
+                            "n_routed_experts": cfg.n_routed_experts,
+                            "hidden_size": cfg.dim if v41 else cfg.hidden_size, "gemm": model.gemm})
         print(f"loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         if tmp is not None and not args.keep_checkpoint:
@@ -372,7 +390,7 @@ def main() -> None:
     rows = [best_of(runs[m]) for m in modes]
     from bench.timer import write_results
 
-    write_results("bench_engine", rows, args.out_dir)
+    write_results("bench_engine", rows + kept_rows(args.out_dir, shape_extra["checkpoint"]), args.out_dir)
     if [r["shape"]["batch_invariant"] for r in rows] == [False, True]:
         bi_rows = overhead_rows(rows[0], rows[1])
         for r in bi_rows:

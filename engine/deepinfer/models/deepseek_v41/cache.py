@@ -87,10 +87,11 @@ def cache_spec(cfg: DeepseekV41Config, dtype: torch.dtype = BF16, block_size: in
 
 
 def allocate_cache(cfg: DeepseekV41Config, num_blocks: int, window_blocks: int | None = None,
-                   block_size: int = BLOCK_SIZE, kv_cache_dtype: str = "auto") -> DeepseekV4Cache:
-    """Zero-filled CPU pools: ``num_blocks`` blocks in the ``full`` group, ``window_blocks`` (default
+                   block_size: int = BLOCK_SIZE, kv_cache_dtype: str = "auto",
+                   device: torch.device | str = "cpu") -> DeepseekV4Cache:
+    """Zero-filled pools on ``device``: ``num_blocks`` blocks in the ``full`` group, ``window_blocks`` (default
     ``num_blocks``) in the ``window`` group. Raises ValueError naming the field."""
-    return DeepseekV4Cache(cache_spec(cfg, BF16, block_size, kv_cache_dtype), num_blocks, "cpu", window_blocks)
+    return DeepseekV4Cache(cache_spec(cfg, BF16, block_size, kv_cache_dtype), num_blocks, device, window_blocks)
 
 
 class PagedSeqView:
@@ -111,7 +112,8 @@ class PagedSeqView:
                  window_row: torch.Tensor, start: int, end: int, shared_len: int = 0, floor: int = 0):
         self.cfg, self.cache = cfg, cache
         self.bs = cache.block_size
-        self.frow, self.wrow = full_row, window_row
+        dev = cache.layers[0]["kv"].device
+        self.frow, self.wrow = full_row.to(dev), window_row.to(dev)
         self.start, self.end = start, end
         self.shared_len, self.floor = shared_len, floor
 

@@ -117,6 +117,12 @@ class EngramHasher:
                 raise ValueError(f"engram_num_embeddings[{i}] = {rows} but the bucket primes of layer "
                                  f"{cfg.engram_layer_ids[i]} sum to {sum(flat[i])}")
 
+    def to(self, device: torch.device | str) -> "EngramHasher":
+        """Move the map and hash constants to ``device`` (in place); returns self."""
+        for k in ("token_map", "primes", "offsets", "multipliers"):
+            setattr(self, k, getattr(self, k).to(device))
+        return self
+
     def compress(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.token_map[input_ids]
 

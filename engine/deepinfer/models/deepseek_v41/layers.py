@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 building blocks on the CPU, in the reference's numerics (``docs/deepseek_v41.md``).
+"""DeepSeek-V4.1 building blocks in the reference's numerics (``docs/deepseek_v41.md``).
 
 Activations are bf16 between ops; the mHC mixes, routing, pooling and softmax statistics are float32.
 Every function takes one sequence's rows (``[S, ...]``, no batch dimension) unless it says otherwise.
@@ -11,16 +11,19 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .quant import QWeight, qlinear
+from .quant import DequantWeight, QWeight, dq_linear, qlinear
 
 BF16 = torch.bfloat16
 ATTN_BLOCK = 64  # keys per online-softmax block in sparse attention
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """A quantised weight through :func:`qlinear` (bf16 out), a plain one through ``F.linear`` in x's dtype."""
+    """A quantised weight through :func:`qlinear` (CPU) or :func:`dq_linear` (GPU), bf16 out; a plain one through
+    ``F.linear`` in x's dtype."""
     if isinstance(w, QWeight):
         return qlinear(x, w)
+    if isinstance(w, DequantWeight):
+        return dq_linear(x, w)
     return F.linear(x, w)
 
 

@@ -18,7 +18,7 @@ import torch
 
 from ...checkpoint import CheckpointError, _get, list_tensors, read_config
 from .config import DeepseekV41Config
-from .quant import QWeight, e8m0_to_float
+from .quant import DequantWeight, QWeight, e8m0_to_float
 
 #: storage kinds: "fp8" (F8_E4M3 + 32x32 UE8M0 scale), "fp4" (packed + per-32 UE8M0), "table" (Engram FP8 rows +
 #: per-32 UE8M0), "bf16", "f32".
@@ -153,10 +153,41 @@ def _scale(t: torch.Tensor, name: str, file) -> torch.Tensor:
     return t
 
 
-def load_weights(path: str | os.PathLike, cfg: DeepseekV41Config | None = None):
+def device_bytes(cfg: DeepseekV41Config, device: torch.device | str) -> int:
+    """Bytes the loaded weights hold on ``device``: on the CPU FP8 / FP4 linears as float32 values + scales; on a
+    GPU as dequantised bf16 (:class:`~.quant.DequantWeight`); Engram tables as float32 values + scales."""
+    gpu = torch.device(device).type != "cpu"
+    total = 0
+    for (out, *rest), kind in expected_parameters(cfg).values():
+        n = out * (rest[0] if rest else 1)
+        if kind in ("fp8", "fp4"):
+            total += 2 * n if gpu else 4 * n + n // 8
+        elif kind == "table":
+            total += 4 * n + n // 8
+        else:
+            total += n * (4 if kind == "f32" else 2)
+    return total
+
+
+def check_device_memory(cfg: DeepseekV41Config, device: torch.device) -> None:
+    """Refuse, before reading any weight, a GPU load whose weights exceed the device's free memory (ValueError with
+    both figures)."""
+    if device.type != "cuda":
+        return
+    need, free = device_bytes(cfg, device), int(torch.cuda.mem_get_info(device)[0])
+    if need > free:
+        gib = 1 << 30
+        raise ValueError(f"device: the DeepSeek-V4.1 weights need {need / gib:.1f} GiB on {device} (dense and expert "
+                         f"linears dequantised to bf16), but only {free / gib:.1f} GiB is free; use a checkpoint with "
+                         "fewer routed experts (deepinfer make-checkpoint --num-experts N)")
+
+
+def load_weights(path: str | os.PathLike, cfg: DeepseekV41Config | None = None, device: torch.device | str = "cpu"):
     """Load a V4.1 checkpoint folder. Returns (config, weights) where weights maps each expected name to a
-    :class:`QWeight` (FP8 / FP4 linears), a float32 values tensor (Engram tables, with their float32 scales under
-    ``<name>.scale``) or the stored BF16 / F32 tensor."""
+    :class:`QWeight` (FP8 / FP4 linears; on a GPU ``device`` a :class:`DequantWeight`), a float32 values tensor
+    (Engram tables, with their float32 scales under ``<name>.scale``) or the stored BF16 / F32 tensor, on
+    ``device``. Raises CheckpointError naming the tensor and file; ValueError when the weights do not fit the
+    GPU."""
     root = Path(path)
     if cfg is None:
         try:
@@ -178,26 +209,29 @@ def load_weights(path: str | os.PathLike, cfg: DeepseekV41Config | None = None):
         if n not in infos:
             raise CheckpointError(f"tensor {n!r}: missing from the checkpoint in {root}")
         _check(n, shape, kind, infos)
+    device = torch.device(device)
+    check_device_memory(cfg, device)
     handles: dict = {}
     weights: dict = {}
     for n, (shape, kind) in spec.items():
         t = _get(handles, infos[n])
         if kind in ("bf16", "f32"):
-            weights[n] = t
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                raise CheckpointError(f"tensor {n!r} in {infos[n].file}: holds NaN or infinity")
+            weights[n] = t.to(device)
             continue
         sn = _scale_name(n)
         s = _scale(_get(handles, infos[sn]), sn, infos[sn].file)
-        if kind == "fp8":
-            weights[n] = QWeight.from_fp8(t, s)
-        elif kind == "fp4":
-            weights[n] = QWeight.from_fp4(t, s)
-        else:
-            weights[n] = t.float()
-            weights[sn] = e8m0_to_float(s)
-    for n in list(weights):
-        if isinstance(weights[n], torch.Tensor) and weights[n].is_floating_point():
-            if not bool(torch.isfinite(weights[n]).all()):
+        if kind in ("fp8", "fp4"):
+            w = QWeight.from_fp8(t, s) if kind == "fp8" else QWeight.from_fp4(t, s)
+            if not bool(torch.isfinite(w.values).all()):
                 raise CheckpointError(f"tensor {n!r} in {infos[n].file}: holds NaN or infinity")
+            weights[n] = w if device.type == "cpu" else DequantWeight(w, device)
+        else:
+            v = t.float()
+            if not bool(torch.isfinite(v).all()):
+                raise CheckpointError(f"tensor {n!r} in {infos[n].file}: holds NaN or infinity")
+            weights[n], weights[sn] = v.to(device), e8m0_to_float(s).to(device)
     return cfg, weights
 
 
@@ -229,9 +263,9 @@ def load_token_map(path: str | os.PathLike, cfg: DeepseekV41Config) -> torch.Ten
     return torch.tensor(m[:cfg.vocab_size] + [0] * max(0, cfg.vocab_size - len(m)), dtype=torch.int64)
 
 
-def load_model(path: str | os.PathLike):
-    """Config + weights + Engram map -> :class:`DeepseekV41ForCausalLM`."""
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu"):
+    """Config + weights + Engram map -> :class:`DeepseekV41ForCausalLM` on ``device``."""
     from .model import DeepseekV41ForCausalLM
 
-    cfg, weights = load_weights(path)
-    return DeepseekV41ForCausalLM(cfg, weights, load_token_map(path, cfg))
+    cfg, weights = load_weights(path, device=device)
+    return DeepseekV41ForCausalLM(cfg, weights, load_token_map(path, cfg), device=device)

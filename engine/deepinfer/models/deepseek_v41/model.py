@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 forward on the CPU: backbone (prefill chunks and decode steps) and the DSpark draft head.
+"""DeepSeek-V4.1 forward: backbone (prefill chunks and decode steps) and the DSpark draft head, CPU or GPU.
 
 ``DeepseekV41ForCausalLM(cfg, weights, token_map)`` holds the loaded weights (:mod:`.loading`). Two ways to run it:
 
@@ -7,11 +7,14 @@
 * the engine contract (``docs/engine.md``): ``allocate_cache`` (paged pools in two cache groups, :mod:`.cache`),
   ``plan_builder(cache)`` (:mod:`.plan`), ``forward(plan, cache)`` for a step of many sequences, ``step_pad``.
 
-Both run the same backbone code (the cache is behind one interface). Design: ``docs/deepseek_v41.md``.
+Both run the same backbone code (the cache is behind one interface), on the CPU or a GPU (every entry point runs
+under ``torch.device(model.device)``, so the tensors it makes land there). Design: ``docs/deepseek_v41.md``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -75,6 +78,15 @@ class SeqState:
         return self.engram[:start + ids.numel()], 0
 
 
+def _on_model_device(fn):
+    """Run a model method under :meth:`DeepseekV41ForCausalLM._here`."""
+    @functools.wraps(fn)
+    def run(self, *args, **kwargs):
+        with self._here():
+            return fn(self, *args, **kwargs)
+    return run
+
+
 @dataclass
 class _Seg:
     """One sequence's rows in a step: ``n`` tokens from position ``start``, its cache (a :class:`SeqState` or a
@@ -90,31 +102,42 @@ class DeepseekV41ForCausalLM:
     """The V4.1 model over a loaded state dict (``weights``: name -> tensor or :class:`QWeight`).
 
     Engine attributes: ``config`` (= ``cfg``), ``dtype`` (bfloat16: the activations between ops),
-    ``gemm`` (``"exact"``: the block-scaled GEMMs of ``quant.py``; no CUDA graphs), ``config_block_size`` (the
-    cache block size the engine must use).
+    ``gemm`` (``"exact"`` on the CPU: the block-scaled GEMMs of ``quant.py``; ``"dequant"`` on a GPU: bf16 weights
+    dequantised at load, bf16 GEMMs; no CUDA graphs either way), ``device``, ``config_block_size`` (the cache block
+    size the engine must use).
     """
 
     dtype = torch.bfloat16
     gemm = "exact"
     config_block_size = BLOCK_SIZE
 
-    def __init__(self, cfg: DeepseekV41Config, weights: dict, token_map: torch.Tensor | None = None):
+    def __init__(self, cfg: DeepseekV41Config, weights: dict, token_map: torch.Tensor | None = None,
+                 device: torch.device | str = "cpu"):
+        """``weights`` as :func:`.loading.load_weights` returns them for ``device`` (already there)."""
         self.cfg = cfg
         self.w = weights
+        self.device = torch.device(device)
+        if self.device.type != "cpu":
+            self.gemm = "dequant"
         self._plan_builders: dict = {}
         c = cfg
         self.rot0 = rope_table(c.rope_head_dim, c.max_seq_len, 0, c.rope_theta, c.rope_factor, c.beta_fast,
-                               c.beta_slow)
+                               c.beta_slow).to(self.device)
         self.rotc = rope_table(c.rope_head_dim, c.max_seq_len, c.original_seq_len, c.compress_rope_theta,
-                               c.rope_factor, c.beta_fast, c.beta_slow)
+                               c.rope_factor, c.beta_fast, c.beta_slow).to(self.device)
         self.hasher = None
         if c.engram_layer_ids:
             if token_map is None:
                 raise ValueError("engram: the config has engram layers but no token map was given (build it from "
                                  "the tokenizer with engram.compressed_token_map)")
-            self.hasher = EngramHasher(c, token_map)
+            self.hasher = EngramHasher(c, token_map).to(self.device)
+
+    def _here(self):
+        """The context every entry point runs in: tensors made without a device go to the model's."""
+        return contextlib.nullcontext() if self.device.type == "cpu" else self.device
 
     # ---- state ----------------------------------------------------------------------------------------------
+    @_on_model_device
     def new_state(self, max_len: int | None = None) -> SeqState:
         c = self.cfg
         n = max_len or c.max_seq_len
@@ -142,29 +165,33 @@ class DeepseekV41ForCausalLM:
 
     @classmethod
     def from_checkpoint(cls, path, device: torch.device | str = "cpu", gemm: str = "auto") -> "DeepseekV41ForCausalLM":
-        """Load a native V4.1 checkpoint folder (:func:`.loading.load_model`) for the CPU.
+        """Load a native V4.1 checkpoint folder (:func:`.loading.load_model`) on ``device``.
+
+        ``gemm``: ``"auto"`` picks the device's one path: on the CPU the exact 32x32 block-scaled GEMMs
+        (``"exact"``), on CUDA bf16 weights dequantised at load (``"dequant"``).
 
         Raises:
-            ValueError: ``device`` is not the CPU (the CUDA path is not written yet) or ``gemm`` is ``"fp8"``
-                (no FP8 GEMM with 32x32 scales yet: the CPU path multiplies the quantised values exactly).
+            ValueError: ``device`` is neither the CPU nor CUDA; ``gemm`` is not the device's path (``"fp8"``: no FP8
+                GEMM with 32x32 scales yet); the weights do not fit the GPU's free memory.
             CheckpointError naming the tensor and file for a bad checkpoint.
         """
         from .loading import load_model
 
-        if torch.device(device).type != "cpu":
-            raise ValueError(f"device: DeepSeek-V4.1 runs on the CPU only for now (its CUDA path is not written), "
-                             f"got {str(device)!r}")
-        if gemm not in ("auto", "dequant", "exact"):
-            raise ValueError(f"gemm: DeepSeek-V4.1 has one GEMM path on the CPU (the exact 32x32 block-scaled "
-                             f"one: 'auto'); {gemm!r} is not available")
-        return load_model(path)
+        dev = torch.device(device)
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"device: DeepSeek-V4.1 runs on the CPU or CUDA, got {str(device)!r}")
+        path_kind = "exact" if dev.type == "cpu" else "dequant"
+        if gemm not in ("auto", path_kind):
+            raise ValueError(f"gemm: DeepSeek-V4.1 on {dev.type} has one GEMM path ({path_kind!r}: 'auto'); "
+                             f"{gemm!r} is not available")
+        return load_model(path, dev)
 
     def eval(self) -> "DeepseekV41ForCausalLM":
         return self
 
     def allocate_cache(self, num_blocks: int, window_blocks: int | None = None, kv_cache_dtype: str = "auto"):
         """:func:`.cache.allocate_cache` (blocks of :data:`.cache.BLOCK_SIZE` positions)."""
-        return allocate_cache(self.cfg, num_blocks, window_blocks, BLOCK_SIZE, kv_cache_dtype)
+        return allocate_cache(self.cfg, num_blocks, window_blocks, BLOCK_SIZE, kv_cache_dtype, self.device)
 
     def plan_builder(self, cache):
         """The :class:`.plan.PlanBuilder` of ``cache``'s geometry (one per cache size, reused)."""
@@ -173,7 +200,7 @@ class DeepseekV41ForCausalLM:
         key = (cache.block_size, cache.num_blocks, cache.window_blocks)
         b = self._plan_builders.get(key)
         if b is None:
-            b = self._plan_builders[key] = PlanBuilder(self.cfg, cache.block_size, cache.num_blocks, "cpu",
+            b = self._plan_builders[key] = PlanBuilder(self.cfg, cache.block_size, cache.num_blocks, self.device,
                                                        cache.window_blocks)
         return b
 
@@ -181,6 +208,7 @@ class DeepseekV41ForCausalLM:
         """0: no padded rows (every op computes a row the same way whatever the step's row count)."""
         return 0
 
+    @_on_model_device
     def forward_step(self, plan, cache) -> torch.Tensor:
         """One engine step over the paged ``cache`` (mutated: the new tokens' entries are written).
 
@@ -197,7 +225,7 @@ class DeepseekV41ForCausalLM:
         segs = [_Seg(sp.start, sp.n, PagedSeqView(self.cfg, cache, sp.full_row, sp.window_row, sp.start,
                                                   sp.start + sp.n, sp.shared_len, sp.floor))
                 for sp in plan.seqs]
-        x, _ = self._backbone(plan.input_ids, segs)
+        x, _ = self._backbone(plan.input_ids.to(self.device), segs)
         return linear_f32(x[plan.logits_indices].float(), self.w["head.weight"])
 
     # ---- backbone ---------------------------------------------------------------------------------------------
@@ -208,6 +236,7 @@ class DeepseekV41ForCausalLM:
             return self.forward_seq(input_ids, state, all_logits)
         return self.forward_step(input_ids, state)
 
+    @_on_model_device
     def forward_seq(self, input_ids: torch.Tensor, state: SeqState, all_logits: bool = True):
         """Run ``input_ids [S]`` at positions ``state.pos ..`` and advance the state.
 
@@ -215,7 +244,7 @@ class DeepseekV41ForCausalLM:
         main_hidden bf16 ``[S, taps * dim]`` (DSpark input; None without DSpark taps)).
         """
         c = self.cfg
-        ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1)
+        ids = torch.as_tensor(input_ids, dtype=torch.int64).reshape(-1).to(self.device)
         s_len = ids.numel()
         start, end = state.pos, state.pos + s_len
         if s_len == 0:
@@ -431,6 +460,7 @@ class DeepseekV41ForCausalLM:
         o = sparse_attention(q, keys, valid, self.w[p + "attn_sink"], c.head_dim ** -0.5)
         return self._out(p, o, rot)
 
+    @_on_model_device
     def dspark_seed(self, state: SeqState, main_hidden: torch.Tensor) -> None:
         """The DSpark call at position 0 after a prefill: fills every stage's window ring from the prompt's
         ``main_hidden [S, taps * dim]`` (positions 0..S-1)."""
@@ -443,6 +473,7 @@ class DeepseekV41ForCausalLM:
             state.dspark_kv[j][slots % win] = kv[slots]
         state.dspark_seeded = True
 
+    @_on_model_device
     def dspark(self, state: SeqState, token: int, main_hidden: torch.Tensor):
         """Draft after a decode step at position ``start = state.pos - 1``.
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 quantisation recipe on the CPU: the reference's numerics, written anew.
+"""DeepSeek-V4.1 quantisation recipe: the reference's numerics, written anew (CPU and GPU).
 
 Formats (golden README, "Conventions"):
 
@@ -11,11 +11,14 @@ Formats (golden README, "Conventions"):
 
 GEMMs (:func:`block_scaled_gemm`) multiply the quantised values block by block along K (32 wide), scale each
 block's float32 partial product by its two scales and add the partials in K order in float32, then round to bf16.
+On the GPU (:class:`DequantWeight`) the weight is dequantised once to bf16 (exact) and the per-32 quantised
+activations go through one bf16 GEMM with float32 accumulation: the same products, summed in another order.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -29,12 +32,24 @@ _E2M1 = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.f
 # at 0.75, 1.75 and 3.5 (codes 2, 4, 6), down at 0.25, 1.25, 2.5 and 5.
 _MIDS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=torch.float32)
 _HALF_UP = torch.tensor([False, True, False, True, False, True, False])
+_ON_DEVICE: dict = {}
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A module constant on ``device`` (copied once per device)."""
+    if t.device == device:
+        return t
+    key = (id(t), device)
+    c = _ON_DEVICE.get(key)
+    if c is None:
+        c = _ON_DEVICE[key] = t.to(device)
+    return c
 
 
 def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
     """UE8M0 scales (``float8_e8m0fnu`` or raw ``uint8``) -> float32 ``2^(b - 127)``."""
     b = s.view(torch.uint8).to(torch.int32)
-    return torch.where(b == 0, torch.tensor(2.0 ** -127), (b << 23).view(torch.float32))
+    return torch.where(b == 0, 2.0 ** -127, (b << 23).view(torch.float32))
 
 
 def pow2_ceil_scale(amax: torch.Tensor, inv_max: torch.Tensor) -> torch.Tensor:
@@ -71,7 +86,8 @@ def fp8_qdq_(x: torch.Tensor) -> torch.Tensor:
 def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     """float32 in [-6, 6] -> 4-bit e2m1 codes (bit 3 = sign), round to nearest even."""
     mag = v.abs().unsqueeze(-1)
-    code = (mag > _MIDS).sum(-1) + ((mag == _MIDS) & _HALF_UP).sum(-1)
+    mids = _on(_MIDS, v.device)
+    code = (mag > mids).sum(-1) + ((mag == mids) & _on(_HALF_UP, v.device)).sum(-1)
     return code.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
 
 
@@ -88,14 +104,15 @@ def fp4_qdq_(x: torch.Tensor, group: int, e4m3_scale: bool) -> torch.Tensor:
     else:
         s = pow2_ceil_scale(amax.clamp_min(6 * 2.0 ** -126), _INV_FP4)
     v = (xg / s.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX)
-    x.copy_((_E2M1[e2m1_codes(v).long()] * s.unsqueeze(-1)).flatten(-2))
+    x.copy_((_on(_E2M1, x.device)[e2m1_codes(v).long()] * s.unsqueeze(-1)).flatten(-2))
     return x
 
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """FP4 bytes ``[out, in/2]`` (``float4_e2m1fn_x2``, ``int8`` or ``uint8``) -> float32 values ``[out, in]``."""
     b = packed.view(torch.uint8)
-    return torch.stack([_E2M1[(b & 0xF).long()], _E2M1[(b >> 4).long()]], -1).flatten(-2)
+    lut = _on(_E2M1, b.device)
+    return torch.stack([lut[(b & 0xF).long()], lut[(b >> 4).long()]], -1).flatten(-2)
 
 
 class QWeight:
@@ -127,10 +144,24 @@ class QWeight:
         return (self.values.unflatten(1, (-1, BLOCK)) * self.scales.unsqueeze(-1)).flatten(1)
 
 
+class DequantWeight:
+    """A :class:`QWeight` dequantised once to bf16 ``weight [N, K]`` on ``device`` (the GPU path). Exact: an e4m3 or
+    e2m1 value times a power-of-two scale fits bf16. ``kind`` is the source format."""
+
+    def __init__(self, w: QWeight, device: torch.device | str):
+        values, scales = w.values.to(device), w.scales.to(device)
+        self.weight = QWeight(values, scales, w.kind).dequant().to(torch.bfloat16)
+        self.kind = w.kind
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+
 def block_scaled_gemm(xq: torch.Tensor, xs: torch.Tensor, w: QWeight) -> torch.Tensor:
     """``[M, K] x [N, K]^T`` over quantised values: per 32-wide K block a float32 product, scaled by the
     activation scale (per row) and the weight scale (per output row), added in K order. Returns float32."""
-    acc = torch.zeros(xq.shape[0], w.values.shape[0], dtype=torch.float32)
+    acc = torch.zeros(xq.shape[0], w.values.shape[0], dtype=torch.float32, device=xq.device)
     ws, wv = w.scales, w.values
     for k in range(wv.shape[1] // BLOCK):
         sl = slice(k * BLOCK, (k + 1) * BLOCK)
@@ -143,6 +174,15 @@ def qlinear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
     shape = x.shape[:-1]
     xq, xs = act_quant_fp8(x.reshape(-1, x.shape[-1]))
     return block_scaled_gemm(xq, xs, w).to(torch.bfloat16).view(*shape, -1)
+
+
+def dq_linear(x: torch.Tensor, w: DequantWeight) -> torch.Tensor:
+    """:func:`qlinear` on the GPU path: bf16 ``x [..., K]`` through the per-32 FP8 round trip (exact in bf16), then
+    one bf16 GEMM against the dequantised weight (float32 accumulation). Returns bf16 ``[..., N]``."""
+    shape = x.shape[:-1]
+    xq, xs = act_quant_fp8(x.reshape(-1, x.shape[-1]))
+    xd = (xq.unflatten(-1, (-1, BLOCK)) * xs.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
+    return F.linear(xd, w.weight).view(*shape, -1)
 
 
 def requant_128(w: QWeight) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,153 @@
+"""DeepSeek-V4.1 on CUDA: the tiny-v41 model on the GPU path (bf16 weights dequantised at load, bf16 GEMMs, the
+same per-32 activation quantisation) against the same checkpoint's exact CPU path, held to the FP8 bounds of
+``fp8_check.py`` used for V4.
+
+What differs. Both paths multiply the same e4m3 / e2m1 values; the CPU adds the 32-wide K partials in float32 in K
+order, cuBLAS accumulates in another order. The sums differ by float32 roundings, then a bf16 rounding of the
+output, and a changed bf16 value can cross an e4m3 rounding boundary in the next activation quantisation: the same
+mechanism as V4's FP8 path against its dequant path, so the same bounds (and the same count of routing flips,
+recorded per layer). Chunked prefill + decode on CUDA are held to the CUDA full forward and to the CPU.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from deepinfer.forward_batch import ForwardBatch
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.models.deepseek_v41 import model as v41_model
+from deepinfer.presets import make_checkpoint
+from fp8_check import FP8_MAX_CALC_DIFF, check_fp8_close, per_position
+
+from deepinfer_ops.testing.compare import calc_diff
+
+PROMPT_LENS = (37, 300, 600)  # window 32, ratio-2 carries, candidate blocks, 600 > every top-k
+CHUNKS = (100, 77, 123, 100)  # then DECODE single-token steps
+DECODE = 12
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def v41_path(tmp_path_factory):
+    return make_checkpoint("tiny-v41", tmp_path_factory.mktemp("tiny-v41"), seed=0)
+
+
+@pytest.fixture(scope="module")
+def models(v41_path):
+    cpu = DeepseekV41ForCausalLM.from_checkpoint(v41_path, device="cpu")
+    gpu = DeepseekV41ForCausalLM.from_checkpoint(v41_path, device="cuda")
+    assert cpu.gemm == "exact" and gpu.gemm == "dequant" and gpu.device.type == "cuda"
+    return cpu, gpu
+
+
+@contextmanager
+def record_routes():
+    """Every router call's expert choice (sorted ids ``[T, top_k]``, on the CPU), in call order."""
+    calls: list[torch.Tensor] = []
+    orig = v41_model.route
+
+    def route(*args, **kwargs):
+        w, idx = orig(*args, **kwargs)
+        calls.append(idx.sort(dim=-1).values.cpu())
+        return w, idx
+
+    v41_model.route = route
+    try:
+        yield calls
+    finally:
+        v41_model.route = orig
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 129280, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _full(model, ids):
+    with record_routes() as calls:
+        logits = model.forward_full(ids)
+    return logits, per_position(calls, model.cfg.n_layers)
+
+
+@pytest.mark.parametrize("n", PROMPT_LENS)
+def test_cuda_matches_cpu(models, n):
+    cpu, gpu = models
+    ids = _ids(n, 200 + n)
+    ref, ref_routes = _full(cpu, ids)
+    got, got_routes = _full(gpu, ids)
+    assert got.device.type == "cuda" and got.dtype == torch.float32
+    check_fp8_close(got, ref, got_routes, ref_routes, f"{n} tokens, V4.1 CUDA vs CPU")
+
+
+def _chunked(model, ids):
+    """Chunked prefill over CHUNKS then single-token decode steps through the paged cache (scattered block ids,
+    NaN-filled pools: a read of a slot no step wrote shows up as NaN logits)."""
+    dev = model.device
+    n = ids.numel()
+    cache = model.allocate_cache(9)
+    for t in (p for layer in cache.layers for p in layer.values() if p.is_floating_point()):
+        t.fill_(float("nan"))
+    bt = torch.tensor([[7, 2, 8, 0, 5]], dtype=torch.int32)
+    steps = list(CHUNKS) + [1] * (n - sum(CHUNKS))
+    pos, out = 0, []
+    with record_routes() as calls:
+        for q in steps:
+            batch = ForwardBatch(ids[pos:pos + q].to(dev), torch.arange(pos, pos + q, device=dev), [q], [pos + q], bt,
+                                 torch.arange(q, device=dev))
+            out.append(model.forward(batch, cache))
+            pos += q
+    return torch.cat(out), per_position(calls, model.cfg.n_layers)
+
+
+def test_cuda_chunked_prefill_and_decode(models):
+    cpu, gpu = models
+    ids = _ids(sum(CHUNKS) + DECODE, 7)
+    got, got_routes = _chunked(gpu, ids)
+    assert got.device.type == "cuda" and bool(torch.isfinite(got).all())
+    full, full_routes = _full(gpu, ids)
+    check_fp8_close(got, full, got_routes, full_routes, "V4.1 CUDA chunked + decode vs CUDA full forward")
+    ref, ref_routes = _full(cpu, ids)
+    check_fp8_close(got, ref, got_routes, ref_routes, "V4.1 CUDA chunked + decode vs CPU full forward")
+
+
+def test_cuda_dspark_matches_cpu(models):
+    """DSpark drafting after a prefill and one decode step, from the same greedy token on both paths: the draft ids
+    agree up to the first row whose CPU top-2 margin is narrow, and the draft logits of those rows (which see the
+    same ids) are held to the FP8 calc_diff bound."""
+    cpu, gpu = models
+    ids = _ids(90, 11)
+    states, taps = [], []
+    for m in (cpu, gpu):
+        st = m.new_state(256)
+        _, t = m.forward(ids[:-1], st)
+        m.dspark_seed(st, t)
+        logits, t = m.forward(ids[-1:], st)
+        states.append(st)
+        taps.append(t)
+        if m is cpu:
+            token = int(logits[-1].argmax())  # the CPU's greedy token, for both
+    (ci, cl, cc), (gi, gl, gc) = ((o.cpu() for o in m.dspark(st, token, t[-1:])[:3])
+                                  for m, st, t in zip((cpu, gpu), states, taps))
+    assert gl.shape == cl.shape and gc.shape == cc.shape and bool(torch.isfinite(gc).all())
+    top2 = cl.topk(2, dim=-1).values
+    sure = (top2[:, 0] - top2[:, 1]) > 0.05 * cl.abs().amax()
+    k = int((~sure).nonzero()[0]) if (~sure).any() else len(sure)  # rows 0..k see equal ids
+    assert torch.equal(gi[:1 + k], ci[:1 + k])
+    rows = slice(0, min(k + 1, len(sure)))
+    assert calc_diff(gl[rows].double(), cl[rows].double()) <= FP8_MAX_CALC_DIFF
+
+
+def test_cuda_engine_generates():
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM("tiny-v41", device="cuda", num_blocks=16, max_num_batched_tokens=256)
+    assert llm.model.gemm == "dequant" and llm.model.device.type == "cuda"
+    prompts = [_ids(n, n).tolist() for n in (5, 40, 130)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [6, 6, 6]
+    assert all(0 <= t < 129280 for o in outs for t in o.token_ids)
+    with pytest.raises(ValueError, match="gemm"):
+        LLM("tiny-v41", device="cuda", gemm="fp8", num_blocks=8)
