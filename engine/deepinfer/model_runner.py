@@ -280,21 +280,22 @@ class ModelRunner:
                              batch_invariant: bool = False, **cache_options) -> int:
         """Device bytes the decode graphs of every bucket will hold, measured before the cache is sized: every
         bucket is captured over a 2-block cache (as :meth:`capture` does: largest first, one pool), then freed.
-        The free device memory before and after the capture gives the figure (torch's pool and the driver's
-        graph memory), at least the growth of torch's reserved memory and the graph pool's segments. Capturing
-        the largest and smallest bucket alone underestimated it (the pool does not reuse every block across
-        bucket sizes)."""
+        The figure is the largest of: the drop in free device memory (torch's pool and the driver's graph
+        memory), the growth of torch's reserved memory, the graph pool's segments, and the peak growth of the
+        allocated bytes (warm-up temporaries included; in a long-lived process the capture reuses cached blocks
+        and the first three read low). Capturing the largest and smallest bucket alone underestimated it (the
+        pool does not reuse every block across bucket sizes)."""
         import gc
 
         torch.cuda.synchronize(device)
         cache = allocate_cache(model, 2, block_size, **cache_options)
         runner = cls(model, cache, device, batch_invariant=batch_invariant)
         free1, reserved1 = torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated1 = torch.cuda.memory_allocated(device)
         runner.capture(graph_buckets(max_num_seqs), max_model_len)
-        # the largest of the driver's figure, torch's growth and the graph pool's own segments: both deltas read 0
-        # in a long-lived process on the H200 (a pytest run after other CUDA tests; cause not established)
         total = max(0, free1 - torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device) - reserved1,
-                    _pool_bytes(runner._graph_pool, device))
+                    _pool_bytes(runner._graph_pool, device), torch.cuda.max_memory_allocated(device) - allocated1)
         del runner, cache
         gc.collect()
         torch.cuda.empty_cache()  # what stays (the model's tables, cuBLAS workspaces) is out of the free memory
