@@ -5,12 +5,14 @@ same per-32 activation quantisation) against the same checkpoint's exact CPU pat
 What differs. Both paths multiply the same e4m3 / e2m1 values; the CPU adds the 32-wide K partials in float32 in K
 order, cuBLAS accumulates in another order. The sums differ by float32 roundings, then a bf16 rounding of the
 output, and a changed bf16 value can cross an e4m3 rounding boundary in the next activation quantisation: the same
-mechanism as V4's FP8 path against its dequant path, so the same bounds. The discrete choices are recorded per
-layer and row: the router's experts and each index source's top-k selection (a row whose two best indexer scores
-are closer than that error may pick another compressed entry: measured on the H200 at 600 tokens, one row routed
-alike had calc_diff 2.1e-2, above the per-row bound, before selections were counted). A row that chose
-differently anywhere counts as a flip (bounded share); the others are held to the tight bounds. Chunked prefill
-+ decode on CUDA are held to the CUDA full forward and to the CPU.
+mechanism as V4's FP8 path against its dequant path, so the same bounds, with one addition. The discrete choices
+are recorded per layer and row: the router's experts (a row routed differently anywhere is a flip: bounded share,
+as V4) and each index source's top-k selection. The indexer's scores come from FP4-rounded queries and keys, so
+near-ties are common and a last-bit change picks another compressed entry in most rows of a long prompt
+(measured on the H200 at 600 tokens: 76 % of the rows; their logits move little, calc_diff of all rows 1.7e-3).
+Such rows stay in every together bound but are held per row to ``SELECTION_ROW_CALC_DIFF`` = 5e-2 instead of
+1e-2 (measured worst 2.1e-2); the rows whose choices all agree measured 9.4e-4 against the 1e-2 bound. Chunked
+prefill + decode on CUDA are held to the CUDA full forward and to the CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from fp8_check import FP8_MAX_CALC_DIFF, check_fp8_close, per_position
 
 from deepinfer_ops.testing.compare import calc_diff
 
+SELECTION_ROW_CALC_DIFF = 5e-2
 PROMPT_LENS = (37, 300, 600)  # window 32, ratio-2 carries, candidate blocks, 600 > every top-k
 CHUNKS = (100, 77, 123, 100)  # then DECODE single-token steps
 DECODE = 12
@@ -84,6 +87,15 @@ def _ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, 129280, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+def _check(got, ref, got_choices, ref_choices, n_layers: int, what: str) -> dict:
+    """:func:`check_fp8_close` with the routes as flips and the rows whose index selection differs as loose rows."""
+    sel = torch.zeros(ref.shape[0], dtype=torch.bool)
+    for g, r in zip(got_choices[n_layers:], ref_choices[n_layers:], strict=True):
+        sel |= (g != r).any(dim=-1)
+    return check_fp8_close(got, ref, got_choices[:n_layers], ref_choices[:n_layers], what, loose_rows=sel,
+                           loose_row_max=SELECTION_ROW_CALC_DIFF)
+
+
 def _full(model, ids):
     with record_choices(model) as choices:
         logits = model.forward_full(ids)
@@ -97,7 +109,7 @@ def test_cuda_matches_cpu(models, n):
     ref, ref_routes = _full(cpu, ids)
     got, got_routes = _full(gpu, ids)
     assert got.device.type == "cuda" and got.dtype == torch.float32
-    check_fp8_close(got, ref, got_routes, ref_routes, f"{n} tokens, V4.1 CUDA vs CPU")
+    _check(got, ref, got_routes, ref_routes, cpu.cfg.n_layers, f"{n} tokens, V4.1 CUDA vs CPU")
 
 
 def _chunked(model, ids):
@@ -127,9 +139,9 @@ def test_cuda_chunked_prefill_and_decode(models):
     got, got_routes = _chunked(gpu, ids)
     assert got.device.type == "cuda" and bool(torch.isfinite(got).all())
     full, full_routes = _full(gpu, ids)
-    check_fp8_close(got, full, got_routes, full_routes, "V4.1 CUDA chunked + decode vs CUDA full forward")
+    _check(got, full, got_routes, full_routes, cpu.cfg.n_layers, "V4.1 CUDA chunked + decode vs CUDA full forward")
     ref, ref_routes = _full(cpu, ids)
-    check_fp8_close(got, ref, got_routes, ref_routes, "V4.1 CUDA chunked + decode vs CPU full forward")
+    _check(got, ref, got_routes, ref_routes, cpu.cfg.n_layers, "V4.1 CUDA chunked + decode vs CPU full forward")
 
 
 def test_cuda_dspark_matches_cpu(models):
