@@ -119,3 +119,16 @@ def test_bench_host_runs_both_plan_paths():
             assert row["shape"]["batch"] == 5 and row["shape"]["graph_plans"] == graphs
             assert row["shape"]["window_group"] == window_group
             assert row["host_ms"] > 0 and row["host_cpu_ms"] > 0
+
+
+def test_kept_rows_keep_other_checkpoints_with_their_commit(tmp_path):
+    import json
+
+    mod = _bench_module()
+    assert mod.kept_rows(tmp_path, "v41-flash-shapes") == []
+    rows = [{"op": "engine_generate", "shape": {"checkpoint": c}, "us": 1.0} for c in ("v4-flash-shapes",
+                                                                                   "v41-flash-shapes")]
+    rows[0]["commit"] = "old"
+    (tmp_path / "bench_engine.json").write_text(json.dumps({"commit": "doc", "rows": rows + [dict(rows[1])]}))
+    assert mod.kept_rows(tmp_path, "v41-flash-shapes") == [{**rows[0], "commit": "old"}]
+    assert [r["commit"] for r in mod.kept_rows(tmp_path, "v4-flash-shapes")] == ["doc", "doc"]

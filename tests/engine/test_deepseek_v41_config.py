@@ -11,7 +11,8 @@ import torch
 
 from deepinfer.checkpoint import CheckpointError
 from deepinfer.models.deepseek_v41 import DeepseekV41Config, expected_parameters, load_weights
-from deepinfer.models.deepseek_v41.quant import QWeight, act_quant_fp8, e2m1_codes, fp4_qdq_, requant_128, unpack_fp4
+from deepinfer.models.deepseek_v41.quant import (DequantWeight, QWeight, act_quant_fp8, dq_linear, e2m1_codes, fp4_qdq_,
+                                                 qlinear, requant_128, unpack_fp4)
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO.parent / "shared" / "reference" / "v41-golden"
@@ -131,6 +132,43 @@ def test_requant_128_is_lossy_where_tile_scales_differ():
     q, sc = requant_128(qw)
     back = q.float() * sc.repeat_interleave(128, 0).repeat_interleave(128, 1)
     assert not torch.equal(back, qw.dequant())  # the small tile underflows in the shared 128x128 scale
+
+
+@pytest.mark.parametrize("kind", ["fp8", "fp4"])
+def test_dequant_weight_is_exact_and_dq_linear_matches_qlinear(kind):
+    """The GPU path's weight (run here on the CPU): bf16 dequantisation is exact, and its GEMM equals the exact
+    block-scaled one up to float32 summation order and one bf16 rounding of the output."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 96, 160
+    if kind == "fp8":
+        w = (torch.randn(n, k, generator=g) * 40).to(torch.float8_e4m3fn)
+        s = torch.randint(118, 128, (n // 32, k // 32), dtype=torch.uint8, generator=g)
+        qw = QWeight.from_fp8(w, s)
+    else:
+        w = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g)
+        qw = QWeight.from_fp4(w, torch.randint(118, 128, (n, k // 32), dtype=torch.uint8, generator=g))
+    dw = DequantWeight(qw, "cpu")
+    assert dw.shape == (n, k) and dw.weight.dtype == torch.bfloat16
+    assert torch.equal(dw.weight.float(), qw.dequant())
+    x = (torch.randn(7, k, generator=g) * 3).to(torch.bfloat16)
+    ref, got = qlinear(x, qw).float(), dq_linear(x, dw).float()
+    assert got.shape == ref.shape == (7, n)
+    assert ((got - ref).abs() <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all()
+
+
+def test_from_checkpoint_names_bad_device_and_gemm(tmp_path):
+    from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from deepinfer.models.deepseek_v41.loading import check_device_memory, device_bytes
+
+    from deepinfer.presets import preset_config
+
+    cfg = DeepseekV41Config.from_dict(preset_config("tiny-v41"))
+    assert device_bytes(cfg, "cuda") < device_bytes(cfg, "cpu")  # bf16 linears on a GPU, float32 values on the CPU
+    check_device_memory(cfg, torch.device("cpu"))  # the CPU is not checked
+    with pytest.raises(ValueError, match="device"):
+        DeepseekV41ForCausalLM.from_checkpoint(tmp_path, device="meta")
+    with pytest.raises(ValueError, match="gemm.*'fp8'"):
+        DeepseekV41ForCausalLM.from_checkpoint(tmp_path, device="cpu", gemm="fp8")
 
 
 # ---- checkpoint errors -------------------------------------------------------------------------------------------
