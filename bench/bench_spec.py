@@ -155,7 +155,11 @@ def main(argv: list[str] | None = None) -> None:
         ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or ROOT / "bench" / "results" / dev / "bench_spec.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": str(args.model), "rows": rows}, indent=1) + "\n")
+    from bench.timer import commit_id
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    out.write_text(json.dumps({"model": str(args.model), "gpu": gpu, "torch": torch.__version__,
+                               "commit": commit_id(), "rows": rows}, indent=1) + "\n")
     print(f"wrote {out}")
 
 

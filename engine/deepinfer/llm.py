@@ -331,6 +331,7 @@ class LLM:
         if cfg.speculative_method is not None:
             from deepinfer.spec_decode import SpecDecoder
 
+            SpecDecoder.check_runner(self.runner)
             cost = plain = None
             if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
                 # profiled on CUDA; the CPU keeps default_step_cost

@@ -102,6 +102,18 @@ class SpecDecoder:
 
     def __init__(self, runner, num_speculative_tokens: int, schedule: str = "confidence", cost=None,
                  plain_cost: dict[int, float] | None = None) -> None:
+        self.check_runner(runner)
+        self.runner = runner
+        self.k = num_speculative_tokens
+        self.schedule = schedule
+        self.cost = cost or default_step_cost
+        self.drafts: dict[int, DraftState] = {}
+        self.stats = SpecStats(num_speculative_tokens)
+        self.plain_cost = dict(sorted(plain_cost.items())) if plain_cost and schedule == "confidence" else None
+
+    @staticmethod
+    def check_runner(runner) -> None:
+        """Raise the ValueError of the class doc when ``runner``'s model cannot speculate (before any profiling)."""
         model = runner.model
         if runner.builder is None or not callable(getattr(model, "forward_mtp", None)) \
                 or not len(getattr(model, "mtp", ())):
@@ -110,13 +122,6 @@ class SpecDecoder:
         if getattr(model, "expert_parallel", None) is not None:  # ranks must run the same forwards per step
             raise ValueError("EngineConfig.speculative_method: not supported with expert parallelism yet (the "
                              "number of MTP forwards per step differs between ranks)")
-        self.runner = runner
-        self.k = num_speculative_tokens
-        self.schedule = schedule
-        self.cost = cost or default_step_cost
-        self.drafts: dict[int, DraftState] = {}
-        self.stats = SpecStats(num_speculative_tokens)
-        self.plain_cost = dict(sorted(plain_cost.items())) if plain_cost and schedule == "confidence" else None
 
     def pays(self, num_seqs: int) -> bool:
         """Whether a speculative step can beat a plain one at ``num_seqs`` sequences: verifying ``k`` drafts each

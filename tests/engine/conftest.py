@@ -20,3 +20,12 @@ def one_cpu_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def cpu_accelerator():
+    """Run a module's engines on the CPU also where CUDA is present (``DEEPINFER_ACCELERATOR=cpu``): its checks are
+    of the CPU path's behaviour (the default step cost, bitwise repeats). Use with ``pytest.mark.usefixtures``."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_ACCELERATOR", "cpu")
+        yield

@@ -17,7 +17,7 @@ from deepinfer.llm import LLM
 from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import SamplingParams, Sequence
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = pytest.mark.usefixtures("one_cpu_thread", "cpu_accelerator")
 
 PROMPTS = [[(7 * i + 3 * j) % 1000 + 10 for j in range(5 + 9 * i)] for i in range(4)]
 GREEDY = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)

@@ -12,7 +12,7 @@ from deepinfer.model_runner import ModelRunner
 from deepinfer.sequence import SamplingParams
 from test_spec_engine import PROMPTS, _use_oracle
 
-pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+pytestmark = pytest.mark.usefixtures("one_cpu_thread", "cpu_accelerator")
 
 
 class _Runner:
