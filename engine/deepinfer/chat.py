@@ -915,6 +915,7 @@ class ChatFrontend:
         except R.ConversionError as e:
             err = _conversion_error(e)
             err.record["code"] = "context_length_exceeded"
+            err.record["param"] = err.record.get("param") or "max_tokens"
             raise err from None
         io = conv.inference_options
         version = "v4" if conv.model_version == R.ModelVersion.DeepseekV4Pro else "v4.1"

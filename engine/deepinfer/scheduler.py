@@ -163,7 +163,7 @@ class Scheduler:
             return self._refuse(
                 seq, "context_length_exceeded",
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {need_len} "
-                f"exceeds the model's context length ({self.max_model_len})")
+                f"exceeds the model's context length ({self.max_model_len})", "max_tokens")
         bm = self.block_manager
         peak = bm.peak_blocks(need_len, self.config.max_num_batched_tokens)
         for g in bm.groups:  # every cache group must hold the request alone
@@ -178,8 +178,8 @@ class Scheduler:
         self._live[seq.seq_id] = seq
         return True
 
-    def _refuse(self, seq: Sequence, kind: str, message: str) -> bool:
-        seq.failure = RequestFailure(kind, message)
+    def _refuse(self, seq: Sequence, kind: str, message: str, param: str | None = None) -> bool:
+        seq.failure = RequestFailure(kind, message, param)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         seq.finish_time = time.perf_counter()

@@ -149,3 +149,11 @@ def test_any_of_several_eos_ids_stops():
     _fake_step(s, s.schedule(), token=4)
     _fake_step(s, s.schedule(), token=9)
     assert a.output_token_ids == [4] and a.finish_reason == "stop" and a.stop_token_id == 9
+
+
+def test_context_length_refusal_names_max_tokens():
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM("tiny", num_blocks=8, max_model_len=64)
+    out = llm.generate([[5] * 40], SamplingParams(max_tokens=30))[0]
+    assert out.error["code"] == "context_length_exceeded" and out.error["param"] == "max_tokens"
