@@ -286,17 +286,24 @@ def overhead_rows(off: dict, on: dict) -> list[dict]:
     return rows
 
 
-def kept_rows(out_dir: Path | None, checkpoint: str) -> list[dict]:
-    """The rows of bench_engine.json measured on another checkpoint (another preset's rows stay when one preset is
-    re-run), each with its own commit recorded."""
+def kept_rows(out_dir: Path | None, bench_name: str, checkpoint: str) -> list[dict]:
+    """The rows of ``<bench_name>.json`` measured on another checkpoint (another preset's rows stay when one preset
+    is re-run), each with its own commit recorded. An unreadable file keeps nothing (with a warning): the new rows
+    are written all the same."""
     from bench.timer import gpu_tag
 
-    path = (out_dir or ROOT / "bench" / "results" / gpu_tag()) / "bench_engine.json"
+    path = (out_dir or ROOT / "bench" / "results" / gpu_tag()) / f"{bench_name}.json"
     if not path.is_file():
         return []
-    doc = json.loads(path.read_text())
-    return [{**r, "commit": r.get("commit", doc.get("commit"))} for r in doc.get("rows", [])
-            if r.get("shape", {}).get("checkpoint") != checkpoint]
+    try:
+        doc = json.loads(path.read_text())
+        rows = doc["rows"]
+        kept = [{**r, "commit": r.get("commit", doc.get("commit"))} for r in rows
+                if r.get("shape", {}).get("checkpoint") != checkpoint]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"warning: {path} is not a results file ({type(e).__name__}: {e}); its rows are not kept", flush=True)
+        return []
+    return kept
 
 
 def main() -> None:
@@ -339,8 +346,11 @@ def main() -> None:
                    help="comma list of graphs+async, graphs, async, eager")
     p.add_argument("--results-name", default="bench_engine_core")
     args = p.parse_args()
+    v41_preset = args.model is None and args.preset == "v41-flash-shapes"
+    if v41_preset and args.num_layers is not None:
+        p.error("--num-layers: the v41-flash-shapes preset has a fixed depth (one layer of each V4.1 block type)")
     if args.quick:
-        args.num_layers, args.num_experts = args.num_layers or 2, min(args.num_experts, 16)
+        args.num_layers, args.num_experts = (None if v41_preset else args.num_layers or 2), min(args.num_experts, 16)
         args.num_requests, args.prompt_len, args.max_tokens = 8, 256, 16
     if args.repeats < 1:
         p.error(f"--repeats: expected >= 1, got {args.repeats}")
@@ -356,16 +366,16 @@ def main() -> None:
     tmp = None
     model_path = args.model
     shape_extra: dict = {"checkpoint": model_path}
-    if model_path is None:
-        tmp = tempfile.mkdtemp(prefix="bench-fs-", dir=args.work_dir)
-        t0 = time.perf_counter()
-        make_checkpoint(args.preset, tmp, 0, num_layers=args.num_layers, num_experts=args.num_experts,
-                        progress=False)
-        print(f"made {args.preset} (layers={args.num_layers or 'preset'}, experts={args.num_experts}) in "
-              f"{time.perf_counter() - t0:.0f} s", flush=True)
-        model_path = tmp
-        shape_extra = {"checkpoint": args.preset, "num_experts": args.num_experts}
     try:
+        if model_path is None:
+            tmp = tempfile.mkdtemp(prefix="bench-fs-", dir=args.work_dir)
+            t0 = time.perf_counter()
+            make_checkpoint(args.preset, tmp, 0, num_layers=args.num_layers, num_experts=args.num_experts,
+                            progress=False)
+            print(f"made {args.preset} (layers={args.num_layers or 'preset'}, experts={args.num_experts}) in "
+                  f"{time.perf_counter() - t0:.0f} s", flush=True)
+            model_path = tmp
+            shape_extra = {"checkpoint": args.preset, "num_experts": args.num_experts}
         t0 = time.perf_counter()
         model = _load_checkpoint(model_path, device, batch_invariant=False, gemm=args.gemm)
         cfg = model.config
@@ -390,14 +400,17 @@ def main() -> None:
     rows = [best_of(runs[m]) for m in modes]
     from bench.timer import write_results
 
-    write_results("bench_engine", rows + kept_rows(args.out_dir, shape_extra["checkpoint"]), args.out_dir)
+    write_results("bench_engine", rows + kept_rows(args.out_dir, "bench_engine", shape_extra["checkpoint"]),
+                  args.out_dir)
     if [r["shape"]["batch_invariant"] for r in rows] == [False, True]:
         bi_rows = overhead_rows(rows[0], rows[1])
         for r in bi_rows:
             print(f"{r['op']}: batch-invariant overhead {r['overhead_pct']}% by median step "
                   f"(on {r['tok_s']:.1f} tok/s, off {r['peers']['batch_invariant_off']['tok_s']:.1f} tok/s), "
                   f"{r['overhead_pct_mean']}% by whole-run mean")
-        write_results("bench_batch_invariant", bi_rows, args.out_dir)
+        write_results("bench_batch_invariant",
+                      bi_rows + kept_rows(args.out_dir, "bench_batch_invariant", shape_extra["checkpoint"]),
+                      args.out_dir)
 
 
 if __name__ == "__main__":

@@ -416,7 +416,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    "built for (its max_position_embeddings) is lowered to it, with a warning")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     e.add_argument("--gemm", choices=("auto", "fp8", "dequant"), default="auto",
-                   help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA)")
+                   help="GEMM path: FP8 weights + FP8 GEMMs, or dequantised weights (default auto: fp8 on CUDA; "
+                   "DeepSeek-V4.1: its exact block-scaled GEMMs on the CPU, dequant on CUDA, no fp8)")
     e.add_argument("--kv-cache-dtype", choices=("auto", "bf16", "fp8"), default="auto",
                    help="window / compressed KV and indexer keys: the model dtype (auto), bfloat16, or FP8 entries")
     e.add_argument("--seed", type=int, default=None, help="base for the seeds drawn for requests without one")

@@ -278,6 +278,11 @@ class LLM:
                                           self._expert_parallel(model_dir, parallel_rank))
         else:
             self.model = model
+        bi_devices = getattr(self.model, "batch_invariant_devices", None)
+        if cfg.batch_invariant and bi_devices is not None and self.device.type not in bi_devices:
+            raise ValueError(f"batch_invariant: {type(self.model).__name__} is batch-invariant on "
+                             f"{', '.join(bi_devices)} only, not on {self.device.type} (its GEMMs there may sum a row "
+                             "differently at another row count)")
         self.tokenizer_json = resolve_tokenizer_json(tokenizer, None)  # a folder's was resolved before loading
         max_pos, self.eos_token_ids, self.vocab_size = _model_limits(self.model)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None

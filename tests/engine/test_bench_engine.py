@@ -125,10 +125,13 @@ def test_kept_rows_keep_other_checkpoints_with_their_commit(tmp_path):
     import json
 
     mod = _bench_module()
-    assert mod.kept_rows(tmp_path, "v41-flash-shapes") == []
+    assert mod.kept_rows(tmp_path, "bench_engine", "v41-flash-shapes") == []
     rows = [{"op": "engine_generate", "shape": {"checkpoint": c}, "us": 1.0} for c in ("v4-flash-shapes",
                                                                                    "v41-flash-shapes")]
     rows[0]["commit"] = "old"
     (tmp_path / "bench_engine.json").write_text(json.dumps({"commit": "doc", "rows": rows + [dict(rows[1])]}))
-    assert mod.kept_rows(tmp_path, "v41-flash-shapes") == [{**rows[0], "commit": "old"}]
-    assert [r["commit"] for r in mod.kept_rows(tmp_path, "v4-flash-shapes")] == ["doc", "doc"]
+    assert mod.kept_rows(tmp_path, "bench_engine", "v41-flash-shapes") == [{**rows[0], "commit": "old"}]
+    assert [r["commit"] for r in mod.kept_rows(tmp_path, "bench_engine", "v4-flash-shapes")] == ["doc", "doc"]
+    for bad in ("{not json", "[1, 2]", '{"rows": [1]}', '{"rows": null}', '{"commit": "x"}'):
+        (tmp_path / "bench_engine.json").write_text(bad)
+        assert mod.kept_rows(tmp_path, "bench_engine", "v41-flash-shapes") == []

@@ -69,6 +69,7 @@ def test_text_config_layout_equals_flat():
     ("score_func", "relu", "score_func"),
     ("norm_eps", -1.0, "norm_eps"),
     ("o_groups", 3, "o_groups"),
+    ("o_lora_rank", 20, "o_lora_rank"),
     ("dspark_target_layer_ids", [9], "dspark_target_layer_ids"),
     ("window_size", "16", "window_size"),
     ("model_type", "deepseek_v4", "model_type"),
@@ -156,6 +157,20 @@ def test_dequant_weight_is_exact_and_dq_linear_matches_qlinear(kind):
     assert ((got - ref).abs() <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all()
 
 
+def test_corrupt_engram_map_files_are_checkpoint_errors(tmp_path):
+    from deepinfer.models.deepseek_v41.loading import load_token_map
+    from deepinfer.presets import preset_config
+
+    cfg = DeepseekV41Config.from_dict(preset_config("tiny-v41"))
+    (tmp_path / "extra.safetensors").write_bytes(b"\x10" * 500)
+    with pytest.raises(CheckpointError, match="extra.safetensors"):
+        load_token_map(tmp_path, cfg)
+    (tmp_path / "extra.safetensors").unlink()
+    (tmp_path / "tokenizer.json").write_text('{"model": ')
+    with pytest.raises(CheckpointError, match="tokenizer.json"):
+        load_token_map(tmp_path, cfg)
+
+
 def test_from_checkpoint_names_bad_device_and_gemm(tmp_path):
     from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
     from deepinfer.models.deepseek_v41.loading import check_device_memory, device_bytes
@@ -163,12 +178,14 @@ def test_from_checkpoint_names_bad_device_and_gemm(tmp_path):
     from deepinfer.presets import preset_config
 
     cfg = DeepseekV41Config.from_dict(preset_config("tiny-v41"))
-    assert device_bytes(cfg, "cuda") < device_bytes(cfg, "cpu")  # bf16 linears on a GPU, float32 values on the CPU
+    assert device_bytes(cfg, True) < device_bytes(cfg, False)  # bf16 dequantised linears, float32 exact values
     check_device_memory(cfg, torch.device("cpu"))  # the CPU is not checked
-    with pytest.raises(ValueError, match="device"):
-        DeepseekV41ForCausalLM.from_checkpoint(tmp_path, device="meta")
-    with pytest.raises(ValueError, match="gemm.*'fp8'"):
-        DeepseekV41ForCausalLM.from_checkpoint(tmp_path, device="cpu", gemm="fp8")
+    for dev in ("meta", "bogus", "cuda:7", 3.5):
+        with pytest.raises(ValueError, match="device"):
+            DeepseekV41ForCausalLM.from_checkpoint(tmp_path, device=dev)
+    for bad in ("fp8", None, 3):
+        with pytest.raises(ValueError, match="gemm"):
+            DeepseekV41ForCausalLM.from_checkpoint(tmp_path, device="cpu", gemm=bad)
 
 
 # ---- checkpoint errors -------------------------------------------------------------------------------------------
@@ -197,6 +214,7 @@ def _copy_with(tmp: Path, edit) -> Path:
     (lambda sd: sd.__setitem__("layers.9.attn.extra", torch.zeros(1)), "layers.9.attn.extra"),
     (lambda sd: sd["layers.1.attn.attn_sink"].fill_(float("nan")), "layers.1.attn.attn_sink"),
     (lambda sd: sd["layers.1.attn.wkv.scale"].view(torch.uint8).fill_(255), "layers.1.attn.wkv.scale"),
+    (lambda sd: sd["layers.1.attn.wkv.scale"].view(torch.uint8).fill_(254), "layers.1.attn.wkv.scale"),  # overflows
 ])
 def test_bad_checkpoint_names_tensor(tmp_path, edit, needle):
     path = _copy_with(tmp_path, edit)

@@ -210,3 +210,23 @@ def test_forward_batch_form_equals_full_forward():
     out = m.forward(batch, cache)
     assert torch.equal(out[0], m.forward_full(torch.tensor(a))[-1])
     assert torch.equal(out[1], m.forward_full(torch.tensor(b))[-1])
+
+
+def test_dequant_path_on_the_cpu_matches_exact():
+    """The GPU path's numerics (bf16 weights dequantised at load, bf16 GEMMs) run on the CPU in CI: held to the
+    exact path with the V4.1 CUDA test's bounds (routing flips counted, index-selection rows held per row to the
+    looser bound); and batch-invariant mode is refused where it does not hold."""
+    from test_deepseek_v41_cuda import _check, _full
+
+    from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+    from deepinfer.presets import default_model_path
+
+    path = default_model_path(preset="tiny-v41")
+    exact = DeepseekV41ForCausalLM.from_checkpoint(path)
+    dq = DeepseekV41ForCausalLM.from_checkpoint(path, gemm="dequant")
+    assert exact.gemm == "exact" and dq.gemm == "dequant"
+    ids = torch.tensor(_ids(random.Random(21), 300))
+    ref, ref_ch = _full(exact, ids)
+    got, got_ch = _full(dq, ids)
+    _check(got, ref, got_ch, ref_ch, exact.cfg.n_layers, "V4.1 dequant vs exact on the CPU")
+    assert LLM("tiny-v41", batch_invariant=True, num_blocks=4).config.batch_invariant

@@ -1,4 +1,5 @@
-"""DeepSeek-V4.1 (V4.1-Flash architecture): config, inventory, loading, CPU forward (``docs/deepseek_v41.md``)."""
+"""DeepSeek-V4.1 (V4.1-Flash architecture): config, inventory, loading, forward on the CPU or CUDA
+(``docs/deepseek_v41.md``)."""
 
 from .config import MODEL_TYPE, DeepseekV41Config
 from .loading import expected_parameters, load_model, load_token_map, load_weights

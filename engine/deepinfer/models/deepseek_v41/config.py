@@ -330,6 +330,9 @@ class DeepseekV41Config:
             raise _bad("rope_head_dim", c.rope_head_dim, "must be even and <= head_dim and index_head_dim")
         if c.n_heads % c.o_groups:
             raise _bad("o_groups", c.o_groups, f"must divide n_heads = {c.n_heads}")
+        if (c.o_groups * c.o_lora_rank) % 32:
+            raise _bad("o_lora_rank", c.o_lora_rank, f"times o_groups ({c.o_groups}) must be a multiple of 32 (the "
+                       "input width of the FP8 wo_b)")
         if c.n_activated_experts > c.n_routed_experts:
             raise _bad("n_activated_experts", c.n_activated_experts, f"exceeds n_routed_experts = {c.n_routed_experts}")
         total = c.n_layers + c.n_mtp_layers

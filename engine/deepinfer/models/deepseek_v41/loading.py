@@ -153,10 +153,10 @@ def _scale(t: torch.Tensor, name: str, file) -> torch.Tensor:
     return t
 
 
-def device_bytes(cfg: DeepseekV41Config, device: torch.device | str) -> int:
-    """Bytes the loaded weights hold on ``device``: on the CPU FP8 / FP4 linears as float32 values + scales; on a
-    GPU as dequantised bf16 (:class:`~.quant.DequantWeight`); Engram tables as float32 values + scales."""
-    gpu = torch.device(device).type != "cpu"
+def device_bytes(cfg: DeepseekV41Config, dequant: bool) -> int:
+    """Bytes the loaded weights hold: FP8 / FP4 linears as float32 values + scales (the exact path) or, with
+    ``dequant``, as bf16 (:class:`~.quant.DequantWeight`); Engram tables as float32 values + scales."""
+    gpu = dequant
     total = 0
     for (out, *rest), kind in expected_parameters(cfg).values():
         n = out * (rest[0] if rest else 1)
@@ -169,25 +169,26 @@ def device_bytes(cfg: DeepseekV41Config, device: torch.device | str) -> int:
     return total
 
 
-def check_device_memory(cfg: DeepseekV41Config, device: torch.device) -> None:
+def check_device_memory(cfg: DeepseekV41Config, device: torch.device, dequant: bool = True) -> None:
     """Refuse, before reading any weight, a GPU load whose weights exceed the device's free memory (ValueError with
     both figures)."""
     if device.type != "cuda":
         return
-    need, free = device_bytes(cfg, device), int(torch.cuda.mem_get_info(device)[0])
+    need, free = device_bytes(cfg, dequant), int(torch.cuda.mem_get_info(device)[0])
     if need > free:
         gib = 1 << 30
-        raise ValueError(f"device: the DeepSeek-V4.1 weights need {need / gib:.1f} GiB on {device} (dense and expert "
-                         f"linears dequantised to bf16), but only {free / gib:.1f} GiB is free; use a checkpoint with "
-                         "fewer routed experts (deepinfer make-checkpoint --num-experts N)")
+        raise ValueError(f"device: the DeepSeek-V4.1 weights need {need / gib:.1f} GiB on {device}, but only "
+                         f"{free / gib:.1f} GiB is free; use a checkpoint with fewer routed experts (deepinfer "
+                         "make-checkpoint --num-experts N)")
 
 
-def load_weights(path: str | os.PathLike, cfg: DeepseekV41Config | None = None, device: torch.device | str = "cpu"):
+def load_weights(path: str | os.PathLike, cfg: DeepseekV41Config | None = None, device: torch.device | str = "cpu",
+                 dequant: bool | None = None):
     """Load a V4.1 checkpoint folder. Returns (config, weights) where weights maps each expected name to a
-    :class:`QWeight` (FP8 / FP4 linears; on a GPU ``device`` a :class:`DequantWeight`), a float32 values tensor
-    (Engram tables, with their float32 scales under ``<name>.scale``) or the stored BF16 / F32 tensor, on
-    ``device``. Raises CheckpointError naming the tensor and file; ValueError when the weights do not fit the
-    GPU."""
+    :class:`QWeight` (FP8 / FP4 linears; a :class:`DequantWeight` with ``dequant``, default: on a GPU), a float32
+    values tensor (Engram tables, with their float32 scales under ``<name>.scale``) or the stored BF16 / F32
+    tensor, on ``device``. Raises CheckpointError naming the tensor and file; ValueError when the weights do not
+    fit the GPU."""
     root = Path(path)
     if cfg is None:
         try:
@@ -210,7 +211,8 @@ def load_weights(path: str | os.PathLike, cfg: DeepseekV41Config | None = None, 
             raise CheckpointError(f"tensor {n!r}: missing from the checkpoint in {root}")
         _check(n, shape, kind, infos)
     device = torch.device(device)
-    check_device_memory(cfg, device)
+    dequant = device.type != "cpu" if dequant is None else dequant
+    check_device_memory(cfg, device, dequant)
     handles: dict = {}
     weights: dict = {}
     for n, (shape, kind) in spec.items():
@@ -226,7 +228,12 @@ def load_weights(path: str | os.PathLike, cfg: DeepseekV41Config | None = None, 
             w = QWeight.from_fp8(t, s) if kind == "fp8" else QWeight.from_fp4(t, s)
             if not bool(torch.isfinite(w.values).all()):
                 raise CheckpointError(f"tensor {n!r} in {infos[n].file}: holds NaN or infinity")
-            weights[n] = w if device.type == "cpu" else DequantWeight(w, device)
+            # each 32-wide block's largest |value| times its scale must stay finite in bf16 (and so in float32)
+            block_max = w.values.abs().unflatten(1, (-1, 32)).amax(-1) * w.scales
+            if not bool((block_max <= torch.finfo(torch.bfloat16).max).all()):
+                raise CheckpointError(f"scale tensor {sn!r} in {infos[sn].file}: a scale makes the dequantised "
+                                      f"{n!r} overflow (inf)")
+            weights[n] = DequantWeight(w, device) if dequant else w
         else:
             v = t.float()
             if not bool(torch.isfinite(v).all()):
@@ -245,7 +252,10 @@ def load_token_map(path: str | os.PathLike, cfg: DeepseekV41Config) -> torch.Ten
     if extra.is_file():
         from safetensors.torch import load_file
 
-        t = load_file(str(extra)).get("engram.token_map")
+        try:
+            t = load_file(str(extra)).get("engram.token_map")
+        except Exception as e:  # safetensors raises its own error type for a corrupt file
+            raise CheckpointError(f"{extra}: not a readable safetensors file ({e})") from None
         if t is not None:
             return t
     tok = root / "tokenizer.json"
@@ -256,16 +266,24 @@ def load_token_map(path: str | os.PathLike, cfg: DeepseekV41Config) -> torch.Ten
 
     from .engram import compressed_token_map
 
-    m, n = compressed_token_map(Tokenizer.from_file(str(tok)))
+    try:
+        tokenizer = Tokenizer.from_file(str(tok))
+    except Exception as e:  # tokenizers raises a bare Exception for a corrupt file
+        raise CheckpointError(f"{tok}: not a readable tokenizer.json ({e})") from None
+    m, n = compressed_token_map(tokenizer)
     if n != cfg.engram_compressed_vocab_size:
         raise CheckpointError(f"{tok}: its compressed vocabulary has {n} ids, but engram_compressed_vocab_size is "
                               f"{cfg.engram_compressed_vocab_size}")
     return torch.tensor(m[:cfg.vocab_size] + [0] * max(0, cfg.vocab_size - len(m)), dtype=torch.int64)
 
 
-def load_model(path: str | os.PathLike, device: torch.device | str = "cpu"):
-    """Config + weights + Engram map -> :class:`DeepseekV41ForCausalLM` on ``device``."""
+def load_model(path: str | os.PathLike, device: torch.device | str = "cpu", gemm: str = "auto"):
+    """Config + weights + Engram map -> :class:`DeepseekV41ForCausalLM` on ``device`` (``gemm``: ``"exact"``,
+    ``"dequant"`` or ``"auto"``: exact on the CPU, dequant on a GPU)."""
     from .model import DeepseekV41ForCausalLM
 
-    cfg, weights = load_weights(path, device=device)
-    return DeepseekV41ForCausalLM(cfg, weights, load_token_map(path, cfg), device=device)
+    device = torch.device(device)
+    if gemm == "auto":
+        gemm = "exact" if device.type == "cpu" else "dequant"
+    cfg, weights = load_weights(path, device=device, dequant=gemm == "dequant")
+    return DeepseekV41ForCausalLM(cfg, weights, load_token_map(path, cfg), device=device, gemm=gemm)

@@ -102,23 +102,24 @@ class DeepseekV41ForCausalLM:
     """The V4.1 model over a loaded state dict (``weights``: name -> tensor or :class:`QWeight`).
 
     Engine attributes: ``config`` (= ``cfg``), ``dtype`` (bfloat16: the activations between ops),
-    ``gemm`` (``"exact"`` on the CPU: the block-scaled GEMMs of ``quant.py``; ``"dequant"`` on a GPU: bf16 weights
-    dequantised at load, bf16 GEMMs; no CUDA graphs either way), ``device``, ``config_block_size`` (the cache block
-    size the engine must use).
+    ``gemm`` (``"exact"``: the block-scaled GEMMs of ``quant.py``, the CPU default; ``"dequant"``: bf16 weights
+    dequantised at load, bf16 GEMMs, the GPU default; no CUDA graphs either way), ``device``,
+    ``config_block_size`` (the cache block size the engine must use), ``batch_invariant_devices`` (where
+    batch-invariant mode holds: the CPU, whose ops compute a row alike whatever the row count).
     """
 
     dtype = torch.bfloat16
     gemm = "exact"
     config_block_size = BLOCK_SIZE
+    batch_invariant_devices = ("cpu",)
 
     def __init__(self, cfg: DeepseekV41Config, weights: dict, token_map: torch.Tensor | None = None,
-                 device: torch.device | str = "cpu"):
-        """``weights`` as :func:`.loading.load_weights` returns them for ``device`` (already there)."""
+                 device: torch.device | str = "cpu", gemm: str = "exact"):
+        """``weights`` as :func:`.loading.load_weights` returns them for ``device`` (already there) and ``gemm``."""
         self.cfg = cfg
         self.w = weights
         self.device = torch.device(device)
-        if self.device.type != "cpu":
-            self.gemm = "dequant"
+        self.gemm = gemm
         self._plan_builders: dict = {}
         c = cfg
         self.rot0 = rope_table(c.rope_head_dim, c.max_seq_len, 0, c.rope_theta, c.rope_factor, c.beta_fast,
@@ -167,24 +168,29 @@ class DeepseekV41ForCausalLM:
     def from_checkpoint(cls, path, device: torch.device | str = "cpu", gemm: str = "auto") -> "DeepseekV41ForCausalLM":
         """Load a native V4.1 checkpoint folder (:func:`.loading.load_model`) on ``device``.
 
-        ``gemm``: ``"auto"`` picks the device's one path: on the CPU the exact 32x32 block-scaled GEMMs
-        (``"exact"``), on CUDA bf16 weights dequantised at load (``"dequant"``).
+        ``gemm``: ``"exact"`` (the 32x32 block-scaled GEMMs, the reference's numerics; the CPU default),
+        ``"dequant"`` (bf16 weights dequantised at load, bf16 GEMMs; the CUDA default) or ``"auto"``.
 
         Raises:
-            ValueError: ``device`` is neither the CPU nor CUDA; ``gemm`` is not the device's path (``"fp8"``: no FP8
-                GEMM with 32x32 scales yet); the weights do not fit the GPU's free memory.
+            ValueError: ``device`` is neither the CPU nor CUDA; ``gemm`` is none of those (``"fp8"``: no FP8 GEMM
+                with 32x32 scales yet); the weights do not fit the GPU's free memory.
             CheckpointError naming the tensor and file for a bad checkpoint.
         """
         from .loading import load_model
 
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device: {device!r} is not a torch device") from None
         if dev.type not in ("cpu", "cuda"):
             raise ValueError(f"device: DeepSeek-V4.1 runs on the CPU or CUDA, got {str(device)!r}")
-        path_kind = "exact" if dev.type == "cpu" else "dequant"
-        if gemm not in ("auto", path_kind):
-            raise ValueError(f"gemm: DeepSeek-V4.1 on {dev.type} has one GEMM path ({path_kind!r}: 'auto'); "
-                             f"{gemm!r} is not available")
-        return load_model(path, dev)
+        if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+            raise ValueError(f"device: {str(device)!r} names no visible CUDA device ({torch.cuda.device_count()} "
+                             "visible)")
+        if gemm not in ("auto", "exact", "dequant"):
+            raise ValueError(f"gemm: DeepSeek-V4.1 takes 'auto', 'exact' or 'dequant' (no FP8 GEMM with 32x32 "
+                             f"scales yet), got {gemm!r}")
+        return load_model(path, dev, gemm)
 
     def eval(self) -> "DeepseekV41ForCausalLM":
         return self

@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 step plans: the runner's arrays, validated on the host, as the forward's per-sequence segments.
 
-The CPU path runs attention per sequence (each reads its own block-table rows through
+The forward runs attention per sequence (each reads its own block-table rows through
 :class:`~.cache.PagedSeqView`) and every token-wise op on all of the step's rows at once, so the plan is the token
 ids, the logits rows and one :class:`SeqPlan` per sequence. Everything the forward indexes with is checked here,
 before the forward: a bad row fails the step with a ValueError naming the field and the sequence.
@@ -40,7 +40,8 @@ class StepPlan:
         input_ids: int64 ``[num_tokens]`` (the runner writes tokens still in flight into it).
         logits_indices: int64 ``[num_logits]`` rows of ``input_ids``.
         seqs: one :class:`SeqPlan` per sequence, in row order.
-        batch_invariant: the engine's mode (the V4.1 CPU path computes every row alike either way).
+        batch_invariant: the engine's mode (on the CPU every V4.1 op computes a row alike either way; LLM refuses
+            the mode on CUDA).
         derived: unused (the runner's graph capture clears it; V4.1 captures no graphs).
     """
 

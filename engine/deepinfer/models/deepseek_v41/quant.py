@@ -12,7 +12,7 @@ Formats (golden README, "Conventions"):
 GEMMs (:func:`block_scaled_gemm`) multiply the quantised values block by block along K (32 wide), scale each
 block's float32 partial product by its two scales and add the partials in K order in float32, then round to bf16.
 On the GPU (:class:`DequantWeight`) the weight is dequantised once to bf16 (exact) and the per-32 quantised
-activations go through one bf16 GEMM with float32 accumulation: the same products, summed in another order.
+activations go through one bf16 GEMM: the same products, summed in another order.
 """
 
 from __future__ import annotations
@@ -145,8 +145,9 @@ class QWeight:
 
 
 class DequantWeight:
-    """A :class:`QWeight` dequantised once to bf16 ``weight [N, K]`` on ``device`` (the GPU path). Exact: an e4m3 or
-    e2m1 value times a power-of-two scale fits bf16. ``kind`` is the source format."""
+    """A :class:`QWeight` dequantised once to bf16 ``weight [N, K]`` on ``device`` (the GPU path). Exact for UE8M0
+    scale bytes 3..246: an e4m3 or e2m1 value times such a power of two is a normal bf16 (bytes 247..254 overflow
+    and are refused at load; bytes 0..2 give bf16 subnormals, which round). ``kind`` is the source format."""
 
     def __init__(self, w: QWeight, device: torch.device | str):
         values, scales = w.values.to(device), w.scales.to(device)
@@ -178,7 +179,8 @@ def qlinear(x: torch.Tensor, w: QWeight) -> torch.Tensor:
 
 def dq_linear(x: torch.Tensor, w: DequantWeight) -> torch.Tensor:
     """:func:`qlinear` on the GPU path: bf16 ``x [..., K]`` through the per-32 FP8 round trip (exact in bf16), then
-    one bf16 GEMM against the dequantised weight (float32 accumulation). Returns bf16 ``[..., N]``."""
+    one bf16 GEMM against the dequantised weight (``F.linear``: cuBLAS accumulates in float32; torch's default lets
+    it reduce split-K partials in bf16). Returns bf16 ``[..., N]``."""
     shape = x.shape[:-1]
     xq, xs = act_quant_fp8(x.reshape(-1, x.shape[-1]))
     xd = (xq.unflatten(-1, (-1, BLOCK)) * xs.unsqueeze(-1)).flatten(-2).to(torch.bfloat16)
