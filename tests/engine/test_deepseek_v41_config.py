@@ -157,6 +157,30 @@ def test_dequant_weight_is_exact_and_dq_linear_matches_qlinear(kind):
     assert ((got - ref).abs() <= 2 ** -7 * ref.abs() + 1e-3 * ref.abs().max()).all()
 
 
+def test_engram_rows_too_few_for_the_bucket_primes_are_refused_before_any_search():
+    from deepinfer.presets import preset_config
+
+    d = preset_config("tiny-v41")
+    d["engram_vocab_size"] = 1 << 40  # a prime search that far up would take hours
+    with pytest.raises(ValueError, match=r"engram_num_embeddings\[0\]"):
+        DeepseekV41Config.from_dict(d)
+
+
+def test_dspark_alias_of_the_wrong_shape_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from deepinfer.presets import default_model_path
+
+    src = default_model_path(preset="tiny-v41")
+    dst = tmp_path / "ckpt"
+    shutil.copytree(src, dst)
+    sd = load_file(str(dst / "model.safetensors"))
+    sd["mtp.0.head.weight"] = torch.zeros(3, 64)  # an alias of head.weight, of another shape
+    save_file(sd, str(dst / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"mtp\.0\.head\.weight"):
+        load_weights(dst)
+
+
 def test_corrupt_engram_map_files_are_checkpoint_errors(tmp_path):
     from deepinfer.models.deepseek_v41.loading import load_token_map
     from deepinfer.presets import preset_config

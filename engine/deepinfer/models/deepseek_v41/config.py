@@ -393,6 +393,11 @@ class DeepseekV41Config:
                 raise _bad("engram_head_dim", c.engram_head_dim, "must be a multiple of 32 (its FP8 scale group)")
             if not 0 <= c.engram_pad_id < c.vocab_size:
                 raise _bad("engram_pad_id", c.engram_pad_id, f"is not a token id (vocab {c.vocab_size})")
+            least = (c.engram_max_ngram_size - 1) * c.engram_n_heads * max(c.engram_vocab_size, 2)
+            for i, rows in enumerate(c.engram_num_embeddings):  # every bucket prime is >= engram_vocab_size
+                if rows < least:
+                    raise _bad(f"engram_num_embeddings[{i}]", rows, f"is below (engram_max_ngram_size - 1) * "
+                               f"engram_n_heads * engram_vocab_size = {least}: the bucket primes cannot fit")
         if c.dspark_block_size:
             if c.n_mtp_layers < 1:
                 raise _bad("n_mtp_layers", c.n_mtp_layers, "must be >= 1 with a DSpark head")

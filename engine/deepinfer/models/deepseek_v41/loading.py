@@ -203,7 +203,9 @@ def load_weights(path: str | os.PathLike, cfg: DeepseekV41Config | None = None, 
     for n in infos:
         if n in spec or n in scale_names:
             continue
-        if any(n == f"mtp.{j}.{a}" for j in range(cfg.num_dspark_layers) for a in ALIASES):
+        alias = next((a for j in range(cfg.num_dspark_layers) for a in ALIASES if n == f"mtp.{j}.{a}"), None)
+        if alias is not None:  # never read, but a copy of another shape or dtype is a broken checkpoint
+            _check(n, *spec[alias], infos)
             continue
         raise CheckpointError(f"unexpected tensor {n!r} in {infos[n].file}")
     for n, (shape, kind) in spec.items():
