@@ -865,6 +865,11 @@ class ChatFrontend:
             # OpenAI's newer name of the system role (the recipe knows only "system")
             body["messages"] = [{**m, "role": "system"} if isinstance(m, dict) and m.get("role") == "developer" else m
                                 for m in msgs]
+        name = body.get("model")
+        if isinstance(name, str) and name not in self.options.model_versions_by_name:
+            # as the server answers: the recipe's own message lists both families' names
+            raise RequestError(f"the model {name!r} does not exist; this engine serves {self.served_model_name!r}",
+                               code="model_not_found", status_code=404, param="model")
         v4 = self.model_version == R.ModelVersion.DeepseekV4Pro  # images become "[Unsupported Image]" text
         media = find_media_part(body, MEDIA_PART_TYPES - IMAGE_PART_TYPES if v4 else MEDIA_PART_TYPES)
         if media is not None:

@@ -97,7 +97,7 @@ def test_length_finish(fe):
     ({"messages": [USER], "max_tokens": 0}, "invalid_request_error"),
     ({"messages": [USER], "max_tokens": -1}, "invalid_request_error"),
     ({"messages": [USER], "n": 3}, "invalid_request_error"),
-    ({"model": "gpt-4o", "messages": [USER]}, "invalid_request_error"),
+    ({"model": "gpt-4o", "messages": [USER]}, "model_not_found"),
     ({"messages": [{"role": "user", "content": "word " * 5000}]}, "context_length_exceeded"),
     ([1, 2], "invalid_request_error"),
 ])
