@@ -406,7 +406,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    "tokenizer shipped by that package (default: the checkpoint's own; a checkpoint without one is an "
                    "error)")
     e.add_argument("--served-model-name", default=None,
-                   help="model name accepted in requests and written in responses (default: checkpoint dir name)")
+                   help="model name accepted in requests and written in responses (default: the preset name, else "
+                   "the checkpoint dir name)")
     e.add_argument("--batch-invariant", action="store_true", help="a request's output does not depend on its batch")
     e.add_argument("--max-num-seqs", type=_positive_int, default=64, help="most requests running at once")
     e.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048, help="per-step token budget")

@@ -199,7 +199,8 @@ class LLM:
             package. Default: the checkpoint's own ``tokenizer.json`` (a checkpoint folder without one is an error);
             the packaged one for a model object without a folder and for the tiny preset
             (``chat.resolve_tokenizer_json``).
-        served_model_name: name accepted in requests' ``model`` field (default: the checkpoint folder's name).
+        served_model_name: name accepted in requests' ``model`` field and named in responses (default: the preset's
+            name, else the checkpoint folder's name).
         model_version: ``"v4"`` or ``"v4.1"`` prompt encoding for the served name (default: the model family's,
             ``"v4.1"`` for a DeepSeek-V4.1 checkpoint, else ``"v4"``).
         batch_invariant: see ``EngineConfig.batch_invariant``; the model runner sets it on every ``ForwardBatch``
@@ -369,7 +370,8 @@ class LLM:
         spec_dec = self.runner.spec
         if spec_dec is not None and spec_dec.plain_cost is not None:  # where verification can pay, per bucket
             self.startup["speculation_pays"] = {b: spec_dec.pays(b) for b in spec_dec.plain_cost}
-        self.served_model_name = served_model_name or (model_dir.name if model_dir else "deepinfer-model")
+        preset = model if isinstance(model, str) and model in PRESETS else None
+        self.served_model_name = served_model_name or preset or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []
         if isinstance(model, str) and model in PRESETS:  # the names of the same built-in checkpoint
             names += list(_preset_names(model))
