@@ -6,7 +6,7 @@ logits rows, and per compression ratio the compressor's ring reads, closing wind
 host-to-device copy moves it; :meth:`StepPlan.finalize` derives the window and compressed-entry index lists on the
 device, once per step for all layers. The forward then does device work only.
 
-Graph mode (``capacity``): every list has a fixed length that depends on the number of sequences only (padded with
+Graph mode (``capacity``): every list has a fixed length that depends on the capacity only (padded with
 harmless entries: ``-1`` slots are skipped by the cache writes, padding rows read a valid slot and are never
 written), so a CUDA graph captured for one plan replays for any other plan of the same bucket built into the
 captured plan's buffer (``build(..., out=...)``). See ``docs/engine.md``.
@@ -114,12 +114,19 @@ class StepSeqs:
 
 @dataclass(frozen=True)
 class Capacity:
-    """Fixed list lengths of a graph-mode plan: ``num_seqs`` decode sequences (one token each), block tables of
-    ``max_blocks`` ids, contexts up to ``max_len`` tokens."""
+    """Fixed list lengths of a graph-mode plan: ``num_seqs`` sequences of up to ``tokens_per_seq`` new tokens each
+    (1: decode; more: a speculative verification's last token and drafts, at most ``block_size``), block tables of
+    ``max_blocks`` ids, contexts up to ``max_len`` tokens. Rows are packed in sequence order, padding after the
+    last sequence's rows."""
 
     num_seqs: int
     max_blocks: int
     max_len: int
+    tokens_per_seq: int = 1
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_seqs * self.tokens_per_seq
 
 
 @dataclass
@@ -427,6 +434,9 @@ class PlanBuilder:
         numpy lists of :meth:`_chunks` are its reference) and copied without making the plan's views (the graph
         replays the captured plan). Returns ``(num_tokens, num_logits)`` for the captured plan. Raises as
         :meth:`build`."""
+        if capacity.tokens_per_seq != 1:
+            raise ValueError(f"capacity: fill writes decode steps (one token per sequence); {capacity} needs "
+                             "build(..., capacity=..., out=...)")
         seqs, c0s, _, _, T, li_host, _ = self._check_inputs(seqs, input_ids, logits_indices, 0, capacity, checked)
         n, nb = capacity.num_seqs, capacity.max_blocks
         bt = seqs.block_tables.astype(np.int64, copy=False)
@@ -478,8 +488,9 @@ class PlanBuilder:
                 raise ValueError(f"input_ids: {len(input_ids)} ids for {T} tokens (sum of query_lens)")
             self.check_ids(input_ids)
         max_L = int(Ls.max()) if S else 0
-        if capacity is not None and (S > capacity.num_seqs or (qs != 1).any() or max_L > capacity.max_len
-                                     or len(logits_indices) > capacity.num_seqs
+        if capacity is not None and (S > capacity.num_seqs or (qs > capacity.tokens_per_seq).any()
+                                     or not 1 <= capacity.tokens_per_seq <= B or max_L > capacity.max_len
+                                     or len(logits_indices) > capacity.num_rows
                                      or _blocks_for(capacity.max_len, B) > capacity.max_blocks):
             raise ValueError(f"capacity: the step ({S} sequences, query lens {sorted(set(qs.tolist()))}, "
                              f"{len(logits_indices)} logits rows) does not fit {capacity}")
@@ -494,9 +505,10 @@ class PlanBuilder:
         S = len(c0s)
         w0s = np.maximum(c0s - self.lookback, 0) // B  # each sequence's first window-group block
         if capacity is not None:
-            rows = capacity.num_seqs
+            rows = capacity.num_rows
             nb = capacity.max_blocks
-            nwb = _blocks_for(self.lookback, B) + 1  # a decode's window spans at most this many blocks
+            # the window of q new tokens spans lookback + q positions: at most this many blocks
+            nwb = _blocks_for(self.lookback + capacity.tokens_per_seq - 1, B) + 1
             max_len = capacity.max_len
         else:
             rows = -(-T // pad_multiple) * pad_multiple if pad_multiple > 0 else T
@@ -532,7 +544,7 @@ class PlanBuilder:
         chunks["tok_bt"] = tok_bt
         chunks["tok_wbt"] = tok_wbt
         chunks["win_base"] = win_base
-        n_logit_rows = capacity.num_seqs if capacity is not None else len(logits_indices)
+        n_logit_rows = capacity.num_rows if capacity is not None else len(logits_indices)
         li = np.zeros(n_logit_rows, dtype=np.int64)
         li[:li_host.size] = li_host
         chunks["logits_indices"] = li
@@ -544,7 +556,7 @@ class PlanBuilder:
             chunks["row_valid"] = (np.arange(rows) < T).astype(np.int64)
         meta = []
         for m, overlap in self.ratios:
-            if S and (qs == 1).all():
+            if S and (qs == 1).all() and (capacity is None or capacity.tokens_per_seq == 1):
                 lists = self._decode_compressor_lists(c0s, seq_bt, seq_wbt, w0s, m, overlap, capacity,
                                                       seqs.shared_len)
             else:
@@ -708,16 +720,19 @@ class PlanBuilder:
                     st_src.append(row(p))
                     st_dst.append(blk * R + p % R)
         if capacity is not None:
-            n = capacity.num_seqs
+            n, q = capacity.num_seqs, capacity.tokens_per_seq
             ring_src.extend([0] * (n * ring_rows_cap - len(ring_src)))
-            k = n - len(w_pos)
+            # q new tokens close at most ceil(q / m) windows and cross at most ceil((q - 1) / B) block ends
+            # besides their own last one, each end writing at most R state rows
+            close_cap, st_cap = -(-q // m), R * (1 + -(-(q - 1) // B))
+            k = n * close_cap - len(w_pos)
             cur.extend([0] * (k * m))
             if overlap:
                 prev.extend([0] * (k * m))
                 prev_ok.extend([0] * k)
             w_pos.extend([0] * k)
             dst.extend([-1] * k)
-            k = n * R - len(st_dst)
+            k = n * st_cap - len(st_dst)
             st_src.extend([0] * k)
             st_dst.extend([-1] * k)
         n_ring = len(ring_src)

@@ -1,0 +1,84 @@
+"""Graph-mode plans of several new tokens per sequence (``Capacity.tokens_per_seq``: the shapes a speculative
+verification's CUDA graph will capture), on the CPU: for random steps of 1..q tokens per sequence (window closes of
+both ratios, block ends, a sequence at position 3) the padded plan's logits equal the eager plan's up to float32
+rounding (the GEMMs see another row count), both write the same cache slots with the same values up to that
+rounding, and every step of one capacity fills a buffer of the same size."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v4.plan import Capacity, SeqStep
+
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")
+
+# 127: the next token ends block 0; 3: short of the first CSA window; 254: the window of 3+ new tokens spans
+# three blocks
+LENS = [150, 90, 127, 3, 254]
+TABLES = [(0, 1, 2), (3, 4), (5, 6), (7,), (8, 9, 10)]
+
+
+def _pools(cache) -> list[torch.Tensor]:
+    return [t for layer in cache.layers for t in layer.values()]
+
+
+@pytest.fixture(scope="module")
+def prefilled():
+    model = DeepseekV4ForCausalLM.from_checkpoint().eval()
+    cache = model.allocate_cache(24)
+    builder = model.plan_builder(cache)
+    g = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for n, table in zip(LENS, TABLES):
+            ids = torch.randint(0, 129280, (n,), generator=g).tolist()
+            model.forward(builder.build([SeqStep(0, n, table)], ids, [n - 1]), cache)
+    return model, cache, builder, [t.clone() for t in _pools(cache)]
+
+
+def _restore(cache, snap) -> None:
+    for t, s in zip(_pools(cache), snap):
+        t.copy_(s)
+
+
+@pytest.mark.parametrize("q", [2, 4, 6])
+def test_padded_multi_token_plans_equal_eager_plans(prefilled, q):
+    model, cache, builder, snap = prefilled
+    cap = Capacity(len(LENS), 8, 1024, tokens_per_seq=q)  # no spare sequence: the per-sequence caps must hold
+    rng = random.Random(q)
+    sizes = set()
+    with torch.inference_mode():
+        for trial in range(5):
+            qs = [q] * len(LENS) if trial == 0 else [rng.randrange(1, q + 1) for _ in LENS]
+            step = [SeqStep(n, k, t) for n, k, t in zip(LENS, qs, TABLES)]
+            ids = [rng.randrange(129280) for _ in range(sum(qs))]
+            rows = list(range(sum(qs)))
+            _restore(cache, snap)
+            eager = model.forward(builder.build(step, ids, rows), cache)
+            want = [t.clone() for t in _pools(cache)]
+            _restore(cache, snap)
+            plan = builder.build(step, ids, rows, capacity=cap, finalize=False)
+            assert plan.graph and plan.num_rows == cap.num_rows
+            sizes.add(plan.input_ids.untyped_storage().nbytes())
+            got = model.forward(plan, cache)
+            assert got.shape[0] == cap.num_rows
+            torch.testing.assert_close(got[:len(rows)], eager, rtol=1e-5, atol=1e-5)
+            for w, g, s in zip(want, _pools(cache), snap):
+                # the same slots written (padding rows write nothing), values equal up to float32 rounding
+                assert torch.equal(w != s, g != s)
+                torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-5)
+    assert len(sizes) == 1  # one buffer per capacity, whatever the step
+
+
+def test_capacity_limits_are_checked(prefilled):
+    _, _, builder, _ = prefilled
+    cap = Capacity(2, 8, 1024, tokens_per_seq=3)
+    with pytest.raises(ValueError, match="capacity"):
+        builder.build([SeqStep(150, 4, TABLES[0])], [1] * 4, [3], capacity=cap, finalize=False)
+    with pytest.raises(ValueError, match="capacity"):
+        builder.build([SeqStep(150, 1, TABLES[0])], [1], [0], capacity=Capacity(2, 8, 1024, tokens_per_seq=0))
+    with pytest.raises(ValueError, match="fill"):
+        builder.fill([SeqStep(150, 1, TABLES[0])], [1], [0], cap, torch.empty(0, dtype=torch.int64))
