@@ -82,3 +82,43 @@ def test_capacity_limits_are_checked(prefilled):
         builder.build([SeqStep(150, 1, TABLES[0])], [1], [0], capacity=Capacity(2, 8, 1024, tokens_per_seq=0))
     with pytest.raises(ValueError, match="fill"):
         builder.fill([SeqStep(150, 1, TABLES[0])], [1], [0], cap, torch.empty(0, dtype=torch.int64))
+
+
+def test_deferred_ring_state_commits_the_same_on_padded_plans(prefilled):
+    """Speculative verification's rollback on a padded plan: with the ring state deferred, committing the kept
+    positions (``state_commit`` + ``commit_deferred_state``) leaves the same cache as on the eager plan."""
+    import numpy as np
+
+    from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
+    from deepinfer.models.deepseek_v4.plan import StepSeqs
+
+    model, cache, builder, snap = prefilled
+    q = 4
+    cap = Capacity(len(LENS), 8, 1024, tokens_per_seq=q)
+    rng = random.Random(7)
+    with torch.inference_mode():
+        for trial in range(4):
+            qs = [q] * len(LENS) if trial == 0 else [rng.randrange(1, q + 1) for _ in LENS]
+            kept = [rng.randrange(1, k + 1) for k in qs]
+            step = [SeqStep(n, k, t) for n, k, t in zip(LENS, qs, TABLES)]
+            ids = [rng.randrange(129280) for _ in range(sum(qs))]
+            rows = list(range(sum(qs)))
+            row_starts = np.cumsum(qs) - np.array(qs)
+            width = max(len(t) for t in TABLES)
+            tables = np.array([list(t) + [-1] * (width - len(t)) for t in TABLES], dtype=np.int64)
+            keep_seqs = StepSeqs(np.array(LENS, dtype=np.int64), np.array(kept, dtype=np.int64), tables)
+            caches = []
+            for capacity in (None, cap):
+                _restore(cache, snap)
+                plan = builder.build(step, ids, rows, capacity=capacity, finalize=capacity is None)
+                for cp in plan.comp.values():
+                    cp.deferred = []
+                model.forward(plan, cache)
+                commit_deferred_state(plan.comp, builder.state_commit(keep_seqs, row_starts))
+                caches.append([t.clone() for t in _pools(cache)])
+            names = [k for layer in cache.layers for k in layer]
+            for name, w, g, s in zip(names, *caches, snap):
+                assert torch.equal(w != s, g != s), (qs, kept, name)
+                torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-5)
+            # the commit wrote ring state (the test would pass vacuously otherwise)
+            assert any(not torch.equal(w, s) for name, w, s in zip(names, caches[0], snap) if "state" in name)
