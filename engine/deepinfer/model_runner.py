@@ -255,6 +255,7 @@ class ModelRunner:
         self.graph_memory_bytes = 0
         self._graph_pool = None
         self.max_model_len = max_model_len
+        self.max_num_seqs = max_num_seqs
         self.requests: dict[int, RequestState] = {}
         # one table per cache group, the first (kept) group always; others appear with their first blocks
         self.block_tables: dict[str, BlockTable] = {FULL_GROUP: BlockTable()}

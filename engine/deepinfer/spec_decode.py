@@ -110,6 +110,9 @@ class SpecDecoder:
         self.drafts: dict[int, DraftState] = {}
         self.stats = SpecStats(num_speculative_tokens)
         self.plain_cost = dict(sorted(plain_cost.items())) if plain_cost and schedule == "confidence" else None
+        # verification plans at the fixed shapes a CUDA graph captures (:meth:`verify_capacity`); off until the
+        # verification graphs exist, on in the CPU tests of those shapes
+        self.padded_plans = False
 
     @staticmethod
     def check_runner(runner) -> None:
@@ -219,6 +222,24 @@ class SpecDecoder:
         base = sum(it.num_new_tokens - it.num_draft_tokens for it in items)
         return choose_lengths(confs, lambda extra: self.cost(len(items), base + extra))
 
+    def verify_capacity(self, items, states, q: np.ndarray):
+        """The graph-mode ``Capacity`` of a verification step with :attr:`padded_plans` on: the smallest decode
+        bucket that holds its sequences, ``k + 1`` tokens each; None (an eager plan) when the option is off, in
+        batch-invariant mode, when a sequence runs a prefill chunk, or past the largest bucket."""
+        import dataclasses
+
+        from deepinfer.model_runner import graph_buckets
+
+        r = self.runner
+        if not self.padded_plans or r.batch_invariant or not r.max_num_seqs or not r.max_model_len:
+            return None
+        if any(int(n) > self.k + 1 or it.start < st.num_prompt_tokens for it, st, n in zip(items, states, q)):
+            return None
+        fits = [b for b in graph_buckets(r.max_num_seqs) if b >= len(items)]
+        if not fits:
+            return None
+        return dataclasses.replace(r._capacity(min(fits), r.max_model_len), tokens_per_seq=self.k + 1)
+
     # ------------------------------------------------------------------------------------------------ the step
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> SpecStepOutput:
@@ -255,12 +276,15 @@ class SpecDecoder:
         if len(ids) != int(q.sum()):
             raise RuntimeError("SpecDecoder: a scheduled token's id is not on the host (steps must run in order)")
         seqs = r.step_seqs(states, c0, q)
-        plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant, r.model.step_pad(r.batch_invariant, r.device))
+        cap = self.verify_capacity(items, states, q)
+        plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant,
+                               0 if cap is not None else r.model.step_pad(r.batch_invariant, r.device), capacity=cap)
         deferred = any(nv)
         if deferred:
             for cp in plan.comp.values():
                 cp.deferred = []
         logits, streams = r.model.forward(plan, r.cache, return_hidden=True)
+        logits = logits[:len(logits_rows)]  # a padded plan returns a row per capacity row
 
         # 3. sampling: one draw per logits row (a verification's rows are the positions after each of its drafts)
         row_states: list[RequestState] = []

@@ -452,3 +452,29 @@ def test_nan_logits_inside_a_verification_fail_that_request_alone(reference, ora
     for p, o in zip(PROMPTS, outs):
         if o.error is None:
             assert o.token_ids == reference[tuple(p)].token_ids
+
+
+@pytest.mark.parametrize("k,schedule", [(1, "fixed"), (3, "confidence")])
+def test_padded_verification_plans_equal_speculation_off(reference, oracle, monkeypatch, k, schedule):
+    """Verification at the shapes its CUDA graph will capture (``SpecDecoder.padded_plans``: the decode bucket's
+    sequences, ``k + 1`` tokens each, padding rows after the last sequence's): greedy outputs and logprobs equal
+    speculation off, with accepted blocks and partial rejections rolled back through the padded plans."""
+    padded = []
+    real = sd.SpecDecoder.verify_capacity
+
+    def spy(self, items, states, q):
+        cap = real(self, items, states, q)
+        padded.append(cap is not None)
+        return cap
+
+    monkeypatch.setattr(sd.SpecDecoder, "verify_capacity", spy)
+    llm = _spec(k, schedule)
+    llm.runner.spec.padded_plans = True
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        ref = reference[tuple(p)]
+        assert o.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+    stats = llm.runner.spec.stats
+    assert stats.accepted > 0 and stats.accepted < stats.drafted
+    assert any(padded) and not all(padded)  # verification steps padded; the prefill steps eager
