@@ -61,6 +61,19 @@ def _use_oracle(monkeypatch, refs: dict) -> None:
     monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
 
 
+def _greedy_equals_reference(llm: LLM, reference: dict):
+    """Greedy outputs of ``llm`` over PROMPTS equal the spec-off ones (tokens; logprobs to 1e-4), with whole blocks
+    accepted and partial rejections; returns the speculation counters."""
+    outs = llm.generate(PROMPTS, GREEDY)
+    for p, o in zip(PROMPTS, outs):
+        ref = reference[tuple(p)]
+        assert o.token_ids == ref.token_ids
+        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
+    stats = llm.runner.spec.stats
+    assert stats.accepted > 0 and stats.accepted < stats.drafted  # whole blocks and partial rejections
+    return stats
+
+
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_greedy_equals_speculation_off_alone_and_batched(reference, k):
     llm = _spec(k)
@@ -76,13 +89,7 @@ def test_greedy_equals_speculation_off_alone_and_batched(reference, k):
 @pytest.mark.parametrize("k,schedule", [(1, "fixed"), (3, "confidence"), (5, "fixed")])
 def test_greedy_with_accepted_blocks_equals_speculation_off(reference, oracle, k, schedule):
     llm = _spec(k, schedule)
-    outs = llm.generate(PROMPTS, GREEDY)
-    for p, o in zip(PROMPTS, outs):
-        ref = reference[tuple(p)]
-        assert o.token_ids == ref.token_ids
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
-    stats = llm.runner.spec.stats
-    assert stats.accepted > 0 and stats.accepted < stats.drafted  # whole blocks and partial rejections
+    stats = _greedy_equals_reference(llm, reference)
     if k > 1:
         assert stats.accepted_at[1] > 0
 
@@ -470,11 +477,5 @@ def test_padded_verification_plans_equal_speculation_off(reference, oracle, monk
     monkeypatch.setattr(sd.SpecDecoder, "verify_capacity", spy)
     llm = _spec(k, schedule)
     llm.runner.spec.padded_plans = True
-    outs = llm.generate(PROMPTS, GREEDY)
-    for p, o in zip(PROMPTS, outs):
-        ref = reference[tuple(p)]
-        assert o.token_ids == ref.token_ids
-        torch.testing.assert_close(torch.tensor(o.logprobs), torch.tensor(ref.logprobs), atol=1e-4, rtol=1e-4)
-    stats = llm.runner.spec.stats
-    assert stats.accepted > 0 and stats.accepted < stats.drafted
+    _greedy_equals_reference(llm, reference)
     assert any(padded) and not all(padded)  # verification steps padded; the prefill steps eager
