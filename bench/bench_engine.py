@@ -379,10 +379,8 @@ def main() -> None:
         t0 = time.perf_counter()
         model = _load_checkpoint(model_path, device, batch_invariant=False, gemm=args.gemm)
         cfg = model.config
-        v41 = hasattr(cfg, "kv_source_layers")  # DeepSeek-V4.1's config names its fields like the reference
-        shape_extra.update({"num_layers": cfg.n_layers if v41 else cfg.num_hidden_layers,
-                            "n_routed_experts": cfg.n_routed_experts,
-                            "hidden_size": cfg.dim if v41 else cfg.hidden_size, "gemm": model.gemm})
+        shape_extra.update({"num_layers": cfg.num_hidden_layers, "n_routed_experts": cfg.n_routed_experts,
+                            "hidden_size": cfg.hidden_size, "gemm": model.gemm})
         print(f"loaded in {time.perf_counter() - t0:.0f} s", flush=True)
     finally:
         if tmp is not None and not args.keep_checkpoint:

@@ -373,8 +373,8 @@ class LLM:
         preset = model if isinstance(model, str) and model in PRESETS else None
         self.served_model_name = served_model_name or preset or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []
-        if isinstance(model, str) and model in PRESETS:  # the names of the same built-in checkpoint
-            names += list(_preset_names(model))
+        if preset is not None:  # the names of the same built-in checkpoint
+            names += list(_preset_names(preset))
         self.model_aliases = tuple(n for n in dict.fromkeys(names) if n != self.served_model_name)
         self.model_version = model_version or _family_model_version(self.model)
         self.created = created

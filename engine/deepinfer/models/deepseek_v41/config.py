@@ -124,6 +124,12 @@ TINY_CONFIG: dict[str, Any] = {
 }
 
 
+def engram_rows_floor(max_ngram: int, n_heads: int, vocab: int) -> int:
+    """Fewest table rows an Engram layer can have: ``(max_ngram - 1) * n_heads`` bucket primes, each at least
+    ``vocab`` (``engram.bucket_primes``)."""
+    return (max_ngram - 1) * n_heads * max(vocab, 2)
+
+
 def _bad(key: str, value: Any, why: str) -> ValueError:
     return ValueError(f"config.json: {key} = {reprlib.repr(value)} {why}")
 
@@ -203,6 +209,14 @@ class DeepseekV41Config:
     @property
     def max_position_embeddings(self) -> int:
         return self.max_seq_len
+
+    @property
+    def num_hidden_layers(self) -> int:
+        return self.n_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.dim
 
     @property
     def extra(self) -> dict:
@@ -393,7 +407,7 @@ class DeepseekV41Config:
                 raise _bad("engram_head_dim", c.engram_head_dim, "must be a multiple of 32 (its FP8 scale group)")
             if not 0 <= c.engram_pad_id < c.vocab_size:
                 raise _bad("engram_pad_id", c.engram_pad_id, f"is not a token id (vocab {c.vocab_size})")
-            least = (c.engram_max_ngram_size - 1) * c.engram_n_heads * max(c.engram_vocab_size, 2)
+            least = engram_rows_floor(c.engram_max_ngram_size, c.engram_n_heads, c.engram_vocab_size)
             for i, rows in enumerate(c.engram_num_embeddings):  # every bucket prime is >= engram_vocab_size
                 if rows < least:
                     raise _bad(f"engram_num_embeddings[{i}]", rows, f"is below (engram_max_ngram_size - 1) * "

@@ -177,8 +177,10 @@ def with_engram_rows(config_dict: dict) -> dict:
 
     d = dict(config_dict)
     if d.get("engram_layer_ids"):
-        least = ((int(d.get("engram_max_ngram_size", 1)) - 1) * int(d.get("engram_n_heads", 0))
-                 * max(int(d.get("engram_vocab_size", 0)), 2))
+        from .config import engram_rows_floor
+
+        least = engram_rows_floor(int(d.get("engram_max_ngram_size", 1)), int(d.get("engram_n_heads", 0)),
+                                  int(d.get("engram_vocab_size", 0)))
         d["engram_num_embeddings"] = [least] * len(d["engram_layer_ids"])  # a placeholder that passes the check
         primes = bucket_primes(DeepseekV41Config.from_dict(d))
         d["engram_num_embeddings"] = [sum(p for per_n in layer for p in per_n) for layer in primes]
