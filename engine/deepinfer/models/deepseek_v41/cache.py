@@ -112,7 +112,7 @@ class PagedSeqView:
                  window_row: torch.Tensor, start: int, end: int, shared_len: int = 0, floor: int = 0):
         self.cfg, self.cache = cfg, cache
         self.bs = cache.block_size
-        dev = cache.layers[0]["kv"].device
+        dev = cache.layers[0]["kv"].device  # rows from a plan are there already (no copy)
         self.frow, self.wrow = full_row.to(dev), window_row.to(dev)
         self.start, self.end = start, end
         self.shared_len, self.floor = shared_len, floor

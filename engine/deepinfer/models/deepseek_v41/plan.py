@@ -121,8 +121,11 @@ class PlanBuilder:
             lo = max(int(c0[i]) - self.lookback, int(floor[i]), 0) // bs
             self._check_row("window_tables", i, win[i], lo, int(nb[i]), self.window_blocks)
         self._check_writes(full, win, c0, end, shared, seqs.window_tables is None)
-        plans = [SeqPlan(int(c0[i]), int(q[i]), torch.from_numpy(full[i, :max(int(nb[i]), 1)].copy()),
-                         torch.from_numpy(win[i, :max(int(nb[i]), 1)].copy()), int(shared[i]), int(floor[i]))
+        # one copy per table to the plan's device; each sequence's rows are views of it
+        full_d = torch.from_numpy(full.copy()).to(self.device)
+        win_d = full_d if win is full else torch.from_numpy(win.copy()).to(self.device)
+        plans = [SeqPlan(int(c0[i]), int(q[i]), full_d[i, :max(int(nb[i]), 1)], win_d[i, :max(int(nb[i]), 1)],
+                         int(shared[i]), int(floor[i]))
                  for i in range(n)]
         return StepPlan(len(ids), len(rows), torch.from_numpy(ids.copy()).to(self.device),
                         torch.from_numpy(rows.copy()).to(self.device), plans, bool(batch_invariant))
