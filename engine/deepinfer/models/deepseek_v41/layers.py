@@ -17,27 +17,33 @@ BF16 = torch.bfloat16
 ATTN_BLOCK = 64  # keys per online-softmax block in sparse attention
 
 
+def exact_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear`` of ``x [M, K]`` and ``w [N, K]`` as float32 whose rows do not depend on M or on the CPU.
+
+    On the CPU the product runs in float64 and is rounded to float32 once: BLAS kernels sum a float32 or bf16
+    product in an order that depends on the row count and the CPU (MKL on AMX machines differs at every M, oneDNN's
+    bf16 path too), while a float64 sum of these short dot products rounds to the same float32 in any order.
+    Elsewhere a float32 ``F.linear``. Source: ``docs/deepseek_v41.md``, "Parity"."""
+    if x.device.type == "cpu":
+        return F.linear(x.double(), w.double()).float()
+    return F.linear(x.float(), w.float())
+
+
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """A quantised weight through :func:`qlinear` (CPU) or :func:`dq_linear` (GPU), bf16 out; a plain one through
-    ``F.linear`` in x's dtype."""
+    ``F.linear`` in x's dtype (:func:`exact_linear` rounded to it on the CPU)."""
     if isinstance(w, QWeight):
         return qlinear(x, w)
     if isinstance(w, DequantWeight):
         return dq_linear(x, w)
+    if x.device.type == "cpu":
+        return exact_linear(x, w).to(x.dtype)
     return F.linear(x, w)
 
 
-#: Fewest rows a float32 ``F.linear`` runs with: MKL takes another summation order below 4 rows (measured: rows
-#: of a 1-3 row product differ from the same rows inside a larger one), so shorter inputs are zero-padded.
-MIN_F32_ROWS = 4
-
-
 def linear_f32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear`` of float32 ``x [M, K]`` and ``w [N, K]`` whose rows do not depend on M."""
-    m = x.shape[0]
-    if m >= MIN_F32_ROWS:
-        return F.linear(x, w)
-    return F.linear(F.pad(x, (0, 0, 0, MIN_F32_ROWS - m)), w)[:m]
+    """Float32 ``F.linear`` of ``x [M, K]`` and ``w [N, K]`` whose rows do not depend on M (:func:`exact_linear`)."""
+    return exact_linear(x, w)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -351,7 +351,10 @@ class DeepseekV41ForCausalLM:
         rope_(o[..., -c.rope_head_dim:], rot, inverse=True)
         o = o.reshape(o.shape[0], c.o_groups, -1)
         wo_a = w[p + "wo_a.weight"].view(c.o_groups, c.o_lora_rank, -1)
-        o = torch.einsum("bsgd,grd->bsgr", o.unsqueeze(0), wo_a)[0]
+        if o.device.type == "cpu":  # float64 sums: rows independent of the row count (layers.exact_linear)
+            o = torch.einsum("sgd,grd->sgr", o.double(), wo_a.double()).float().to(o.dtype)
+        else:
+            o = torch.einsum("bsgd,grd->bsgr", o.unsqueeze(0), wo_a)[0]
         return linear(o.flatten(1), w[p + "wo_b.weight"])
 
     def _attention(self, p: str, L: int, x, start: int, state, shared: dict):

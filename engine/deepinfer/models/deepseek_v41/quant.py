@@ -159,6 +159,14 @@ class DequantWeight:
         return tuple(self.weight.shape)
 
 
+def _block_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 ``x @ w^T`` of one K block; on the CPU in float64 rounded once, so that a row does not depend on
+    the row count or the CPU's BLAS kernel (``layers.exact_linear``)."""
+    if x.device.type == "cpu":
+        return (x.double() @ w.double().T).float()
+    return x @ w.T
+
+
 def block_scaled_gemm(xq: torch.Tensor, xs: torch.Tensor, w: QWeight) -> torch.Tensor:
     """``[M, K] x [N, K]^T`` over quantised values: per 32-wide K block a float32 product, scaled by the
     activation scale (per row) and the weight scale (per output row), added in K order. Returns float32."""
@@ -166,7 +174,7 @@ def block_scaled_gemm(xq: torch.Tensor, xs: torch.Tensor, w: QWeight) -> torch.T
     ws, wv = w.scales, w.values
     for k in range(wv.shape[1] // BLOCK):
         sl = slice(k * BLOCK, (k + 1) * BLOCK)
-        acc += (xq[:, sl] @ wv[:, sl].T) * xs[:, k:k + 1] * ws[:, k].unsqueeze(0)
+        acc += _block_product(xq[:, sl], wv[:, sl]) * xs[:, k:k + 1] * ws[:, k].unsqueeze(0)
     return acc
 
 
