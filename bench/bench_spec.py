@@ -88,7 +88,11 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
         vat = [a - b for a, b in zip(st["verified_at"], stats0["verified_at"])]
         row.update({"verifications": ver, "acceptance_length": 1 + acc / ver if ver else 1.0,
                     "acceptance_per_position": [a / v if v else None for a, v in zip(at, vat)],
-                    "drafts_verified_per_step": (st["drafted"] - stats0["drafted"]) / ver if ver else 0.0})
+                    "drafts_verified_per_step": (st["drafted"] - stats0["drafted"]) / ver if ver else 0.0,
+                    "plain_steps": st["plain_steps"] - stats0["plain_steps"],
+                    "graph_steps": st["graph_steps"] - stats0["graph_steps"]})
+        sec = llm.runner.spec.graph_step_seconds(batch, k)
+        row["graph_step_ms"] = None if sec is None else 1e3 * sec  # replays at k drafts + measured host time
     return row, [o.token_ids for o in outs]
 
 
@@ -98,7 +102,8 @@ def _spec_counters(llm) -> dict:
         return {}
     s = spec.stats
     return {"verifications": s.verifications, "accepted": s.accepted, "drafted": s.drafted,
-            "accepted_at": list(s.accepted_at), "verified_at": list(s.verified_at)}
+            "accepted_at": list(s.accepted_at), "verified_at": list(s.verified_at), "plain_steps": s.plain_steps,
+            "graph_steps": s.graph_steps}
 
 
 def sweep(model, args) -> list[dict]:

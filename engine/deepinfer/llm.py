@@ -303,13 +303,15 @@ class LLM:
             raise ValueError(f"EngineConfig.kv_cache_dtype: {type(self.model).__name__} has no cache spec to store "
                              f"{cfg.kv_cache_dtype!r} in; use 'auto'")
         self.graph_memory_estimate = 0
-        eager = cfg.enforce_eager  # speculative steps run eagerly; plain steps with speculation on use the graphs
+        eager = cfg.enforce_eager
+        # speculative decode steps replay graphs of their own (spec_graphs.py), except in batch-invariant mode
+        spec_graph_tokens = cfg.num_speculative_tokens if cfg.speculative_method and not cfg.batch_invariant else 0
         if cfg.num_blocks is None:
             if spec is not None and ModelRunner.captures_graphs(self.model, self.device, eager,
                                                                 cfg.max_num_seqs, self.max_model_len):
                 self.graph_memory_estimate = ModelRunner.measure_graph_memory(
                     self.model, self.device, cfg.block_size, cfg.max_num_seqs, self.max_model_len,
-                    cfg.batch_invariant, window_blocks=2, kv_cache_dtype=cfg.kv_cache_dtype)
+                    cfg.batch_invariant, spec_graph_tokens, window_blocks=2, kv_cache_dtype=cfg.kv_cache_dtype)
             cfg.num_blocks = self._derive_num_blocks(spec, window_blocks)
         prefix = self._prefix_caching(spec, model_dir)
         slots, host_tier = {}, None
@@ -334,21 +336,30 @@ class LLM:
         self.runner = ModelRunner(self.model, self.cache, self.device, batch_invariant=cfg.batch_invariant,
                                   enforce_eager=eager, max_num_seqs=cfg.max_num_seqs,
                                   max_model_len=self.max_model_len, host_tier=host_tier)
+        graphs = None
         if cfg.speculative_method is not None:
             from deepinfer.spec_decode import SpecDecoder
 
             SpecDecoder.check_runner(self.runner)
             cost = plain = None
+            if self.runner.graphs and spec_graph_tokens:
+                from deepinfer.spec_graphs import SpecGraphs, spec_buckets
+
+                graphs = SpecGraphs(self.runner, spec_graph_tokens, spec_buckets(cfg.max_num_seqs),
+                                    self.max_model_len)
+                graphs.profile()  # replay times: the schedule's costs, and reported
             if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
-                # profiled on CUDA; the CPU keeps default_step_cost
+                # profiled on CUDA (the graphs' replays, else eager forwards); the CPU keeps default_step_cost
                 from deepinfer.spec_decode import profile_plain_steps, profile_step_cost
 
-                sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_num_seqs] + [cfg.max_num_seqs]
-                cost = profile_step_cost(self.runner, sizes, cfg.num_speculative_tokens)
+                if graphs is None:
+                    sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_num_seqs] \
+                        + [cfg.max_num_seqs]
+                    cost = profile_step_cost(self.runner, sizes, cfg.num_speculative_tokens)
                 plain = profile_plain_steps(self.runner)
             # batch-invariant mode keeps the fixed length: the scheduled one depends on the batch
             schedule = "fixed" if cfg.batch_invariant else cfg.spec_schedule
-            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, schedule, cost, plain)
+            self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, schedule, cost, plain, graphs)
             if self.runner.spec.plain_cost is not None:
                 self.scheduler.spec_pays = self.runner.spec.pays
         from deepinfer.structured import GrammarCompiler
@@ -364,6 +375,8 @@ class LLM:
                         "prefix_caching": None if prefix is None else {"replay_tokens": prefix.replay_tokens},
                         "host_cache": None if host_tier is None else {"slots": slots, "bytes": host_tier.nbytes},
                         "cuda_graphs": sorted(self.runner.graphs),
+                        "spec_graphs": len(graphs) if graphs is not None else 0,
+                        "spec_graph_capture_s": round(graphs.capture_seconds, 3) if graphs is not None else 0.0,
                         "graph_capture_s": round(self.runner.graph_capture_seconds, 3),
                         "graph_memory_bytes": self.runner.graph_memory_bytes,
                         "graph_memory_estimate_bytes": self.graph_memory_estimate}

@@ -254,6 +254,7 @@ class ModelRunner:
         self.graph_capture_seconds = 0.0
         self.graph_memory_bytes = 0
         self._graph_pool = None
+        self._capture_stream = None
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.requests: dict[int, RequestState] = {}
@@ -278,9 +279,10 @@ class ModelRunner:
     @classmethod
     @torch.inference_mode()
     def measure_graph_memory(cls, model, device, block_size: int, max_num_seqs: int, max_model_len: int,
-                             batch_invariant: bool = False, **cache_options) -> int:
+                             batch_invariant: bool = False, spec_tokens: int = 0, **cache_options) -> int:
         """Device bytes the decode graphs of every bucket will hold, measured before the cache is sized: every
-        bucket is captured over a 2-block cache (as :meth:`capture` does: largest first, one pool), then freed.
+        bucket is captured over a 2-block cache (as :meth:`capture` does: largest first, one pool), then freed;
+        with ``spec_tokens`` (``num_speculative_tokens``) the speculation graphs too (``spec_graphs.py``).
         The figure is the largest of: the drop in free device memory (torch's pool and the driver's graph
         memory), the growth of torch's reserved memory, the graph pool's segments, and the peak growth of the
         allocated bytes (warm-up temporaries included; in a long-lived process the capture reuses cached blocks
@@ -295,9 +297,14 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(device)
         allocated1 = torch.cuda.memory_allocated(device)
         runner.capture(graph_buckets(max_num_seqs), max_model_len)
+        spec = None
+        if spec_tokens:
+            from deepinfer.spec_graphs import SpecGraphs, spec_buckets
+
+            spec = SpecGraphs(runner, spec_tokens, spec_buckets(max_num_seqs), max_model_len)
         total = max(0, free1 - torch.cuda.mem_get_info(device)[0], torch.cuda.memory_reserved(device) - reserved1,
                     _pool_bytes(runner._graph_pool, device), torch.cuda.max_memory_allocated(device) - allocated1)
-        del runner, cache
+        del runner, cache, spec
         gc.collect()
         torch.cuda.empty_cache()  # what stays (the model's tables, cuBLAS workspaces) is out of the free memory
         return total
@@ -328,28 +335,40 @@ class ModelRunner:
         t0 = time.perf_counter()
         torch.cuda.synchronize(self.device)
         mem0 = torch.cuda.memory_reserved(self.device)
-        if self._graph_pool is None:  # one pool for every capture of this runner
-            self._graph_pool = torch.cuda.graph_pool_handle()
-        pool = self._graph_pool
-        stream = torch.cuda.Stream(self.device)
         for bucket in sorted(buckets, reverse=True):
             cap, plan = self.dummy_plan(bucket, max_len)
             st = plan.input_ids.untyped_storage()
             flat = torch.empty(0, dtype=torch.int64, device=self.device).set_(st, 0, (st.nbytes() // 8,))
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                # warm-up: kernels chosen, workspaces and tables allocated
-                self.sampler.greedy_device(self.model.forward(plan, self.cache))
-                plan.derived.clear()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool, stream=stream):
+
+            def run(plan=plan):
                 logits = self.model.forward(plan, self.cache)
-                greedy = self.sampler.greedy_device(logits)
+                return logits, self.sampler.greedy_device(logits)
+
+            g, (logits, greedy) = self.capture_graph(run, plan)
             self.graphs[bucket] = _Graph(bucket, cap, plan, g, logits, flat, dict(self.model._rope_tables), greedy)
         torch.cuda.synchronize(self.device)
         self.graph_capture_seconds = time.perf_counter() - t0
         self.graph_memory_bytes = torch.cuda.memory_reserved(self.device) - mem0
+
+    def capture_graph(self, run, plan):
+        """Capture ``run()``, a forward over the graph-mode ``plan``, into a CUDA graph of the runner's memory pool
+        (one for every capture of this runner): ``run`` first runs eagerly once on a side stream (kernels chosen,
+        workspaces and tables allocated), then ``plan.derived`` is cleared so that the graph derives the index
+        lists. Returns ``(graph, what the captured run returned)``: its outputs, rewritten by every replay."""
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        if self._capture_stream is None:
+            self._capture_stream = torch.cuda.Stream(self.device)
+        stream = self._capture_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            run()
+            plan.derived.clear()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, pool=self._graph_pool, stream=stream):
+            out = run()
+        return g, out
 
     def _graph_for(self, q: np.ndarray, ends: np.ndarray) -> _Graph | None:
         if not self.graphs or (q != 1).any() or int(ends.max()) > self.max_model_len:

@@ -13,7 +13,8 @@
 5. the MTP layer over the kept positions (the target's hidden streams, the next tokens as input): the MTP cache
    of every computed position, and each sampling request's first draft for the next step.
 
-Steps run in order (the engine applies each before scheduling the next) and eagerly.
+Steps run in order (the engine applies each before scheduling the next). With :class:`~deepinfer.spec_graphs.SpecGraphs`
+(CUDA), decode steps replay captured graphs for the three forwards; other steps run eagerly.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ class SpecStats:
 
     def __init__(self, k: int) -> None:
         self.plain_steps = 0  # steps run without drafts because verifying would not pay (:meth:`SpecDecoder.pays`)
+        self.graph_steps = 0  # speculative steps whose verification replayed a graph
         self.verifications = 0
         self.drafted = 0
         self.accepted = 0
@@ -95,13 +97,15 @@ class SpecDecoder:
         plain_cost: ``{num_seqs: seconds}`` of a plain decode step per CUDA-graph bucket
             (:func:`profile_plain_steps`), in the units of ``cost``; with it and the ``"confidence"`` schedule,
             :meth:`pays` lets the scheduler run plain steps where verification cannot pay.
+        graphs: the step's CUDA graphs (:class:`~deepinfer.spec_graphs.SpecGraphs`), or None (eager); once
+            profiled, their replay times are the cost of the steps they run.
     Raises:
         ValueError naming ``speculative_method`` when the model has no MTP layer or step plan, or runs under
         expert parallelism.
     """
 
     def __init__(self, runner, num_speculative_tokens: int, schedule: str = "confidence", cost=None,
-                 plain_cost: dict[int, float] | None = None) -> None:
+                 plain_cost: dict[int, float] | None = None, graphs=None) -> None:
         self.check_runner(runner)
         self.runner = runner
         self.k = num_speculative_tokens
@@ -110,9 +114,11 @@ class SpecDecoder:
         self.drafts: dict[int, DraftState] = {}
         self.stats = SpecStats(num_speculative_tokens)
         self.plain_cost = dict(sorted(plain_cost.items())) if plain_cost and schedule == "confidence" else None
-        # verification plans at the fixed shapes a CUDA graph captures (:meth:`verify_capacity`); off until the
-        # verification graphs exist, on in the CPU tests of those shapes
-        self.padded_plans = False
+        self.graphs = graphs
+        # measured on the host: seconds a graph step takes past its graphs' replay times, per bucket (EMA), and
+        # tokens per verification (EMA; None: none yet, and :meth:`pays` assumes every draft accepted)
+        self.overhead: dict[int, float] = {}
+        self.emitted: float | None = None
 
     @staticmethod
     def check_runner(runner) -> None:
@@ -127,22 +133,48 @@ class SpecDecoder:
                              "number of MTP forwards per step differs between ranks)")
 
     def pays(self, num_seqs: int) -> bool:
-        """Whether a speculative step can beat a plain one at ``num_seqs`` sequences: verifying ``k`` drafts each
-        (``cost``) takes less than ``1 + k`` plain steps (``plain_cost`` of the smallest bucket that fits), the
-        most a verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps run
-        eagerly there too)."""
+        """Whether a speculative step can beat a plain one at ``num_seqs`` sequences (host data only).
+
+        With profiled graphs: the tokens a verification emits (:attr:`emitted`, ``1 + k`` before the first) per
+        second of a graph step (:meth:`graph_step_seconds` at ``k`` drafts) beat one token per plain step
+        (``plain_cost`` of the smallest decode bucket that fits); false past the largest speculation bucket.
+        Without: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps, the most a
+        verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps run eagerly
+        there too)."""
         if self.plain_cost is None:
             return True
         plain = next((c for b, c in self.plain_cost.items() if b >= num_seqs), None)
         if plain is None:
             return True
+        if self.graphs is not None and self.graphs.seconds:
+            sec = self.graph_step_seconds(num_seqs, self.k)
+            emitted = self.emitted if self.emitted is not None else 1.0 + self.k
+            return sec is not None and emitted * plain > sec
         return self.cost(num_seqs, num_seqs * (1 + self.k)) < (1 + self.k) * plain
+
+    def graph_step_seconds(self, num_seqs: int, drafts: int) -> float | None:
+        """Seconds of a graph step of ``num_seqs`` sequences verifying up to ``drafts`` drafts each: the graphs'
+        replay times (:meth:`~deepinfer.spec_graphs.SpecGraphs.step_seconds`) plus the host time measured past
+        them (:attr:`overhead` of its bucket, else the largest measured; 0 before any). None without profiled
+        graphs for that batch."""
+        sec = self.graphs.step_seconds(num_seqs, drafts) if self.graphs is not None else None
+        if sec is None:
+            return None
+        b = self.graphs.bucket(num_seqs)
+        return sec + self.overhead.get(b, max(self.overhead.values(), default=0.0))
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int],
                      hidden: torch.Tensor, logits_rows: list[int], discard_state: bool = False):
         r = self.runner
-        plan = r.builder.build(r.step_seqs(states, c0, q), ids, logits_rows, r.batch_invariant,
+        seqs = r.step_seqs(states, c0, q)
+        g = self._graph("draft" if discard_state else "mtp", len(states), int(q.max()), int((c0 + q).max()))
+        if g is not None:
+            g.load(r.builder, seqs, ids, logits_rows)
+            g.hidden[:len(ids)].copy_(hidden)
+            g.replay()
+            return g.logits[:len(logits_rows)], g.streams[:len(ids)]
+        plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant,
                                r.model.step_pad(r.batch_invariant, r.device))
         if discard_state:  # a draft chain step: its positions are provisional, the rings keep the kept state
             for cp in plan.comp.values():
@@ -154,6 +186,11 @@ class SpecDecoder:
         r = self.runner
         dev = logits.device
         params = [st.params for st in states]
+        if all(p.temperature < MIN_SAMPLING_TEMPERATURE for p in params):  # greedy only: no distribution to keep
+            lf = logits.float()
+            tokens = torch.argmax(lf, dim=-1)
+            conf = torch.softmax(lf, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+            return tokens.tolist(), conf.tolist(), [None] * len(states)
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         probs = filtered_probs(logits, temp, torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
                                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
@@ -210,8 +247,7 @@ class SpecDecoder:
         for i, (it, k) in enumerate(zip(items, nv)):
             c = self.drafts[it.req_id].conf[:min(k, j - 1)] if k else []
             confs.append(c + [1.0] if i in candidates else c)
-        base = sum(it.num_new_tokens - it.num_draft_tokens for it in items)
-        best = choose_lengths(confs, lambda extra: self.cost(len(items), base + extra))
+        best = choose_lengths(confs, self._step_cost(items))
         return [i for i in sel if best[i] >= j]
 
     def _lengths(self, items, nv: list[int]) -> list[int]:
@@ -219,26 +255,39 @@ class SpecDecoder:
         if self.schedule == "fixed" or not any(nv):
             return nv
         confs = [self.drafts[it.req_id].conf[:k] if k else [] for it, k in zip(items, nv)]
+        return choose_lengths(confs, self._step_cost(items))
+
+    def _step_cost(self, items):
+        """``cost(lengths) -> float`` of this step verifying ``lengths[i]`` drafts for request ``i``: the graph
+        step's seconds at the longest (:meth:`graph_step_seconds`: one shape per bucket, so drafts below the
+        longest cost nothing) when the step runs graphs, else :attr:`cost` of its tokens."""
+        n = len(items)
+        if self._graph_step(items) and self.graph_step_seconds(n, 0) is not None:
+            return lambda lengths: self.graph_step_seconds(n, max(lengths, default=0))
         base = sum(it.num_new_tokens - it.num_draft_tokens for it in items)
-        return choose_lengths(confs, lambda extra: self.cost(len(items), base + extra))
+        return lambda lengths: self.cost(n, base + sum(lengths))
 
-    def verify_capacity(self, items, states, q: np.ndarray):
-        """The graph-mode ``Capacity`` of a verification step with :attr:`padded_plans` on: the smallest decode
-        bucket that holds its sequences, ``k + 1`` tokens each; None (an eager plan) when the option is off, in
-        batch-invariant mode, when a sequence runs a prefill chunk, or past the largest bucket."""
-        import dataclasses
-
-        from deepinfer.model_runner import graph_buckets
-
+    def _graph_step(self, items) -> bool:
+        """Whether the step's verification can replay a graph: every request decodes (one token and its drafts),
+        within the largest bucket and the graphs' context."""
+        g = self.graphs
         r = self.runner
-        if not self.padded_plans or r.batch_invariant or not r.max_num_seqs or not r.max_model_len:
+        return (g is not None and g.bucket(len(items)) is not None
+                and all(it.num_new_tokens - it.num_draft_tokens == 1 and it.needs_logits
+                        and it.start >= r.requests[it.req_id].num_prompt_tokens
+                        and it.start + self.k + 1 <= g.max_len for it in items))
+
+    def _graph(self, kind: str, n: int, q: int, end: int):
+        """The :class:`~deepinfer.spec_graphs.SpecGraph` of ``kind`` for ``n`` sequences of up to ``q`` tokens
+        ending by ``end``, or None (eager)."""
+        g = self.graphs
+        b = None if g is None or end > g.max_len else g.bucket(n)
+        if b is None:
             return None
-        if any(int(n) > self.k + 1 or it.start < st.num_prompt_tokens for it, st, n in zip(items, states, q)):
-            return None
-        fits = [b for b in graph_buckets(r.max_num_seqs) if b >= len(items)]
-        if not fits:
-            return None
-        return dataclasses.replace(r._capacity(min(fits), r.max_model_len), tokens_per_seq=self.k + 1)
+        if kind == "verify":
+            return g.verify.get((b, q))
+        return (g.draft if kind == "draft" else g.mtp).get(b) if q <= (1 if kind == "draft" else self.k + 1) \
+            else None
 
     # ------------------------------------------------------------------------------------------------ the step
     @torch.inference_mode()
@@ -276,15 +325,21 @@ class SpecDecoder:
         if len(ids) != int(q.sum()):
             raise RuntimeError("SpecDecoder: a scheduled token's id is not on the host (steps must run in order)")
         seqs = r.step_seqs(states, c0, q)
-        cap = self.verify_capacity(items, states, q)
-        plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant,
-                               0 if cap is not None else r.model.step_pad(r.batch_invariant, r.device), capacity=cap)
-        deferred = any(nv)
-        if deferred:
-            for cp in plan.comp.values():
-                cp.deferred = []
-        logits, streams = r.model.forward(plan, r.cache, return_hidden=True)
-        logits = logits[:len(logits_rows)]  # a padded plan returns a row per capacity row
+        g = self._graph("verify", len(items), int(q.max()), int((c0 + q).max())) if self._graph_step(items) \
+            else None
+        deferred = any(nv) or g is not None  # a verification graph always defers
+        if g is not None:
+            g.load(r.builder, seqs, ids, logits_rows)
+            g.replay()
+            logits, streams, comp = g.logits[:len(logits_rows)], g.streams, g.deferred_plans()
+        else:
+            plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant,
+                                   r.model.step_pad(r.batch_invariant, r.device))
+            if deferred:
+                for cp in plan.comp.values():
+                    cp.deferred = []
+            logits, streams = r.model.forward(plan, r.cache, return_hidden=True)
+            comp = plan.comp
 
         # 3. sampling: one draw per logits row (a verification's rows are the positions after each of its drafts)
         row_states: list[RequestState] = []
@@ -302,7 +357,7 @@ class SpecDecoder:
             from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
 
             lists = r.builder.state_commit(r.step_seqs(states, c0, np.array(kept, dtype=np.int64)), row_starts)
-            commit_deferred_state(plan.comp, lists)
+            commit_deferred_state(comp, lists)
 
         # 5. the MTP layer over the kept positions; the next step's first drafts
         self._mtp_pass(items, states, c0, kept, row_starts, streams)
@@ -310,7 +365,25 @@ class SpecDecoder:
         # a decode emits its kept positions' worth of tokens (1 + accepted drafts)
         n_decode = sum(k for k, d in zip(kept, decode) if d)
         n_prefill = sum(it.num_new_tokens for it, d in zip(items, decode) if not d)
-        return SpecStepOutput(ids_out, lps_out, tops_out, t0, time.perf_counter() - t0, n_decode, n_prefill)
+        out = SpecStepOutput(ids_out, lps_out, tops_out, t0, time.perf_counter() - t0, n_decode, n_prefill)
+        out.graph = g is not None
+        self.stats.graph_steps += out.graph
+        self._measure(items, nv, kept, n_base, g, out.host_seconds)
+        return out
+
+    def _measure(self, items, nv: list[int], kept: list[int], n_base: list[int], g, seconds: float) -> None:
+        """Update :attr:`emitted` (tokens per verification) and, for a graph step, :attr:`overhead` (its seconds
+        past the graphs' replay times)."""
+        verified = [k - b + 1 for k, b, v in zip(kept, n_base, nv) if v]
+        if verified:
+            mean = sum(verified) / len(verified)
+            self.emitted = mean if self.emitted is None else 0.9 * self.emitted + 0.1 * mean
+        if g is not None and self.graphs.seconds:
+            sec = self.graphs.step_seconds(len(items), max(nv))
+            if sec is not None:
+                extra = max(seconds - sec, 0.0)
+                old = self.overhead.get(g.bucket)
+                self.overhead[g.bucket] = extra if old is None else 0.8 * old + 0.2 * extra
 
     def _sample(self, items, states, nv, logits, row_states, counters, masks):
         """Draws and acceptance: per sampled request its token(s), logprob(s) and top logprobs (in step order),
@@ -531,29 +604,41 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
     """Verified drafts per sequence that maximise expected emitted tokens per unit of step cost.
 
     A sequence verifying ``j`` drafts emits ``1 + sum_{i <= j} s_i`` tokens in expectation, where the survival
-    ``s_i`` is the product of its first ``i`` confidences. Survivals only fall along a sequence, so the best
-    choice for ``T`` extra tokens takes the ``T`` largest survivals; every ``T`` is tried.
+    ``s_i`` is the product of its first ``i`` confidences. Two families of choices are tried, each the best for one
+    shape of cost: the ``T`` largest survivals for every ``T`` (a cost that grows with the number of drafts:
+    survivals only fall along a sequence), and every common cap ``L`` (a cost set by the longest sequence, as one
+    CUDA graph per length is).
 
     Args:
         confidences: per sequence, its drafts' confidences (probabilities in [0, 1]), in order.
-        step_cost: ``step_cost(extra_tokens) -> float > 0``, the step's cost with that many drafts verified.
+        step_cost: ``step_cost(lengths) -> float > 0``, the step's cost verifying ``lengths[i]`` drafts of
+            sequence ``i``.
     Returns:
         drafts to verify per sequence (each at most its number of drafts).
     """
-    cand = []
-    for i, cs in enumerate(confidences):
-        s = 1.0
-        for j, c in enumerate(cs):
+    surv = []
+    for cs in confidences:
+        s, row = 1.0, []
+        for c in cs:
             s *= min(max(float(c), 0.0), 1.0)
-            cand.append((-s, j, i))
-    cand.sort()
-    k = [0] * len(confidences)
-    expected = float(len(confidences))
-    best, best_k = expected / step_cost(0), list(k)
-    for t, (neg_s, j, i) in enumerate(cand, 1):
+            row.append(s)
+        surv.append(row)
+    n = len(confidences)
+    k = [0] * n
+    best, best_k = n / step_cost(k), list(k)
+
+    def consider(lengths: list[int], expected: float) -> None:
+        nonlocal best, best_k
+        rate = expected / step_cost(lengths)
+        if rate > best:
+            best, best_k = rate, list(lengths)
+
+    expected = float(n)
+    for neg_s, j, i in sorted((-s, j, i) for i, row in enumerate(surv) for j, s in enumerate(row)):
         k[i] = max(k[i], j + 1)
         expected -= neg_s
-        rate = expected / step_cost(t)
-        if rate > best:
-            best, best_k = rate, list(k)
+        consider(k, expected)
+    for cap in range(1, max(map(len, surv), default=0) + 1):
+        lengths = [min(cap, len(row)) for row in surv]
+        consider(lengths, n + sum(sum(row[:m]) for row, m in zip(surv, lengths)))
     return best_k

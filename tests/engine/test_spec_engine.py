@@ -217,14 +217,20 @@ def test_bad_settings_name_the_field(field, value, match):
 
 
 def test_choose_lengths_maximises_expected_tokens_per_cost():
-    flat = lambda extra: 1.0  # noqa: E731 - a step that costs the same for any number of drafts
+    flat = lambda ks: 1.0  # noqa: E731 - a step that costs the same for any number of drafts
     assert sd.choose_lengths([[0.9, 0.5, 0.1], [0.2]], flat) == [3, 1]
-    steep = lambda extra: 1.0 + extra  # noqa: E731 - every draft costs a whole step
+    steep = lambda ks: 1.0 + sum(ks)  # noqa: E731 - every draft costs a whole step
     assert sd.choose_lengths([[0.9, 0.9], [0.6]], steep) == [0, 0]
-    mid = lambda extra: 1.0 + 0.25 * extra  # noqa: E731
+    mid = lambda ks: 1.0 + 0.25 * sum(ks)  # noqa: E731
     # survivals 0.9, 0.81, 0.2: the first two pay for their cost, the third does not
     assert sd.choose_lengths([[0.9, 0.9], [0.2]], mid) == [2, 0]
     assert sd.choose_lengths([], flat) == []
+    # a graph-shaped cost (set by the longest): survivals 0.95, 0.9025, 0.857 / 0.5; cap 1 gives 3.45 / 1.5 = 2.3,
+    # better than any set of the largest survivals ([3, 1]: 5.21 / 2.5) or no draft (2 / 1)
+    longest = lambda ks: 1.0 + 0.5 * max(ks, default=0)  # noqa: E731
+    assert sd.choose_lengths([[0.95, 0.95, 0.95], [0.5]], longest) == [1, 1]
+    # survivals 0.9, 0.81, 0.729 / 0.9, 0.81: cap 2 (5.42 / 2) beats cap 1 (3.8 / 1.5) and cap 3 (6.15 / 2.5)
+    assert sd.choose_lengths([[0.9, 0.9, 0.9], [0.9, 0.9]], longest) == [2, 2]
 
 
 def _recording(llm: LLM) -> dict:
@@ -462,20 +468,35 @@ def test_nan_logits_inside_a_verification_fail_that_request_alone(reference, ora
 
 
 @pytest.mark.parametrize("k,schedule", [(1, "fixed"), (3, "confidence")])
-def test_padded_verification_plans_equal_speculation_off(reference, oracle, monkeypatch, k, schedule):
-    """Verification at the shapes its CUDA graph will capture (``SpecDecoder.padded_plans``: the decode bucket's
-    sequences, ``k + 1`` tokens each, padding rows after the last sequence's): greedy outputs and logprobs equal
-    speculation off, with accepted blocks and partial rejections rolled back through the padded plans."""
-    padded = []
-    real = sd.SpecDecoder.verify_capacity
+def test_graph_steps_equal_speculation_off(reference, oracle, monkeypatch, k, schedule):
+    """The speculative step through its graphs' static buffers (``SpecGraphs``; off CUDA a replay runs the forward
+    over them): verification at ``q`` tokens per sequence of the bucket, the draft chain and the MTP pass padded
+    the same way. Greedy outputs and logprobs equal speculation off, with accepted blocks and partial rejections
+    rolled back through them; prefill steps stay eager."""
+    from deepinfer.spec_graphs import SpecGraph, SpecGraphs
 
-    def spy(self, items, states, q):
-        cap = real(self, items, states, q)
-        padded.append(cap is not None)
-        return cap
+    replays = []
+    real = SpecGraph.replay
 
-    monkeypatch.setattr(sd.SpecDecoder, "verify_capacity", spy)
-    llm = _spec(k, schedule)
-    llm.runner.spec.padded_plans = True
+    def replay(self):
+        replays.append((self.kind, self.bucket, self.q))
+        real(self)
+
+    monkeypatch.setattr(SpecGraph, "replay", replay)
+    llm = _spec(k, schedule, max_model_len=128)
+    graphs = SpecGraphs(llm.runner, k, [1, 2, 4], 128)
+    assert len(graphs) == 3 * (k + 1) + 6
+    llm.runner.spec.graphs = graphs
+    verify_calls = []
+    real_forward = type(llm.model).forward
+
+    def forward(self, plan, *a, **kw):
+        verify_calls.append(plan.graph)
+        return real_forward(self, plan, *a, **kw)
+
+    monkeypatch.setattr(type(llm.model), "forward", forward)
     _greedy_equals_reference(llm, reference)
-    assert any(padded) and not all(padded)  # verification steps padded; the prefill steps eager
+    kinds = {kind for kind, _, _ in replays}
+    assert kinds == ({"verify", "draft", "mtp"} if k > 1 else {"verify", "mtp"})
+    assert any(q > 1 for kind, _, q in replays if kind == "verify")
+    assert True in verify_calls and False in verify_calls  # decode steps replay the graph, prefill steps eager

@@ -4,6 +4,8 @@ model; the oracle drafter of test_spec_engine.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
 import deepinfer.spec_decode as sd
@@ -34,6 +36,37 @@ def test_pays_compares_a_full_verification_with_plain_steps():
     assert d.pays(17)  # past the largest graph bucket plain steps run eagerly too
     assert _decoder(None).pays(16)  # nothing profiled (the CPU): always
     assert _decoder({1: 0.5}, schedule="fixed").plain_cost is None and _decoder({1: 0.5}, "fixed").pays(8)
+
+
+class _Graphs:
+    """The cost side of ``SpecGraphs``: buckets 1 and 4, a step of ``d`` drafts costs ``1 + d / 2``."""
+
+    seconds = {"profiled": True}
+
+    @staticmethod
+    def bucket(n):
+        return next((b for b in (1, 4) if b >= n), None)
+
+    def step_seconds(self, n, drafts):
+        return None if self.bucket(n) is None else 1.0 + 0.5 * drafts
+
+
+def test_pays_with_graphs_reads_measured_acceptance_and_host_time():
+    model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
+    d = sd.SpecDecoder(_Runner(model), 3, "confidence", plain_cost={1: 1.0, 4: 1.0, 64: 1.0}, graphs=_Graphs())
+    # before any verification every draft counts as accepted: 4 tokens per 2.5 s against 1 per 1 s
+    assert d.pays(1) and d.pays(4)
+    assert not d.pays(8)  # no speculation graph: an eager verification against graph plain steps
+    assert d.pays(100)  # past the decode graphs plain steps are eager too
+    # measured: a step verifying 3 drafts for 2 sequences (one accepted all, one had no draft) took 3 s
+    d._measure([None, None], [3, 0], [4, 1], [1, 1], SimpleNamespace(bucket=4), 3.0)
+    assert d.emitted == 4.0 and d.overhead == {4: 0.5}
+    assert d.graph_step_seconds(1, 3) == 3.0  # bucket 1 takes the largest measured host time
+    assert d.pays(1)  # 4 tokens per 3 s
+    d._measure([None], [3], [2], [1], SimpleNamespace(bucket=1), 3.0)  # one accepted of three
+    assert d.emitted == 0.9 * 4.0 + 0.1 * 2.0 and d.overhead[1] == 0.5
+    d.emitted = 2.5
+    assert not d.pays(1) and not d.pays(4)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,172 @@
+"""CUDA graphs of the speculative step (``docs/speculative.md``, "Graphs").
+
+Three forwards per speculative step have fixed shapes once the batch is padded to a bucket:
+
+* ``verify``: the target over ``q`` tokens per sequence (the last token and ``q - 1`` drafts), its hidden streams
+  returned and its compressors' ring state deferred (written after acceptance, for the kept positions only);
+* ``draft``: the MTP layer over one token per sequence (a step of the draft chain; ring state discarded);
+* ``mtp``: the MTP layer over up to ``k + 1`` kept positions per sequence (ring state written).
+
+:class:`SpecGraphs` captures each per bucket into the runner's graph pool. A graph's plan, token ids and hidden
+input live in static buffers: a step writes its own plan into them (:meth:`SpecGraph.load`) and replays. Off CUDA
+nothing is captured and :meth:`SpecGraph.replay` runs the forward eagerly over the same buffers, which is how the
+CPU tests check the padded shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from deepinfer.models.deepseek_v4.plan import SeqStep
+
+SPEC_GRAPH_MAX_SEQS = 64  # the largest batch with speculation graphs; past it verification rarely pays
+
+
+def spec_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes with speculation graphs: powers of two below ``min(max_num_seqs, SPEC_GRAPH_MAX_SEQS)``, then
+    that bound."""
+    top = min(max_num_seqs, SPEC_GRAPH_MAX_SEQS)
+    return [b for b in (1, 2, 4, 8, 16, 32) if b < top] + [top]
+
+
+class SpecGraph:
+    """One captured forward: ``kind`` (``"verify"``, ``"draft"``, ``"mtp"``) over ``bucket`` sequences of up to
+    ``q`` tokens. ``plan`` (every field a view of ``flat``) and ``hidden`` (``[bucket * q, hc_mult, hidden]``, the
+    MTP input; None for ``verify``) are its inputs; ``logits`` (``[bucket * q, vocab]`` float32), ``streams``
+    (``[bucket * q, hc_mult, hidden]``) and ``deferred`` (``{ratio: [(ring_kv, ring_gate, kv_new, gate_new)]}``,
+    ``verify`` only) its outputs, rewritten by every replay."""
+
+    def __init__(self, kind: str, bucket: int, q: int, capacity, plan, flat: torch.Tensor, hidden, run) -> None:
+        self.kind, self.bucket, self.q, self.capacity = kind, bucket, q, capacity
+        self.plan, self.flat, self.hidden, self._run = plan, flat, hidden, run
+        self.graph = None
+        self.logits = self.streams = None
+        self.deferred: dict[int, list] = {}
+        self.keep = None  # tensors the captured graph reads that must outlive it (RoPE tables)
+
+    def load(self, builder, seqs, ids: list[int], logits_rows: list[int]) -> None:
+        """Write the step's plan (``StepSeqs`` of at most ``bucket`` sequences, ``q`` tokens each) into the
+        buffers. Raises ValueError naming ``capacity`` when the step does not fit."""
+        if self.q == 1:
+            builder.fill(seqs, ids, logits_rows, self.capacity, self.flat)
+        else:
+            builder.build(seqs, ids, logits_rows, self.plan.batch_invariant, capacity=self.capacity, out=self.flat,
+                          finalize=False)
+
+    def replay(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:  # off CUDA: the forward itself over the static buffers
+            self.plan.derived.clear()
+            self.logits, self.streams, self.deferred = self._run()
+
+    def deferred_plans(self) -> dict:
+        """``{ratio: CompressorPlan}`` holding this replay's deferred ring state, for
+        :func:`~deepinfer.models.deepseek_v4.compressor.commit_deferred_state` (which empties them; the graph's own
+        lists stay)."""
+        return {m: dataclasses.replace(cp, deferred=list(self.deferred.get(m, ()))) for m, cp in self.plan.comp.items()}
+
+
+class SpecGraphs:
+    """The speculative step's graphs of ``runner`` for ``k`` drafts: ``verify`` per (bucket, q) for q in
+    ``1 .. k + 1``, ``draft`` and ``mtp`` per bucket. Captured on CUDA (largest first, the runner's pool), kept
+    as eager replays elsewhere. ``seconds`` (after :meth:`profile`): replay times by ``(kind, bucket, q)``.
+
+    Raises:
+        ValueError naming ``num_speculative_tokens`` when ``k + 1`` tokens do not fit a cache block.
+    """
+
+    def __init__(self, runner, k: int, buckets: list[int], max_len: int) -> None:
+        if not 1 <= k + 1 <= runner.cache.block_size:
+            raise ValueError(f"num_speculative_tokens: {k} + 1 tokens per sequence must fit a cache block "
+                             f"({runner.cache.block_size})")
+        self.runner, self.k, self.max_len = runner, k, max_len
+        self.buckets = sorted(set(buckets))
+        self.verify: dict[tuple[int, int], SpecGraph] = {}
+        self.draft: dict[int, SpecGraph] = {}
+        self.mtp: dict[int, SpecGraph] = {}
+        self.seconds: dict[tuple[str, int, int], float] = {}
+        self.capture_seconds = 0.0
+        t0 = time.perf_counter()
+        cuda = runner.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        for b in reversed(self.buckets):
+            for q in range(k + 1, 0, -1):
+                self.verify[(b, q)] = self._make("verify", b, q, cuda)
+            self.mtp[b] = self._make("mtp", b, k + 1, cuda)
+            self.draft[b] = self._make("draft", b, 1, cuda)
+        if cuda:
+            torch.cuda.synchronize(runner.device)
+        self.capture_seconds = time.perf_counter() - t0
+
+    def __len__(self) -> int:
+        return len(self.verify) + len(self.draft) + len(self.mtp)
+
+    def bucket(self, n: int) -> int | None:
+        """The smallest bucket holding ``n`` sequences (None past the largest)."""
+        return next((b for b in self.buckets if b >= n), None)
+
+    def _make(self, kind: str, bucket: int, q: int, cuda: bool) -> SpecGraph:
+        r = self.runner
+        model = r.model
+        cap = dataclasses.replace(r._capacity(bucket, self.max_len), tokens_per_seq=q)
+        rows = bucket * q
+        # dummy sequences at positions 0 .. q - 1, all in block 0 (free before any request; what they write there
+        # is overwritten before a sequence reads it), as the decode graphs' dummy plans
+        plan = r.builder.build([SeqStep(0, q, (0,))] * bucket, [0] * rows, list(range(rows)), r.batch_invariant,
+                               capacity=cap, finalize=False, checked=True)
+        st = plan.input_ids.untyped_storage()
+        flat = torch.empty(0, dtype=torch.int64, device=r.device).set_(st, 0, (st.nbytes() // 8,))
+        hidden = None
+        if kind != "verify":
+            cfg = model.config
+            hidden = torch.zeros(rows, cfg.hc_mult, cfg.hidden_size, dtype=model.dtype, device=r.device)
+        defer = kind != "mtp"  # verify: committed after acceptance; draft: provisional positions, never written
+
+        def run():
+            for cp in plan.comp.values():
+                cp.deferred = [] if defer else None
+            if kind == "verify":
+                logits, streams = model.forward(plan, r.cache, return_hidden=True)
+            else:
+                logits, streams = model.forward_mtp(plan, r.cache, hidden, 0, return_hidden=True)
+            return logits, streams, {m: cp.deferred or [] for m, cp in plan.comp.items()}
+
+        g = SpecGraph(kind, bucket, q, cap, plan, flat, hidden, run)
+        if cuda:
+            g.graph, (g.logits, g.streams, g.deferred) = r.capture_graph(run, plan)
+            g.keep = dict(model._rope_tables)
+        return g
+
+    @torch.inference_mode()
+    def profile(self, repeats: int = 3) -> dict[tuple[str, int, int], float]:
+        """Time every graph (the best of ``repeats`` replays after one warm-up, over its dummy plan: before any
+        request, as at capture) into :attr:`seconds`; returns it."""
+        dev = self.runner.device
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        graphs = [*self.verify.values(), *self.draft.values(), *self.mtp.values()]
+        for g in graphs:
+            best = float("inf")
+            for i in range(repeats + 1):
+                sync()
+                t = time.perf_counter()
+                g.replay()
+                sync()
+                if i:
+                    best = min(best, time.perf_counter() - t)
+            self.seconds[(g.kind, g.bucket, g.q)] = best
+        return self.seconds
+
+    def step_seconds(self, num_seqs: int, drafts: int) -> float | None:
+        """Device seconds of a speculative step of ``num_seqs`` sequences verifying up to ``drafts`` drafts each:
+        the verification, ``drafts - 1`` draft-chain forwards and the MTP pass (from :attr:`seconds`; None before
+        :meth:`profile` or past the largest bucket)."""
+        b = self.bucket(num_seqs)
+        if b is None or not self.seconds:
+            return None
+        s = self.seconds
+        return s[("verify", b, drafts + 1)] + max(drafts - 1, 0) * s[("draft", b, 1)] + s[("mtp", b, self.k + 1)]

@@ -1,0 +1,58 @@
+"""Speculative decoding on CUDA with its graphs (``spec_graphs.py``): the tiny model, the oracle drafter of
+test_spec_engine.py (accepted blocks and partial rejections)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from deepinfer.llm import LLM
+from deepinfer.sequence import SamplingParams
+from test_spec_engine import _use_oracle
+
+pytestmark = pytest.mark.cuda
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rng = random.Random(3)
+    return [[rng.randrange(3, 120000) for _ in range(rng.randrange(5, 200))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "confidence"])
+def test_cuda_spec_graphs_greedy_equals_speculation_off(monkeypatch, schedule):
+    """Greedy tokens with the speculation graphs equal speculation off (its decode graphs), for a batch of 8 and
+    one running alone; verifications replay graphs, and with the confidence schedule the start-up profile is
+    there (graph replay times, plain steps' times)."""
+    prompts = _prompts(8)
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    off = LLM("tiny", device="cuda", enforce_eager=False, max_num_seqs=8)
+    ref = [o.token_ids for o in off.generate(prompts, sp)]
+    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(prompts, ref)})
+    llm = LLM("tiny", device="cuda", enforce_eager=False, max_num_seqs=8, speculative_method="mtp",
+              num_speculative_tokens=3, spec_schedule=schedule)
+    spec = llm.runner.spec
+    assert llm.startup["spec_graphs"] == len(spec.graphs) > 0
+    if schedule == "confidence":
+        assert spec.graphs.seconds and spec.plain_cost and "speculation_pays" in llm.startup
+        spec.plain_cost = {b: 1e9 for b in spec.plain_cost}  # verification always pays: every step speculates
+    graph_steps = []
+    real = type(spec).execute
+
+    def execute(self, output):
+        out = real(self, output)
+        graph_steps.append(out.graph)
+        return out
+
+    monkeypatch.setattr(type(spec), "execute", execute)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == ref
+    assert [o.token_ids for o in llm.generate(prompts[:1], sp)] == ref[:1]
+    assert any(graph_steps) and spec.stats.accepted > 0 and spec.stats.accepted < spec.stats.drafted
+
+
+def test_cuda_spec_graph_memory_is_in_the_estimate():
+    """The graph memory measured before the cache is sized covers the speculation graphs too."""
+    base = LLM("tiny", device="cuda", enforce_eager=False, max_num_seqs=8).startup["graph_memory_estimate_bytes"]
+    spec = LLM("tiny", device="cuda", enforce_eager=False, max_num_seqs=8, speculative_method="mtp",
+               num_speculative_tokens=3).startup["graph_memory_estimate_bytes"]
+    assert spec > base > 0
