@@ -63,8 +63,9 @@ class EngineConfig:
             content of evicted cached blocks and restores it on a hit (``docs/prefix-cache.md``); 0 (default): off.
             Needs ``enable_prefix_caching`` and a model with cache groups.
         speculative_method: ``None`` (off) or ``"mtp"``: speculative decoding with the model's MTP layer as the
-            drafter (``docs/speculative.md``). Steps then run in order (no asynchronous overlap) and without CUDA
-            graphs; requests with penalties, a logit bias or ``structured_outputs`` decode without drafts.
+            drafter (``docs/speculative.md``). Speculative steps run in order (no asynchronous overlap), decode
+            steps on CUDA through their own graphs; requests with penalties, a logit bias or
+            ``structured_outputs`` decode without drafts.
         num_speculative_tokens: drafts per sequence and step with speculation on (1 to 5; default 3).
         spec_schedule: ``"confidence"`` (the verified length per sequence maximises expected accepted tokens per
             unit of step cost, from the drafts' confidences) or ``"fixed"`` (always ``num_speculative_tokens``).

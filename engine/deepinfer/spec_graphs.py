@@ -79,6 +79,7 @@ class SpecGraphs:
         ValueError naming ``num_speculative_tokens`` when ``k + 1`` tokens do not fit a cache block.
     """
 
+    @torch.inference_mode()
     def __init__(self, runner, k: int, buckets: list[int], max_len: int) -> None:
         if not 1 <= k + 1 <= runner.cache.block_size:
             raise ValueError(f"num_speculative_tokens: {k} + 1 tokens per sequence must fit a cache block "
