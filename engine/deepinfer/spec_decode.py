@@ -115,10 +115,12 @@ class SpecDecoder:
         self.stats = SpecStats(num_speculative_tokens)
         self.plain_cost = dict(sorted(plain_cost.items())) if plain_cost and schedule == "confidence" else None
         self.graphs = graphs
-        # measured on the host: seconds a graph step takes past its graphs' replay times, per bucket (EMA), and
-        # tokens per verification (EMA; None: none yet, and :meth:`pays` assumes every draft accepted)
-        self.overhead: dict[int, float] = {}
-        self.emitted: float | None = None
+        # measured: seconds a graph step takes past its graphs' replay times (the last few per bucket), and per
+        # draft position the rate at which a verified draft is accepted once the ones before it were (EMA; None:
+        # not measured yet, counted as 1)
+        self.overhead_samples: dict[int, list[float]] = {}
+        self.accept_rate: list[float | None] = [None] * num_speculative_tokens
+        self._refused: dict[int, int] = {}
 
     @staticmethod
     def check_runner(runner) -> None:
@@ -135,9 +137,11 @@ class SpecDecoder:
     def pays(self, num_seqs: int) -> bool:
         """Whether a speculative step can beat a plain one at ``num_seqs`` sequences (host data only).
 
-        With profiled graphs: the tokens a verification emits (:attr:`emitted`, ``1 + k`` before the first) per
-        second of a graph step (:meth:`graph_step_seconds` at ``k`` drafts) beat one token per plain step
-        (``plain_cost`` of the smallest decode bucket that fits); false past the largest speculation bucket.
+        With profiled graphs: for some draft count ``d``, the tokens a verification of ``d`` drafts is expected to
+        emit (:meth:`expected_emitted`) per second of a graph step (:meth:`graph_step_seconds`) beat one token per
+        plain step (``plain_cost`` of the smallest decode bucket that fits); false past the largest speculation
+        bucket. Every :attr:`PROBE_EVERY` th refusal at a bucket says true instead, so that the measured host time
+        and acceptance there stay current (a slow first step must not switch speculation off for good).
         Without: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps, the most a
         verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps run eagerly
         there too)."""
@@ -147,21 +151,38 @@ class SpecDecoder:
         if plain is None:
             return True
         if self.graphs is not None and self.graphs.seconds:
-            sec = self.graph_step_seconds(num_seqs, self.k)
-            emitted = self.emitted if self.emitted is not None else 1.0 + self.k
-            return sec is not None and emitted * plain > sec
+            b = self.graphs.bucket(num_seqs)
+            if b is None:
+                return False
+            if any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
+                   for d in range(1, self.k + 1)):
+                return True
+            self._refused[b] = self._refused.get(b, 0) + 1
+            return self._refused[b] % self.PROBE_EVERY == 0
         return self.cost(num_seqs, num_seqs * (1 + self.k)) < (1 + self.k) * plain
+
+    PROBE_EVERY = 32
+
+    def expected_emitted(self, drafts: int) -> float:
+        """Tokens a verification of ``drafts`` drafts emits in expectation: ``1 + sum_i prod_{j <= i} a_j`` over
+        the measured acceptance rates ``a_j`` (:attr:`accept_rate`; 1 where not measured)."""
+        out, s = 1.0, 1.0
+        for a in self.accept_rate[:drafts]:
+            s *= 1.0 if a is None else a
+            out += s
+        return out
 
     def graph_step_seconds(self, num_seqs: int, drafts: int) -> float | None:
         """Seconds of a graph step of ``num_seqs`` sequences verifying up to ``drafts`` drafts each: the graphs'
         replay times (:meth:`~deepinfer.spec_graphs.SpecGraphs.step_seconds`) plus the host time measured past
-        them (:attr:`overhead` of its bucket, else the largest measured; 0 before any). None without profiled
-        graphs for that batch."""
+        them (the smallest of the last few at its bucket, else the largest such figure of any bucket; 0 before
+        any). None without profiled graphs for that batch."""
         sec = self.graphs.step_seconds(num_seqs, drafts) if self.graphs is not None else None
         if sec is None:
             return None
         b = self.graphs.bucket(num_seqs)
-        return sec + self.overhead.get(b, max(self.overhead.values(), default=0.0))
+        mins = {k: min(v) for k, v in self.overhead_samples.items()}
+        return sec + mins.get(b, max(mins.values(), default=0.0))
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int],
@@ -372,18 +393,21 @@ class SpecDecoder:
         return out
 
     def _measure(self, items, nv: list[int], kept: list[int], n_base: list[int], g, seconds: float) -> None:
-        """Update :attr:`emitted` (tokens per verification) and, for a graph step, :attr:`overhead` (its seconds
-        past the graphs' replay times)."""
-        verified = [k - b + 1 for k, b, v in zip(kept, n_base, nv) if v]
-        if verified:
-            mean = sum(verified) / len(verified)
-            self.emitted = mean if self.emitted is None else 0.9 * self.emitted + 0.1 * mean
+        """Update :attr:`accept_rate` from this step's verifications and, for a graph step, the host time past
+        the graphs' replay times (the last 5 per bucket)."""
+        accepted = [(k - b, v) for k, b, v in zip(kept, n_base, nv) if v]
+        for j in range(self.k):
+            reached = [a for a, v in accepted if v > j and a >= j]  # verified draft j + 1, the ones before taken
+            if reached:
+                rate = sum(a > j for a in reached) / len(reached)
+                old = self.accept_rate[j]
+                self.accept_rate[j] = rate if old is None else 0.9 * old + 0.1 * rate
         if g is not None and self.graphs.seconds:
             sec = self.graphs.step_seconds(len(items), max(nv))
             if sec is not None:
-                extra = max(seconds - sec, 0.0)
-                old = self.overhead.get(g.bucket)
-                self.overhead[g.bucket] = extra if old is None else 0.8 * old + 0.2 * extra
+                samples = self.overhead_samples.setdefault(g.bucket, [])
+                samples.append(max(seconds - sec, 0.0))
+                del samples[:-5]
 
     def _sample(self, items, states, nv, logits, row_states, counters, masks):
         """Draws and acceptance: per sampled request its token(s), logprob(s) and top logprobs (in step order),

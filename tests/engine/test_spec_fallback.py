@@ -55,18 +55,24 @@ def test_pays_with_graphs_reads_measured_acceptance_and_host_time():
     model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
     d = sd.SpecDecoder(_Runner(model), 3, "confidence", plain_cost={1: 1.0, 4: 1.0, 64: 1.0}, graphs=_Graphs())
     # before any verification every draft counts as accepted: 4 tokens per 2.5 s against 1 per 1 s
-    assert d.pays(1) and d.pays(4)
+    assert d.expected_emitted(3) == 4.0 and d.pays(1) and d.pays(4)
     assert not d.pays(8)  # no speculation graph: an eager verification against graph plain steps
     assert d.pays(100)  # past the decode graphs plain steps are eager too
-    # measured: a step verifying 3 drafts for 2 sequences (one accepted all, one had no draft) took 3 s
-    d._measure([None, None], [3, 0], [4, 1], [1, 1], SimpleNamespace(bucket=4), 3.0)
-    assert d.emitted == 4.0 and d.overhead == {4: 0.5}
-    assert d.graph_step_seconds(1, 3) == 3.0  # bucket 1 takes the largest measured host time
-    assert d.pays(1)  # 4 tokens per 3 s
-    d._measure([None], [3], [2], [1], SimpleNamespace(bucket=1), 3.0)  # one accepted of three
-    assert d.emitted == 0.9 * 4.0 + 0.1 * 2.0 and d.overhead[1] == 0.5
-    d.emitted = 2.5
-    assert not d.pays(1) and not d.pays(4)
+    # a step verifying 3 drafts for 2 sequences (one accepted 2 of them, one had no draft) took 3 s
+    d._measure([None, None], [3, 0], [3, 1], [1, 1], SimpleNamespace(bucket=4), 3.0)
+    assert d.accept_rate == [1.0, 1.0, 0.0] and d.expected_emitted(3) == 3.0
+    assert d.overhead_samples == {4: [0.5]}
+    assert d.graph_step_seconds(1, 3) == 3.0  # bucket 1 takes the largest figure measured at any bucket
+    assert d.pays(1)  # 2 drafts: 3 tokens per 2.5 s
+    d._measure([None], [3], [1], [1], SimpleNamespace(bucket=1), 4.0)  # none of three accepted, slow
+    assert d.accept_rate == [0.9, 1.0, 0.0] and d.overhead_samples[1] == [1.5]
+    assert d.expected_emitted(2) == 1.0 + 0.9 + 0.9
+    # 2.8 tokens per 3.5 s, 1.9 per 3 s, 2.8 per 4 s: below a plain step; every 32nd refusal probes
+    answers = [d.pays(1) for _ in range(64)]
+    assert answers.count(True) == 2 and answers[31] and answers[63]
+    for _ in range(5):  # the host time at bucket 1 is the smallest of its last five
+        d._measure([None], [3], [4], [1], SimpleNamespace(bucket=1), 2.5 + 0.0)
+    assert d.overhead_samples[1] == [0.0] * 5 and d.pays(1)
 
 
 @pytest.fixture(scope="module")
