@@ -161,7 +161,7 @@ class SpecDecoder:
             return self._refused[b] % self.PROBE_EVERY == 0
         return self.cost(num_seqs, num_seqs * (1 + self.k)) < (1 + self.k) * plain
 
-    PROBE_EVERY = 32
+    PROBE_EVERY = 64
 
     def expected_emitted(self, drafts: int) -> float:
         """Tokens a verification of ``drafts`` drafts emits in expectation: ``1 + sum_i prod_{j <= i} a_j`` over
@@ -420,7 +420,7 @@ class SpecDecoder:
         spec_items = [i for i, (it, k) in enumerate(zip(items, nv)) if it.needs_logits and k]
         emitted = {}
         if spec_items:
-            emitted = self._accept(items, states, nv, logits, base, counters, spec_items)
+            emitted = self._accept(items, states, nv, logits, base, base_lp, counters, spec_items)
         base_h = base.tolist()
         base_lp_h = base_lp.tolist()
         ids_out, lps_out, tops_out = [], [], []
@@ -444,7 +444,7 @@ class SpecDecoder:
             row += k + 1
         return ids_out, lps_out, tops_out, kept
 
-    def _accept(self, items, states, nv, logits, base, counters, spec_items) -> dict[int, tuple[list, list]]:
+    def _accept(self, items, states, nv, logits, base, base_lp, counters, spec_items) -> dict[int, tuple[list, list]]:
         """:func:`~deepinfer.speculative.accept_drafts` over the requests ``spec_items``: ``{item: (tokens,
         logprobs)}`` of what each emits (cut after a NaN row, whose token is ``-1``)."""
         r = self.runner
@@ -489,9 +489,12 @@ class SpecDecoder:
             seeds = torch.tensor([states[spec_items[a]].seed for a in srows], dtype=torch.int64, device=dev)
             ctr = torch.tensor([counters[first_row[spec_items[a]]] for a in srows], dtype=torch.int64, device=dev)
         tokens, n_emit = accept_drafts(base_tok, draft_t, num_d, sampled_t, target_p, draft_p, seeds, ctr)
-        raw = logits[base_rows.reshape(-1)].float()
-        lse = _log_softmax_normaliser(raw).view(n, K + 1)
-        tok_lp = raw.view(n, K + 1, V).gather(2, tokens.clamp(min=0)[:, :, None]).squeeze(2) - lse
+        if srows:
+            raw = logits[base_rows.reshape(-1)].float()
+            lse = _log_softmax_normaliser(raw).view(n, K + 1)
+            tok_lp = raw.view(n, K + 1, V).gather(2, tokens.clamp(min=0)[:, :, None]).squeeze(2) - lse
+        else:  # greedy rows emit the sampler's own tokens (accepted drafts equal them): its logprobs
+            tok_lp = base_lp[base_rows]
         tokens_h, n_h, lp_h = tokens.tolist(), n_emit.tolist(), tok_lp.tolist()
         out = {}
         for a, i in enumerate(spec_items):
