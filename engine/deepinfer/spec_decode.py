@@ -140,8 +140,9 @@ class SpecDecoder:
         With profiled graphs: for some draft count ``d``, the tokens a verification of ``d`` drafts is expected to
         emit (:meth:`expected_emitted`) per second of a graph step (:meth:`graph_step_seconds`) beat one token per
         plain step (``plain_cost`` of the smallest decode bucket that fits); false past the largest speculation
-        bucket. Every :attr:`PROBE_EVERY` th refusal at a bucket says true instead, so that the measured host time
-        and acceptance there stay current (a slow first step must not switch speculation off for good).
+        bucket. At a bucket with host time measured, the :attr:`FIRST_PROBE` th refusal says true instead, then
+        the one after twice as many, and so on: a slow first step must not switch speculation off for good,
+        and probes cost next to nothing (a probe where verification does not pay costs a few plain steps).
         Without: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps, the most a
         verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps run eagerly
         there too)."""
@@ -157,11 +158,13 @@ class SpecDecoder:
             if any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
                    for d in range(1, self.k + 1)):
                 return True
-            self._refused[b] = self._refused.get(b, 0) + 1
-            return self._refused[b] % self.PROBE_EVERY == 0
+            if b not in self.overhead_samples:
+                return False
+            n = self._refused[b] = self._refused.get(b, 0) + 1
+            return n >= self.FIRST_PROBE and n & (n - 1) == 0  # FIRST_PROBE, then every doubling
         return self.cost(num_seqs, num_seqs * (1 + self.k)) < (1 + self.k) * plain
 
-    PROBE_EVERY = 64
+    FIRST_PROBE = 512  # a power of two
 
     def expected_emitted(self, drafts: int) -> float:
         """Tokens a verification of ``drafts`` drafts emits in expectation: ``1 + sum_i prod_{j <= i} a_j`` over
@@ -175,14 +178,14 @@ class SpecDecoder:
     def graph_step_seconds(self, num_seqs: int, drafts: int) -> float | None:
         """Seconds of a graph step of ``num_seqs`` sequences verifying up to ``drafts`` drafts each: the graphs'
         replay times (:meth:`~deepinfer.spec_graphs.SpecGraphs.step_seconds`) plus the host time measured past
-        them (the smallest of the last few at its bucket, else the largest such figure of any bucket; 0 before
+        them (the median of the last five at its bucket, else the largest such figure of any bucket; 0 before
         any). None without profiled graphs for that batch."""
         sec = self.graphs.step_seconds(num_seqs, drafts) if self.graphs is not None else None
         if sec is None:
             return None
         b = self.graphs.bucket(num_seqs)
-        mins = {k: min(v) for k, v in self.overhead_samples.items()}
-        return sec + mins.get(b, max(mins.values(), default=0.0))
+        medians = {k: sorted(v)[(len(v) - 1) // 2] for k, v in self.overhead_samples.items()}
+        return sec + medians.get(b, max(medians.values(), default=0.0))
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int],

@@ -67,12 +67,12 @@ def test_pays_with_graphs_reads_measured_acceptance_and_host_time():
     d._measure([None], [3], [1], [1], SimpleNamespace(bucket=1), 4.0)  # none of three accepted, slow
     assert d.accept_rate == [0.9, 1.0, 0.0] and d.overhead_samples[1] == [1.5]
     assert d.expected_emitted(2) == 1.0 + 0.9 + 0.9
-    # 2.8 tokens per 3.5 s, 1.9 per 3 s, 2.8 per 4 s: below a plain step; every 64th refusal probes
-    answers = [d.pays(1) for _ in range(128)]
-    assert answers.count(True) == 2 and answers[63] and answers[127]
-    for _ in range(5):  # the host time at bucket 1 is the smallest of its last five
-        d._measure([None], [3], [4], [1], SimpleNamespace(bucket=1), 2.5 + 0.0)
-    assert d.overhead_samples[1] == [0.0] * 5 and d.pays(1)
+    # 2.8 tokens per 3.5 s, 1.9 per 3 s, 2.8 per 4 s: below a plain step; the 512th refusal probes, then the 1024th
+    answers = [d.pays(1) for _ in range(1024)]
+    assert answers.count(True) == 2 and answers[511] and answers[1023]
+    for _ in range(3):  # the host time at bucket 1 is the median of its last five
+        d._measure([None], [3], [4], [1], SimpleNamespace(bucket=1), 2.5)
+    assert d.overhead_samples[1] == [1.5, 0.0, 0.0, 0.0] and d.pays(1)
 
 
 @pytest.fixture(scope="module")
