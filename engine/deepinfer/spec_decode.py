@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from deepinfer.forward_batch import index_tensors
 from deepinfer.model_runner import RequestState, host_token
 from deepinfer.sampler import MIN_SAMPLING_TEMPERATURE, _log_softmax_normaliser
 from deepinfer.scheduler import SchedulerOutput, speculates
@@ -214,7 +215,8 @@ class SpecDecoder:
             lf = logits.float()
             tokens = torch.argmax(lf, dim=-1)
             conf = torch.softmax(lf, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-            return tokens.tolist(), conf.tolist(), [None] * len(states)
+            toks, conf = torch.stack([tokens.double(), conf.double()]).tolist()  # one read
+            return [int(t) for t in toks], conf, [None] * len(states)
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         probs = filtered_probs(logits, temp, torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
                                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
@@ -424,8 +426,8 @@ class SpecDecoder:
         emitted = {}
         if spec_items:
             emitted = self._accept(items, states, nv, logits, base, base_lp, counters, spec_items)
-        base_h = base.tolist()
-        base_lp_h = base_lp.tolist()
+        base_h, base_lp_h = torch.stack([base.double(), base_lp.double()]).tolist()  # one read
+        base_h = [int(t) for t in base_h]
         ids_out, lps_out, tops_out = [], [], []
         row = 0
         for i, (it, st, k) in enumerate(zip(items, states, nv)):
@@ -461,18 +463,20 @@ class SpecDecoder:
                 first_row[i] = row
                 row += k + 1
         n = len(spec_items)
-        base_rows = torch.full((n, K + 1), 0, dtype=torch.int64)
-        draft_t = torch.zeros((n, K), dtype=torch.int64)
-        num_d = torch.zeros(n, dtype=torch.int64)
+        base_rows = np.zeros((n, K + 1), dtype=np.int64)
+        draft_t = np.zeros((n, K), dtype=np.int64)
+        num_d = np.zeros(n, dtype=np.int64)
         sampled = []
         for a, i in enumerate(spec_items):
             k = nv[i]
-            base_rows[a, :k + 1] = torch.arange(first_row[i], first_row[i] + k + 1)
-            draft_t[a, :k] = torch.tensor(self.drafts[items[i].req_id].tokens[:k])
+            base_rows[a, :k + 1] = np.arange(first_row[i], first_row[i] + k + 1)
+            draft_t[a, :k] = self.drafts[items[i].req_id].tokens[:k]
             num_d[a] = k
             sampled.append(states[i].params.temperature >= MIN_SAMPLING_TEMPERATURE)
-        base_rows, draft_t, num_d = base_rows.to(dev), draft_t.to(dev), num_d.to(dev)
-        sampled_t = torch.tensor(sampled, dtype=torch.bool, device=dev)
+        # one host-to-device copy
+        base_rows, draft_t, num_d, sampled_t = index_tensors([base_rows.reshape(-1), draft_t.reshape(-1), num_d,
+                                                              np.array(sampled, dtype=np.int64)], dev)
+        base_rows, draft_t, sampled_t = base_rows.view(n, K + 1), draft_t.view(n, K), sampled_t.bool()
         base_tok = base[base_rows]
         target_p = draft_p = seeds = ctr = None
         srows = [a for a, s in enumerate(sampled) if s]
@@ -498,7 +502,11 @@ class SpecDecoder:
             tok_lp = raw.view(n, K + 1, V).gather(2, tokens.clamp(min=0)[:, :, None]).squeeze(2) - lse
         else:  # greedy rows emit the sampler's own tokens (accepted drafts equal them): its logprobs
             tok_lp = base_lp[base_rows]
-        tokens_h, n_h, lp_h = tokens.tolist(), n_emit.tolist(), tok_lp.tolist()
+        # one read: tokens, counts and logprobs as float64 (token ids are exact there)
+        packed = torch.cat([tokens.double(), n_emit.double()[:, None], tok_lp.double()], dim=1).tolist()
+        tokens_h = [[int(t) for t in row[:K + 1]] for row in packed]
+        n_h = [int(row[K + 1]) for row in packed]
+        lp_h = [row[K + 2:] for row in packed]
         out = {}
         for a, i in enumerate(spec_items):
             toks, lps = tokens_h[a][:n_h[a]], lp_h[a][:n_h[a]]
