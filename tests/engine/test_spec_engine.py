@@ -29,9 +29,16 @@ def reference():
     return {tuple(p): o for p, o in zip(PROMPTS, llm.generate(PROMPTS, GREEDY))}
 
 
-def _spec(k: int, schedule: str = "fixed", **kw) -> LLM:
-    return LLM("tiny", speculative_method="mtp", num_speculative_tokens=k, spec_schedule=schedule,
-               **{"max_num_seqs": 8, **kw})
+def _spec(k: int, schedule: str = "fixed", graphs: bool = False, **kw) -> LLM:
+    """A speculating engine on the tiny model; ``graphs``: its decode steps through ``SpecGraphs`` (off CUDA,
+    eager replays over the graphs' static buffers; contexts up to 512 positions)."""
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=k, spec_schedule=schedule,
+              **{"max_num_seqs": 8, **kw})
+    if graphs:
+        from deepinfer.spec_graphs import SpecGraphs, spec_buckets
+
+        llm.runner.spec.graphs = SpecGraphs(llm.runner, k, spec_buckets(llm.config.max_num_seqs), 512)
+    return llm
 
 
 @pytest.fixture
@@ -103,8 +110,9 @@ def test_stop_token_inside_an_accepted_block(reference, oracle):
     assert out.token_ids == ref[:cut] and out.finish_reason == "stop" and out.stop_token_id == stop
 
 
-def test_max_tokens_inside_a_block(reference, oracle):
-    llm = _spec(3)
+@pytest.mark.parametrize("graphs", [False, True])
+def test_max_tokens_inside_a_block(reference, oracle, graphs):
+    llm = _spec(3, graphs=graphs)
     for n in (1, 2, 5):
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
         for p, o in zip(PROMPTS, outs):
@@ -161,9 +169,10 @@ def test_stop_string_inside_a_block_ends_the_output_there(reference, oracle):
     assert llm.runner.spec.stats.accepted > 0
 
 
-def test_preemption_with_drafts_in_flight(reference, oracle):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_preemption_with_drafts_in_flight(reference, oracle, graphs):
     # 3 blocks for 4 requests of up to 150 positions: requests are preempted and recomputed mid-decode
-    llm = _spec(3, num_blocks=3, max_num_batched_tokens=256)
+    llm = _spec(3, num_blocks=3, max_num_batched_tokens=256, graphs=graphs)
     long = [list(p) + [11] * 120 for p in PROMPTS]
     ref_llm = LLM("tiny", max_num_seqs=8)
     sp = SamplingParams(max_tokens=14, temperature=0.0, ignore_eos=True)
@@ -171,6 +180,7 @@ def test_preemption_with_drafts_in_flight(reference, oracle):
     outs = llm.generate(long, sp)
     assert sum(o.num_preemptions for o in outs) > 0
     assert [o.token_ids for o in outs] == [r.token_ids for r in refs]
+    assert not graphs or llm.runner.spec.stats.graph_steps > 0
 
 
 def test_a_batch_draining_to_one_request_completes(reference):
@@ -304,7 +314,8 @@ def test_a_model_without_an_mtp_drafter_is_refused_naming_the_setting():
         LLM("tiny-v41", speculative_method="mtp")
 
 
-def test_prefix_cache_hits_chunked_prefill_and_top_logprobs(monkeypatch):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_prefix_cache_hits_chunked_prefill_and_top_logprobs(monkeypatch, graphs):
     """Requests sharing a 260-token prefix (prefix-cache hits, replayed window), prompts prefilled in chunks
     next to verifications, top logprobs of emitted tokens: all as with speculation off."""
     shared = [(13 * j) % 997 + 3 for j in range(260)]
@@ -313,8 +324,9 @@ def test_prefix_cache_hits_chunked_prefill_and_top_logprobs(monkeypatch):
     run = lambda llm: [o for p in (prompts[:1], prompts[1:]) for o in llm.generate(p, sp)]  # noqa: E731
     refs = run(LLM("tiny", max_num_batched_tokens=96))
     _use_oracle(monkeypatch, {tuple(p): r.token_ids for p, r in zip(prompts, refs)})
-    llm = _spec(3, max_num_batched_tokens=96)
+    llm = _spec(3, max_num_batched_tokens=96, graphs=graphs)
     outs = run(llm)
+    assert not graphs or llm.runner.spec.stats.graph_steps > 0
     assert llm.block_manager.prefix_stats.hits > 0 and llm.runner.spec.stats.accepted > 0
     for o, r in zip(outs, refs):
         assert o.token_ids == r.token_ids

@@ -42,10 +42,10 @@ class _Graphs:
     """The cost side of ``SpecGraphs``: buckets 1 and 4, a step of ``d`` drafts costs ``1 + d / 2``."""
 
     seconds = {"profiled": True}
+    buckets = (1, 4)
 
-    @staticmethod
-    def bucket(n):
-        return next((b for b in (1, 4) if b >= n), None)
+    def bucket(self, n):
+        return next((b for b in self.buckets if b >= n), None)
 
     def step_seconds(self, n, drafts):
         return None if self.bucket(n) is None else 1.0 + 0.5 * drafts
@@ -62,7 +62,11 @@ def test_pays_with_graphs_reads_measured_acceptance_and_host_time():
     d._measure([None, None], [3, 0], [3, 1], [1, 1], SimpleNamespace(bucket=4), 3.0)
     assert d.accept_rate == [1.0, 1.0, 0.0] and d.expected_emitted(3) == 3.0
     assert d.overhead_samples == {4: [0.5]}
-    assert d.graph_step_seconds(1, 3) == 3.0  # bucket 1 takes the largest figure measured at any bucket
+    assert d.graph_step_seconds(1, 3) == 3.0  # bucket 1 takes the figure of a larger bucket as it is
+    assert d.graph_step_seconds(16, 0) is None  # past the largest speculation bucket
+    d.graphs.buckets = (1, 4, 16)
+    assert d.graph_step_seconds(16, 0) == 1.0 + 0.5 * 2  # a larger one scales it by sqrt(16 / 4)
+    d.graphs.buckets = (1, 4)
     assert d.pays(1)  # 2 drafts: 3 tokens per 2.5 s
     d._measure([None], [3], [1], [1], SimpleNamespace(bucket=1), 4.0)  # none of three accepted, slow
     assert d.accept_rate == [0.9, 1.0, 0.0] and d.overhead_samples[1] == [1.5]
