@@ -21,7 +21,7 @@ def test_bench_spec_rows(tmp_path, monkeypatch):
     mod.main(["--batches", "2", "--ks", "2", "--max-tokens", "4", "--prompt-len", "8", "--prompts", str(prompts),
               "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
-    assert [r["mode"] for r in rows] == ["off", "fixed-2", "scheduled"]
+    assert [r["mode"] for r in rows] == ["off", "scheduled", "fixed-2"]
     for r in rows:
         assert r["decode_tok_s"] > 0 and r["shape"]["batch"] == 2
     for r in rows[1:]:
