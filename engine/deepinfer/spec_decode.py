@@ -181,7 +181,7 @@ class SpecDecoder:
         replay times (:meth:`~deepinfer.spec_graphs.SpecGraphs.step_seconds`) plus the host time measured past
         them: the median of the last five at its bucket; at a bucket not measured yet, the largest of the other
         buckets' medians, each scaled by ``sqrt(bucket / theirs)`` when theirs is smaller (host time grows with the
-        batch; measured on the H200: 4 ms at 1 sequence, 14 ms at 64); 0 before any. None without profiled graphs for that batch."""
+        batch, ``docs/speculative.md``); 0 before any. None without profiled graphs for that batch."""
         sec = self.graphs.step_seconds(num_seqs, drafts) if self.graphs is not None else None
         if sec is None:
             return None

@@ -122,3 +122,57 @@ def test_deferred_ring_state_commits_the_same_on_padded_plans(prefilled):
                 torch.testing.assert_close(g.float(), w.float(), rtol=1e-5, atol=1e-5)
             # the commit wrote ring state (the test would pass vacuously otherwise)
             assert any(not torch.equal(w, s) for name, w, s in zip(names, caches[0], snap) if "state" in name)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_short_step_compressor_lists_equal_the_per_sequence_ones(prefilled, monkeypatch, seed):
+    """The vectorised lists of steps of 1..block_size tokens per sequence (``_short_compressor_lists``: plans and
+    ring-state commits) equal the per-sequence Python ones, element for element, with and without a capacity and
+    with prefix-cache hits."""
+    _, _, builder, _ = prefilled
+    B = builder.block_size
+    monkeypatch.setattr(type(builder), "VECTORISE_FROM", 1)
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(8):
+        seqs, next_block = [], 0
+        for _ in range(rng.randrange(1, 6)):
+            c0 = rng.choice([0, 1, 3, B - 1, B, rng.randrange(0, 700)])
+            q = rng.choice([1, 2, 4, 6, rng.randrange(1, B + 1)])
+            nb = -(-(c0 + q) // B)
+            shared = rng.choice([(c0 // B) * B, ((c0 + q) // B) * B]) if rng.random() < 0.4 else 0
+            seqs.append(SeqStep(c0, q, tuple(range(next_block, next_block + nb)), None, shared))
+            next_block += nb
+        steps.append(seqs)
+    vectorised = type(builder)._short_compressor_lists
+
+    def per_sequence(self, c0, L, bt, wbt, w0, starts, m, overlap, capacity, shared=None):
+        return self._compressor_lists(c0.tolist(), L.tolist(), bt.tolist(), wbt.tolist(), w0.tolist(),
+                                      list(starts), m, overlap, capacity, None if shared is None else shared.tolist())
+
+    for seqs in steps:
+        ids = [1] * sum(s.q for s in seqs)
+        qmax = max(s.q for s in seqs)
+        caps = [None, Capacity(len(seqs) + 1, 8, 1024, tokens_per_seq=qmax)]
+        for cap in caps:
+            got = {}
+            for name, impl in (("vectorised", vectorised), ("per_sequence", per_sequence)):
+                monkeypatch.setattr(type(builder), "_short_compressor_lists", impl)
+                got[name] = builder._chunks(seqs, ids, [0], 0, cap, checked=True)
+            (a, meta_a, *_), (b, meta_b, *_) = got["vectorised"], got["per_sequence"]
+            assert meta_a == meta_b and a.keys() == b.keys()
+            for k in a:
+                assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and (a[k] == b[k]).all(), (k, cap)
+        from deepinfer.models.deepseek_v4.plan import StepSeqs
+
+        arrays = StepSeqs.from_list(seqs, B)
+        rows = [0]
+        for s in seqs[:-1]:
+            rows.append(rows[-1] + s.q + rng.randrange(0, 3))
+        commits = {}
+        for name, impl in (("vectorised", vectorised), ("per_sequence", per_sequence)):
+            monkeypatch.setattr(type(builder), "_short_compressor_lists", impl)
+            commits[name] = builder.state_commit(arrays, rows)
+        for m in commits["vectorised"]:
+            for x, y in zip(commits["vectorised"][m], commits["per_sequence"][m]):
+                assert torch.equal(x, y)

@@ -556,9 +556,9 @@ class PlanBuilder:
             chunks["row_valid"] = (np.arange(rows) < T).astype(np.int64)
         meta = []
         for m, overlap in self.ratios:
-            if S and (qs == 1).all() and (capacity is None or capacity.tokens_per_seq == 1):
-                lists = self._decode_compressor_lists(c0s, seq_bt, seq_wbt, w0s, m, overlap, capacity,
-                                                      seqs.shared_len)
+            if S and int(qs.max()) <= B and (S >= self.VECTORISE_FROM or (qs == 1).all()):
+                lists = self._short_compressor_lists(c0s, Ls, seq_bt, seq_wbt, w0s, starts, m, overlap, capacity,
+                                                     seqs.shared_len)
             else:
                 lists = self._compressor_lists(c0s.tolist(), Ls.tolist(), seq_bt.tolist(), seq_wbt.tolist(),
                                                w0s.tolist(), starts.tolist(), m, overlap, capacity,
@@ -593,8 +593,12 @@ class PlanBuilder:
         shared = None if seqs.shared_len is None else seqs.shared_len.tolist()
         out, lists = {}, []
         for m, overlap in self.ratios:
-            got = self._compressor_lists(c0s.tolist(), Ls.tolist(), seqs.block_tables.tolist(), wbt.tolist(),
-                                         w0s.tolist(), row_starts.tolist(), m, overlap, None, shared)
+            if S >= self.VECTORISE_FROM and int(qs.max()) <= B:
+                got = self._short_compressor_lists(c0s, Ls, seqs.block_tables, wbt, w0s, row_starts, m, overlap,
+                                                   None, seqs.shared_len)
+            else:
+                got = self._compressor_lists(c0s.tolist(), Ls.tolist(), seqs.block_tables.tolist(), wbt.tolist(),
+                                             w0s.tolist(), row_starts.tolist(), m, overlap, None, shared)
             lists += [got["ring_src"], got["st_src"], got["st_dst"]]
         dev = index_tensors(lists, self.device) if lists else []
         for j, (m, _) in enumerate(self.ratios):
@@ -658,7 +662,7 @@ class PlanBuilder:
                           w0s: list[int], starts: list[int], m: int, overlap: bool, capacity: Capacity | None,
                           shared: list[int] | None = None) -> dict:
         """The :class:`CompressorPlan` lists of ratio ``m`` as numpy arrays (padded to ``capacity`` in graph mode),
-        per sequence in Python: steps with prefill chunks (a decode step takes :meth:`_decode_compressor_lists`).
+        per sequence in Python: steps with long chunks (short ones take :meth:`_short_compressor_lists`).
         ``bts``: ``full``-group tables (compressed entries); ``wbts``: ``window``-group blocks (the state rings)
         from block ``w0s[i]`` on.
 
@@ -749,27 +753,35 @@ class PlanBuilder:
             out["prev_ok"] = np.array(prev_ok, dtype=np.int64)
         return out
 
-    def _decode_compressor_lists(self, p: np.ndarray, bt: np.ndarray, wbt: np.ndarray, w0: np.ndarray, m: int,
-                                 overlap: bool, capacity: Capacity | None, shared: np.ndarray | None = None) -> dict:
-        """:meth:`_compressor_lists` of a decode step (one new token per sequence, at position ``p[i]``, token row
-        ``i``; ``bt [num_seqs + 1, nb]`` the step's ``full``-group tables, ``wbt [num_seqs + 1, nwb]`` its
-        ``window``-group blocks from block ``w0[i]`` on), vectorised over the sequences: the same lists in the same
-        order."""
+    # sequences from which a step of up to block_size tokens each takes the vectorised lists (below, numpy's
+    # fixed cost per call outweighs the per-sequence Python, measured on the CPU machine; a decode step always
+    # takes them)
+    VECTORISE_FROM = 16
+
+    def _short_compressor_lists(self, c0: np.ndarray, L: np.ndarray, bt: np.ndarray, wbt: np.ndarray, w0: np.ndarray,
+                                starts: np.ndarray, m: int, overlap: bool, capacity: Capacity | None,
+                                shared: np.ndarray | None = None) -> dict:
+        """:meth:`_compressor_lists` of a step whose sequences each add 1 to ``block_size`` tokens (a verification,
+        the MTP pass over its kept positions, their ring-state commit), vectorised over the sequences: the same
+        lists in the same order. A sequence then crosses at most one block end before its last position."""
         B = self.block_size
         R = 2 * m if overlap else m
         per_block = B // m
-        S = len(p)
+        S = len(c0)
         i = np.arange(S)
-        s0 = np.maximum(0, (p // m) * m - m) if overlap else (p // m) * m
-        closes = (p + 1) % m == 0
-        r0 = np.maximum(0, ((p + 1) // m) * m - m) if overlap else ((p + 1) // m) * m
-        same = (p > 0) & (p % B != 0)
-        st = np.where(same, np.maximum(r0, p), r0)
-        read = (p > s0) & (closes | (st < p))
-        n_read = np.where(read, p - s0, 0)
-        # ring reads: positions s0 .. p - 1 from the ring of the block of p - 1 (R - 1 per sequence in graph mode)
+        s0 = np.maximum(0, (c0 // m) * m - m) if overlap else (c0 // m) * m
+        first_w, end_w = c0 // m, L // m
+        e1 = (c0 // B + 1) * B  # the block end inside the step, if any, then L
+        has1 = e1 < L
+        ends = np.stack([np.where(has1, e1, L), L], axis=1)
+        end_ok = np.stack([np.ones(S, dtype=bool), has1], axis=1)
+        same = (c0 > 0)[:, None] & ((ends - 1) // B == ((c0 - 1) // B)[:, None])
+        r0 = np.maximum(0, (ends // m) * m - m) if overlap else (ends // m) * m
+        st = np.where(same, np.maximum(r0, c0[:, None]), r0)
+        read = (c0 > s0) & ((end_w > first_w) | ((st < c0[:, None]) & end_ok).any(axis=1))
+        n_read = np.where(read, c0 - s0, 0)
         k = np.arange(R - 1)
-        blk_prev = np.maximum(wbt[i, np.maximum(p - 1, 0) // B - w0], 0)  # -1: a replay's start (see above)
+        blk_prev = np.maximum(wbt[i, np.maximum(c0 - 1, 0) // B - w0], 0)  # -1: a replay's start (as there)
         ring_slot = blk_prev[:, None] * R + (s0[:, None] + k[None, :]) % R
         valid = k[None, :] < n_read[:, None]
         if capacity is not None:
@@ -782,43 +794,42 @@ class PlanBuilder:
         n_ring = ring_src.size
 
         def row(pos: np.ndarray, at: np.ndarray) -> np.ndarray:
-            """Rows of ``all`` for positions ``pos`` of sequences ``at`` (broadcast): the new token's row follows
-            every ring row."""
-            return np.where(pos >= p[at], n_ring + at, base[at] + pos - s0[at])
+            """Rows of ``all``: ring rows first, then the step's new-token rows."""
+            return np.where(pos >= c0[at], n_ring + starts[at] + pos - c0[at], base[at] + pos - s0[at])
 
-        c = i[closes]
-        w = p[c] // m
+        wj = np.arange(int((L - c0).max()) // m + 1)
+        cs, cj = np.nonzero(first_w[:, None] + wj[None, :] < end_w[:, None])  # closing windows, sequence order
+        w = first_w[cs] + cj
         win = (w * m)[:, None] + np.arange(m)[None, :]
-        cur = row(win, c[:, None])
+        cur = row(win, cs[:, None])
         w_pos = w * m
-        dst = bt[c, w_pos // B] * per_block + w % per_block
+        dst = bt[cs, w_pos // B] * per_block + w % per_block
         if shared is not None:
-            dst = np.where((w + 1) * m <= shared[c], -1, dst)
+            dst = np.where((w + 1) * m <= shared[cs], -1, dst)
         if overlap:
             has_prev = w >= 1
-            prev = np.where(has_prev[:, None], row(win - m, c[:, None]), 0)
+            prev = np.where(has_prev[:, None], row(win - m, cs[:, None]), 0)
             prev_ok = has_prev.astype(np.int64)
-        # state writes: positions st .. p to the ring of the block of p, in sequence order
-        j = np.arange(R)
-        pos = st[:, None] + j[None, :]
-        keep = pos <= p[:, None]
-        st_src = row(pos, i[:, None])[keep]
-        st_dst = (wbt[i, p // B - w0][:, None] * R + pos % R)[keep]
+        pos = st[:, :, None] + np.arange(R)[None, None, :]  # state writes: positions st .. E - 1 per end E
+        keep = end_ok[:, :, None] & (pos < ends[:, :, None])
+        blk = wbt[i[:, None], (ends - 1) // B - w0[:, None]]
+        st_src = row(pos, i[:, None, None])[keep]
+        st_dst = (blk[:, :, None] * R + pos % R)[keep]
         if capacity is not None:
-            n = capacity.num_seqs
-            pad = n - c.size
-            cur = np.concatenate([cur, np.zeros((pad, m), dtype=np.int64)])
+            n, q = capacity.num_seqs, capacity.tokens_per_seq
+            pad = n * -(-q // m) - w_pos.size
+            cur = np.concatenate([cur.reshape(-1, m), np.zeros((pad, m), dtype=np.int64)])
             w_pos = np.concatenate([w_pos, np.zeros(pad, dtype=np.int64)])
             dst = np.concatenate([dst, np.full(pad, -1, dtype=np.int64)])
             if overlap:
-                prev = np.concatenate([prev, np.zeros((pad, m), dtype=np.int64)])
+                prev = np.concatenate([prev.reshape(-1, m), np.zeros((pad, m), dtype=np.int64)])
                 prev_ok = np.concatenate([prev_ok, np.zeros(pad, dtype=np.int64)])
-            pad = n * R - st_dst.size
+            pad = n * R * (1 + -(-(q - 1) // B)) - st_dst.size
             st_src = np.concatenate([st_src, np.zeros(pad, dtype=np.int64)])
             st_dst = np.concatenate([st_dst, np.full(pad, -1, dtype=np.int64)])
         out = {"ring_src": ring_src.astype(np.int64), "cur": cur.reshape(-1, m).astype(np.int64),
                "w_pos": w_pos.astype(np.int64), "dst": dst.astype(np.int64), "st_src": st_src.astype(np.int64),
-               "st_dst": st_dst.astype(np.int64), "n_close": w_pos.size}  # graph mode: the capacity
+               "st_dst": st_dst.astype(np.int64), "n_close": w_pos.size}
         if overlap:
             out["prev"] = prev.reshape(-1, m).astype(np.int64)
             out["prev_ok"] = prev_ok.astype(np.int64)
