@@ -304,7 +304,7 @@ class SpecDecoder:
         return (g is not None and g.bucket(len(items)) is not None
                 and all(it.num_new_tokens - it.num_draft_tokens == 1 and it.needs_logits
                         and it.start >= r.requests[it.req_id].num_prompt_tokens
-                        and it.start + self.k + 1 <= g.max_len for it in items))
+                        and it.start + it.num_new_tokens <= g.max_len for it in items))
 
     def _graph(self, kind: str, n: int, q: int, end: int):
         """The :class:`~deepinfer.spec_graphs.SpecGraph` of ``kind`` for ``n`` sequences of up to ``q`` tokens
@@ -315,7 +315,7 @@ class SpecDecoder:
             return None
         if kind == "verify":
             return g.verify.get((b, q))
-        return (g.draft if kind == "draft" else g.mtp).get(b) if q <= (1 if kind == "draft" else self.k + 1) \
+        return (g.draft if kind == "draft" else g.mtp).get(b) if q <= (1 if kind == "draft" else g.k + 1) \
             else None
 
     # ------------------------------------------------------------------------------------------------ the step

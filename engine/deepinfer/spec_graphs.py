@@ -76,7 +76,8 @@ class SpecGraphs:
     as eager replays elsewhere. ``seconds`` (after :meth:`profile`): replay times by ``(kind, bucket, q)``.
 
     Raises:
-        ValueError naming ``num_speculative_tokens`` when ``k + 1`` tokens do not fit a cache block.
+        ValueError naming ``num_speculative_tokens`` when ``k + 1`` tokens do not fit a cache block, ``max_len``
+        when they do not fit it.
     """
 
     @torch.inference_mode()
@@ -84,6 +85,8 @@ class SpecGraphs:
         if not 1 <= k + 1 <= runner.cache.block_size:
             raise ValueError(f"num_speculative_tokens: {k} + 1 tokens per sequence must fit a cache block "
                              f"({runner.cache.block_size})")
+        if max_len < k + 1:
+            raise ValueError(f"max_len: {max_len} positions cannot hold the {k} + 1 tokens of a verification")
         self.runner, self.k, self.max_len = runner, k, max_len
         self.buckets = sorted(set(buckets))
         self.verify: dict[tuple[int, int], SpecGraph] = {}

@@ -499,6 +499,8 @@ def test_graph_steps_equal_speculation_off(reference, oracle, monkeypatch, k, sc
     graphs = SpecGraphs(llm.runner, k, [1, 2, 4], 128)
     assert len(graphs) == 3 * (k + 1) + 6
     llm.runner.spec.graphs = graphs
+    with pytest.raises(ValueError, match="max_len"):
+        SpecGraphs(llm.runner, k, [1], k)
     verify_calls = []
     real_forward = type(llm.model).forward
 
