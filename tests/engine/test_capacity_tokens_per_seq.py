@@ -124,7 +124,7 @@ def test_deferred_ring_state_commits_the_same_on_padded_plans(prefilled):
             assert any(not torch.equal(w, s) for name, w, s in zip(names, caches[0], snap) if "state" in name)
 
 
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(3))
 def test_short_step_compressor_lists_equal_the_per_sequence_ones(prefilled, monkeypatch, seed):
     """The vectorised lists of steps of 1..block_size tokens per sequence (``_short_compressor_lists``: plans and
     ring-state commits) equal the per-sequence Python ones, element for element, with and without a capacity and
@@ -134,7 +134,7 @@ def test_short_step_compressor_lists_equal_the_per_sequence_ones(prefilled, monk
     monkeypatch.setattr(type(builder), "VECTORISE_FROM", 1)
     rng = random.Random(seed)
     steps = []
-    for _ in range(8):
+    for _ in range(16):
         seqs, next_block = [], 0
         for _ in range(rng.randrange(1, 6)):
             c0 = rng.choice([0, 1, 3, B - 1, B, rng.randrange(0, 700)])
