@@ -14,17 +14,20 @@ Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.Eng
 decode steps, TPOT, and with speculation the acceptance length (mean tokens per verification = 1 + accepted drafts),
 the acceptance rate per draft position (accepted / verified at that position), the verification overhead (median
 decode step time over the spec-off median at the same batch size, minus 1, in percent) and the speedup over spec off;
-greedy rows also record whether the tokens equal spec off's (``greedy_identical``). Writes
+greedy rows also record whether the tokens equal spec off's (``greedy_identical``); with --phases, the spec rows
+also hold ``phase_ms_per_step`` (each phase synchronised: a diagnosis of where a step's time goes). Writes
 bench/results/<device>/bench_spec.json (--out to override).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -73,7 +76,8 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
     llm.generate(prompts[:min(batch, 4)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     stats0 = _spec_counters(llm)
-    outs = llm.generate(prompts[:batch], sp)
+    with phase_timer(args.phases and bool(spec)) as phases:
+        outs = llm.generate(prompts[:batch], sp)
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
                                                         "max_tokens": args.max_tokens, "k": k if spec else 0,
@@ -92,9 +96,66 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
                     "drafts_verified_per_step": (st["drafted"] - stats0["drafted"]) / ver if ver else 0.0,
                     "plain_steps": st["plain_steps"] - stats0["plain_steps"],
                     "graph_steps": st["graph_steps"] - stats0["graph_steps"]})
+        if phases is not None:
+            row["phase_ms_per_step"] = phases.per_step()
         sec = llm.runner.spec.graph_step_seconds(batch, k)
         row["graph_step_ms"] = None if sec is None else 1e3 * sec  # replays at k drafts + measured host time
     return row, [o.token_ids for o in outs]
+
+
+class _Phases:
+    """Wall time of a speculative step's phases, the device synchronised around each (a synchronised step is
+    slower than a free-running one). Phases nest: ``chain`` and ``mtp_pass`` hold their draws, loads and
+    replays."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    def per_step(self) -> dict[str, float]:
+        n = self.seconds.get("_count", 0)
+        return {k: round(1e3 * v / n, 3) for k, v in self.seconds.items() if k != "_count"} if n else {}
+
+
+@contextlib.contextmanager
+def phase_timer(on: bool):
+    """With ``on``: a :class:`_Phases` timing ``SpecDecoder`` steps (``step``), the draft chain, sampling and
+    acceptance, the MTP pass, drafts' draws, graph plan loads and replays and the ring-state commit lists, by
+    wrapping those methods for the block; else None."""
+    if not on:
+        yield None
+        return
+    import deepinfer.spec_decode as sd
+    import deepinfer.spec_graphs as sg
+    from deepinfer.models.deepseek_v4 import plan
+
+    out = _Phases()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    wrapped = [(sd.SpecDecoder, "execute", "step"), (sd.SpecDecoder, "_chain", "chain"),
+               (sd.SpecDecoder, "_sample", "sample_accept"), (sd.SpecDecoder, "_mtp_pass", "mtp_pass"),
+               (sd.SpecDecoder, "_draw", "draw"), (sg.SpecGraph, "load", "graph_load"),
+               (sg.SpecGraph, "replay", "graph_replay"), (plan.PlanBuilder, "state_commit", "state_commit")]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
+
+    def timed(real, label):
+        def f(*a, **kw):
+            sync()
+            t = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                sync()
+                out.seconds[label] = out.seconds.get(label, 0.0) + time.perf_counter() - t
+                if label == "step":
+                    out.seconds["_count"] = out.seconds.get("_count", 0) + 1
+        return f
+
+    for (owner, name, label), (_, _, real) in zip(wrapped, saved):
+        setattr(owner, name, timed(real, label))
+    try:
+        yield out
+    finally:
+        for owner, name, real in saved:
+            setattr(owner, name, real)
 
 
 def _spec_counters(llm) -> dict:
@@ -153,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--device", default=None)
+    p.add_argument("--phases", action="store_true",
+                   help="time each speculative step's phases (synchronised: slower rows, for diagnosis)")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<device>/bench_spec.json)")
     args = p.parse_args(argv)
     args.batch_max = max(int(b) for b in args.batches.split(","))
