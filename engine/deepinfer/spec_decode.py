@@ -120,6 +120,7 @@ class SpecDecoder:
         # draft position the rate at which a verified draft is accepted once the ones before it were (EMA; None:
         # not measured yet, counted as 1)
         self.overhead_samples: dict[int, list[float]] = {}
+        self._overhead: dict[int, float] = {}  # median of each bucket's samples (updated with them)
         self.accept_rate: list[float | None] = [None] * num_speculative_tokens
         self._refused: dict[int, int] = {}
 
@@ -186,10 +187,9 @@ class SpecDecoder:
         if sec is None:
             return None
         b = self.graphs.bucket(num_seqs)
-        medians = {m: sorted(v)[(len(v) - 1) // 2] for m, v in self.overhead_samples.items()}
-        if b in medians:
-            return sec + medians[b]
-        return sec + max((o * max(1.0, (b / m) ** 0.5) for m, o in medians.items()), default=0.0)
+        if b in self._overhead:
+            return sec + self._overhead[b]
+        return sec + max((o * max(1.0, (b / m) ** 0.5) for m, o in self._overhead.items()), default=0.0)
 
     # ------------------------------------------------------------------------------------------------ helpers
     def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int],
@@ -292,7 +292,8 @@ class SpecDecoder:
         longest cost nothing) when the step runs graphs, else :attr:`cost` of its tokens."""
         n = len(items)
         if self._graph_step(items) and self.graph_step_seconds(n, 0) is not None:
-            return lambda lengths: self.graph_step_seconds(n, max(lengths, default=0))
+            per_drafts = [self.graph_step_seconds(n, d) for d in range(self.k + 1)]  # once per call, not per try
+            return lambda lengths: per_drafts[max(lengths, default=0)]
         base = sum(it.num_new_tokens - it.num_draft_tokens for it in items)
         return lambda lengths: self.cost(n, base + sum(lengths))
 
@@ -416,6 +417,7 @@ class SpecDecoder:
                 samples = self.overhead_samples.setdefault(g.bucket, [])
                 samples.append(max(seconds - sec, 0.0))
                 del samples[:-5]
+                self._overhead[g.bucket] = sorted(samples)[(len(samples) - 1) // 2]
 
     def _sample(self, items, states, nv, logits, row_states, counters, masks):
         """Draws and acceptance: per sampled request its token(s), logprob(s) and top logprobs (in step order),
