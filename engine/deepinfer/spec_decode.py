@@ -623,18 +623,9 @@ def profile_step_cost(runner, batch_sizes: list[int], max_drafts: int, repeats: 
 def profile_plain_steps(runner, repeats: int = 3) -> dict[int, float]:
     """Seconds of a plain decode step per captured CUDA-graph bucket at start-up: the best of ``repeats`` timed
     replays (after one warm-up) of each bucket's graph over its dummy plan. Empty without graphs."""
-    out = {}
-    for bucket, g in sorted(runner.graphs.items()):
-        best = float("inf")
-        for r in range(repeats + 1):
-            torch.cuda.synchronize(runner.device)
-            t = time.perf_counter()
-            g.graph.replay()
-            torch.cuda.synchronize(runner.device)
-            if r:
-                best = min(best, time.perf_counter() - t)
-        out[bucket] = best
-    return out
+    from deepinfer.spec_graphs import best_seconds
+
+    return {bucket: best_seconds(g.graph.replay, runner.device, repeats) for bucket, g in sorted(runner.graphs.items())}
 
 
 def default_step_cost(num_seqs: int, num_tokens: int) -> float:

@@ -32,6 +32,21 @@ def spec_buckets(max_num_seqs: int) -> list[int]:
     return [b for b in (1, 2, 4, 8, 16, 32) if b < top] + [top]
 
 
+def best_seconds(fn, device: torch.device, repeats: int = 3) -> float:
+    """Wall seconds of ``fn()``, the device synchronised before and after: the best of ``repeats`` timed calls
+    after one warm-up."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    best = float("inf")
+    for i in range(repeats + 1):
+        sync()
+        t = time.perf_counter()
+        fn()
+        sync()
+        if i:
+            best = min(best, time.perf_counter() - t)
+    return best
+
+
 class SpecGraph:
     """One captured forward: ``kind`` (``"verify"``, ``"draft"``, ``"mtp"``) over ``bucket`` sequences of up to
     ``q`` tokens. ``plan`` (every field a view of ``flat``) and ``hidden`` (``[bucket * q, hc_mult, hidden]``, the
@@ -150,19 +165,8 @@ class SpecGraphs:
     def profile(self, repeats: int = 3) -> dict[tuple[str, int, int], float]:
         """Time every graph (the best of ``repeats`` replays after one warm-up, over its dummy plan: before any
         request, as at capture) into :attr:`seconds`; returns it."""
-        dev = self.runner.device
-        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-        graphs = [*self.verify.values(), *self.draft.values(), *self.mtp.values()]
-        for g in graphs:
-            best = float("inf")
-            for i in range(repeats + 1):
-                sync()
-                t = time.perf_counter()
-                g.replay()
-                sync()
-                if i:
-                    best = min(best, time.perf_counter() - t)
-            self.seconds[(g.kind, g.bucket, g.q)] = best
+        for g in [*self.verify.values(), *self.draft.values(), *self.mtp.values()]:
+            self.seconds[(g.kind, g.bucket, g.q)] = best_seconds(g.replay, self.runner.device, repeats)
         return self.seconds
 
     def step_seconds(self, num_seqs: int, drafts: int) -> float | None:
