@@ -87,6 +87,12 @@ def test_failed_requests_are_counted_not_fatal(bench, start_server, tmp_path):
     server.wait_idle()
 
 
+def _request():
+    """A real request of the HTTP library this ``openai`` uses (some versions read its headers on errors)."""
+    http = openai.AsyncOpenAI(api_key="x", base_url="http://127.0.0.1:9/v1")._client
+    return http.build_request("POST", "http://127.0.0.1:9/v1/completions")
+
+
 class _FlakyCompletions:
     """``completions.create`` that fails to connect ``fails`` times, then streams one chunk with usage."""
 
@@ -96,7 +102,7 @@ class _FlakyCompletions:
     async def create(self, **kw):
         self.calls += 1
         if self.calls <= self.fails:
-            raise self.exc(request=None)
+            raise self.exc(request=_request())
 
         async def stream():
             usage = type("U", (), {"prompt_tokens": 2, "completion_tokens": 1})()
