@@ -7,6 +7,7 @@ Usage (from the repository root, PYTHONPATH=python:engine):
 The model is a stand-in with the tiny preset's DeepSeek-V4 config (every layer kind, so every compressor list of the
 plan is built) and a vocabulary of ``--vocab`` tokens: the real :class:`PlanBuilder` and sampler run, the forward
 returns zero logits. So the figures are the host work of the engine alone, on this CPU (not the H200's).
+``--paths spec-plans`` times a speculative graph step's plan work alone (``spec_plans``).
 ``--window-group`` gives the stand-in DeepSeek-V4's two cache groups (the default is one group, as the committed
 figures were measured). ``--graphs`` also runs the graph-mode path: every decode step builds its plan into a captured bucket's buffer
 (``ModelRunner`` with stand-in graphs whose replay does nothing), as decode steps do on CUDA.
@@ -149,6 +150,58 @@ def run(batch: int, graphs: bool, args) -> tuple[dict, pstats.Stats | None]:
     return row, (pstats.Stats(prof) if prof is not None else None)
 
 
+def spec_plans(batch: int, args) -> list[dict]:
+    """Host time of a speculative graph step's plan work at ``batch`` sequences of ``--draft-tokens`` + 1 tokens
+    (positions near ``--prompt-len``, two cache groups): the captured plan's buffer written by ``build(...,
+    capacity=, out=)`` (numpy, the reference) and by ``fill`` (C++; with and without its checks, which a step makes
+    once: ``check_arrays``), and ``state_commit`` of random kept lengths. Median of ``--steps`` calls each."""
+    import numpy as np
+
+    from deepinfer.models.deepseek_v4 import Capacity, PlanBuilder
+    from deepinfer.models.deepseek_v4.plan import StepSeqs
+
+    model = HostOnlyModel(args.vocab)
+    q = args.draft_tokens + 1
+    B = 128
+    nb = -(-(args.prompt_len + 2 * B) // B)
+    b = PlanBuilder(model.config, B, batch * nb, "cpu", window_blocks=batch * nb)
+    cap = Capacity(batch, nb, nb * B, q)
+    rng = random.Random(0)
+    c0 = np.array([args.prompt_len + rng.randrange(0, B) for _ in range(batch)], dtype=np.int64)
+    bt = np.arange(batch * nb, dtype=np.int64).reshape(batch, nb)
+    wt = bt.copy()
+    for i, p in enumerate(c0):
+        wt[i, :b.first_window_block(int(p))] = -1
+    seqs = StepSeqs(c0, np.full(batch, q, dtype=np.int64), bt, wt)
+    ids, rows = [5] * (batch * q), list(range(batch * q))
+    out = b.build(seqs, ids, rows, capacity=cap, finalize=False)
+    st = out.input_ids.untyped_storage()
+    flat = torch.empty(0, dtype=torch.int64).set_(st, 0, (st.nbytes() // 8,))
+    kept = StepSeqs(c0, np.array([rng.randrange(1, q + 1) for _ in range(batch)], dtype=np.int64), bt, wt)
+    row_starts = np.arange(batch, dtype=np.int64) * q
+    calls = {"build": lambda: b.build(seqs, ids, rows, capacity=cap, out=flat, finalize=False),
+             "fill": lambda: b.fill(seqs, ids, rows, cap, flat),
+             "check_arrays": lambda: b.check_arrays(seqs),  # a step checks once, then loads with checked=True
+             "fill_checked": lambda: b.fill(seqs, ids, rows, cap, flat, checked=True),
+             "state_commit": lambda: b.state_commit(kept, row_starts)}
+    out_rows = []
+    for name, fn in calls.items():
+        try:
+            fn()
+        except (ValueError, TypeError) as e:  # code without a C++ fill for several tokens per sequence
+            print(f"{name}: {e}", file=sys.stderr)
+            continue
+        wall = []
+        for _ in range(args.steps):
+            t = time.perf_counter()
+            fn()
+            wall.append(time.perf_counter() - t)
+        out_rows.append({"op": "spec_plan_host", "device": "cpu", "shape": {"batch": batch, "tokens_per_seq": q,
+                         "prompt_len": args.prompt_len, "call": name},
+                         "host_ms": round(1e3 * statistics.median(wall), 4)})
+    return out_rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batches", default="1,64,256")
@@ -158,7 +211,9 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=512, help="small: the stand-in's sampling work stays negligible")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy rows; > 0: drawn rows")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    p.add_argument("--paths", default="eager,graphs", help="eager, graphs or both")
+    p.add_argument("--paths", default="eager,graphs",
+                   help="eager, graphs (engine decode steps), spec-plans (a speculative step's plan work)")
+    p.add_argument("--draft-tokens", type=int, default=3, help="spec-plans: drafts per sequence")
     p.add_argument("--window-group", action="store_true",
                    help="DeepSeek-V4's two cache groups (window blocks released after the sliding window)")
     p.add_argument("--profile", action="store_true", help="cProfile table of the measured run (stdout)")
@@ -168,6 +223,11 @@ def main() -> None:
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         for path in args.paths.split(","):
+            if path == "spec-plans":
+                for row in spec_plans(b, args):
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                continue
             row, stats = run(b, path == "graphs", args)
             rows.append(row)
             print(json.dumps(row), flush=True)

@@ -64,9 +64,9 @@ TORCH_LIBRARY(deepinfer_ops, m) {
         "Tensor ape, Tensor ring_src, Tensor cur, Tensor? prev, Tensor? prev_ok, Tensor dst) -> ()");
   // engine host work: a graph-mode decode step's plan lists (CPU tensors only)
   m.def(
-      "decode_plan_fill(Tensor! out, Tensor c0, Tensor block_tables, Tensor window_tables, Tensor shared_len, "
-      "Tensor input_ids, Tensor logits_indices, int num_rows, int max_blocks, int block_size, int lookback, "
-      "int[] ratios, int[] overlaps) -> ()");
+      "decode_plan_fill(Tensor! out, Tensor c0, Tensor query_lens, Tensor row_starts, Tensor block_tables, "
+      "Tensor window_tables, Tensor shared_len, Tensor input_ids, Tensor logits_indices, int num_seqs, "
+      "int tokens_per_seq, int max_blocks, int block_size, int lookback, int[] ratios, int[] overlaps) -> ()");
   m.def("compressor_state_write(Tensor! ring_kv, Tensor! ring_gate, Tensor new_kv, Tensor new_gate, Tensor ring_src, "
         "Tensor st_src, Tensor st_dst) -> ()");
 }

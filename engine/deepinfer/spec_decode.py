@@ -198,12 +198,12 @@ class SpecDecoder:
         seqs = r.step_seqs(states, c0, q)
         g = self._graph("draft" if discard_state else "mtp", len(states), int(q.max()), int((c0 + q).max()))
         if g is not None:
-            g.load(r.builder, seqs, ids, logits_rows)
+            g.load(r.builder, seqs, ids, logits_rows, checked=True)
             g.hidden[:len(ids)].copy_(hidden)
             g.replay()
             return g.logits[:len(logits_rows)], g.streams[:len(ids)]
         plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant,
-                               r.model.step_pad(r.batch_invariant, r.device))
+                               r.model.step_pad(r.batch_invariant, r.device), checked=True)
         if discard_state:  # a draft chain step: its positions are provisional, the rings keep the kept state
             for cp in plan.comp.values():
                 cp.deferred = []
@@ -332,6 +332,11 @@ class SpecDecoder:
         if not items:
             raise RuntimeError("ModelRunner.execute: the scheduler output schedules nothing")
         states = [r.requests[it.req_id] for it in items]
+        c0 = np.fromiter((it.start for it in items), np.int64, len(items))
+        # every forward of the step (draft chain, verification, MTP pass, commit) computes positions inside the
+        # scheduled ones over the same tables: one check of those covers them all
+        r.builder.check_arrays(r.step_seqs(states, c0, np.fromiter((it.num_new_tokens for it in items), np.int64,
+                                                                   len(items))))
         nv = []
         for it, st in zip(items, states):
             ds = self.drafts.get(it.req_id)
@@ -341,7 +346,6 @@ class SpecDecoder:
 
         # 2. the target over every request's tokens: a verification's last token and drafts
         n_base = [it.num_new_tokens - it.num_draft_tokens for it in items]
-        c0 = np.fromiter((it.start for it in items), np.int64, len(items))
         q = np.array([b + k for b, k in zip(n_base, nv)], dtype=np.int64)
         row_starts = np.cumsum(q) - q
         ids: list[int] = []
@@ -359,12 +363,12 @@ class SpecDecoder:
             else None
         deferred = any(nv) or g is not None  # a verification graph always defers
         if g is not None:
-            g.load(r.builder, seqs, ids, logits_rows)
+            g.load(r.builder, seqs, ids, logits_rows, checked=True)
             g.replay()
             logits, streams, comp = g.logits[:len(logits_rows)], g.streams, g.deferred_plans()
         else:
             plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant,
-                                   r.model.step_pad(r.batch_invariant, r.device))
+                                   r.model.step_pad(r.batch_invariant, r.device), checked=True)
             if deferred:
                 for cp in plan.comp.values():
                     cp.deferred = []
@@ -386,7 +390,8 @@ class SpecDecoder:
         if deferred:
             from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
 
-            lists = r.builder.state_commit(r.step_seqs(states, c0, np.array(kept, dtype=np.int64)), row_starts)
+            lists = r.builder.state_commit(r.step_seqs(states, c0, np.array(kept, dtype=np.int64)), row_starts,
+                                           checked=True)
             commit_deferred_state(comp, lists)
 
         # 5. the MTP layer over the kept positions; the next step's first drafts

@@ -62,14 +62,11 @@ class SpecGraph:
         self.deferred: dict[int, list] = {}
         self.keep = None  # tensors the captured graph reads that must outlive it (RoPE tables)
 
-    def load(self, builder, seqs, ids: list[int], logits_rows: list[int]) -> None:
+    def load(self, builder, seqs, ids: list[int], logits_rows: list[int], checked: bool = False) -> None:
         """Write the step's plan (``StepSeqs`` of at most ``bucket`` sequences, ``q`` tokens each) into the
-        buffers. Raises ValueError naming ``capacity`` when the step does not fit."""
-        if self.q == 1:
-            builder.fill(seqs, ids, logits_rows, self.capacity, self.flat)
-        else:
-            builder.build(seqs, ids, logits_rows, self.plan.batch_invariant, capacity=self.capacity, out=self.flat,
-                          finalize=False)
+        buffers (:meth:`~deepinfer.models.deepseek_v4.plan.PlanBuilder.fill`). Raises ValueError naming
+        ``capacity`` when the step does not fit."""
+        builder.fill(seqs, ids, logits_rows, self.capacity, self.flat, checked)
 
     def replay(self) -> None:
         if self.graph is not None:

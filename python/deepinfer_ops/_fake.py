@@ -266,6 +266,6 @@ def _logsumexp_rows_fake(out, x):
 
 
 @_register_fake("deepinfer_ops::decode_plan_fill")
-def _decode_plan_fill_fake(out, c0, block_tables, window_tables, shared_len, input_ids, logits_indices, num_rows,
-                           max_blocks, block_size, lookback, ratios, overlaps):
+def _decode_plan_fill_fake(out, c0, query_lens, row_starts, block_tables, window_tables, shared_len, input_ids,
+                           logits_indices, num_seqs, tokens_per_seq, max_blocks, block_size, lookback, ratios, overlaps):
     torch._check(out.dtype == torch.int64 and out.dim() == 1, lambda: "decode_plan_fill: out must be 1-D int64")

@@ -5,32 +5,42 @@ from __future__ import annotations
 import torch
 
 
-def decode_plan_fill(out: torch.Tensor, c0: torch.Tensor, block_tables: torch.Tensor, window_tables: torch.Tensor,
-                     shared_len: torch.Tensor, input_ids: torch.Tensor, logits_indices: torch.Tensor, num_rows: int,
+def decode_plan_fill(out: torch.Tensor, c0: torch.Tensor, query_lens: torch.Tensor, row_starts: torch.Tensor,
+                     block_tables: torch.Tensor, window_tables: torch.Tensor, shared_len: torch.Tensor,
+                     input_ids: torch.Tensor, logits_indices: torch.Tensor, num_seqs: int, tokens_per_seq: int,
                      max_blocks: int, block_size: int, lookback: int, ratios: list[int], overlaps: list[bool]) -> None:
     """Write a DeepSeek-V4 decode step's plan lists into ``out``, in the order and with the values of
     ``PlanBuilder._chunks`` at a graph capacity (``engine/deepinfer/models/deepseek_v4/plan.py``, the reference).
 
-    Host data only (CPU int64 tensors). S decode sequences, one new token each at position ``c0[i]``.
+    Host data only (CPU int64 tensors). ``S`` sequences; sequence ``i`` adds ``query_lens[i]`` tokens (1 for a plain
+    decode, up to ``tokens_per_seq``: a speculative verification, the MTP pass over kept positions) from position
+    ``c0[i]``; ``T`` tokens in all, packed in sequence order. ``rows = num_seqs * tokens_per_seq``.
 
     Args:
-        out: ``[total]`` int64, contiguous (mutated): positions, token_slots, tok_bt ``[num_rows, max_blocks]``,
-            tok_wbt ``[num_rows, ceil(lookback / block_size) + 1]``, win_base, logits_indices, input_ids,
-            row_valid (``num_rows`` each otherwise), then per ratio ``m`` (ring ``R = 2m`` with overlap, else
-            ``m``): ring_src ``[num_rows * (R - 1)]``, cur ``[num_rows, m]``, w_pos, dst, st_src ``[num_rows * R]``,
-            st_dst ``[num_rows * R]``, and with overlap prev ``[num_rows, m]`` and prev_ok.
-        c0: ``[S]`` positions.
+        out: ``[total]`` int64, contiguous (mutated): positions, token_slots, tok_bt ``[rows, max_blocks]``, tok_wbt
+            ``[rows, ceil((lookback + tokens_per_seq - 1) / block_size) + 1]``, win_base, logits_indices,
+            input_ids, row_valid (``rows`` each otherwise), then per ratio ``m`` (ring ``R = 2m`` with overlap, else
+            ``m``; ``C = num_seqs * ceil(tokens_per_seq / m)`` closing windows, ``W = num_seqs * R * (1 +
+            ceil((tokens_per_seq - 1) / block_size))`` state writes): ring_src ``[num_seqs * (R - 1)]``, cur
+            ``[C, m]``, w_pos ``[C]``, dst ``[C]``, st_src ``[W]``, st_dst ``[W]``, and with overlap prev ``[C, m]``
+            and prev_ok ``[C]``.
+        c0: ``[S]`` first new position per sequence.
+        query_lens: ``[S]`` new tokens per sequence, or ``[0]`` (one each).
+        row_starts: ``[S]`` the token row of each sequence's first new token in the compressor lists, or ``[0]``
+            (packed rows). Other rows: the ring-state commit of a deferred verification, whose kept tokens sit at
+            the verification's rows.
         block_tables / window_tables: ``[S, width]`` ``full`` / ``window``-group block ids (``-1`` past a row; the
             window table may hold ``-1`` before the step's window).
         shared_len: ``[S]`` prefix-cache positions whose compressed entries are not written, or ``[0]``.
-        input_ids: ``[S]`` token ids, or ``[0]`` (ids copied to the device later; zeros here).
-        logits_indices: ``[<= num_rows]`` rows whose logits are returned.
-        num_rows, max_blocks: the graph capacity (sequences, block-table width).
+        input_ids: ``[T]`` token ids, or ``[0]`` (ids copied to the device later; zeros here).
+        logits_indices: ``[<= rows]`` rows whose logits are returned.
+        num_seqs, tokens_per_seq, max_blocks: the graph capacity (sequences, tokens each, block-table width).
         block_size, lookback: cache block size and the window lookback in positions.
         ratios / overlaps: the compression ratios present, in plan order, and whether each overlaps (CSA).
     Raises:
-        RuntimeError naming the argument: wrong dtype, device, shape, or a table read outside its shape.
+        RuntimeError naming the argument: wrong dtype, device, shape or size of ``out``, a query length outside
+        ``[1, tokens_per_seq]``, or a table read outside its shape.
     """
-    torch.ops.deepinfer_ops.decode_plan_fill(out, c0, block_tables, window_tables, shared_len, input_ids,
-                                             logits_indices, num_rows, max_blocks, block_size, lookback,
-                                             list(ratios), [int(o) for o in overlaps])
+    torch.ops.deepinfer_ops.decode_plan_fill(out, c0, query_lens, row_starts, block_tables, window_tables, shared_len,
+                                             input_ids, logits_indices, num_seqs, tokens_per_seq, max_blocks,
+                                             block_size, lookback, list(ratios), [int(o) for o in overlaps])

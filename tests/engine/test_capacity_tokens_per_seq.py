@@ -80,7 +80,7 @@ def test_capacity_limits_are_checked(prefilled):
         builder.build([SeqStep(150, 4, TABLES[0])], [1] * 4, [3], capacity=cap, finalize=False)
     with pytest.raises(ValueError, match="capacity"):
         builder.build([SeqStep(150, 1, TABLES[0])], [1], [0], capacity=Capacity(2, 8, 1024, tokens_per_seq=0))
-    with pytest.raises(ValueError, match="fill"):
+    with pytest.raises(ValueError, match="out: .* int64 entries to upload, the buffer has 0"):  # not the plan's size
         builder.fill([SeqStep(150, 1, TABLES[0])], [1], [0], cap, torch.empty(0, dtype=torch.int64))
 
 

@@ -105,18 +105,20 @@ def _loop_lists(b, c0, bt, wbt, w0, m, overlap, cap):
                                m, overlap, cap)
 
 
-def _random_decode_step(rng, b, S, num_window_blocks):
-    """Positions (window closes, block ends, 0, long contexts), ``full`` tables and ``window`` tables whose blocks
-    before each step's window are released (-1), window ids drawn apart from the full ones' order."""
+def _random_decode_step(rng, b, S, num_window_blocks, q=None):
+    """Positions (window closes, block ends, 0, long contexts; with ``q[i]`` new tokens each, default 1: steps
+    crossing a block end), ``full`` tables and ``window`` tables whose blocks before each step's window are
+    released (-1), window ids drawn apart from the full ones' order."""
     B = b.block_size
-    c0 = [rng.choice([0, 1, 3, 127, 128, 129, 255, 256, rng.randrange(0, 2000)]) for _ in range(S)]
-    nb = max(-(-(p + 1) // B) for p in c0)
+    q = [1] * S if q is None else q
+    c0 = [rng.choice([0, 1, 3, 125, 127, 128, 129, 254, 255, 256, rng.randrange(0, 2000)]) for _ in range(S)]
+    nb = max(-(-(p + k) // B) for p, k in zip(c0, q))
     blocks = rng.sample(range(b.num_blocks), S * nb)
     bt = np.array([blocks[i * nb:(i + 1) * nb] for i in range(S)], dtype=np.int64)
     wblocks = rng.sample(range(num_window_blocks), S * nb)
     wt = np.array([wblocks[i * nb:(i + 1) * nb] for i in range(S)], dtype=np.int64)
-    for i, p in enumerate(c0):
-        wt[i, -(-(p + 1) // B):] = -1  # after the table
+    for i, (p, k) in enumerate(zip(c0, q)):
+        wt[i, -(-(p + k) // B):] = -1  # after the table
         wt[i, :b.first_window_block(p)] = -1  # released
     return c0, bt, wt
 
@@ -168,39 +170,80 @@ def test_vectorised_decode_lists_equal_the_per_sequence_loop(graph):
             assert set(dst.tolist()) <= set(bt.reshape(-1).tolist())
 
 
-def test_fill_writes_the_buffer_build_uploads():
+@pytest.mark.parametrize("max_q", [1, 6])
+def test_fill_writes_the_buffer_build_uploads(max_q):
     """Graph mode: ``fill`` (the C++ ``decode_plan_fill``) writes into a captured plan's buffer exactly what the
-    numpy ``build`` with the same capacity uploads, entry for entry: random decode steps (window closes, block
-    ends, position 0, long contexts), window tables that released their old blocks, prefix-cache shared lengths,
-    host ids and device-tensor ids; and returns the step's token and logits counts."""
+    numpy ``build`` with the same capacity uploads, entry for entry: random decode steps of one token per sequence
+    and verification-shaped steps of 1 to ``max_q`` (window closes, block ends inside the step, position 0, long
+    contexts), window tables that released their old blocks, prefix-cache shared lengths, host ids and
+    device-tensor ids; and returns the step's token and logits counts."""
     cfg = DeepseekV4Config.from_dict(TINY_CONFIG)
     b = PlanBuilder(cfg, 128, 4096, "cpu", window_blocks=4096)
     B = b.block_size
-    rng = random.Random(3)
+    rng = random.Random(3 + max_q)
     for trial in range(60):
         S = rng.randrange(1, 30)
-        c0, bt, wt = _random_decode_step(rng, b, S, 4096)
-        cap = Capacity(S + rng.randrange(0, 3), max(bt.shape[1], 16), 2048)
+        q = [rng.randrange(1, max_q + 1) for _ in range(S)]
+        c0, bt, wt = _random_decode_step(rng, b, S, 4096, q)
+        cap = Capacity(S + rng.randrange(0, 3), max(bt.shape[1], 16), 2048, max(q) + rng.randrange(0, 2))
         shared = None
         if trial % 3 == 1:  # prefix-cache hits: shared full blocks below each position's block
             shared = np.array([B * rng.randrange(0, p // B + 1) for p in c0], dtype=np.int64)
-        seqs = StepSeqs(np.array(c0), np.ones(S, dtype=np.int64), bt, wt, shared,
+        seqs = StepSeqs(np.array(c0), np.array(q, dtype=np.int64), bt, wt, shared,
                         None if shared is None else np.zeros(S, dtype=np.int64))
-        ids = [rng.randrange(cfg.vocab_size) for _ in range(S)]
-        rows = sorted(rng.sample(range(S), rng.randrange(1, S + 1)))
+        T = sum(q)
+        ids = [rng.randrange(cfg.vocab_size) for _ in range(T)]
+        rows = sorted(rng.sample(range(T), rng.randrange(1, T + 1)))
         ref = b.build(seqs, ids, rows, capacity=cap, finalize=False)
         st = ref.input_ids.untyped_storage()
         want = torch.empty(0, dtype=torch.int64).set_(st, 0, (st.nbytes() // 8,)).clone()
         for as_tensor in (False, True):
             out = torch.full_like(want, -7)
             got = b.fill(seqs, torch.tensor(ids) if as_tensor else ids, rows, cap, out)
-            assert got == (S, len(rows))
-            if as_tensor:  # the ids are copied into the input_ids chunk, zeros before that
-                assert torch.equal(out, want), (trial, as_tensor)
-            else:
-                assert torch.equal(out, want), (trial, (out != want).nonzero()[:5].tolist())
+            assert got == (T, len(rows))
+            assert torch.equal(out, want), (trial, as_tensor, (out != want).nonzero()[:5].tolist())
     with pytest.raises(ValueError, match="capacity"):
-        b.fill(seqs, ids, rows, Capacity(S - 1 if S > 1 else 0, 16, 2048), out)
+        b.fill(seqs, ids, rows, Capacity(S - 1 if S > 1 else 0, 16, 2048, cap.tokens_per_seq), out)
+
+
+def test_state_commit_writes_what_the_per_sequence_lists_write():
+    """``state_commit`` (graph-mode lists of the kept tokens, padding writing nowhere) leaves the rings exactly as
+    the per-sequence reference lists of the same kept tokens do: random kept lengths, block ends inside them,
+    rows of a wider deferred step."""
+    import deepinfer_ops
+
+    cfg = DeepseekV4Config.from_dict(TINY_CONFIG)
+    b = PlanBuilder(cfg, 128, 512, "cpu", window_blocks=512)
+    rng = random.Random(5)
+    for trial in range(30):
+        S = rng.randrange(1, 12)
+        kept = [rng.randrange(1, 7) for _ in range(S)]
+        c0, bt, wt = _random_decode_step(rng, b, S, 512, kept)
+        seqs = StepSeqs(np.array(c0), np.array(kept, dtype=np.int64), bt, wt)
+        row_starts = np.arange(S, dtype=np.int64) * 6  # the deferred step verified 6 tokens per sequence
+        got = b.state_commit(seqs, row_starts)
+        w0 = np.array([b.first_window_block(p) for p in c0], dtype=np.int64)
+        L = np.array(c0) + np.array(kept)
+        nwb = int((-(-L // b.block_size) - w0).max())
+        wbt = np.array([[wt[i, w0[i] + k] if w0[i] + k < wt.shape[1] else -1 for k in range(nwb)]
+                        for i in range(S)], dtype=np.int64)
+        wrote = False
+        for m, overlap in b.ratios:
+            R = 2 * m if overlap else m
+            ref = b._compressor_lists(list(c0), L.tolist(), bt.tolist(), wbt.tolist(), w0.tolist(),
+                                      row_starts.tolist(), m, overlap, None)
+            gen = torch.Generator().manual_seed(trial)
+            ring0 = torch.randn(512 * R, 3, generator=gen)
+            new = torch.randn(6 * S, 3, generator=gen)
+            rings = []
+            for ring_src, st_src, st_dst in (got[m], tuple(torch.from_numpy(ref[k]) for k in
+                                                           ("ring_src", "st_src", "st_dst"))):
+                kv, gate = ring0.clone(), ring0.clone() * 2
+                deepinfer_ops.compressor_state_write(kv, gate, new, new * 3, ring_src, st_src, st_dst)
+                rings.append((kv, gate))
+            assert torch.equal(rings[0][0], rings[1][0]) and torch.equal(rings[0][1], rings[1][1]), (trial, m)
+            wrote = wrote or not torch.equal(rings[1][0], ring0)
+        assert wrote  # the commit writes something
 
 
 @pytest.mark.native_errors
@@ -208,26 +251,34 @@ def test_decode_plan_fill_names_the_argument_at_fault():
     import deepinfer_ops
 
     i64 = dict(dtype=torch.int64)
-    c0 = torch.tensor([5], **i64)
     bt = torch.zeros(1, 2, **i64)
-    args = lambda out, c=c0, t=bt: (out, c, t, t, torch.empty(0, **i64), torch.tensor([1], **i64),  # noqa: E731
-                                    torch.tensor([0], **i64), 1, 2, 128, 127, [4], [True])
+    none = torch.empty(0, **i64)
+
+    def args(out, c=(5,), q=none, cap=1):
+        ids = torch.ones(int(q.sum()) if q.numel() else 1, **i64)
+        return (out, torch.tensor(c, **i64) if isinstance(c, tuple) else c, q, none, bt, bt, none, ids,
+                torch.tensor([0], **i64), 1, cap, 2, 128, 127, [4], [True])
+
     with pytest.raises(RuntimeError, match="decode_plan_fill: out holds 3 entries"):
         deepinfer_ops.decode_plan_fill(*args(torch.empty(3, **i64)))
     with pytest.raises(RuntimeError, match="decode_plan_fill: c0 must be int64"):
-        deepinfer_ops.decode_plan_fill(*args(torch.empty(3, **i64), c=c0.int()))
+        deepinfer_ops.decode_plan_fill(*args(torch.empty(3, **i64), c=torch.tensor([5], dtype=torch.int32)))
     n, nb, nwb, m = 1, 2, 2, 4
     total = n * (6 + nb + nwb) + n * (2 * m - 1) + n * m + 2 * n + 2 * n * 2 * m + n * m + n
     deepinfer_ops.decode_plan_fill(*args(torch.empty(total, **i64)))  # the right size: fine
     with pytest.raises(RuntimeError, match="reads block column 2 past max_blocks 2"):  # a position past the capacity
-        deepinfer_ops.decode_plan_fill(*args(torch.empty(total, **i64), c=torch.tensor([299], **i64)))
+        deepinfer_ops.decode_plan_fill(*args(torch.empty(total, **i64), c=(299,)))
+    with pytest.raises(RuntimeError, match=r"query_lens\[0\]=3 must be in \[1, 2\]"):
+        deepinfer_ops.decode_plan_fill(*args(torch.empty(10 ** 4, **i64), q=torch.tensor([3], **i64), cap=2))
+    with pytest.raises(RuntimeError, match="tokens_per_seq must be in"):
+        deepinfer_ops.decode_plan_fill(*args(torch.empty(total, **i64), cap=129))
 
 
 def test_group_check_with_shared_blocks():
     """The vectorised step check: a block read by two sequences (a shared prefix) passes, the same block written by
     one of them or listed twice by one row fails, naming the table."""
     cfg = DeepseekV4Config.from_dict(TINY_CONFIG)
-    b = PlanBuilder(cfg, 128, 64, "cpu", window_blocks=64)
+    b = PlanBuilder(cfg, 128, 512, "cpu", window_blocks=512)
     shared = StepSeqs(np.array([300, 300]), np.ones(2, dtype=np.int64), np.array([[0, 1, 2], [0, 1, 3]]),
                       np.array([[-1, 4, 5], [-1, 6, 7]]))
     b.check_arrays(shared)

@@ -21,7 +21,7 @@ import torch
 
 import deepinfer_ops
 
-from deepinfer.forward_batch import ForwardBatch, HostStager, index_tensors
+from deepinfer.forward_batch import ForwardBatch, HostStager
 
 from .cache import window_lookback
 from .config import CSA, HCA, DeepseekV4Config
@@ -429,33 +429,48 @@ class PlanBuilder:
 
     def fill(self, seqs: StepSeqs, input_ids: list[int] | torch.Tensor, logits_indices: list[int],
              capacity: Capacity, out: torch.Tensor, checked: bool = False) -> tuple[int, int]:
-        """Write a decode step into a captured graph-mode plan's buffer ``out``: what :meth:`build` with
-        ``capacity`` and ``out`` uploads, computed in one C++ call (:func:`deepinfer_ops.decode_plan_fill`; the
-        numpy lists of :meth:`_chunks` are its reference) and copied without making the plan's views (the graph
-        replays the captured plan). Returns ``(num_tokens, num_logits)`` for the captured plan. Raises as
-        :meth:`build`."""
-        if capacity.tokens_per_seq != 1:
-            raise ValueError(f"capacity: fill writes decode steps (one token per sequence); {capacity} needs "
-                             "build(..., capacity=..., out=...)")
-        seqs, c0s, _, _, T, li_host, _ = self._check_inputs(seqs, input_ids, logits_indices, 0, capacity, checked)
-        n, nb = capacity.num_seqs, capacity.max_blocks
+        """Write a decode step (one token per sequence, or up to ``capacity.tokens_per_seq``: a verification, the
+        MTP pass) into a captured graph-mode plan's buffer ``out``: what :meth:`build` with ``capacity`` and ``out``
+        uploads, computed in one C++ call (:func:`deepinfer_ops.decode_plan_fill`; the numpy lists of
+        :meth:`_chunks` are its reference) and copied without making the plan's views (the graph replays the
+        captured plan). Returns ``(num_tokens, num_logits)`` for the captured plan. Raises as :meth:`build`."""
+        seqs, c0s, qs, _, T, li_host, _ = self._check_inputs(seqs, input_ids, logits_indices, 0, capacity, checked)
+        ids = None if isinstance(input_ids, torch.Tensor) else np.asarray(input_ids, dtype=np.int64)
+        dev = self._fill(seqs, c0s, qs, None, ids, li_host, capacity, out)
+        if ids is None:  # after positions, slots, tok_bt, tok_wbt, win_base and the logits rows
+            at = capacity.num_rows * (4 + capacity.max_blocks + self._window_width(capacity.tokens_per_seq))
+            dev[at:at + T].copy_(input_ids.reshape(-1), non_blocking=True)
+        return T, len(logits_indices)
+
+    def _window_width(self, tokens_per_seq: int) -> int:
+        """Window-group blocks per token row at a graph capacity: ``lookback + q`` positions span at most these."""
+        return _blocks_for(self.lookback + tokens_per_seq - 1, self.block_size) + 1
+
+    def _fill(self, seqs: StepSeqs, c0s: np.ndarray, qs: np.ndarray, row_starts: np.ndarray | None,
+              ids: np.ndarray | None, li_host: np.ndarray, capacity: Capacity, out: torch.Tensor | None) -> torch.Tensor:
+        """:func:`deepinfer_ops.decode_plan_fill` of checked ``seqs`` at ``capacity``, uploaded (into ``out`` when
+        given); returns the device buffer."""
+        n, nb, qc = capacity.num_seqs, capacity.max_blocks, capacity.tokens_per_seq
         bt = seqs.block_tables.astype(np.int64, copy=False)
         wt = bt if seqs.window_tables is None else seqs.window_tables.astype(np.int64, copy=False)
         none = torch.empty(0, dtype=torch.int64)
-        shared = none if seqs.shared_len is None else torch.from_numpy(seqs.shared_len.astype(np.int64, copy=False))
-        ids = none if isinstance(input_ids, torch.Tensor) else torch.from_numpy(np.asarray(input_ids, dtype=np.int64))
-        li = torch.from_numpy(li_host.astype(np.int64, copy=False).reshape(-1))
+
+        def arg(a: np.ndarray | None) -> torch.Tensor:
+            return none if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+
+        ratios, overlaps = [m for m, _ in self.ratios], [o for _, o in self.ratios]
+        args = (arg(c0s), arg(None if qc == 1 else qs), arg(row_starts), arg(bt), arg(wt), arg(seqs.shared_len),
+                arg(ids), arg(li_host.reshape(-1)))
 
         def write(host: torch.Tensor) -> None:
-            deepinfer_ops.decode_plan_fill(host, torch.from_numpy(c0s), torch.from_numpy(bt), torch.from_numpy(wt),
-                                           shared, ids, li, n, nb, self.block_size, self.lookback,
-                                           [m for m, _ in self.ratios], [o for _, o in self.ratios])
+            deepinfer_ops.decode_plan_fill(host, *args, n, qc, nb, self.block_size, self.lookback, ratios, overlaps)
 
-        dev = self._stager.upload_filled(out.numel(), write, self.device, out)
-        if isinstance(input_ids, torch.Tensor):  # after positions, slots, tok_bt, tok_wbt, win_base, logits rows
-            at = n * (4 + nb + _blocks_for(self.lookback, self.block_size) + 1)
-            dev[at:at + T].copy_(input_ids.reshape(-1), non_blocking=True)
-        return T, len(logits_indices)
+        size = n * qc * (6 + nb + self._window_width(qc))
+        for m, overlap in self.ratios:
+            R, close = (2 * m if overlap else m), n * -(-qc // m)
+            size += n * (R - 1) + close * (m + 2) + 2 * n * R * (1 + -(-(qc - 1) // self.block_size))
+            size += close * (m + 1) if overlap else 0
+        return self._stager.upload_filled(size, write, self.device, out)
 
     def _check_inputs(self, seqs, input_ids, logits_indices, pad_multiple: int, capacity: Capacity | None,
                       checked: bool):
@@ -569,40 +584,40 @@ class PlanBuilder:
                     chunks[f"{name}{m}"] = arr
         return chunks, meta, T, rows, max_len
 
-    def state_commit(self, seqs: StepSeqs, row_starts: np.ndarray) -> dict[int, tuple[torch.Tensor, ...]]:
+    def state_commit(self, seqs: StepSeqs, row_starts: np.ndarray,
+                     checked: bool = False) -> dict[int, tuple[torch.Tensor, ...]]:
         """The ring-state writes of a step whose state was deferred (``CompressorPlan.deferred``), for the tokens
         it keeps: sequence ``i`` keeps positions ``[c0[i], c0[i] + q[i])`` of the step, whose token rows start at
         ``row_starts[i]`` (``[num_seqs]`` int64, the step's own rows). Returns ``{ratio: (ring_src, st_src,
-        st_dst)}`` on the device (one copy), the lists :meth:`build` makes for a step of exactly the kept tokens
-        (new-token rows pointing into the deferred step's rows). Host data; raises ValueError naming the field."""
-        self.check_arrays(seqs)
+        st_dst)}`` on the device (one copy): the lists of a graph-mode plan of exactly the kept tokens
+        (:func:`deepinfer_ops.decode_plan_fill`, padding rows writing nowhere), their new-token rows pointing into
+        the deferred step's rows. ``checked``: ``seqs`` (or a step over the same tables covering their positions)
+        passed :meth:`check_arrays` already. Host data; raises ValueError naming the field."""
+        if not checked:
+            self.check_arrays(seqs)
         B = self.block_size
         c0s, qs = seqs.c0.astype(np.int64), seqs.q.astype(np.int64)
-        Ls = c0s + qs
         S = len(c0s)
         row_starts = np.asarray(row_starts, dtype=np.int64)
         if row_starts.shape != (S,):
             raise ValueError(f"row_starts: expected [{S}] ints, got shape {row_starts.shape}")
-        w0s = np.maximum(c0s - self.lookback, 0) // B
-        wt = seqs.block_tables if seqs.window_tables is None else seqs.window_tables
-        need = -(-Ls // B)
-        nwb = int((need - w0s).max()) if S else 1
-        cols = w0s[:, None] + np.arange(nwb)[None, :]
-        inside = (cols < need[:, None]) & (cols < wt.shape[1])
-        wbt = np.where(inside, wt[np.arange(S)[:, None], np.minimum(cols, wt.shape[1] - 1)], -1)
-        shared = None if seqs.shared_len is None else seqs.shared_len.tolist()
-        out, lists = {}, []
-        for m, overlap in self.ratios:
-            if S >= self.VECTORISE_FROM and int(qs.max()) <= B:
-                got = self._short_compressor_lists(c0s, Ls, seqs.block_tables, wbt, w0s, row_starts, m, overlap,
-                                                   None, seqs.shared_len)
-            else:
-                got = self._compressor_lists(c0s.tolist(), Ls.tolist(), seqs.block_tables.tolist(), wbt.tolist(),
-                                             w0s.tolist(), row_starts.tolist(), m, overlap, None, shared)
-            lists += [got["ring_src"], got["st_src"], got["st_dst"]]
-        dev = index_tensors(lists, self.device) if lists else []
-        for j, (m, _) in enumerate(self.ratios):
-            out[m] = tuple(dev[3 * j:3 * j + 3])
+        if not S or not self.ratios:
+            empty = torch.empty(0, dtype=torch.int64, device=self.device)
+            return {m: (empty, empty, empty) for m, _ in self.ratios}
+        qc = int(qs.max())
+        if qc > B:
+            raise ValueError(f"seqs: a commit keeps at most block_size={B} tokens per sequence, got {qc}")
+        cap = Capacity(S, max(1, seqs.block_tables.shape[1]), int((c0s + qs).max()), qc)
+        dev = self._fill(seqs, c0s, qs, row_starts, None, np.zeros(0, dtype=np.int64), cap, None)
+        at = cap.num_rows * (6 + cap.max_blocks + self._window_width(qc))
+        out = {}
+        for m, overlap in self.ratios:  # the layout of _chunks: ring_src, cur, w_pos, dst, st_src, st_dst, ...
+            R, close = (2 * m if overlap else m), S * -(-qc // m)
+            n_ring, n_st = S * (R - 1), S * R * (1 + -(-(qc - 1) // B))
+            ring_src = dev[at:at + n_ring]
+            at += n_ring + close * (m + 2)
+            out[m] = (ring_src, dev[at:at + n_st], dev[at + n_st:at + 2 * n_st])
+            at += 2 * n_st + (close * (m + 1) if overlap else 0)
         return out
 
     def check_ids(self, ids) -> None:
