@@ -31,16 +31,34 @@ from deepinfer.scheduler import SchedulerOutput, speculates
 from deepinfer.speculative import accept_drafts, draw_drafts, filtered_probs
 
 
+Row = tuple  # (tensor, row): row ``row`` of a device tensor, read in place (drafts stay on the device)
+
+
+def gather_rows(refs: list[Row]) -> torch.Tensor:
+    """``torch.stack([t[r] for t, r in refs])`` without a kernel per row when the rows share a tensor (the usual
+    case: one step's outputs): that tensor, a slice of it, or one indexed gather."""
+    src = refs[0][0]
+    if all(t is src for t, _ in refs):
+        r0 = refs[0][1]
+        if all(r == r0 + n for n, (_, r) in enumerate(refs)):
+            return src[r0:r0 + len(refs)]
+        (idx,) = index_tensors([np.fromiter((r for _, r in refs), np.int64, len(refs))], src.device)
+        return src[idx]
+    return torch.stack([t[r] for t, r in refs])
+
+
 class DraftState:
-    """A request's drafts: ``tokens[j]`` goes at context position ``position + j``, with the drafter's
-    distribution ``probs[j]`` (``[V]`` float32; ``None`` for a greedy request) and confidence ``conf[j]`` (the
-    drafter's probability of its token: for a sampled request in expectation over the draw, ``sum_v q(v)^2``, so
-    that the verified length never depends on the drafted token and sampling stays lossless); ``hidden``
-    (``[hc_mult, hidden]``) the MTP output streams of the row that drafted ``tokens[-1]``."""
+    """A request's drafts: ``tokens[j]`` (a :data:`Row` of a device int64 tensor: drafts are read on the host
+    with the verification's results) goes at context position ``position + j``, with the drafter's distribution
+    ``probs[j]`` (``[V]`` float32; ``None`` for a greedy request) and confidence ``conf[j]`` (``"confidence"``
+    schedule only, else None: the drafter's probability of its token, for a sampled request in expectation over
+    the draw, ``sum_v q(v)^2``, so that the verified length never depends on the drafted token and sampling stays
+    lossless); ``hidden`` (a :data:`Row` of ``[n, hc_mult, hidden]``) the MTP output streams of the row that
+    drafted ``tokens[-1]``."""
 
     __slots__ = ("position", "tokens", "probs", "conf", "hidden")
 
-    def __init__(self, position: int, token: int, probs: torch.Tensor | None, conf: float, hidden: torch.Tensor):
+    def __init__(self, position: int, token: Row, probs: torch.Tensor | None, conf: float | None, hidden: Row):
         self.position = position
         self.tokens, self.probs, self.conf = [token], [probs], [conf]
         self.hidden = hidden
@@ -192,7 +210,7 @@ class SpecDecoder:
         return sec + max((o * max(1.0, (b / m) ** 0.5) for m, o in self._overhead.items()), default=0.0)
 
     # ------------------------------------------------------------------------------------------------ helpers
-    def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int],
+    def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int] | torch.Tensor,
                      hidden: torch.Tensor, logits_rows: list[int], discard_state: bool = False):
         r = self.runner
         seqs = r.step_seqs(states, c0, q)
@@ -210,32 +228,39 @@ class SpecDecoder:
         return r.model.forward_mtp(plan, r.cache, hidden, 0, return_hidden=True)
 
     def _draw(self, logits: torch.Tensor, states: list[RequestState], counters: list[int]):
-        """Draft tokens / confidences / distributions (None rows for greedy requests) for rows of ``logits``."""
+        """Drafts for rows of ``logits``: ``(tokens [n] int64 on the device, confidences, distributions)``;
+        confidences are host floats under the ``"confidence"`` schedule (one read), else None (nothing read);
+        distributions are None for greedy requests."""
         r = self.runner
         dev = logits.device
         params = [st.params for st in states]
+        confident = self.schedule == "confidence"
         if all(p.temperature < MIN_SAMPLING_TEMPERATURE for p in params):  # greedy only: no distribution to keep
             lf = logits.float()
             tokens = torch.argmax(lf, dim=-1)
+            if not confident:
+                return tokens, [None] * len(states), [None] * len(states)
             conf = torch.softmax(lf, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-            toks, conf = torch.stack([tokens.double(), conf.double()]).tolist()  # one read
-            return [int(t) for t in toks], conf, [None] * len(states)
+            return tokens, conf.tolist(), [None] * len(states)
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         probs = filtered_probs(logits, temp, torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
                                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
                                r.batch_invariant)
+        greedy_h = [p.temperature < MIN_SAMPLING_TEMPERATURE for p in params]
         greedy = temp < MIN_SAMPLING_TEMPERATURE
         seeds = torch.tensor([st.seed for st in states], dtype=torch.int64, device=dev)
         tokens, _ = draw_drafts(probs, greedy, seeds, torch.tensor(counters, dtype=torch.int64, device=dev))
+        keep = [None if g else probs[i] for i, g in enumerate(greedy_h)]
+        if not confident:
+            return tokens, [None] * len(states), keep
         # the confidence the schedule reads must not depend on the draw itself (docs/speculative.md): a sampled
         # draft's is its probability in expectation over the draw, sum_v q(v)^2; a greedy draft's the drafter's
         # softmax probability of its argmax
         conf = (probs * probs).sum(-1)
-        if bool(greedy.any()):
+        if any(greedy_h):
             top = torch.softmax(logits.float(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
             conf = torch.where(greedy, top, conf)
-        keep = [None if bool(g) else probs[i] for i, g in enumerate(greedy.tolist())]
-        return tokens.tolist(), conf.tolist(), keep
+        return tokens, conf.tolist(), keep
 
     def _chain(self, items, states, nv: list[int]) -> list[int]:
         """Extend each request's drafts to ``nv[i]`` tokens with the MTP layer on its own outputs; returns the
@@ -256,16 +281,17 @@ class SpecDecoder:
             sts = [states[i] for i in sel]
             # the MTP row at position t takes token t + 1 and predicts t + 2: the next draft
             c0 = np.array([items[i].start + j - 2 for i in sel], dtype=np.int64)
-            hidden = torch.stack([d.hidden for d in ds])
             logits, streams = self._forward_mtp(sts, c0, np.ones(len(sel), dtype=np.int64),
-                                                [d.tokens[j - 2] for d in ds], hidden, list(range(len(sel))),
+                                                gather_rows([d.tokens[j - 2] for d in ds]),
+                                                gather_rows([d.hidden for d in ds]), list(range(len(sel))),
                                                 discard_state=True)
             toks, conf, probs = self._draw(logits, sts, [int(c) + 2 - st.num_prompt_tokens for c, st in zip(c0, sts)])
+            hs = streams[:len(sel)].clone()  # a graph's output buffer: the next replay rewrites it
             for n, d in enumerate(ds):
-                d.tokens.append(toks[n])
+                d.tokens.append((toks, n))
                 d.conf.append(conf[n])
                 d.probs.append(probs[n])
-                d.hidden = streams[n].clone()
+                d.hidden = (hs, n)
         return nv
 
     def _worth_drafting(self, items, nv: list[int], sel: list[int], j: int) -> list[int]:
@@ -350,14 +376,26 @@ class SpecDecoder:
         row_starts = np.cumsum(q) - q
         ids: list[int] = []
         logits_rows: list[int] = []
+        draft_rows: list[int] = []  # token rows of the drafts, in step order
+        draft_at: list[int] = []  # per request, the token row of its first draft
+        drafts: list[Row] = []
         for it, st, b, k in zip(items, states, n_base, nv):
             ids.extend(st.token_ids[it.start:it.start + b])
+            draft_at.append(len(ids))
             if k:
-                ids.extend(self.drafts[it.req_id].tokens[:k])
+                draft_rows.extend(range(len(ids), len(ids) + k))
+                drafts.extend(self.drafts[it.req_id].tokens[:k])
+                ids.extend([0] * k)
             if it.needs_logits:
                 logits_rows.extend(range(len(ids) - k - 1, len(ids)))
         if len(ids) != int(q.sum()):
             raise RuntimeError("SpecDecoder: a scheduled token's id is not on the host (steps must run in order)")
+        if drafts:  # the drafts never left the device: the step's ids are uploaded, then the drafts put in
+            r.builder.check_ids(ids)
+            ids_t, rows_t = index_tensors([np.asarray(ids, dtype=np.int64), np.asarray(draft_rows, dtype=np.int64)],
+                                          r.device)
+            ids_t[rows_t] = gather_rows(drafts)
+            ids = ids_t
         seqs = r.step_seqs(states, c0, q)
         g = self._graph("verify", len(items), int(q.max()), int((c0 + q).max())) if self._graph_step(items) \
             else None
@@ -384,7 +422,8 @@ class SpecDecoder:
                 row_states.extend([st] * (k + 1))
                 counters.extend(range(first, first + k + 1))
         masks = r._grammar_masks(row_states, logits.shape[1]) if row_states else None
-        ids_out, lps_out, tops_out, kept = self._sample(items, states, nv, logits, row_states, counters, masks)
+        ids_out, lps_out, tops_out, kept = self._sample(items, states, nv, logits, row_states, counters, masks,
+                                                        ids if drafts else None, draft_at)
 
         # 4. the ring state of the kept positions only
         if deferred:
@@ -424,20 +463,32 @@ class SpecDecoder:
                 del samples[:-5]
                 self._overhead[g.bucket] = sorted(samples)[(len(samples) - 1) // 2]
 
-    def _sample(self, items, states, nv, logits, row_states, counters, masks):
+    def _sample(self, items, states, nv, logits, row_states, counters, masks, ids: torch.Tensor | None,
+                draft_at: list[int]):
         """Draws and acceptance: per sampled request its token(s), logprob(s) and top logprobs (in step order),
-        and per request the positions it keeps (``q`` of a request without drafts, 1 + accepted drafts else)."""
+        and per request the positions it keeps (``q`` of a request without drafts, 1 + accepted drafts else).
+        ``ids``: the step's token ids on the device when it verifies drafts (request ``i``'s from token row
+        ``draft_at[i]``)."""
         r = self.runner
         kept = [it.num_new_tokens - it.num_draft_tokens + k for it, k in zip(items, nv)]
         if not row_states:
             return [], [], [], kept
         base, base_lp, tops = r.sampler.sample_device(logits, row_states, counters, masks)
         spec_items = [i for i, (it, k) in enumerate(zip(items, nv)) if it.needs_logits and k]
+        # greedy verifications accept on the host from the sampler's argmax (the read below): no device work
+        greedy = all(states[i].params.temperature < MIN_SAMPLING_TEMPERATURE for i in spec_items)
         emitted = {}
-        if spec_items:
-            emitted = self._accept(items, states, nv, logits, base, base_lp, counters, spec_items)
-        base_h, base_lp_h = torch.stack([base.double(), base_lp.double()]).tolist()  # one read
-        base_h = [int(t) for t in base_h]
+        if spec_items and not greedy:
+            emitted = self._accept(items, states, nv, logits, base, counters, spec_items, ids, draft_at)
+        if spec_items and greedy:  # one read, the drafts with it
+            n = base.shape[0]
+            flat = torch.cat([base.double(), base_lp.double(), ids.double()]).tolist()
+            base_h, base_lp_h, ids_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:]
+            emitted = self._accept_greedy(items, nv, spec_items, base_h, base_lp_h,
+                                          [[int(t) for t in ids_h[draft_at[i]:draft_at[i] + nv[i]]] for i in spec_items])
+        else:
+            base_h, base_lp_h = torch.stack([base.double(), base_lp.double()]).tolist()  # one read
+            base_h = [int(t) for t in base_h]
         ids_out, lps_out, tops_out = [], [], []
         row = 0
         for i, (it, st, k) in enumerate(zip(items, states, nv)):
@@ -459,9 +510,11 @@ class SpecDecoder:
             row += k + 1
         return ids_out, lps_out, tops_out, kept
 
-    def _accept(self, items, states, nv, logits, base, base_lp, counters, spec_items) -> dict[int, tuple[list, list]]:
-        """:func:`~deepinfer.speculative.accept_drafts` over the requests ``spec_items``: ``{item: (tokens,
-        logprobs)}`` of what each emits (cut after a NaN row, whose token is ``-1``)."""
+    def _accept(self, items, states, nv, logits, base, counters, spec_items, ids: torch.Tensor,
+                draft_at: list[int]) -> dict[int, tuple[list, list]]:
+        """:func:`~deepinfer.speculative.accept_drafts` over the requests ``spec_items`` (some of them sampled;
+        drafts read from the step's device ``ids`` at ``draft_at``): ``{item: (tokens, logprobs)}`` of what each
+        emits (:meth:`_record`)."""
         r = self.runner
         dev = logits.device
         K = max(nv[i] for i in spec_items)
@@ -480,13 +533,13 @@ class SpecDecoder:
         for a, i in enumerate(spec_items):
             k = nv[i]
             base_rows[a, :k + 1] = np.arange(first_row[i], first_row[i] + k + 1)
-            draft_t[a, :k] = self.drafts[items[i].req_id].tokens[:k]
+            draft_t[a, :k] = np.arange(draft_at[i], draft_at[i] + k)  # token rows, read below
             num_d[a] = k
             sampled.append(states[i].params.temperature >= MIN_SAMPLING_TEMPERATURE)
         # one host-to-device copy
         base_rows, draft_t, num_d, sampled_t = index_tensors([base_rows.reshape(-1), draft_t.reshape(-1), num_d,
                                                               np.array(sampled, dtype=np.int64)], dev)
-        base_rows, draft_t, sampled_t = base_rows.view(n, K + 1), draft_t.view(n, K), sampled_t.bool()
+        base_rows, draft_t, sampled_t = base_rows.view(n, K + 1), ids[draft_t].view(n, K), sampled_t.bool()
         base_tok = base[base_rows]
         target_p = draft_p = seeds = ctr = None
         srows = [a for a, s in enumerate(sampled) if s]
@@ -506,20 +559,41 @@ class SpecDecoder:
             seeds = torch.tensor([states[spec_items[a]].seed for a in srows], dtype=torch.int64, device=dev)
             ctr = torch.tensor([counters[first_row[spec_items[a]]] for a in srows], dtype=torch.int64, device=dev)
         tokens, n_emit = accept_drafts(base_tok, draft_t, num_d, sampled_t, target_p, draft_p, seeds, ctr)
-        if srows:
-            raw = logits[base_rows.reshape(-1)].float()
-            lse = _log_softmax_normaliser(raw).view(n, K + 1)
-            tok_lp = raw.view(n, K + 1, V).gather(2, tokens.clamp(min=0)[:, :, None]).squeeze(2) - lse
-        else:  # greedy rows emit the sampler's own tokens (accepted drafts equal them): its logprobs
-            tok_lp = base_lp[base_rows]
+        raw = logits[base_rows.reshape(-1)].float()
+        lse = _log_softmax_normaliser(raw).view(n, K + 1)
+        tok_lp = raw.view(n, K + 1, V).gather(2, tokens.clamp(min=0)[:, :, None]).squeeze(2) - lse
         # one read: tokens, counts and logprobs as float64 (token ids are exact there)
         packed = torch.cat([tokens.double(), n_emit.double()[:, None], tok_lp.double()], dim=1).tolist()
-        tokens_h = [[int(t) for t in row[:K + 1]] for row in packed]
-        n_h = [int(row[K + 1]) for row in packed]
-        lp_h = [row[K + 2:] for row in packed]
+        got = []
+        for row in packed:
+            e = int(row[K + 1])
+            got.append(([int(t) for t in row[:e]], row[K + 2:K + 2 + e]))
+        return self._record(nv, spec_items, got)
+
+    def _accept_greedy(self, items, nv, spec_items, base_h: list[int], base_lp_h: list[float],
+                       drafts: list[list[int]]) -> dict:
+        """:meth:`_accept` for greedy verifications, on the host: the longest prefix of ``drafts`` (per request of
+        ``spec_items``) equal to the sampler's argmax at their rows (``base_h``), then the argmax after it; the
+        sampler's logprobs."""
+        first_row, row = {}, 0
+        for i, (it, k) in enumerate(zip(items, nv)):
+            if it.needs_logits:
+                first_row[i] = row
+                row += k + 1
+        got = []
+        for i, d in zip(spec_items, drafts):
+            f = first_row[i]
+            a = 0
+            while a < nv[i] and d[a] == base_h[f + a]:
+                a += 1
+            got.append((base_h[f:f + a + 1], base_lp_h[f:f + a + 1]))
+        return self._record(nv, spec_items, got)
+
+    def _record(self, nv, spec_items, got: list[tuple[list, list]]) -> dict[int, tuple[list, list]]:
+        """``{item: (tokens, logprobs)}`` from each verification's emitted tokens (cut after a NaN row, whose
+        token becomes ``-1``), counted in :attr:`stats`."""
         out = {}
-        for a, i in enumerate(spec_items):
-            toks, lps = tokens_h[a][:n_h[a]], lp_h[a][:n_h[a]]
+        for i, (toks, lps) in zip(spec_items, got):
             for j, lp in enumerate(lps):
                 if lp != lp:  # NaN logits at this position: the request fails there
                     toks, lps = toks[:j] + [-1], lps[:j + 1]
@@ -557,17 +631,18 @@ class SpecDecoder:
             if items[i].needs_logits:
                 logits_rows.append(len(ids) - 1)
                 drafting.append(i)
-        hidden = streams[torch.tensor(rows, dtype=torch.int64, device=streams.device)]
-        logits, mtp_streams = self._forward_mtp(sts, c, q, ids, hidden, logits_rows)
+        (rows_t,) = index_tensors([np.asarray(rows, dtype=np.int64)], streams.device)  # no wait for the device
+        logits, mtp_streams = self._forward_mtp(sts, c, q, ids, streams[rows_t], logits_rows)
         if not drafting:
             return
         dst = [states[i] for i in drafting]
         # the first draft goes at position c0 + kept + 1: the token after the next step's input
         pos = [int(c0[i]) + kept[i] + 1 for i in drafting]
         toks, conf, probs = self._draw(logits, dst, [p - st.num_prompt_tokens for p, st in zip(pos, dst)])
+        (at,) = index_tensors([np.asarray(logits_rows, dtype=np.int64)], mtp_streams.device)
+        hs = mtp_streams[at]  # a copy: the graph's buffer is rewritten by its next replay
         for n, (i, p) in enumerate(zip(drafting, pos)):
-            self.drafts[items[i].req_id] = DraftState(p, toks[n], probs[n], conf[n],
-                                                      mtp_streams[logits_rows[n]].clone())
+            self.drafts[items[i].req_id] = DraftState(p, (toks, n), probs[n], conf[n], (hs, n))
 
 
 class StepCostTable:

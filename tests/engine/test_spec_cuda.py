@@ -56,3 +56,36 @@ def test_cuda_spec_graph_memory_is_in_the_estimate():
     spec = LLM("tiny", device="cuda", enforce_eager=False, max_num_seqs=8, speculative_method="mtp",
                num_speculative_tokens=3).startup["graph_memory_estimate_bytes"]
     assert spec > base > 0
+
+
+def test_cuda_greedy_graph_step_reads_the_device_once(monkeypatch):
+    """A greedy ``"fixed"``-schedule step replaying the speculation graphs keeps its drafts on the device: the
+    draft chain, the verification and the MTP pass synchronise at most twice per step (the acceptance read;
+    each draw read once before, ``k + 2`` reads a step)."""
+    import warnings
+
+    import torch
+
+    prompts = _prompts(4)
+    llm = LLM("tiny", device="cuda", enforce_eager=False, max_num_seqs=4, speculative_method="mtp",
+              num_speculative_tokens=3, spec_schedule="fixed")
+    spec = llm.runner.spec
+    syncs = []
+    real = type(spec).execute
+
+    def execute(self, output):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = real(self, output)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if out.graph:
+            syncs.append(sum("synchroniz" in str(w.message) for w in seen))
+        return out
+
+    monkeypatch.setattr(type(spec), "execute", execute)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    assert syncs and max(syncs) <= 2, syncs

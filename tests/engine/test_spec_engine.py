@@ -62,7 +62,7 @@ def _use_oracle(monkeypatch, refs: dict) -> None:
                 toks[n] = (ref[c] + 1) % 1000 if wrong else ref[c]
                 conf[n] = 0.2 if wrong else 0.9
                 if probs[n] is not None:
-                    probs[n] = torch.nn.functional.one_hot(torch.tensor(toks[n]), probs[n].numel()).float()
+                    probs[n] = torch.nn.functional.one_hot(toks[n].clone(), probs[n].numel()).float()
         return toks, conf, probs
 
     monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
@@ -278,7 +278,7 @@ def test_chat_with_speculation_equals_speculation_off(monkeypatch):
             if c < len(ref):
                 toks[n] = ref[c] if c % 3 else (ref[c] + 1) % 1000
                 if probs[n] is not None:  # a sampled request: the draft was drawn from a point mass
-                    probs[n] = torch.nn.functional.one_hot(torch.tensor(toks[n]), probs[n].numel()).float()
+                    probs[n] = torch.nn.functional.one_hot(toks[n].clone(), probs[n].numel()).float()
         return toks, conf, probs
 
     monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
@@ -407,7 +407,7 @@ def test_step_records_count_emitted_decode_tokens(oracle):
 
 
 def test_greedy_draft_confidence_is_the_drafters_probability():
-    llm = _spec(2)
+    llm = _spec(2, "confidence")
     spec = llm.runner.spec
     logits = torch.tensor([[0.0, 2.0, 1.0], [3.0, 0.0, 0.0]])
 
@@ -416,7 +416,7 @@ def test_greedy_draft_confidence_is_the_drafters_probability():
         seed = 1
 
     toks, conf, probs = spec._draw(logits, [St(), St()], [0, 0])
-    assert toks == [1, 0] and probs == [None, None]
+    assert toks.tolist() == [1, 0] and probs == [None, None]
     torch.testing.assert_close(torch.tensor(conf), torch.softmax(logits, -1).max(-1).values)
 
     class Sampled:
@@ -431,7 +431,10 @@ def test_greedy_draft_confidence_is_the_drafters_probability():
         torch.testing.assert_close(probs[0], torch.softmax(logits[0], -1))
     q = torch.softmax(logits[0], -1)
     assert confs == {round(float((q * q).sum()), 6)}
-    assert spec.schedule == "fixed" and _spec(2, "confidence", batch_invariant=True).runner.spec.schedule == "fixed"
+    assert _spec(2, "confidence", batch_invariant=True).runner.spec.schedule == "fixed"
+    fixed = _spec(2).runner.spec  # "fixed" reads no confidence: the drafts stay on the device
+    toks, conf, _ = fixed._draw(logits, [St(), St()], [0, 0])
+    assert fixed.schedule == "fixed" and conf == [None, None] and toks.tolist() == [1, 0]
 
 
 def test_expert_parallel_models_are_refused():
