@@ -484,8 +484,8 @@ class SpecDecoder:
             n = base.shape[0]
             flat = torch.cat([base.double(), base_lp.double(), ids.double()]).tolist()
             base_h, base_lp_h, ids_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:]
-            emitted = self._accept_greedy(items, nv, spec_items, base_h, base_lp_h,
-                                          [[int(t) for t in ids_h[draft_at[i]:draft_at[i] + nv[i]]] for i in spec_items])
+            drafts_h = [[int(t) for t in ids_h[draft_at[i]:draft_at[i] + nv[i]]] for i in spec_items]
+            emitted = self._accept_greedy(items, nv, spec_items, base_h, base_lp_h, drafts_h)
         else:
             base_h, base_lp_h = torch.stack([base.double(), base_lp.double()]).tolist()  # one read
             base_h = [int(t) for t in base_h]
