@@ -47,13 +47,30 @@ def gather_rows(refs: list[Row]) -> torch.Tensor:
     return torch.stack([t[r] for t, r in refs])
 
 
+def read_rows(refs: list[Row]) -> list[float]:
+    """The values of 1-element rows ``refs`` on the host in one read (one gather per source tensor)."""
+    groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+    for n, (t, r) in enumerate(refs):
+        groups.setdefault(id(t), (t, [], []))[1].append(r)
+        groups[id(t)][2].append(n)
+    parts, order = [], []
+    for t, rows, at in groups.values():
+        parts.append(gather_rows([(t, r) for r in rows]).reshape(-1).double())
+        order.extend(at)
+    vals = torch.cat(parts).tolist()
+    out = [0.0] * len(refs)
+    for n, v in zip(order, vals):
+        out[n] = v
+    return out
+
+
 class DraftState:
     """A request's drafts: ``tokens[j]`` (a :data:`Row` of a device int64 tensor: drafts are read on the host
     with the verification's results) goes at context position ``position + j``, with the drafter's distribution
     ``probs[j]`` (``[V]`` float32; ``None`` for a greedy request) and confidence ``conf[j]`` (``"confidence"``
-    schedule only, else None: the drafter's probability of its token, for a sampled request in expectation over
-    the draw, ``sum_v q(v)^2``, so that the verified length never depends on the drafted token and sampling stays
-    lossless); ``hidden`` (a :data:`Row` of ``[n, hc_mult, hidden]``) the MTP output streams of the row that
+    schedule only, else None; a :data:`Row` until :meth:`SpecDecoder._host_confs` reads it: the drafter's
+    probability of its token, for a sampled request in expectation over the draw, ``sum_v q(v)^2``, so that the
+    verified length never depends on the drafted token and sampling stays lossless); ``hidden`` (a :data:`Row` of ``[n, hc_mult, hidden]``) the MTP output streams of the row that
     drafted ``tokens[-1]``."""
 
     __slots__ = ("position", "tokens", "probs", "conf", "hidden")
@@ -228,8 +245,8 @@ class SpecDecoder:
         return r.model.forward_mtp(plan, r.cache, hidden, 0, return_hidden=True)
 
     def _draw(self, logits: torch.Tensor, states: list[RequestState], counters: list[int]):
-        """Drafts for rows of ``logits``: ``(tokens [n] int64 on the device, confidences, distributions)``;
-        confidences are host floats under the ``"confidence"`` schedule (one read), else None (nothing read);
+        """Drafts for rows of ``logits``: ``(tokens [n] int64, confidences [n] float, distributions)``, all left
+        on the device (nothing read); confidences only under the ``"confidence"`` schedule (else None);
         distributions are None for greedy requests."""
         r = self.runner
         dev = logits.device
@@ -239,9 +256,8 @@ class SpecDecoder:
             lf = logits.float()
             tokens = torch.argmax(lf, dim=-1)
             if not confident:
-                return tokens, [None] * len(states), [None] * len(states)
-            conf = torch.softmax(lf, dim=-1).gather(1, tokens[:, None]).squeeze(1)
-            return tokens, conf.tolist(), [None] * len(states)
+                return tokens, None, [None] * len(states)
+            return tokens, torch.softmax(lf, dim=-1).gather(1, tokens[:, None]).squeeze(1), [None] * len(states)
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         probs = filtered_probs(logits, temp, torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
                                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
@@ -252,7 +268,7 @@ class SpecDecoder:
         tokens, _ = draw_drafts(probs, greedy, seeds, torch.tensor(counters, dtype=torch.int64, device=dev))
         keep = [None if g else probs[i] for i, g in enumerate(greedy_h)]
         if not confident:
-            return tokens, [None] * len(states), keep
+            return tokens, None, keep
         # the confidence the schedule reads must not depend on the draw itself (docs/speculative.md): a sampled
         # draft's is its probability in expectation over the draw, sum_v q(v)^2; a greedy draft's the drafter's
         # softmax probability of its argmax
@@ -260,16 +276,18 @@ class SpecDecoder:
         if any(greedy_h):
             top = torch.softmax(logits.float(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
             conf = torch.where(greedy, top, conf)
-        return tokens, conf.tolist(), keep
+        return tokens, conf, keep
 
     def _chain(self, items, states, nv: list[int]) -> list[int]:
         """Extend each request's drafts to ``nv[i]`` tokens with the MTP layer on its own outputs; returns the
-        drafts each request holds (``"confidence"``: a request stops drafting once even a certain next draft
-        would not be verified, :meth:`_worth_drafting`)."""
+        drafts each request holds (``"confidence"``, eager steps: a request stops drafting once even a certain
+        next draft would not be verified, :meth:`_worth_drafting`, which reads the confidences so far; a graph
+        step's draft replay costs the same for any subset of its sequences, so it drafts on without a read)."""
         nv = list(nv)
+        stop_early = self.schedule == "confidence" and not self._graph_step(items)
         for j in range(2, max(nv, default=0) + 1):
             sel = [i for i, k in enumerate(nv) if k >= j and len(self.drafts[items[i].req_id].tokens) < j]
-            if sel and self.schedule == "confidence":
+            if sel and stop_early:
                 sel = self._worth_drafting(items, nv, sel, j)
             chained = set(sel)
             for i, k in enumerate(nv):
@@ -289,7 +307,7 @@ class SpecDecoder:
             hs = streams[:len(sel)].clone()  # a graph's output buffer: the next replay rewrites it
             for n, d in enumerate(ds):
                 d.tokens.append((toks, n))
-                d.conf.append(conf[n])
+                d.conf.append(None if conf is None else (conf, n))
                 d.probs.append(probs[n])
                 d.hidden = (hs, n)
         return nv
@@ -297,6 +315,7 @@ class SpecDecoder:
     def _worth_drafting(self, items, nv: list[int], sel: list[int], j: int) -> list[int]:
         """The requests of ``sel`` whose draft ``j`` :func:`choose_lengths` would verify if its confidence were 1
         (the best case; the other requests' drafts as known so far)."""
+        self._host_confs(items)
         confs = []
         candidates = set(sel)
         for i, (it, k) in enumerate(zip(items, nv)):
@@ -305,10 +324,19 @@ class SpecDecoder:
         best = choose_lengths(confs, self._step_cost(items))
         return [i for i in sel if best[i] >= j]
 
+    def _host_confs(self, items) -> None:
+        """Read every confidence of these requests' drafts still on the device, in one read."""
+        pending = [(d, j) for d in (self.drafts.get(it.req_id) for it in items) if d is not None
+                   for j, c in enumerate(d.conf) if isinstance(c, tuple)]
+        if pending:
+            for (d, j), v in zip(pending, read_rows([d.conf[j] for d, j in pending])):
+                d.conf[j] = v
+
     def _lengths(self, items, nv: list[int]) -> list[int]:
         """Verified drafts per request: all of them (``"fixed"``), or :func:`choose_lengths` of the confidences."""
         if self.schedule == "fixed" or not any(nv):
             return nv
+        self._host_confs(items)
         confs = [self.drafts[it.req_id].conf[:k] if k else [] for it, k in zip(items, nv)]
         return choose_lengths(confs, self._step_cost(items))
 
@@ -642,7 +670,8 @@ class SpecDecoder:
         (at,) = index_tensors([np.asarray(logits_rows, dtype=np.int64)], mtp_streams.device)
         hs = mtp_streams[at]  # a copy: the graph's buffer is rewritten by its next replay
         for n, (i, p) in enumerate(zip(drafting, pos)):
-            self.drafts[items[i].req_id] = DraftState(p, (toks, n), probs[n], conf[n], (hs, n))
+            self.drafts[items[i].req_id] = DraftState(p, (toks, n), probs[n], None if conf is None else (conf, n),
+                                                      (hs, n))
 
 
 class StepCostTable:

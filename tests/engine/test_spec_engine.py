@@ -60,7 +60,8 @@ def _use_oracle(monkeypatch, refs: dict) -> None:
             if ref is not None and c < len(ref):
                 wrong = (c + st.num_prompt_tokens) % 3 == 0
                 toks[n] = (ref[c] + 1) % 1000 if wrong else ref[c]
-                conf[n] = 0.2 if wrong else 0.9
+                if conf is not None:  # the confidence schedule's
+                    conf[n] = 0.2 if wrong else 0.9
                 if probs[n] is not None:
                     probs[n] = torch.nn.functional.one_hot(toks[n].clone(), probs[n].numel()).float()
         return toks, conf, probs
@@ -371,15 +372,18 @@ def test_cli_options_reach_the_engine_config():
             engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b", flag, value]))
 
 
-def test_confidence_schedule_stops_drafting_what_it_would_not_verify(reference, oracle):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_confidence_schedule_stops_drafting_what_it_would_not_verify(reference, oracle, graphs):
     """With a cost that makes a draft of confidence 0.2 not worth its tokens, the chain stops after a wrong
-    (0.2) draft and the verification stops before it: fewer drafts, the same greedy output."""
-    llm = _spec(5, "confidence")
+    (0.2) draft (eager steps; graph steps draft on, then read every confidence once) and the verification stops
+    before it: fewer drafts, the same greedy output."""
+    llm = _spec(5, "confidence", graphs=graphs)
     llm.runner.spec.cost = lambda n, t: 1.0 + 0.5 * t  # noqa: E731 - half a step per token
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [reference[tuple(p)].token_ids for p in PROMPTS]
     stats = llm.runner.spec.stats
     assert stats.verifications > 0 and stats.accepted == stats.drafted  # no wrong draft was ever verified
+    assert (stats.graph_steps > 0) == graphs
 
 
 def test_run_stats_report_this_runs_verifications(oracle):
@@ -417,7 +421,7 @@ def test_greedy_draft_confidence_is_the_drafters_probability():
 
     toks, conf, probs = spec._draw(logits, [St(), St()], [0, 0])
     assert toks.tolist() == [1, 0] and probs == [None, None]
-    torch.testing.assert_close(torch.tensor(conf), torch.softmax(logits, -1).max(-1).values)
+    torch.testing.assert_close(conf, torch.softmax(logits, -1).max(-1).values)
 
     class Sampled:
         params = SamplingParams(temperature=1.0)
@@ -427,14 +431,14 @@ def test_greedy_draft_confidence_is_the_drafters_probability():
     confs = set()
     for c in range(20):
         toks, conf, probs = spec._draw(logits[:1], [Sampled()], [c])
-        confs.add(round(conf[0], 6))
+        confs.add(round(float(conf[0]), 6))
         torch.testing.assert_close(probs[0], torch.softmax(logits[0], -1))
     q = torch.softmax(logits[0], -1)
     assert confs == {round(float((q * q).sum()), 6)}
     assert _spec(2, "confidence", batch_invariant=True).runner.spec.schedule == "fixed"
     fixed = _spec(2).runner.spec  # "fixed" reads no confidence: the drafts stay on the device
     toks, conf, _ = fixed._draw(logits, [St(), St()], [0, 0])
-    assert fixed.schedule == "fixed" and conf == [None, None] and toks.tolist() == [1, 0]
+    assert fixed.schedule == "fixed" and conf is None and toks.tolist() == [1, 0]
 
 
 def test_expert_parallel_models_are_refused():
