@@ -7,6 +7,8 @@ Usage (from the repository root, PYTHONPATH=python:engine):
 The model is a stand-in with the tiny preset's DeepSeek-V4 config (every layer kind, so every compressor list of the
 plan is built) and a vocabulary of ``--vocab`` tokens: the real :class:`PlanBuilder` and sampler run, the forward
 returns zero logits. So the figures are the host work of the engine alone, on this CPU (not the H200's).
+``--paths spec-plain`` runs graph-mode decode steps of an engine configured to speculate whose verification
+never pays (plain steps, as the schedule gives where speculation loses).
 ``--paths spec-plans`` times a speculative graph step's plan work alone (``spec_plans``).
 ``--window-group`` gives the stand-in DeepSeek-V4's two cache groups (the default is one group, as the committed
 figures were measured). ``--graphs`` also runs the graph-mode path: every decode step builds its plan into a captured bucket's buffer
@@ -110,14 +112,21 @@ def use_window_group(llm) -> None:
                                          CacheGroup(WINDOW_GROUP, window, lookback)])
 
 
-def run(batch: int, graphs: bool, args) -> tuple[dict, pstats.Stats | None]:
+def run(batch: int, graphs: bool, args, spec_plain: bool = False) -> tuple[dict, pstats.Stats | None]:
     from deepinfer import LLM, SamplingParams
     from deepinfer.sequence import Sequence
 
     model = HostOnlyModel(args.vocab)
     max_len = args.prompt_len + args.steps + 2 * args.warmup + 128
+    spec = {}
+    if spec_plain:  # speculation configured (an MTP stand-in that never runs), verification never pays
+        model.mtp, model.forward_mtp = [None], lambda *a, **k: None
+        spec = dict(speculative_method="mtp", num_speculative_tokens=args.draft_tokens, spec_schedule="confidence")
     llm = LLM(model, max_num_seqs=batch, max_model_len=max_len, max_num_batched_tokens=max(2048, batch),
-              num_blocks=batch * -(-max_len // 128))
+              num_blocks=batch * -(-max_len // 128), **spec)
+    if spec_plain:
+        llm.runner.spec.plain_cost = {1 << i: 1e-9 for i in range(12)}
+        llm.scheduler.spec_pays = llm.runner.spec.pays
     window_group = getattr(args, "window_group", False)
     if window_group:
         use_window_group(llm)
@@ -140,12 +149,14 @@ def run(batch: int, graphs: bool, args) -> tuple[dict, pstats.Stats | None]:
         t, c = time.perf_counter(), time.thread_time()
         engine.step()
         cpu.append(time.thread_time() - c)
+        if spec_plain and llm.runner.spec.stats.verifications:
+            raise RuntimeError("spec-plain: a step verified drafts")
         wall.append(time.perf_counter() - t)
         if prof is not None:
             prof.disable()
     row = {"op": "engine_host_decode", "device": "cpu", "shape": {"batch": batch, "graph_plans": graphs,
            "prompt_len": args.prompt_len, "vocab": args.vocab, "temperature": args.temperature,
-           "window_group": window_group},
+           "window_group": window_group, "spec_configured": spec_plain},
            "host_ms": round(1e3 * statistics.median(wall), 4), "host_cpu_ms": round(1e3 * statistics.median(cpu), 4)}
     return row, (pstats.Stats(prof) if prof is not None else None)
 
@@ -212,7 +223,8 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy rows; > 0: drawn rows")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--paths", default="eager,graphs",
-                   help="eager, graphs (engine decode steps), spec-plans (a speculative step's plan work)")
+                   help="eager, graphs (engine decode steps), spec-plain (graphs, speculation configured but never "
+                        "paying: plain steps), spec-plans (a speculative step's plan work)")
     p.add_argument("--draft-tokens", type=int, default=3, help="spec-plans: drafts per sequence")
     p.add_argument("--window-group", action="store_true",
                    help="DeepSeek-V4's two cache groups (window blocks released after the sliding window)")
@@ -228,7 +240,7 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 continue
-            row, stats = run(b, path == "graphs", args)
+            row, stats = run(b, path in ("graphs", "spec-plain"), args, path == "spec-plain")
             rows.append(row)
             print(json.dumps(row), flush=True)
             if stats is not None:
