@@ -10,14 +10,19 @@
 
 namespace deepinfer {
 
-// FlashMLA "MODEL1" FP8 KV entry (V4): per token 584 bytes =
-//   [0, 448) e4m3 codes of the 448 no-RoPE dims | [448, 576) the 64 RoPE dims as bf16 |
-//   [576, 583) 7 UE8M0 scale exponents, one per 64 no-RoPE dims (scale = 2^(byte - 127)) | [583] zero pad.
+// FlashMLA "MODEL1" FP8 KV cache (V4), FlashMLA's block layout: a token is 584 bytes, 576 of row and 8 of scales.
+// Block b of block_size tokens (block_stride bytes apart, >= block_size * 584; FlashMLA rounds it up to a multiple
+// of 576) holds first the rows of its tokens, token t's at byte 576 t: [0, 448) e4m3 codes of the 448 no-RoPE dims
+// | [448, 576) the 64 RoPE dims as bf16; then the scales, token t's at byte 576 block_size + 8 t: 7 UE8M0 exponents,
+// one per 64 no-RoPE dims (scale = 2^(byte - 127)), and a zero pad byte. The tensor is uint8
+// [num_blocks, block_size, 584] with stride(1) == 584: its shape counts the bytes, its rows are not the tokens'.
+// Scales: 2^ceil(log2(max(amax / 448, 1e-4))) per tile, as FlashMLA's quantiser.
 constexpr int64_t kFp8EntryBytes = 584;
+constexpr int64_t kFp8RowBytes = 576;
+constexpr int64_t kFp8ScaleBytes = 8;
 constexpr int64_t kFp8NopeDims = 448;
 constexpr int64_t kFp8RopeDims = 64;
 constexpr int64_t kFp8TileDims = 64;
-constexpr int64_t kFp8ScaleOffset = 576;
 constexpr int64_t kFp8HeadDim = kFp8NopeDims + kFp8RopeDims;
 
 // FP8 indexer-key cache (DeepGEMM / vLLM paged layout for the V3.2 / V4 lightning indexer): uint8
@@ -87,6 +92,15 @@ struct SparseMqaArgs {
   double softmax_scale = 1.0;
 };
 
+// A MODEL1 FP8 cache's blocks are whole (layout above): stride(1) == 584 and blocks that do not overlap.
+inline void check_fp8_block_layout(const char* op, const at::Tensor& cache, const char* name) {
+  if (cache.numel() == 0) return;
+  DEEPINFER_CHECK(cache.stride(1) == kFp8EntryBytes && (cache.size(0) == 1 ||
+                                                       cache.stride(0) >= cache.size(1) * kFp8EntryBytes),
+                  op, name, " (FP8 MODEL1) must hold whole blocks: stride(1) == ", kFp8EntryBytes,
+                  " and stride(0) >= block_size * ", kFp8EntryBytes, ", got strides ", cache.strides());
+}
+
 inline void check_kv_list(const char* op, const at::Tensor& q, const at::Tensor& cache, const char* cache_name,
                           const at::Tensor& indices, const char* indices_name,
                           const std::optional<at::Tensor>& topk_length, const char* len_name,
@@ -106,6 +120,7 @@ inline void check_kv_list(const char* op, const at::Tensor& q, const at::Tensor&
     DEEPINFER_CHECK(cache.size(2) == kFp8EntryBytes && q.size(-1) == kFp8HeadDim, op, cache_name,
                     " (FP8 MODEL1) must be [num_blocks, block_size, ", kFp8EntryBytes, "] with q head_dim ",
                     kFp8HeadDim, ", got ", cache.sizes(), " and head_dim ", q.size(-1));
+    check_fp8_block_layout(op, cache, cache_name);
   } else {
     DEEPINFER_CHECK(cache.size(2) == q.size(-1), op, cache_name, " head_dim ", cache.size(2),
                     " != q head_dim ", q.size(-1));
@@ -332,6 +347,7 @@ inline void check_fp8_cache(const char* op, const at::Tensor& kv_cache, const at
   DEEPINFER_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == kFp8EntryBytes && kv_cache.size(1) > 0, op,
                   "kv_cache must be uint8 [num_blocks, block_size, ", kFp8EntryBytes, "], got ", kv_cache.sizes());
   DEEPINFER_CHECK(kv_cache.numel() == 0 || kv_cache.stride(2) == 1, op, "kv_cache must be contiguous in its last dim");
+  check_fp8_block_layout(op, kv_cache, "kv_cache");
   check_dtype(op, rows, rows_name, at::kBFloat16);
   DEEPINFER_CHECK(rows.dim() == 2 && rows.size(1) == kFp8HeadDim && (rows.numel() == 0 || rows.stride(1) == 1), op,
                   rows_name, " must be [num_tokens, ", kFp8HeadDim, "] with a contiguous last dim, got ", rows.sizes());

@@ -18,14 +18,17 @@ Edge cases (same on CPU, CUDA and in ``testing.refs``):
   * ``topk_length`` values are clamped to ``[0, topk]``;
   * the sink is ``exp(attn_sink[h])`` added to the softmax denominator; ``lse`` never includes it.
 
-FP8 cache ("MODEL1", V4, head_dim 512): a uint8 cache ``[num_blocks, block_size, 584]``, one 584-byte entry per token:
-  bytes ``[0, 448)`` e4m3 codes of the 448 no-RoPE dims; ``[448, 576)`` the 64 RoPE dims as bf16;
-  ``[576, 583)`` 7 UE8M0 scale exponents (one per 64 no-RoPE dims, ``scale = 2 ** (byte - 127)``); ``[583]`` zero.
-  A 64-dim tile holding NaN or +-inf gets the scale byte 0xFF (a NaN scale): all its dims decode to NaN.
-Quantisation per 64-dim tile: ``scale = 2 ** ceil(log2(max(amax, 1e-10) / 448))``, ``code = e4m3(clamp(x / scale,
--448, 448))`` round-to-nearest-even. Decoding is exact in bf16, so attention over an FP8 cache equals attention
-over its decoded bf16 cache. Either list of a sparse MQA call may be bf16 or FP8. (Entry order after FlashMLA's
-MODEL1 description as read from public sources; not verified against FlashMLA itself.)
+FP8 cache ("MODEL1", V4, head_dim 512), FlashMLA's layout byte for byte: a uint8 cache ``[num_blocks, block_size,
+584]`` (584 bytes per token; stride(1) == 584, blocks may be padded: FlashMLA rounds a block up to a multiple of 576
+bytes). A block holds first its tokens' 576-byte rows, token t's at byte ``576 t``: ``[0, 448)`` e4m3 codes of the
+448 no-RoPE dims, ``[448, 576)`` the 64 RoPE dims as bf16; then their scales, token t's 8 bytes at
+``576 block_size + 8 t``: 7 UE8M0 exponents (one per 64 no-RoPE dims, ``scale = 2 ** (byte - 127)``) and a zero
+pad byte (not read). Quantisation per 64-dim tile, FlashMLA's recipe: ``scale = 2 ** ceil(log2(max(amax / 448,
+1e-4)))``, ``code = e4m3(clamp(x / scale, -448, 448))`` round-to-nearest-even. A tile holding NaN gets the byte
+0xFF and NaN codes (0x7F), one holding +-inf the byte 0xFF and codes ``x / inf``: either decodes to NaN. Decoding
+is exact in bf16, so attention over an FP8 cache equals attention over its decoded bf16 cache. Either list of a
+sparse MQA call may be bf16 or FP8. Checked byte for byte against FlashMLA's quantiser recipe
+(tests/ops/test_fp8_cache_layout.py).
 
 float32 (CPU only): q, the caches and out may all be float32 instead of bf16 (the model's fp32 CPU path; same math,
 no output rounding). CUDA takes bf16 q only.
@@ -86,14 +89,15 @@ def sparse_mqa_decode(
     ``out[b, s, h] = sum_j exp(s_j) k_j / (sum_j exp(s_j) + exp(attn_sink[h]))`` (K = V: the value is the same cache
     row), for every h (CUDA works on blocks of 64 heads, padding the last). fp32 accumulation. The CPU kernel
     rounds only ``out`` to bf16; the CUDA kernel, like FlashMLA, also rounds the softmax weights to bf16 before P.V
-    (the denominator sums the rounded weights), so the two differ by up to about ``2 ** -7 * sum_j p_j |v_j|`` per
-    element (``deepinfer_ops.testing.compare.BF16_WEIGHTS_REL``).
+    (``out``'s denominator sums the rounded weights), so the two differ by up to about ``2 ** -7 * sum_j p_j |v_j|``
+    per element (``deepinfer_ops.testing.compare.BF16_WEIGHTS_REL``). ``lse`` sums the fp32 weights on both: exact
+    to fp32 rounding (abs 1e-6 / rel 2 ** -15 against an fp32 reference), for merging attention states by lse.
 
     Args:
         q: ``[b, s_q, h, head_dim]`` bf16 (CPU also float32, with float32 caches), contiguous; head_dim 512 for V4
             (64/128/256 also accepted).
         kv_cache: ``[num_blocks, block_size, head_dim]`` bf16 paged cache (e.g. the compressed-entry cache), or
-            ``[num_blocks, block_size, 584]`` uint8 MODEL1 FP8 entries (head_dim 512).
+            ``[num_blocks, block_size, 584]`` uint8 MODEL1 FP8 cache (head_dim 512; layout in the module doc).
         indices: ``[b, s_q, topk]`` int32, contiguous: ``block_id * block_size + offset``; -1 / out of range invalid.
         softmax_scale: multiplies ``q . k`` (V4: ``512 ** -0.5``), natural-log units.
         topk_length: optional ``[b]`` int32: only ``indices[b, :, :topk_length[b]]`` are read (clamped to
@@ -232,12 +236,13 @@ def kv_cache_write_fp8(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: t
     entry ``s = slot_mapping[i]`` of ``kv_cache`` encodes ``kv[i]``; slots ``< 0`` or past the cache are skipped.
 
     Args:
-        kv_cache: ``[num_blocks, block_size, 584]`` uint8 (mutated), last dim contiguous.
+        kv_cache: ``[num_blocks, block_size, 584]`` uint8 (mutated), FlashMLA's block layout: stride(1) == 584,
+            stride(2) == 1, blocks that do not overlap.
         kv: ``[num_tokens, 512]`` bf16 (448 no-RoPE dims then 64 RoPE dims), last dim contiguous.
         slot_mapping: ``[num_tokens]`` int64.
     Raises:
         RuntimeError naming the tensor at fault.
-    Source: FlashMLA "MODEL1" FP8 sparse cache (DeepSeek-V4); UE8M0 scales as in DeepSeek-V3's FP8 recipe.
+    Source: FlashMLA "MODEL1" FP8 sparse cache (DeepSeek-V4) and its quantiser's scale rule.
     """
     torch.ops.deepinfer_ops.kv_cache_write_fp8(kv_cache, kv, slot_mapping)
 

@@ -532,8 +532,9 @@ def _fp8_cache(num_blocks, block_size, device, pad=8):
 
 
 def test_fp8_cache_write_nonfinite_tiles_bit_exact(device):
-    """A 64-dim tile holding +-inf or NaN gets the scale byte 0xFF and every code 0x7F (all its dims decode to NaN),
-    the reference's bytes exactly; the entry's other tiles and its RoPE dims are unaffected."""
+    """A 64-dim tile holding NaN gets the scale byte 0xFF and every code 0x7F; one holding +-inf the byte 0xFF and
+    codes x / inf (+-0, 0x7F at the inf), as FlashMLA's quantiser. Either decodes to NaN over the tile; the reference's
+    bytes exactly; the entry's other tiles and its RoPE dims are unaffected."""
     g = _gen(585)
     kv = torch.randn(3, V4_DIM, generator=g)
     kv[0, 5], kv[1, 70], kv[2, 447] = float("inf"), float("-inf"), float("nan")
@@ -544,9 +545,12 @@ def test_fp8_cache_write_nonfinite_tiles_bit_exact(device):
     deepinfer_ops.kv_cache_write_fp8(cache, kv, slots)
     assert torch.equal(cache.cpu(), expected.cpu()), "FP8 entries differ from the reference"
     deq = deepinfer_ops.kv_cache_dequant_fp8(cache, slots).float().cpu()
-    for row, tile in ((0, 0), (1, 1), (2, 6)):
-        entry = cache[0, row].cpu()
-        assert entry[576 + tile] == 0xFF and torch.all(entry[tile * 64:(tile + 1) * 64] == 0x7F)
+    entries = refs.fp8_cache_entries(cache.cpu())
+    for row, tile, at in ((0, 0, 5), (1, 1, 70), (2, 6, 447)):
+        entry = entries[0, row]
+        codes = entry[tile * 64:(tile + 1) * 64]
+        assert entry[576 + tile] == 0xFF and codes[at - tile * 64] == 0x7F
+        assert torch.all(codes == 0x7F) if row == 2 else torch.all((codes == 0) | (codes == 0x80) | (codes == 0x7F))
         bad = torch.zeros(V4_DIM, dtype=torch.bool)
         bad[tile * 64:(tile + 1) * 64] = True
         assert torch.all(torch.isnan(deq[row, bad])) and torch.all(torch.isfinite(deq[row, ~bad]))
@@ -813,7 +817,7 @@ def test_decode_fp8_cache_equals_decoded_bf16_cache(device, seed):
     kv = _fp8_rows(8 * block_size, g, device) * 0.05
     cache8 = _fp8_cache(8, block_size, device)
     deepinfer_ops.kv_cache_write_fp8(cache8, kv, torch.arange(8 * block_size, device=device))
-    cache16 = refs.fp8_entry_decode_ref(cache8).contiguous()
+    cache16 = refs.fp8_entry_decode_ref(refs.fp8_cache_entries(cache8)).contiguous()
     q = torch.randn(b, s_q, h, V4_DIM, generator=g).bfloat16().to(device)
     # > 64 entries per row (two lists): several gather tiles, a partial last tile, both pipeline buffers in use.
     idx = _indices((b, s_q, topk * 4), 8 * block_size, g, device)
@@ -870,7 +874,8 @@ def test_cuda_decode_cta_shapes_match_ref(rows, h, dim, fp8):
     out1, lse1 = _run_decode(q, comp, idx, dim ** -0.5, **kw)
     assert torch.equal(out1.cpu(), out2.cpu()) and torch.equal(lse1.cpu(), lse2.cpu())
     if fp8:  # FP8 entries decode exactly to bf16: the same bits as the decoded bf16 cache
-        out16, lse16 = _run_decode(q, refs.fp8_entry_decode_ref(comp).contiguous(), idx, dim ** -0.5, **kw)
+        comp16 = refs.fp8_entry_decode_ref(refs.fp8_cache_entries(comp)).contiguous()
+        out16, lse16 = _run_decode(q, comp16, idx, dim ** -0.5, **kw)
         assert torch.equal(out2.cpu(), out16.cpu()) and torch.equal(lse2.cpu(), lse16.cpu())
         mag = _decode_weight_magnitude(q, comp, idx, dim ** -0.5, **kw)  # wide-range FP8 rows: see the test above
         ref_out, ref_lse = refs.sparse_mqa_decode_ref(q, comp, idx, dim ** -0.5, **kw)

@@ -45,7 +45,7 @@ void kv_cache_write_fp8_cpu(at::Tensor& kv_cache, const at::Tensor& kv, const at
   if (kv.size(0) == 0 || num_slots == 0) return;
   auto* cache = kv_cache.mutable_data_ptr<uint8_t>();
   write_rows(kv, slot_mapping, num_slots, [&](const c10::BFloat16* x, int64_t s) {
-    fp8_entry::encode(cache + (s / block_size) * kv_cache.stride(0) + (s % block_size) * kv_cache.stride(1), x);
+    fp8_entry::encode(cache + (s / block_size) * kv_cache.stride(0), block_size, s % block_size, x);
   });
 }
 
@@ -55,7 +55,7 @@ void kv_cache_dequant_fp8_cpu(at::Tensor& out, const at::Tensor& kv_cache, const
   if (out.size(0) == 0) return;
   const auto* cache = kv_cache.const_data_ptr<uint8_t>();
   dequant_rows(out, slot_mapping, num_slots, [&](c10::BFloat16* row, int64_t s) {
-    fp8_entry::decode(row, cache + (s / block_size) * kv_cache.stride(0) + (s % block_size) * kv_cache.stride(1));
+    fp8_entry::decode(row, cache + (s / block_size) * kv_cache.stride(0), block_size, s % block_size);
   });
 }
 

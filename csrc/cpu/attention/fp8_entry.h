@@ -1,5 +1,5 @@
 // CPU encode/decode of one FlashMLA "MODEL1" FP8 KV entry (layout in common/attention_checks.h). Bit-exact with the
-// CUDA kernels and deepinfer_ops.testing.refs (the per_token_group_quant_fp8 recipe with group 64 and UE8M0 scales).
+// CUDA kernels, deepinfer_ops.testing.refs and FlashMLA's quantiser (group 64, UE8M0 scales floored at 1e-4).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -14,7 +14,7 @@
 
 namespace deepinfer::fp8_entry {
 
-// amax floor and e4m3 range, as in the project's FP8 quantiser.
+// amax floor of the indexer keys (the project's FP8 quantiser) and the e4m3 range.
 constexpr float kAmaxEps = 1e-10f;
 constexpr float kE4m3Max = 448.0f;
 
@@ -48,7 +48,22 @@ inline uint8_t e4m3_code(float v, float scale) {
   return code;
 }
 
-inline void encode(uint8_t* entry, const c10::BFloat16* x) {
+// MODEL1 token t of a block of block_size tokens (layout in common/attention_checks.h): its row and its scales.
+inline uint8_t* entry_row(uint8_t* block, int64_t t) { return block + t * kFp8RowBytes; }
+inline const uint8_t* entry_row(const uint8_t* block, int64_t t) { return block + t * kFp8RowBytes; }
+inline const uint8_t* entry_scales(const uint8_t* block, int64_t block_size, int64_t t) {
+  return block + block_size * kFp8RowBytes + t * kFp8ScaleBytes;
+}
+inline uint8_t* entry_scales(uint8_t* block, int64_t block_size, int64_t t) {
+  return block + block_size * kFp8RowBytes + t * kFp8ScaleBytes;
+}
+
+// FlashMLA's scale recipe: 2^ceil(log2(max(amax / 448, 1e-4))) per tile of 64 dims, the codes e4m3(x / scale).
+constexpr float kModel1ScaleFloor = 1e-4f;
+
+inline void encode(uint8_t* block, int64_t block_size, int64_t t, const c10::BFloat16* x) {
+  uint8_t* row = entry_row(block, t);
+  uint8_t* scales = entry_scales(block, block_size, t);
   for (int64_t g = 0; g < kFp8NopeDims / kFp8TileDims; ++g) {
     const c10::BFloat16* xs = x + g * kFp8TileDims;
     float amax = 0.f;
@@ -56,25 +71,29 @@ inline void encode(uint8_t* entry, const c10::BFloat16* x) {
       const float a = std::fabs(static_cast<float>(xs[k]));
       amax = (a > amax || std::isnan(a)) ? a : amax;
     }
-    const uint8_t e = ue8m0_exponent_up(std::isnan(amax) ? amax : std::max(amax, kAmaxEps) / kE4m3Max);
-    const float sc = ue8m0_to_float(e);
-    entry[kFp8ScaleOffset + g] = e;
-    for (int64_t k = 0; k < kFp8TileDims; ++k) entry[g * kFp8TileDims + k] = e4m3_code(static_cast<float>(xs[k]), sc);
+    // inf for an inf amax (codes x / inf: +-0, NaN for +-inf; exponent byte 0xFF), NaN for a NaN one
+    const float sf = std::isnan(amax) ? amax : std::max(amax / kE4m3Max, kModel1ScaleFloor);
+    const uint8_t e = ue8m0_exponent_up(sf);
+    const float sc = std::isinf(sf) ? sf : ue8m0_to_float(e);
+    scales[g] = e;
+    for (int64_t k = 0; k < kFp8TileDims; ++k) row[g * kFp8TileDims + k] = e4m3_code(static_cast<float>(xs[k]), sc);
   }
-  std::memcpy(entry + kFp8NopeDims, x + kFp8NopeDims, kFp8RopeDims * 2);
-  entry[kFp8EntryBytes - 1] = 0;
+  std::memcpy(row + kFp8NopeDims, x + kFp8NopeDims, kFp8RopeDims * 2);
+  scales[kFp8ScaleBytes - 1] = 0;
 }
 
-inline void decode(c10::BFloat16* out, const uint8_t* entry) {
+inline void decode(c10::BFloat16* out, const uint8_t* block, int64_t block_size, int64_t t) {
+  const uint8_t* row = entry_row(block, t);
+  const uint8_t* scales = entry_scales(block, block_size, t);
   for (int64_t g = 0; g < kFp8NopeDims / kFp8TileDims; ++g) {
-    const float sc = ue8m0_to_float(entry[kFp8ScaleOffset + g]);
+    const float sc = ue8m0_to_float(scales[g]);
     for (int64_t k = 0; k < kFp8TileDims; ++k) {
       c10::Float8_e4m3fn q;
-      std::memcpy(&q, entry + g * kFp8TileDims + k, 1);
+      std::memcpy(&q, row + g * kFp8TileDims + k, 1);
       out[g * kFp8TileDims + k] = static_cast<c10::BFloat16>(static_cast<float>(q) * sc);  // exact
     }
   }
-  std::memcpy(out + kFp8NopeDims, entry + kFp8NopeDims, kFp8RopeDims * 2);
+  std::memcpy(out + kFp8NopeDims, row + kFp8NopeDims, kFp8RopeDims * 2);
 }
 
 // FP8 indexer keys (layout in common/attention_checks.h): key j of a block of block_size keys of d dims has its d

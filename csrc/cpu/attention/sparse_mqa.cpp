@@ -60,17 +60,16 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
         for (int64_t j = 0; j < len; ++j) {
           const int64_t s = idx[j];
           if (s < 0 || s >= num_slots) continue;
-          const uint8_t* e =
-              base + ((s / block_size) * l.cache.stride(0) + (s % block_size) * l.cache.stride(1)) * esize;
           if constexpr (std::is_same_v<T, bf16>) {
             if (fp8) {
               bf16* row = dequant.data() + keys.size() * d;
-              fp8_entry::decode(row, e);
+              fp8_entry::decode(row, base + (s / block_size) * l.cache.stride(0), block_size, s % block_size);
               keys.push_back(row);
               continue;
             }
           }
-          keys.push_back(reinterpret_cast<const T*>(e));
+          keys.push_back(reinterpret_cast<const T*>(
+              base + ((s / block_size) * l.cache.stride(0) + (s % block_size) * l.cache.stride(1)) * esize));
         }
       }
       const int64_t n = static_cast<int64_t>(keys.size());

@@ -15,6 +15,7 @@ namespace {
 constexpr int kWarps = 4;
 using fp8::kAmaxEps;
 using fp8::kE4m3Max;
+constexpr float kModel1ScaleFloor = 1e-4f;  // MODEL1 entries: FlashMLA's floor of amax / 448
 using fp8::nan_max;
 
 // Biased exponent of the smallest power of two >= s (s positive normal); 0xFF (E8M0 NaN) for NaN.
@@ -43,7 +44,9 @@ __global__ void __launch_bounds__(kWarps * 32) kv_cache_write_fp8_kernel(const _
   if (i >= p.t) return;
   const int64_t s = p.slot_mapping[i];
   if (s < 0 || s >= p.num_slots) return;
-  uint8_t* e = p.cache + (s / p.block_size) * p.block_stride + (s % p.block_size) * p.token_stride;
+  uint8_t* blk = p.cache + (s / p.block_size) * p.block_stride;
+  uint8_t* e = blk + (s % p.block_size) * kFp8RowBytes;
+  uint8_t* sb = blk + p.block_size * kFp8RowBytes + (s % p.block_size) * kFp8ScaleBytes;
   const __nv_bfloat16* x = p.rows + i * p.row_stride;
 #pragma unroll 1
   for (int g = 0; g < kFp8NopeDims / 64; ++g) {
@@ -51,17 +54,19 @@ __global__ void __launch_bounds__(kWarps * 32) kv_cache_write_fp8_kernel(const _
     float amax = nan_max(fabsf(x0), fabsf(x1));
 #pragma unroll
     for (int m = 16; m > 0; m >>= 1) amax = nan_max(__shfl_xor_sync(0xffffffffu, amax, m), amax);
-    const uint32_t ex = ue8m0_exponent_up(isnan(amax) ? amax : fmaxf(amax, kAmaxEps) / kE4m3Max);
-    const float sc = ue8m0_to_float(ex);
+    // 2^ceil(log2(max(amax / 448, 1e-4))), inf for an inf amax (codes x / inf: +-0, NaN for +-inf), NaN for NaN
+    const float sf = isnan(amax) ? amax : fmaxf(amax / kE4m3Max, kModel1ScaleFloor);
+    const uint32_t ex = ue8m0_exponent_up(sf);
+    const float sc = isinf(sf) ? sf : ue8m0_to_float(ex);
     e[g * 64 + 2 * lane] = to_e4m3(x0, sc);
     e[g * 64 + 2 * lane + 1] = to_e4m3(x1, sc);
-    if (lane == 0) e[kFp8ScaleOffset + g] = static_cast<uint8_t>(ex);
+    if (lane == 0) sb[g] = static_cast<uint8_t>(ex);
   }
-  // RoPE dims [448, 512) as raw bf16: 128 bytes, 4 per lane (byte copies: entries are only 8-byte aligned).
+  // RoPE dims [448, 512) as raw bf16: 128 bytes, 4 per lane (byte copies: rows are only 8-byte aligned).
   const uint8_t* rope = reinterpret_cast<const uint8_t*>(x + kFp8NopeDims);
 #pragma unroll
   for (int j = 0; j < 4; ++j) e[kFp8NopeDims + 4 * lane + j] = rope[4 * lane + j];
-  if (lane == 0) e[kFp8EntryBytes - 1] = 0;
+  if (lane == 0) sb[kFp8ScaleBytes - 1] = 0;
 }
 
 __global__ void __launch_bounds__(kWarps * 32) kv_cache_dequant_fp8_kernel(const __grid_constant__ Fp8CacheParams p) {
@@ -74,11 +79,13 @@ __global__ void __launch_bounds__(kWarps * 32) kv_cache_dequant_fp8_kernel(const
     for (int c = lane; c < kFp8NopeDims + 64; c += 32) out[c] = __float2bfloat16_rn(0.f);
     return;
   }
-  const uint8_t* e = p.cache + (s / p.block_size) * p.block_stride + (s % p.block_size) * p.token_stride;
+  const uint8_t* blk = p.cache + (s / p.block_size) * p.block_stride;
+  const uint8_t* e = blk + (s % p.block_size) * kFp8RowBytes;
+  const uint8_t* sb = blk + p.block_size * kFp8RowBytes + (s % p.block_size) * kFp8ScaleBytes;
   for (int c = lane; c < kFp8NopeDims; c += 32) {
     __nv_fp8_e4m3 q;
     q.__x = e[c];
-    out[c] = __float2bfloat16_rn(static_cast<float>(q) * ue8m0_to_float(e[kFp8ScaleOffset + c / 64]));
+    out[c] = __float2bfloat16_rn(static_cast<float>(q) * ue8m0_to_float(sb[c / 64]));
   }
   const uint16_t* rope = reinterpret_cast<const uint16_t*>(e + kFp8NopeDims);  // 2-byte aligned
   for (int c = lane; c < 64; c += 32) {

@@ -185,7 +185,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
     for (int r = 0; r < 4; ++r) index[r] = num_tiles > 0 ? load_index(e0 + 4 * r) : -1;
     for (int t = 0; t < num_tiles; ++t) {
       const int b = t & 1;
-      const uint8_t* src[4];  // the entry's bytes, nullptr when invalid
+      const uint8_t* src[4];  // the entry's bytes (an FP8 entry's row), nullptr when invalid
+      int32_t sc_off[4];      // FP8: the entry's scale bytes, relative to its row
       bool fp8[4];
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
@@ -196,9 +197,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
         const uint32_t bs = static_cast<uint32_t>(max(kl.block_size, 1));
         const uint32_t blk = static_cast<uint32_t>(sl) / bs, off = static_cast<uint32_t>(sl) - blk * bs;
         fp8[r] = kl.is_fp8;
-        src[r] = valid ? static_cast<const uint8_t*>(kl.cache) +
-                             (blk * kl.block_stride + off * kl.token_stride) * (kl.is_fp8 ? 1 : 2)
-                       : nullptr;
+        sc_off[r] = static_cast<int32_t>(bs * kFp8RowBytes - off * (kFp8RowBytes - kFp8ScaleBytes));
+        const uint8_t* cache = static_cast<const uint8_t*>(kl.cache);
+        src[r] = !valid     ? nullptr
+                 : kl.is_fp8 ? cache + blk * kl.block_stride + off * kFp8RowBytes
+                             : cache + (blk * kl.block_stride + off * kl.token_stride) * 2;
       }
       if (t + 1 < num_tiles) {
 #pragma unroll
@@ -215,9 +218,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
       if (lane == 0) reinterpret_cast<uint16_t*>(smem + L::valid_off + b * 8)[warp] = static_cast<uint16_t>(vmask);
       const uint32_t kbuf = k_s + b * L::kTileBytes;
       // Two entries at a time: the pieces of both FP8 entries are loaded before either is decoded. A MODEL1 entry
-      // (584 B: 8-byte aligned only): chunk c < 56 is 8 e4m3 codes at byte 8 c with the scale exponent of dims
-      // [64 (c / 8), ..) at byte 576 + c / 8 (c / 8 = m here), decoded to bf16 in registers; chunk 56 + gi is 8 bf16
-      // RoPE dims.
+      // (row and scales 8-byte aligned): chunk c < 56 is 8 e4m3 codes at byte 8 c of the row with the scale
+      // exponent of dims [64 (c / 8), ..) at byte c / 8 of the scales (c / 8 = m here), decoded to bf16 in
+      // registers; chunk 56 + gi is 8 bf16 RoPE dims.
       constexpr int kCodeChunks = kDim == 512 ? kRowChunks - 1 : 1;
 #pragma unroll
       for (int r0 = 0; r0 < 4; r0 += 2) {
@@ -228,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
           dec[h] = kDim == 512 && fp8[r0 + h] && src[r0 + h] != nullptr;
           if (dec[h]) {
             const uint2* e8 = reinterpret_cast<const uint2*>(src[r0 + h]);
-            sc[h] = __ldg(e8 + kFp8ScaleOffset / 8);
+            sc[h] = __ldg(reinterpret_cast<const uint2*>(src[r0 + h] + sc_off[r0 + h]));
             rope[h][0] = __ldg(e8 + kFp8NopeDims / 8 + 2 * gi);
             rope[h][1] = __ldg(e8 + kFp8NopeDims / 8 + 2 * gi + 1);
 #pragma unroll
@@ -274,7 +277,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   float o[kPvN / 2];
 #pragma unroll
   for (int i = 0; i < kPvN / 2; ++i) o[i] = 0.f;
-  float m0 = -CUDART_INF_F, m1 = -CUDART_INF_F, l0 = 0.f, l1 = 0.f;
+  // l: sums of the bf16-rounded weights (out's denominator: the weights PV multiplies); lf: of the fp32 weights
+  // (lse's, exact to fp32 rounding as engines merging attention states by lse need).
+  float m0 = -CUDART_INF_F, m1 = -CUDART_INF_F, l0 = 0.f, l1 = 0.f, lf0 = 0.f, lf1 = 0.f;
 
 #pragma unroll 1
   for (int t = 0; t < num_tiles; ++t) {
@@ -340,11 +345,15 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
     const float alpha1 = mn1 == -CUDART_INF_F ? 1.f : ex2(m1 - mn1);
     const float base0 = mn0 == -CUDART_INF_F ? 0.f : mn0, base1 = mn1 == -CUDART_INF_F ? 0.f : mn1;
     uint32_t pa[4][4];
-    float sum0a = 0.f, sum0b = 0.f, sum1a = 0.f, sum1b = 0.f;
+    float sum0a = 0.f, sum0b = 0.f, sum1a = 0.f, sum1b = 0.f, sumf0 = 0.f, sumf1 = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const __nv_bfloat162 e01 = __floats2bfloat162_rn(ex2(s[4 * j] - base0), ex2(s[4 * j + 1] - base0));
-      const __nv_bfloat162 e23 = __floats2bfloat162_rn(ex2(s[4 * j + 2] - base1), ex2(s[4 * j + 3] - base1));
+      const float x0 = ex2(s[4 * j] - base0), x1 = ex2(s[4 * j + 1] - base0);
+      const float x2 = ex2(s[4 * j + 2] - base1), x3 = ex2(s[4 * j + 3] - base1);
+      sumf0 += x0 + x1;
+      sumf1 += x2 + x3;
+      const __nv_bfloat162 e01 = __floats2bfloat162_rn(x0, x1);
+      const __nv_bfloat162 e23 = __floats2bfloat162_rn(x2, x3);
       // Sums of the rounded weights (the ones PV multiplies), two chains per row, added at the end.
       const float2 f01 = __bfloat1622float2(e01), f23 = __bfloat1622float2(e23);
       sum0a += f01.x;
@@ -361,8 +370,14 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
     sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
     sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
     sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+    sumf0 += __shfl_xor_sync(0xffffffffu, sumf0, 1);
+    sumf1 += __shfl_xor_sync(0xffffffffu, sumf1, 1);
+    sumf0 += __shfl_xor_sync(0xffffffffu, sumf0, 2);
+    sumf1 += __shfl_xor_sync(0xffffffffu, sumf1, 2);
     l0 = l0 * alpha0 + sum0;
     l1 = l1 * alpha1 + sum1;
+    lf0 = lf0 * alpha0 + sumf0;
+    lf1 = lf1 * alpha1 + sumf1;
     m0 = mn0;
     m1 = mn1;
 
@@ -389,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
     mbar_arrive(bar_empty + b);
   }
 
-  // Epilogue: out = O / (l + exp(sink - m)); lse = m + log(l) (natural log, without the sink), -inf when nothing
+  // Epilogue: out = O / (l + exp(sink - m)); lse = m + log(lf) (natural log, without the sink), -inf when nothing
   // was valid. O is staged as bf16 in the Q tile's space (free: both consumers' last QK^T products completed before
   // that tile's exchange barrier), 16-byte chunk ch of row r at chunk ch ^ (r & 7) (no bank conflicts), then
   // written out with coalesced 16-byte stores.
@@ -398,7 +413,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   for (int rr = 0; rr < 2; ++rr) {
     const int r = w4 * 16 + g + 8 * rr;
     const int head = h0 + r;
-    const float m = rr == 0 ? m0 : m1, l = rr == 0 ? l0 : l1;
+    const float m = rr == 0 ? m0 : m1, l = rr == 0 ? l0 : l1, lf = rr == 0 ? lf0 : lf1;
     float inv = 0.f;
     if (m != -CUDART_INF_F && head < num_heads) {
       float den = l;
@@ -415,8 +430,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
     }
     if (c == 0 && t4 == 0 && head < num_heads) {
       // m = -inf: no finite score; l is NaN only when a score was NaN (NaN in, NaN out), else 0 (the empty-set rule).
-      p.lse[row * num_heads + head] = m == -CUDART_INF_F ? (isnan(l) ? CUDART_NAN_F : -CUDART_INF_F)
-                                                          : m * kLn2 + logf(l);
+      p.lse[row * num_heads + head] = m == -CUDART_INF_F ? (isnan(lf) ? CUDART_NAN_F : -CUDART_INF_F)
+                                                          : m * kLn2 + logf(lf);
     }
   }
   if (writes_o) {

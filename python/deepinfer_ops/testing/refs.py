@@ -324,8 +324,8 @@ def _gather_kv_list_ref(
     Entry j of row (b, s) is valid iff ``j < topk_length[b]`` (when given) and ``0 <= idx < num_blocks * block_size``;
     ``idx`` addresses ``cache[idx // block_size, idx % block_size]``.
     """
-    if cache.dtype == torch.uint8:  # MODEL1 FP8 entries: decode (exactly) to bf16 first
-        cache = fp8_entry_decode_ref(cache)
+    if cache.dtype == torch.uint8:  # a MODEL1 FP8 cache: decode (exactly) to bf16 first
+        cache = fp8_entry_decode_ref(fp8_cache_entries(cache))
     num_blocks, block_size, _ = cache.shape
     idx = indices.long()
     valid = (idx >= 0) & (idx < num_blocks * block_size)
@@ -451,44 +451,75 @@ def kv_cache_write_ref(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: t
     return out
 
 
-FP8_ENTRY_BYTES, FP8_NOPE_DIMS, FP8_ROPE_DIMS, FP8_TILE_DIMS, FP8_SCALE_OFFSET = 584, 448, 64, 64, 576
+FP8_ENTRY_BYTES, FP8_ROW_BYTES, FP8_NOPE_DIMS, FP8_ROPE_DIMS, FP8_TILE_DIMS = 584, 576, 448, 64, 64
+FP8_NUM_TILES, FP8_SCALE_FLOOR = 7, 1e-4
 
 
 def fp8_entry_encode_ref(kv: torch.Tensor) -> torch.Tensor:
-    """Encode bf16 rows ``[t, 512]`` as FlashMLA "MODEL1" FP8 entries ``[t, 584]`` uint8:
-    ``[0, 448)`` e4m3 codes of the no-RoPE dims (``per_token_group_quant_fp8_ref`` with group 64 and UE8M0 scales),
-    ``[448, 576)`` the 64 RoPE dims as raw bf16 bytes, ``[576, 583)`` the 7 scale exponent bytes
-    (``scale = 2 ** (byte - 127)``; 0xFF = NaN scale), ``[583]`` zero. A tile holding NaN or +-inf gets the scale byte
-    0xFF and all its codes 0x7F (e4m3 NaN), as the kernels write it (x / NaN scale)."""
+    """Encode bf16 rows ``[t, 512]`` as FlashMLA "MODEL1" FP8 entries ``[t, 584]`` uint8, token by token:
+    ``[0, 448)`` e4m3 codes of the no-RoPE dims, ``[448, 576)`` the 64 RoPE dims as raw bf16 bytes, ``[576, 583)``
+    the 7 scale exponent bytes, ``[583]`` zero. A cache stores them in FlashMLA's block layout
+    (:func:`fp8_cache_from_entries`). Per tile of 64 dims, FlashMLA's recipe: ``scale = 2 ** ceil(log2(max(amax /
+    448, 1e-4)))``, byte ``log2(scale) + 127``, codes ``e4m3(x / scale)`` (round to nearest even, saturated). A
+    tile holding NaN gets the byte 0xFF and codes 0x7F (e4m3 NaN, whatever the sign); one holding +-inf the byte
+    0xFF and codes ``e4m3(x / inf)``: +-0 for finite x, 0x7F for +-inf."""
     t = kv.shape[0]
-    q, scale = per_token_group_quant_fp8_ref(kv[:, :FP8_NOPE_DIMS], FP8_TILE_DIMS, scale_ue8m0=True)
-    bad = ~torch.isfinite(scale)  # [t, 7]
-    bits = scale.contiguous().view(torch.int32)
-    exp = torch.where(bad, torch.full_like(bits, 0xFF), (bits >> 23) & 0xFF).to(torch.uint8)
-    codes = q.view(torch.uint8).view(t, FP8_NOPE_DIMS // FP8_TILE_DIMS, FP8_TILE_DIMS)
-    codes = torch.where(bad.unsqueeze(-1), torch.full_like(codes, 0x7F), codes)
+    x = kv[:, :FP8_NOPE_DIMS].float().reshape(t, FP8_NUM_TILES, FP8_TILE_DIMS)
+    s = torch.clamp_min(x.abs().amax(dim=-1) / 448.0, FP8_SCALE_FLOOR)  # NaN stays NaN
+    bits = s.view(torch.int32)
+    exp = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).int()
+    exp = torch.where(torch.isfinite(s), exp, torch.full_like(exp, 0xFF))
+    scale = torch.where(torch.isfinite(s), (exp << 23).view(torch.float32), s)  # inf / NaN kept for the codes
+    y = x / scale.unsqueeze(-1)
+    codes = y.clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = torch.where(torch.isnan(y), torch.full_like(codes, 0x7F), codes)
     out = torch.zeros(t, FP8_ENTRY_BYTES, dtype=torch.uint8, device=kv.device)
     out[:, :FP8_NOPE_DIMS] = codes.view(t, FP8_NOPE_DIMS)
-    out[:, FP8_NOPE_DIMS:FP8_SCALE_OFFSET] = kv[:, FP8_NOPE_DIMS:].contiguous().view(torch.uint8)
-    out[:, FP8_SCALE_OFFSET:FP8_SCALE_OFFSET + FP8_NOPE_DIMS // FP8_TILE_DIMS] = exp
+    out[:, FP8_NOPE_DIMS:FP8_ROW_BYTES] = kv[:, FP8_NOPE_DIMS:].contiguous().view(torch.uint8)
+    out[:, FP8_ROW_BYTES:FP8_ROW_BYTES + FP8_NUM_TILES] = exp.to(torch.uint8)
     return out
 
 
 def fp8_entry_decode_ref(entries: torch.Tensor) -> torch.Tensor:
-    """Decode MODEL1 FP8 entries ``[..., 584]`` uint8 to bf16 ``[..., 512]`` (exact: e4m3 x 2^k fits bf16)."""
+    """Decode MODEL1 FP8 entries ``[..., 584]`` uint8 (token by token, as :func:`fp8_entry_encode_ref` gives them)
+    to bf16 ``[..., 512]`` (exact: e4m3 x 2^k fits bf16; the byte 0xFF decodes to NaN)."""
     lead = entries.shape[:-1]
     e = entries.reshape(-1, FP8_ENTRY_BYTES)
     codes = e[:, :FP8_NOPE_DIMS].contiguous().view(torch.float8_e4m3fn).float()
-    exp = e[:, FP8_SCALE_OFFSET:FP8_SCALE_OFFSET + FP8_NOPE_DIMS // FP8_TILE_DIMS].int()
+    exp = e[:, FP8_ROW_BYTES:FP8_ROW_BYTES + FP8_NUM_TILES].int()
     scale = torch.where(exp == 0xFF, torch.full_like(exp, 0x7FC00000), exp << 23).view(torch.float32)
     nope = codes * scale.repeat_interleave(FP8_TILE_DIMS, dim=-1)
-    rope = e[:, FP8_NOPE_DIMS:FP8_SCALE_OFFSET].contiguous().view(torch.bfloat16).float()
+    rope = e[:, FP8_NOPE_DIMS:FP8_ROW_BYTES].contiguous().view(torch.bfloat16).float()
     return torch.cat([nope, rope], dim=-1).to(torch.bfloat16).view(*lead, FP8_NOPE_DIMS + FP8_ROPE_DIMS)
 
 
+def fp8_cache_from_entries(entries: torch.Tensor) -> torch.Tensor:
+    """Token-by-token MODEL1 entries ``[num_blocks, block_size, 584]`` -> the cache in FlashMLA's block layout (a new
+    dense ``[num_blocks, block_size, 584]`` uint8 tensor): per block, the tokens' 576-byte rows, then their 8-byte
+    scales (7 exponents and the pad byte)."""
+    nb, bs, _ = entries.shape
+    rows = entries[:, :, :FP8_ROW_BYTES].reshape(nb, bs * FP8_ROW_BYTES)
+    scales = entries[:, :, FP8_ROW_BYTES:].reshape(nb, bs * (FP8_ENTRY_BYTES - FP8_ROW_BYTES))
+    return torch.cat([rows, scales], dim=1).view(nb, bs, FP8_ENTRY_BYTES)
+
+
+def fp8_cache_entries(cache: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`fp8_cache_from_entries`: a MODEL1 cache (any block stride) as token-by-token entries
+    ``[num_blocks, block_size, 584]``."""
+    nb, bs, _ = cache.shape
+    if nb * bs == 0:
+        return cache.new_zeros(cache.shape)
+    flat = cache.as_strided((nb, bs * FP8_ENTRY_BYTES), (cache.stride(0), 1))
+    rows = flat[:, :bs * FP8_ROW_BYTES].reshape(nb, bs, FP8_ROW_BYTES)
+    scales = flat[:, bs * FP8_ROW_BYTES:].reshape(nb, bs, FP8_ENTRY_BYTES - FP8_ROW_BYTES)
+    return torch.cat([rows, scales], dim=2)
+
+
 def kv_cache_write_fp8_ref(kv_cache: torch.Tensor, kv: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
-    """Reference of ``kv_cache_write_fp8`` (returns a new uint8 cache ``[num_blocks, block_size, 584]``)."""
-    return kv_cache_write_ref(kv_cache, fp8_entry_encode_ref(kv), slot_mapping)
+    """Reference of ``kv_cache_write_fp8`` (returns a new dense uint8 cache ``[num_blocks, block_size, 584]`` in
+    FlashMLA's block layout)."""
+    return fp8_cache_from_entries(kv_cache_write_ref(fp8_cache_entries(kv_cache), fp8_entry_encode_ref(kv),
+                                                     slot_mapping))
 
 
 def kv_cache_dequant_fp8_ref(kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
@@ -499,7 +530,7 @@ def kv_cache_dequant_fp8_ref(kv_cache: torch.Tensor, slot_mapping: torch.Tensor)
     s = torch.where(valid, s, torch.zeros_like(s))
     if num_blocks * block_size == 0:
         return torch.zeros(s.shape[0], FP8_NOPE_DIMS + FP8_ROPE_DIMS, dtype=torch.bfloat16, device=kv_cache.device)
-    rows = fp8_entry_decode_ref(kv_cache[s // block_size, s % block_size])
+    rows = fp8_entry_decode_ref(fp8_cache_entries(kv_cache)[s // block_size, s % block_size])
     return torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
 
 

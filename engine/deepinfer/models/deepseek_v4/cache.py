@@ -48,7 +48,7 @@ from .config import CSA, HCA, SLIDING, DeepseekV4Config
 
 BLOCK_SIZE = 128
 KV_CACHE_DTYPES = ("auto", "bf16", "fp8")
-FP8_ENTRY_BYTES = 584  # MODEL1: 448 e4m3 codes, 64 bf16 RoPE dims, 7 UE8M0 scales, 1 pad byte
+FP8_ENTRY_BYTES = 584  # MODEL1 bytes per token (FlashMLA's block layout: deepinfer_ops.attention)
 FP8_HEAD_DIM, FP8_ROPE_DIM = 512, 64
 FP8_INDEXER_HEAD_DIMS = (48, 64, 128)
 WINDOW_POOLS = frozenset({"kv", "state_kv", "state_gate", "idx_state_kv", "idx_state_gate"})

@@ -8,14 +8,17 @@ namespace deepinfer::attention {
 
 constexpr int kMaxKvLists = 2;
 
-// FlashMLA "MODEL1" FP8 entry: [0, 448) e4m3 | [448, 576) 64 bf16 RoPE dims | [576, 583) UE8M0 exponents | pad.
+// FlashMLA "MODEL1" FP8 cache (common/attention_checks.h): per block, the tokens' 576-byte rows ([0, 448) e4m3 |
+// [448, 576) 64 bf16 RoPE dims), then their 8-byte scales (7 UE8M0 exponents | pad): token t's row at byte 576 t of
+// its block, its scales at byte 576 block_size + 8 t.
 constexpr int kFp8EntryBytes = 584;
+constexpr int kFp8RowBytes = 576;
+constexpr int kFp8ScaleBytes = 8;
 constexpr int kFp8NopeDims = 448;
-constexpr int kFp8ScaleOffset = 576;
 
 struct SparseKvListParams {
-  const void* cache;  // bf16 [num_blocks, block_size, head_dim] or (is_fp8) uint8 [num_blocks, block_size, 584];
-                      // entry (b, o) at b * block_stride + o * token_stride
+  const void* cache;  // bf16 [num_blocks, block_size, head_dim]: entry (b, o) at b * block_stride + o * token_stride;
+                      // or (is_fp8) uint8 [num_blocks, block_size, 584] in the block layout above (token_stride unused)
   int64_t block_stride, token_stride;  // elements of the cache dtype (64-bit: large page ids overflow 2^31 bytes)
   bool is_fp8;
   int64_t num_blocks;
@@ -89,8 +92,9 @@ struct KvCacheWriteParams {
 void launch_kv_cache_write(const KvCacheWriteParams& p, cudaStream_t stream);
 
 struct Fp8CacheParams {
-  uint8_t* cache;  // [num_blocks, block_size, 584] MODEL1 or [.., head_dim + 4] indexer keys (const for dequant)
-  int64_t block_stride, token_stride, num_slots;  // bytes
+  uint8_t* cache;  // [num_blocks, block_size, 584] MODEL1 (block layout above) or [.., head_dim + 4] indexer keys
+                   // (const for dequant)
+  int64_t block_stride, token_stride, num_slots;  // bytes (token_stride: indexer keys only)
   int block_size;
   int head_dim;         // indexer keys only: 48, 64 or 128
   __nv_bfloat16* rows;  // [t, 512] / [t, head_dim] (read by the write, written by the dequant), row stride elements
