@@ -188,8 +188,7 @@ __global__ void __launch_bounds__(kLogitsThreads) mqa_logits_kernel(const __grid
 template <int kDim, bool kFp8>
 void launch_logits_kernel(const MqaLogitsParams& p, cudaStream_t stream) {
   constexpr size_t smem = LogitsSmem<kDim>::bytes;
-  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(mqa_logits_kernel<kDim, kFp8>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  ensure_dynamic_smem(mqa_logits_kernel<kDim, kFp8>, smem);
   const int64_t num_cb = (p.num_candidates + kLogitsCands - 1) / kLogitsCands;
   const dim3 grid(static_cast<unsigned>(p.t), static_cast<unsigned>(num_cb < kMaxGridY ? num_cb : kMaxGridY));
   mqa_logits_kernel<kDim, kFp8><<<grid, kLogitsThreads, smem, stream>>>(p);

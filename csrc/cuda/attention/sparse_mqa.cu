@@ -455,8 +455,7 @@ void launch(const SparseMqaParams& p, cudaStream_t stream) {
   constexpr int smem = Layout<kDim>::alloc;
   static_assert(smem <= 227 * 1024, "shared memory");
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.num_heads + kRows - 1) / kRows));
-  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(sparse_mqa_sm90_kernel<kDim>,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  ensure_dynamic_smem(sparse_mqa_sm90_kernel<kDim>, smem);
   sparse_mqa_sm90_kernel<kDim><<<grid, kThreads, smem, stream>>>(p);
   DEEPINFER_CHECK_LAUNCH("sparse_mqa_sm90_kernel");
 }

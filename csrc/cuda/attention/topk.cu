@@ -916,8 +916,7 @@ void launch_topk_two_stage(const TopkParams& p, const TopkCandPlan& plan, cudaSt
   r.q = plan.q;
   r.counts = reinterpret_cast<int*>(ws + plan.counts_off);
   r.cand = reinterpret_cast<uint64_t*>(ws + plan.cand_off);
-  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(topk_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(plan.select_smem)));
+  ensure_dynamic_smem(topk_select_kernel, plan.select_smem);
   for (int64_t row0 = 0; row0 < p.rows; row0 += plan.group_rows) {
     const int64_t g = p.rows - row0 < plan.group_rows ? p.rows - row0 : plan.group_rows;
     r.row0 = row0;
@@ -965,8 +964,7 @@ void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
   r.sel = reinterpret_cast<uint64_t*>(ws + plan.sel_off);
   r.cand = reinterpret_cast<uint64_t*>(ws + plan.cand_off);
   constexpr size_t kCandSmem = static_cast<size_t>(kCandCap) * sizeof(uint64_t);  // 64 KiB
-  DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(topk_finish_candidates_kernel,
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kCandSmem)));
+  ensure_dynamic_smem(topk_finish_candidates_kernel, kCandSmem);
   int npow2 = 1;
   while (npow2 < p.k) npow2 <<= 1;
   const size_t sort_smem = static_cast<size_t>(npow2) * sizeof(uint64_t);  // <= 16 KiB

@@ -137,8 +137,7 @@ void run_grouped(const GroupedFp8GemmParams& p, cudaStream_t stream) {
   if (p.layout == GroupedLayout::kContiguous) {
     const size_t smem = sizeof(int) * 2 * static_cast<size_t>(G);
     if (smem > 48 * 1024) {
-      DEEPINFER_CUDA_CHECK(cudaFuncSetAttribute(grouped_contiguous_setup_kernel<C>,
-                                                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      ensure_dynamic_smem(grouped_contiguous_setup_kernel<C>, smem);
     }
     grouped_contiguous_setup_kernel<C><<<1, kSetupThreads, smem, stream>>>(p, arr);
     DEEPINFER_CHECK_LAUNCH("m_grouped_fp8_gemm_nt setup");

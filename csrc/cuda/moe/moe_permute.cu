@@ -107,8 +107,7 @@ void launch_moe_permute(const MoePermuteParams& p, cudaStream_t stream) {
   const int segments = static_cast<int>(fit < 1 ? 1 : (fit > kWarps ? kWarps : fit));
   const size_t smem = sizeof(int32_t) * static_cast<size_t>((segments + 1) * bins);
   if (smem > 48 * 1024) {  // the default limit covers the usual expert counts (256 experts, 32 segments: 34 KB)
-    DEEPINFER_CUDA_CHECK(
-        cudaFuncSetAttribute(moe_permute_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    ensure_dynamic_smem(moe_permute_kernel, smem);
   }
   moe_permute_kernel<<<1, kThreads, smem, stream>>>(p, segments);
   DEEPINFER_CHECK_LAUNCH("moe_permute");

@@ -7,8 +7,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace deepinfer {
 
@@ -43,6 +46,27 @@ inline void cuda_check(cudaError_t err, const char* what) {
     default:                                                     \
       throw std::runtime_error("deepinfer: unsupported dtype");  \
   }
+
+// Raises `kernel`'s dynamic shared-memory limit on the current device to at least `bytes`. cudaFuncSetAttribute
+// runs only when a larger limit is first needed there, not on every launch (the attribute holds for the context;
+// a cudaDeviceReset would need it again).
+inline void ensure_dynamic_smem_ptr(const void* kernel, int bytes) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> limits;
+  int device = 0;
+  cuda_check(cudaGetDevice(&device), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mu);
+  int& have = limits[{kernel, device}];
+  if (have >= bytes) return;
+  cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+             "cudaFuncSetAttribute(cudaFuncAttributeMaxDynamicSharedMemorySize)");
+  have = bytes;
+}
+
+template <class Kernel>
+void ensure_dynamic_smem(Kernel* kernel, size_t bytes) {
+  ensure_dynamic_smem_ptr(reinterpret_cast<const void*>(kernel), static_cast<int>(bytes));
+}
 
 inline bool is_aligned(const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
