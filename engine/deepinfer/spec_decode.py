@@ -201,7 +201,7 @@ class SpecDecoder:
             return n >= self.FIRST_PROBE and n & (n - 1) == 0  # FIRST_PROBE, then every doubling
         return self.cost(num_seqs, num_seqs * (1 + self.k)) < (1 + self.k) * plain
 
-    FIRST_PROBE = 512  # a power of two
+    FIRST_PROBE = 8  # a power of two
 
     def expected_emitted(self, drafts: int) -> float:
         """Tokens a verification of ``drafts`` drafts emits in expectation: ``1 + sum_i prod_{j <= i} a_j`` over
@@ -215,7 +215,9 @@ class SpecDecoder:
     def graph_step_seconds(self, num_seqs: int, drafts: int) -> float | None:
         """Seconds of a graph step of ``num_seqs`` sequences verifying up to ``drafts`` drafts each: the graphs'
         replay times (:meth:`~deepinfer.spec_graphs.SpecGraphs.step_seconds`) plus the host time measured past
-        them: the median of the last five at its bucket; at a bucket not measured yet, the largest of the other
+        them: the second smallest of the last five at its bucket (the smallest while fewer: a bucket's first steps
+        carry one-time costs, and a refused bucket gains samples only by probes); at a bucket not measured yet, the
+        largest of the other
         buckets' medians, each scaled by ``sqrt(bucket / theirs)`` when theirs is smaller (host time grows with the
         batch, ``docs/speculative.md``); 0 before any. None without profiled graphs for that batch."""
         sec = self.graphs.step_seconds(num_seqs, drafts) if self.graphs is not None else None
@@ -489,7 +491,7 @@ class SpecDecoder:
                 samples = self.overhead_samples.setdefault(g.bucket, [])
                 samples.append(max(seconds - sec, 0.0))
                 del samples[:-5]
-                self._overhead[g.bucket] = sorted(samples)[(len(samples) - 1) // 2]
+                self._overhead[g.bucket] = sorted(samples)[1 if len(samples) >= 5 else 0]
 
     def _sample(self, items, states, nv, logits, row_states, counters, masks, ids: torch.Tensor | None,
                 draft_at: list[int]):

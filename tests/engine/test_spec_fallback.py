@@ -71,12 +71,15 @@ def test_pays_with_graphs_reads_measured_acceptance_and_host_time():
     d._measure([None], [3], [1], [1], SimpleNamespace(bucket=1), 4.0)  # none of three accepted, slow
     assert d.accept_rate == [0.9, 1.0, 0.0] and d.overhead_samples[1] == [1.5]
     assert d.expected_emitted(2) == 1.0 + 0.9 + 0.9
-    # 2.8 tokens per 3.5 s, 1.9 per 3 s, 2.8 per 4 s: below a plain step; the 512th refusal probes, then the 1024th
+    # 2.8 tokens per 3.5 s, 1.9 per 3 s, 2.8 per 4 s: below a plain step; the 8th refusal probes, then every doubling
     answers = [d.pays(1) for _ in range(1024)]
-    assert answers.count(True) == 2 and answers[511] and answers[1023]
-    for _ in range(3):  # the host time at bucket 1 is the median of its last five
+    assert [i + 1 for i, a in enumerate(answers) if a] == [8, 16, 32, 64, 128, 256, 512, 1024]
+    for _ in range(2):  # two more slow steps
+        d._measure([None], [3], [1], [1], SimpleNamespace(bucket=1), 4.0)
+    assert d.overhead_samples[1] == [1.5, 1.5, 1.5] and not d.pays(1)
+    for _ in range(2):  # then two fast ones: the second smallest of five is 0 (the median would be 1.5)
         d._measure([None], [3], [4], [1], SimpleNamespace(bucket=1), 2.5)
-    assert d.overhead_samples[1] == [1.5, 0.0, 0.0, 0.0] and d.pays(1)
+    assert d.overhead_samples[1] == [1.5, 1.5, 1.5, 0.0, 0.0] and d._overhead[1] == 0.0 and d.pays(1)
 
 
 @pytest.fixture(scope="module")
