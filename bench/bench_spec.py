@@ -98,7 +98,14 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
                     "graph_steps": st["graph_steps"] - stats0["graph_steps"]})
         if phases is not None:
             row["phase_ms_per_step"] = phases.per_step()
-        sec = llm.runner.spec.graph_step_seconds(batch, k)
+        spec_dec = llm.runner.spec
+        # per bucket, ms: the first five and the last five host-time samples past the replays (the schedule's
+        # estimate reads the last five; the first steps of an engine carry one-time costs)
+        first = spec_dec.stats.first_overheads
+        row["host_overhead_ms"] = {str(b): {"first": [round(1e3 * x, 3) for x in first.get(b, [])],
+                                            "last": [round(1e3 * x, 3) for x in v]}
+                                   for b, v in spec_dec.overhead_samples.items()}
+        sec = spec_dec.graph_step_seconds(batch, k)
         row["graph_step_ms"] = None if sec is None else 1e3 * sec  # replays at k drafts + measured host time
     return row, [o.token_ids for o in outs]
 

@@ -114,6 +114,7 @@ class SpecStats:
         self.accepted = 0
         self.accepted_at = [0] * k
         self.verified_at = [0] * k
+        self.first_overheads: dict[int, list[float]] = {}  # per bucket, the first 5 host-time samples (seconds)
 
     @property
     def acceptance_length(self) -> float:
@@ -490,6 +491,9 @@ class SpecDecoder:
             if sec is not None:
                 samples = self.overhead_samples.setdefault(g.bucket, [])
                 samples.append(max(seconds - sec, 0.0))
+                first = self.stats.first_overheads.setdefault(g.bucket, [])
+                if len(first) < 5:
+                    first.append(samples[-1])
                 del samples[:-5]
                 self._overhead[g.bucket] = sorted(samples)[1 if len(samples) >= 5 else 0]
 
