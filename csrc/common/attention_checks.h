@@ -92,11 +92,12 @@ struct SparseMqaArgs {
   double softmax_scale = 1.0;
 };
 
-// A MODEL1 FP8 cache's blocks are whole (layout above): stride(1) == 584 and blocks that do not overlap.
+// A MODEL1 FP8 cache's blocks are whole (layout above): stride(1) == 584 (any for one token per block) and blocks
+// that do not overlap.
 inline void check_fp8_block_layout(const char* op, const at::Tensor& cache, const char* name) {
   if (cache.numel() == 0) return;
-  DEEPINFER_CHECK(cache.stride(1) == kFp8EntryBytes && (cache.size(0) == 1 ||
-                                                       cache.stride(0) >= cache.size(1) * kFp8EntryBytes),
+  DEEPINFER_CHECK((cache.size(1) == 1 || cache.stride(1) == kFp8EntryBytes) &&
+                      (cache.size(0) == 1 || cache.stride(0) >= cache.size(1) * kFp8EntryBytes),
                   op, name, " (FP8 MODEL1) must hold whole blocks: stride(1) == ", kFp8EntryBytes,
                   " and stride(0) >= block_size * ", kFp8EntryBytes, ", got strides ", cache.strides());
 }
@@ -346,11 +347,13 @@ inline void check_fp8_cache(const char* op, const at::Tensor& kv_cache, const at
   }
   DEEPINFER_CHECK(kv_cache.dim() == 3 && kv_cache.size(2) == kFp8EntryBytes && kv_cache.size(1) > 0, op,
                   "kv_cache must be uint8 [num_blocks, block_size, ", kFp8EntryBytes, "], got ", kv_cache.sizes());
-  DEEPINFER_CHECK(kv_cache.numel() == 0 || kv_cache.stride(2) == 1, op, "kv_cache must be contiguous in its last dim");
+  DEEPINFER_CHECK(kv_cache.numel() == 0 || kv_cache.stride(2) == 1, op,
+                  "kv_cache must be contiguous in its last dim, got strides ", kv_cache.strides());
   check_fp8_block_layout(op, kv_cache, "kv_cache");
   check_dtype(op, rows, rows_name, at::kBFloat16);
   DEEPINFER_CHECK(rows.dim() == 2 && rows.size(1) == kFp8HeadDim && (rows.numel() == 0 || rows.stride(1) == 1), op,
-                  rows_name, " must be [num_tokens, ", kFp8HeadDim, "] with a contiguous last dim, got ", rows.sizes());
+                  rows_name, " must be [num_tokens, ", kFp8HeadDim, "] with a contiguous last dim, got ", rows.sizes(),
+                  " with strides ", rows.strides());
   check_same_device(op, rows, rows_name, kv_cache, "kv_cache");
   check_dtype(op, slot_mapping, "slot_mapping", at::kLong);
   check_same_device(op, slot_mapping, "slot_mapping", kv_cache, "kv_cache");

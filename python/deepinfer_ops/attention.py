@@ -22,8 +22,9 @@ FP8 cache ("MODEL1", V4, head_dim 512), FlashMLA's layout byte for byte: a uint8
 584]`` (584 bytes per token; stride(1) == 584, blocks may be padded: FlashMLA rounds a block up to a multiple of 576
 bytes). A block holds first its tokens' 576-byte rows, token t's at byte ``576 t``: ``[0, 448)`` e4m3 codes of the
 448 no-RoPE dims, ``[448, 576)`` the 64 RoPE dims as bf16; then their scales, token t's 8 bytes at
-``576 block_size + 8 t``: 7 UE8M0 exponents (one per 64 no-RoPE dims, ``scale = 2 ** (byte - 127)``) and a zero
-pad byte (not read). Quantisation per 64-dim tile, FlashMLA's recipe: ``scale = 2 ** ceil(log2(max(amax / 448,
+``576 block_size + 8 t``: 7 UE8M0 exponents (one per 64 no-RoPE dims, ``scale = 2 ** (byte - 127)``; bytes 0 and
+0xFF decode to 0 and NaN; the encoders write 114 and up, so decoding their bytes is exact) and a zero pad byte
+(not read). Quantisation per 64-dim tile, FlashMLA's recipe: ``scale = 2 ** ceil(log2(max(amax / 448,
 1e-4)))``, ``code = e4m3(clamp(x / scale, -448, 448))`` round-to-nearest-even. A tile holding NaN gets the byte
 0xFF and NaN codes (0x7F), one holding +-inf the byte 0xFF and codes ``x / inf``: either decodes to NaN. Decoding
 is exact in bf16, so attention over an FP8 cache equals attention over its decoded bf16 cache. Either list of a

@@ -120,3 +120,31 @@ def test_cuda_lse_prefill():
     ref_out, ref_lse = _ref(q, cache, idx, DIM ** -0.5, kw)
     assert_lse(lse, ref_lse[:, 0])
     assert_close(out, ref_out[:, 0], TOLERANCES[torch.bfloat16], "out")
+
+
+@pytest.mark.parametrize("n", [4096, 8192])
+def test_lse_of_many_entries_near_zero(device, n):
+    """Thousands of entries whose lse is near 0 (each weight small): a long fp32 running sum drifts past the abs
+    1e-6 bound; checked against a float64 logsumexp. (CUDA: not yet run on the H200.)"""
+    g = torch.Generator().manual_seed(n)
+    cache = torch.zeros(n, 1, DIM)
+    cache[:, 0, 0] = -torch.log(torch.tensor(float(n))) - 0.16 + 2 * torch.rand(n, generator=g) - 1
+    cache = cache.bfloat16()
+    q = torch.zeros(1, 1, 64, DIM, dtype=torch.bfloat16)
+    q[..., 0] = 1.0
+    idx = torch.arange(n, dtype=torch.int32).view(1, 1, n)
+    _, lse = deepinfer_ops.sparse_mqa_decode(q.to(device), cache.to(device), idx.to(device), 1.0)
+    want = torch.logsumexp(cache[:, 0, 0].double(), 0).float().expand(1, 1, 64)
+    assert_lse(lse, want)
+
+
+def test_reference_empty_set_with_a_nan_sink_gives_zero_out():
+    """No valid entry: out 0 and lse -inf whatever the sink, a NaN sink included (as the kernels)."""
+    cache = torch.randn(1, 4, DIM).bfloat16()
+    q = torch.randn(1, 1, 2, DIM).bfloat16()
+    idx = torch.tensor([[[-1, 4]]], dtype=torch.int32)
+    sink = torch.tensor([float("nan"), 0.0])
+    out, lse = refs.sparse_mqa_decode_ref(q, cache, idx, 0.1, attn_sink=sink)
+    k_out, k_lse = deepinfer_ops.sparse_mqa_decode(q, cache, idx, 0.1, attn_sink=sink)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(k_out, out)
+    assert torch.all(torch.isneginf(lse)) and torch.equal(k_lse, lse)

@@ -128,3 +128,17 @@ def test_fp8_cache_strides_are_checked(device):
     idx = torch.zeros(1, 1, 4, dtype=torch.int32, device=device)
     with pytest.raises(RuntimeError, match=r"sparse_mqa_decode: kv_cache \(FP8 MODEL1\) must hold whole blocks"):
         deepinfer_ops.sparse_mqa_decode(q, overlapping, idx, 0.1)
+
+
+def test_one_token_blocks_take_any_token_stride(device):
+    """A block of one token has no token stride to keep: a contiguous [n, 1, 584] cache whose stride(1) is not 584
+    (``transpose``, ``empty_strided``) is accepted and equals the dense one."""
+    kv = _rows(8, 1, seed=11).view(8, 512)[:4].to(device)
+    slots = torch.arange(4, device=device)
+    odd = torch.zeros(1, 4, ENTRY, dtype=torch.uint8, device=device).transpose(0, 1)  # strides (584, 2336, 1)
+    dense = torch.zeros(4, 1, ENTRY, dtype=torch.uint8, device=device)
+    deepinfer_ops.kv_cache_write_fp8(odd, kv, slots)
+    deepinfer_ops.kv_cache_write_fp8(dense, kv, slots)
+    assert torch.equal(odd.cpu(), dense.cpu())
+    assert torch.equal(deepinfer_ops.kv_cache_dequant_fp8(odd, slots).cpu(),
+                       deepinfer_ops.kv_cache_dequant_fp8(dense, slots).cpu())

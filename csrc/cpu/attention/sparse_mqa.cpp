@@ -89,18 +89,18 @@ void sparse_mqa_cpu_impl(const SparseMqaArgs& a) {
         // No entry, or every score -inf (e.g. -inf in q): the empty-set rule (out 0, lse -inf), as on CUDA.
         const bool empty = m == neg_inf && !any_nan;
         std::fill(acc.begin(), acc.end(), 0.f);
-        float l = 0.f;
+        double l = 0.0;  // a long fp32 running sum drifts past lse's fp32-rounding bound (thousands of entries)
         for (int64_t j = 0; j < n && !empty; ++j) {
           const float p = std::exp(scores[j] - m);
           l += p;
           for (int64_t c = 0; c < d; ++c) acc[c] += p * static_cast<float>(keys[j][c]);
         }
-        float denom = l;
-        if (sink != nullptr && !empty) denom += std::exp(sink[hh] - m);
-        const float inv = empty ? 0.f : 1.f / denom;
+        double denom = l;
+        if (sink != nullptr && !empty) denom += std::exp(static_cast<double>(sink[hh]) - m);
+        const float inv = empty ? 0.f : static_cast<float>(1.0 / denom);
         T* o = out + (r * h + hh) * d;
         for (int64_t c = 0; c < d; ++c) o[c] = static_cast<T>(acc[c] * inv);
-        lse[r * h + hh] = empty ? neg_inf : m + std::log(l);
+        lse[r * h + hh] = empty ? neg_inf : static_cast<float>(m + std::log(l));
       }
     }
   });

@@ -34,9 +34,9 @@ void run_sparse_mqa_cuda(const char* op, const SparseMqaArgs& a) {
     const bool fp8 = kl.cache.scalar_type() == at::kByte;
     if (fp8) {
       DEEPINFER_CHECK(kl.cache.numel() == 0 || (is_aligned(kl.cache.const_data_ptr(), 8) &&
-                                                 kl.cache.stride(0) % 8 == 0 && kl.cache.stride(1) % 8 == 0),
-                      op, name, " (FP8) must be 8-byte aligned with byte strides that are multiples of 8, got strides ",
-                      kl.cache.strides());
+                                                 kl.cache.stride(0) % 8 == 0),  // tokens: 576 B rows, 8 B scales
+                      op, name, " (FP8) must be 8-byte aligned with a block stride that is a multiple of 8, ",
+                      "got strides ", kl.cache.strides());
     } else {
       DEEPINFER_CHECK(kl.cache.numel() == 0 || (is_aligned(kl.cache.const_data_ptr(), 16) &&
                                                  kl.cache.stride(0) % 8 == 0 && kl.cache.stride(1) % 8 == 0),

@@ -370,7 +370,8 @@ def sparse_mqa_decode_ref(
     lse = torch.where(torch.isposinf(lse), torch.full_like(lse, float("nan")), lse)  # +inf score: NaN, as the kernels
     total = lse if attn_sink is None else torch.logaddexp(lse, attn_sink.float().view(1, 1, -1))
     p = torch.exp(scores - total.unsqueeze(-1))
-    p = torch.where(torch.isinf(total).unsqueeze(-1) & (total < 0).unsqueeze(-1), torch.zeros_like(p), p)
+    # no valid score: out 0 whatever the sink (a NaN sink included: logaddexp(-inf, nan) is NaN)
+    p = torch.where(torch.isneginf(lse).unsqueeze(-1), torch.zeros_like(p), p)
     out = torch.einsum("bshk,bskd->bshd", p, kv)
     return out.to(q.dtype), lse
 
