@@ -49,12 +49,12 @@ inline uint8_t e4m3_code(float v, float scale) {
 }
 
 // MODEL1 token t of a block of block_size tokens (layout in common/attention_checks.h): its row and its scales.
-inline uint8_t* entry_row(uint8_t* block, int64_t t) { return block + t * kFp8RowBytes; }
-inline const uint8_t* entry_row(const uint8_t* block, int64_t t) { return block + t * kFp8RowBytes; }
-inline const uint8_t* entry_scales(const uint8_t* block, int64_t block_size, int64_t t) {
-  return block + block_size * kFp8RowBytes + t * kFp8ScaleBytes;
+template <class Byte>  // uint8_t or const uint8_t
+Byte* entry_row(Byte* block, int64_t t) {
+  return block + t * kFp8RowBytes;
 }
-inline uint8_t* entry_scales(uint8_t* block, int64_t block_size, int64_t t) {
+template <class Byte>
+Byte* entry_scales(Byte* block, int64_t block_size, int64_t t) {
   return block + block_size * kFp8RowBytes + t * kFp8ScaleBytes;
 }
 

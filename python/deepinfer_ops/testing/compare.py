@@ -25,6 +25,10 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float16: Tolerance(atol=1e-3, rtol=2e-3, min_cosine=0.99999),
 }
 
+# Attention lse against an fp32 reference, as FlashMLA's tests check it: exact to fp32 rounding (engines merging
+# attention states by lse need it so).
+LSE_TOLERANCE = Tolerance(atol=1e-6, rtol=2.0 ** -15, min_cosine=0.999999)
+
 # calc_diff thresholds per recipe (DeepGEMM's metric).
 CALC_DIFF_MAX = {"fp8": 1e-3}
 
