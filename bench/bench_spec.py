@@ -7,7 +7,8 @@ Usage (from the repository root, PYTHONPATH=python:engine):
 
 Per batch size (--batches, default 1,8,64,256) and mode (``off``; ``fixed-k`` for each k of --ks, default 1..5;
 ``scheduled``: spec_schedule="confidence" with k = the largest of --ks): one warm-up generate, then --batch requests
-decode --max-tokens tokens each (greedy unless --temperature; ignore_eos). Prompts: lines of --prompts (tokenized
+(at batch 1, --batch1-requests of them one after another: one prompt's acceptance is noise) decode --max-tokens tokens
+each (greedy unless --temperature; ignore_eos). Prompts: lines of --prompts (tokenized
 with the model's tokenizer, cycled), else random token ids of --prompt-len.
 
 Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.EngineStats``), its median over pure
@@ -76,11 +77,12 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
     llm.generate(prompts[:min(batch, 4)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     stats0 = _spec_counters(llm)
+    n_req = batch if batch > 1 else args.batch1_requests
     with phase_timer(args.phases and bool(spec)) as phases:
-        outs = llm.generate(prompts[:batch], sp)
+        outs = llm.generate(prompts[:n_req], sp)
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
-                                                        "max_tokens": args.max_tokens, "k": k if spec else 0,
+                                                        "max_tokens": args.max_tokens, "k": k if spec else 0, "requests": n_req,
                                                         "temperature": args.temperature},
            "decode_tok_s": s["decode_tok_s"], "decode_tok_s_median": s["decode_tok_s_median"],
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
@@ -216,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--ks", default="1,2,3,4,5")
     p.add_argument("--no-scheduled", action="store_true", help="skip the confidence-scheduled rows")
+    p.add_argument("--batch1-requests", type=int, default=8, help="requests run one after another at batch 1")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -225,7 +228,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="time each speculative step's phases (synchronised: slower rows, for diagnosis)")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<device>/bench_spec.json)")
     args = p.parse_args(argv)
-    args.batch_max = max(int(b) for b in args.batches.split(","))
+    if args.batch1_requests < 1:
+        raise SystemExit("--batch1-requests: must be at least 1")
+    args.batch_max = max([int(b) for b in args.batches.split(",")] + [args.batch1_requests])
     from deepinfer.presets import PRESETS
 
     model = args.model

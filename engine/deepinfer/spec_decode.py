@@ -47,8 +47,9 @@ def gather_rows(refs: list[Row]) -> torch.Tensor:
     return torch.stack([t[r] for t, r in refs])
 
 
-def read_rows(refs: list[Row]) -> list[float]:
-    """The values of 1-element rows ``refs`` on the host in one read (one gather per source tensor)."""
+def flat_rows(refs: list[Row]) -> tuple[torch.Tensor, list[int]]:
+    """1-element rows ``refs`` (at least one) as one flat float64 device tensor (one gather per source tensor,
+    nothing read) and ``order``: its element ``n`` is ``refs[order[n]]``."""
     groups: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
     for n, (t, r) in enumerate(refs):
         groups.setdefault(id(t), (t, [], []))[1].append(r)
@@ -57,21 +58,17 @@ def read_rows(refs: list[Row]) -> list[float]:
     for t, rows, at in groups.values():
         parts.append(gather_rows([(t, r) for r in rows]).reshape(-1).double())
         order.extend(at)
-    vals = torch.cat(parts).tolist()
-    out = [0.0] * len(refs)
-    for n, v in zip(order, vals):
-        out[n] = v
-    return out
+    return torch.cat(parts), order
 
 
 class DraftState:
     """A request's drafts: ``tokens[j]`` (a :data:`Row` of a device int64 tensor: drafts are read on the host
     with the verification's results) goes at context position ``position + j``, with the drafter's distribution
     ``probs[j]`` (``[V]`` float32; ``None`` for a greedy request) and confidence ``conf[j]`` (``"confidence"``
-    schedule only, else None; a :data:`Row` until :meth:`SpecDecoder._host_confs` reads it: the drafter's
-    probability of its token, for a sampled request in expectation over the draw, ``sum_v q(v)^2``, so that the
-    verified length never depends on the drafted token and sampling stays lossless); ``hidden`` (a :data:`Row` of ``[n, hc_mult, hidden]``) the MTP output streams of the row that
-    drafted ``tokens[-1]``."""
+    schedule only, else None; a :data:`Row`, read with the step's results: the drafter's probability of its
+    token, for a sampled request in expectation over the draw, ``sum_v q(v)^2``, so that no verified length
+    depends on a drafted token and sampling stays lossless); ``hidden`` (a :data:`Row` of
+    ``[n, hc_mult, hidden]``) the MTP output streams of the row that drafted ``tokens[-1]``."""
 
     __slots__ = ("position", "tokens", "probs", "conf", "hidden")
 
@@ -159,6 +156,8 @@ class SpecDecoder:
         self._overhead: dict[int, float] = {}  # median of each bucket's samples (updated with them)
         self.accept_rate: list[float | None] = [None] * num_speculative_tokens
         self._refused: dict[int, int] = {}
+        # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
+        self.confidences: dict[int, list[float]] = {}
 
     @staticmethod
     def check_runner(runner) -> None:
@@ -281,21 +280,10 @@ class SpecDecoder:
             conf = torch.where(greedy, top, conf)
         return tokens, conf, keep
 
-    def _chain(self, items, states, nv: list[int]) -> list[int]:
-        """Extend each request's drafts to ``nv[i]`` tokens with the MTP layer on its own outputs; returns the
-        drafts each request holds (``"confidence"``, eager steps: a request stops drafting once even a certain
-        next draft would not be verified, :meth:`_worth_drafting`, which reads the confidences so far; a graph
-        step's draft replay costs the same for any subset of its sequences, so it drafts on without a read)."""
-        nv = list(nv)
-        stop_early = self.schedule == "confidence" and not self._graph_step(items)
+    def _chain(self, items, states, nv: list[int]) -> None:
+        """Extend each request's drafts to ``nv[i]`` tokens with the MTP layer on its own outputs."""
         for j in range(2, max(nv, default=0) + 1):
             sel = [i for i, k in enumerate(nv) if k >= j and len(self.drafts[items[i].req_id].tokens) < j]
-            if sel and stop_early:
-                sel = self._worth_drafting(items, nv, sel, j)
-            chained = set(sel)
-            for i, k in enumerate(nv):
-                if k >= j and i not in chained:
-                    nv[i] = min(k, len(self.drafts[items[i].req_id].tokens))
             if not sel:
                 continue
             ds = [self.drafts[items[i].req_id] for i in sel]
@@ -313,35 +301,29 @@ class SpecDecoder:
                 d.conf.append(None if conf is None else (conf, n))
                 d.probs.append(probs[n])
                 d.hidden = (hs, n)
-        return nv
-
-    def _worth_drafting(self, items, nv: list[int], sel: list[int], j: int) -> list[int]:
-        """The requests of ``sel`` whose draft ``j`` :func:`choose_lengths` would verify if its confidence were 1
-        (the best case; the other requests' drafts as known so far)."""
-        self._host_confs(items)
-        confs = []
-        candidates = set(sel)
-        for i, (it, k) in enumerate(zip(items, nv)):
-            c = self.drafts[it.req_id].conf[:min(k, j - 1)] if k else []
-            confs.append(c + [1.0] if i in candidates else c)
-        best = choose_lengths(confs, self._step_cost(items))
-        return [i for i in sel if best[i] >= j]
-
-    def _host_confs(self, items) -> None:
-        """Read every confidence of these requests' drafts still on the device, in one read."""
-        pending = [(d, j) for d in (self.drafts.get(it.req_id) for it in items) if d is not None
-                   for j, c in enumerate(d.conf) if isinstance(c, tuple)]
-        if pending:
-            for (d, j), v in zip(pending, read_rows([d.conf[j] for d, j in pending])):
-                d.conf[j] = v
 
     def _lengths(self, items, nv: list[int]) -> list[int]:
-        """Verified drafts per request: all of them (``"fixed"``), or :func:`choose_lengths` of the confidences."""
+        """Drafts to make and verify per request, before the chain, from host data only (no read): all of the
+        scheduled ``nv`` (``"fixed"``), or :func:`choose_lengths` of each request's expected confidences
+        (:meth:`expected_confidences`)."""
         if self.schedule == "fixed" or not any(nv):
             return nv
-        self._host_confs(items)
-        confs = [self.drafts[it.req_id].conf[:k] if k else [] for it, k in zip(items, nv)]
+        confs = [self.expected_confidences(it.req_id, k) for it, k in zip(items, nv)]
         return choose_lengths(confs, self._step_cost(items))
+
+    def expected_confidences(self, req_id: int, k: int) -> list[float]:
+        """The confidences the schedule expects of a request's next ``k`` drafts: at depth ``j`` the request's
+        last confidence there (:attr:`confidences`), else the measured acceptance rate there
+        (:attr:`accept_rate`; 1 where not measured)."""
+        seen = self.confidences.get(req_id, ())
+        return [seen[j] if j < len(seen) else (1.0 if a is None else a)
+                for j, a in enumerate(self.accept_rate[:k])]
+
+    def _seen(self, nv: int, emitted: int | None) -> int:
+        """How many of a verification's draft confidences the next choice may read: up to the first rejected
+        draft, that one included (each depends on accepted drafts only, never on a draw whose randomness a
+        later draft reuses: lossless); the first draft's alone without a verification (``emitted`` None)."""
+        return 1 if emitted is None or not nv else min(nv, emitted)
 
     def _step_cost(self, items):
         """``cost(lengths) -> float`` of this step verifying ``lengths[i]`` drafts for request ``i``: the graph
@@ -385,6 +367,8 @@ class SpecDecoder:
         r.update_states(output)
         for rid in [rid for rid in self.drafts if rid not in r.requests]:  # finished or preempted (also in steps
             del self.drafts[rid]                                             # that scheduled nothing)
+        for rid in [rid for rid in self.confidences if rid not in r.requests]:
+            del self.confidences[rid]
         items = output.scheduled
         if not items:
             raise RuntimeError("ModelRunner.execute: the scheduler output schedules nothing")
@@ -399,7 +383,8 @@ class SpecDecoder:
             ds = self.drafts.get(it.req_id)
             ok = it.num_draft_tokens and ds is not None and ds.position == it.start + 1 == len(st.token_ids)
             nv.append(it.num_draft_tokens if ok else 0)
-        nv = self._lengths(items, self._chain(items, states, nv))
+        nv = self._lengths(items, nv)
+        self._chain(items, states, nv)
 
         # 2. the target over every request's tokens: a verification's last token and drafts
         n_base = [it.num_new_tokens - it.num_draft_tokens for it in items]
@@ -508,6 +493,15 @@ class SpecDecoder:
         if not row_states:
             return [], [], [], kept
         base, base_lp, tops = r.sampler.sample_device(logits, row_states, counters, masks)
+        # the confidences of this step's drafts, read with its results (the next step's choice: no read of its own)
+        conf_refs, conf_of = [], []  # conf_of: (item, its first index in conf_refs)
+        if self.schedule == "confidence":
+            for i, (it, k) in enumerate(zip(items, nv)):
+                d = self.drafts.get(it.req_id)
+                if it.needs_logits and d is not None and d.position == it.start + 1 and d.conf[0] is not None:
+                    conf_of.append((i, len(conf_refs)))
+                    conf_refs.extend(d.conf[:max(k, 1)])
+        conf_t, conf_order = flat_rows(conf_refs) if conf_refs else (base.new_zeros(0, dtype=torch.float64), [])
         spec_items = [i for i, (it, k) in enumerate(zip(items, nv)) if it.needs_logits and k]
         # greedy verifications accept on the host from the sampler's argmax (the read below): no device work
         greedy = all(states[i].params.temperature < MIN_SAMPLING_TEMPERATURE for i in spec_items)
@@ -516,13 +510,21 @@ class SpecDecoder:
             emitted = self._accept(items, states, nv, logits, base, counters, spec_items, ids, draft_at)
         if spec_items and greedy:  # one read, the drafts with it
             n = base.shape[0]
-            flat = torch.cat([base.double(), base_lp.double(), ids.double()]).tolist()
-            base_h, base_lp_h, ids_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:]
+            flat = torch.cat([base.double(), base_lp.double(), ids.double(), conf_t]).tolist()
+            conf_h = flat[len(flat) - len(conf_refs):]
+            base_h, base_lp_h, ids_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:len(flat) - len(conf_h)]
             drafts_h = [[int(t) for t in ids_h[draft_at[i]:draft_at[i] + nv[i]]] for i in spec_items]
             emitted = self._accept_greedy(items, nv, spec_items, base_h, base_lp_h, drafts_h)
         else:
-            base_h, base_lp_h = torch.stack([base.double(), base_lp.double()]).tolist()  # one read
-            base_h = [int(t) for t in base_h]
+            n = base.shape[0]
+            flat = torch.cat([base.double(), base_lp.double(), conf_t]).tolist()  # one read
+            base_h, base_lp_h, conf_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:]
+        vals = [0.0] * len(conf_refs)
+        for at, v in zip(conf_order, conf_h):
+            vals[at] = v
+        for i, a in conf_of:
+            self.confidences[items[i].req_id] = vals[a:a + self._seen(nv[i], len(emitted[i][0]) if i in emitted
+                                                                       else None)]
         ids_out, lps_out, tops_out = [], [], []
         row = 0
         for i, (it, st, k) in enumerate(zip(items, states, nv)):

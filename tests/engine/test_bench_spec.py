@@ -30,8 +30,10 @@ def test_bench_spec_rows(tmp_path, monkeypatch):
         assert r["greedy_identical"] and r["verifications"] >= 0 and r["acceptance_length"] >= 1.0
         assert len(r["acceptance_per_position"]) == 2 and r["speedup"] > 0
     mod.main(["--batches", "1", "--ks", "1", "--max-tokens", "4", "--prompt-len", "8", "--no-scheduled", "--phases",
-              "--out", str(out)])
-    phases = json.loads(out.read_text())["rows"][1]["phase_ms_per_step"]
+              "--batch1-requests", "2", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["shape"]["requests"] for r in rows] == [2, 2]  # batch 1: requests one after another
+    phases = rows[1]["phase_ms_per_step"]
     assert {"step", "chain", "sample_accept", "mtp_pass", "draw"} <= set(phases) and phases["step"] > 0
     assert sd.SpecDecoder.execute.__name__ == "execute"  # the wrappers are gone after the row
     with pytest.raises(SystemExit, match="--model"):

@@ -373,17 +373,55 @@ def test_cli_options_reach_the_engine_config():
 
 
 @pytest.mark.parametrize("graphs", [False, True])
-def test_confidence_schedule_stops_drafting_what_it_would_not_verify(reference, oracle, graphs):
-    """With a cost that makes a draft of confidence 0.2 not worth its tokens, the chain stops after a wrong
-    (0.2) draft (eager steps; graph steps draft on, then read every confidence once) and the verification stops
-    before it: fewer drafts, the same greedy output."""
-    llm = _spec(5, "confidence", graphs=graphs)
+def test_confidence_schedule_stops_verifying_an_unconfident_request(reference, oracle, monkeypatch, graphs):
+    """With a cost that makes a draft of confidence 0.2 not worth its token, a request whose drafts all come
+    with 0.2 verifies nothing once its first verification read them, while the others (0.95) verify every
+    step; the choice is made before the chain, so the unconfident request drafts nothing past its first draft;
+    the greedy outputs equal speculation off."""
+    low = tuple(PROMPTS[1])
+    draw = sd.SpecDecoder._draw
+
+    def confident_draw(self, logits, states, counters):
+        toks, conf, probs = draw(self, logits, states, counters)
+        for n, st in enumerate(states):
+            conf[n] = 0.2 if tuple(st.token_ids[:st.num_prompt_tokens]) == low else 0.95
+        return toks, conf, probs
+
+    monkeypatch.setattr(sd.SpecDecoder, "_draw", confident_draw)
+    chosen: dict[tuple, list[int]] = {}
+    lengths = sd.SpecDecoder._lengths
+
+    def record(self, items, nv):
+        out = lengths(self, items, nv)
+        for it, k in zip(items, out):
+            st = self.runner.requests[it.req_id]
+            if it.num_draft_tokens:
+                chosen.setdefault(tuple(st.token_ids[:st.num_prompt_tokens]), []).append(k)
+        return out
+
+    monkeypatch.setattr(sd.SpecDecoder, "_lengths", record)
+    llm = _spec(3, "confidence", graphs=graphs)
     llm.runner.spec.cost = lambda n, t: 1.0 + 0.5 * t  # noqa: E731 - half a step per token
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [reference[tuple(p)].token_ids for p in PROMPTS]
-    stats = llm.runner.spec.stats
-    assert stats.verifications > 0 and stats.accepted == stats.drafted  # no wrong draft was ever verified
-    assert (stats.graph_steps > 0) == graphs
+    assert chosen[low][0] == 3 and set(chosen[low][1:]) == {0}, chosen[low]  # verified once, with nothing known
+    for p in PROMPTS:
+        if tuple(p) != low:
+            assert min(chosen[tuple(p)]) >= 1, chosen[tuple(p)]
+    assert (llm.runner.spec.stats.graph_steps > 0) == graphs
+
+
+def test_confidences_read_for_the_next_choice_stop_at_the_first_rejection():
+    """The schedule reads, per verification, its drafts' confidences up to the first rejected one (later ones
+    depend on a rejected draw); the first draft's alone without a verification; unknown depths fall back to
+    the measured acceptance rate (1 before any)."""
+    spec = _spec(3, "confidence").runner.spec
+    assert [spec._seen(3, e) for e in (1, 2, 3, 4)] == [1, 2, 3, 3]
+    assert spec._seen(0, None) == spec._seen(2, None) == 1
+    spec.confidences[7] = [0.5]
+    spec.accept_rate = [0.9, 0.8, None]
+    assert spec.expected_confidences(7, 3) == [0.5, 0.8, 1.0]
+    assert spec.expected_confidences(8, 2) == [0.9, 0.8]
 
 
 def test_run_stats_report_this_runs_verifications(oracle):
