@@ -82,8 +82,8 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
         outs = llm.generate(prompts[:n_req], sp)
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
-                                                        "max_tokens": args.max_tokens, "k": k if spec else 0, "requests": n_req,
-                                                        "temperature": args.temperature},
+                                                        "max_tokens": args.max_tokens, "k": k if spec else 0,
+                                                        "requests": n_req, "temperature": args.temperature},
            "decode_tok_s": s["decode_tok_s"], "decode_tok_s_median": s["decode_tok_s_median"],
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
            "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan")}

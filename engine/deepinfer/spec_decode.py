@@ -365,10 +365,9 @@ class SpecDecoder:
         t0 = time.perf_counter()
         r = self.runner
         r.update_states(output)
-        for rid in [rid for rid in self.drafts if rid not in r.requests]:  # finished or preempted (also in steps
-            del self.drafts[rid]                                             # that scheduled nothing)
-        for rid in [rid for rid in self.confidences if rid not in r.requests]:
-            del self.confidences[rid]
+        for kept_per_request in (self.drafts, self.confidences):  # finished or preempted requests leave (also in
+            for rid in [rid for rid in kept_per_request if rid not in r.requests]:  # steps that scheduled nothing)
+                del kept_per_request[rid]
         items = output.scheduled
         if not items:
             raise RuntimeError("ModelRunner.execute: the scheduler output schedules nothing")
@@ -501,7 +500,8 @@ class SpecDecoder:
                 if it.needs_logits and d is not None and d.position == it.start + 1 and d.conf[0] is not None:
                     conf_of.append((i, len(conf_refs)))
                     conf_refs.extend(d.conf[:max(k, 1)])
-        conf_t, conf_order = flat_rows(conf_refs) if conf_refs else (base.new_zeros(0, dtype=torch.float64), [])
+        conf_t, conf_order = flat_rows(conf_refs) if conf_refs else (None, [])
+        head, m = ([conf_t] if conf_refs else []), len(conf_refs)  # the read's first m values
         spec_items = [i for i, (it, k) in enumerate(zip(items, nv)) if it.needs_logits and k]
         # greedy verifications accept on the host from the sampler's argmax (the read below): no device work
         greedy = all(states[i].params.temperature < MIN_SAMPLING_TEMPERATURE for i in spec_items)
@@ -510,15 +510,16 @@ class SpecDecoder:
             emitted = self._accept(items, states, nv, logits, base, counters, spec_items, ids, draft_at)
         if spec_items and greedy:  # one read, the drafts with it
             n = base.shape[0]
-            flat = torch.cat([base.double(), base_lp.double(), ids.double(), conf_t]).tolist()
-            conf_h = flat[len(flat) - len(conf_refs):]
-            base_h, base_lp_h, ids_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:len(flat) - len(conf_h)]
+            flat = torch.cat(head + [base.double(), base_lp.double(), ids.double()]).tolist()
+            conf_h, flat = flat[:m], flat[m:]
+            base_h, base_lp_h, ids_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:]
             drafts_h = [[int(t) for t in ids_h[draft_at[i]:draft_at[i] + nv[i]]] for i in spec_items]
             emitted = self._accept_greedy(items, nv, spec_items, base_h, base_lp_h, drafts_h)
         else:
             n = base.shape[0]
-            flat = torch.cat([base.double(), base_lp.double(), conf_t]).tolist()  # one read
-            base_h, base_lp_h, conf_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:]
+            flat = torch.cat(head + [base.double(), base_lp.double()]).tolist()  # one read
+            conf_h, flat = flat[:m], flat[m:]
+            base_h, base_lp_h = [int(t) for t in flat[:n]], flat[n:2 * n]
         vals = [0.0] * len(conf_refs)
         for at, v in zip(conf_order, conf_h):
             vals[at] = v
