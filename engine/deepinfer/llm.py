@@ -382,7 +382,7 @@ class LLM:
                         "graph_memory_estimate_bytes": self.graph_memory_estimate}
         spec_dec = self.runner.spec
         if spec_dec is not None and spec_dec.plain_cost is not None:  # where verification can pay, per bucket
-            self.startup["speculation_pays"] = {b: spec_dec.pays(b) for b in spec_dec.plain_cost}
+            self.startup["speculation_pays"] = {b: spec_dec.estimate_pays(b) for b in spec_dec.plain_cost}
         preset = model if isinstance(model, str) and model in PRESETS else None
         self.served_model_name = served_model_name or preset or (model_dir.name if model_dir else "deepinfer-model")
         names = [model_dir.name] if model_dir else []

@@ -494,6 +494,8 @@ class ModelRunner:
         if self.builder is not None:
             seqs = self.step_seqs(states, starts, q)
             graph = self._graph_for(q, starts + q)
+            if self.spec is not None:  # the schedule compares plain and speculative steps' measured periods
+                self.spec.mark_step(scheduled, "plain", None if graph is None else graph.bucket, 0, t0)
             if graph is not None:
                 graph.plan.num_tokens, graph.plan.num_logits = self.builder.fill(seqs, ids, logits_rows,
                                                                                  graph.capacity, graph.flat)

@@ -153,9 +153,15 @@ class SpecDecoder:
         # draft position the rate at which a verified draft is accepted once the ones before it were (EMA; None:
         # not measured yet, counted as 1)
         self.overhead_samples: dict[int, list[float]] = {}
-        self._overhead: dict[int, float] = {}  # median of each bucket's samples (updated with them)
+        self._overhead: dict[int, float] = {}  # robust figure of each bucket's samples (:func:`robust_seconds`)
+        # per decode-graph bucket, the seconds between the starts of consecutive plain graph steps of the same
+        # requests (the last five; with asynchronous scheduling, a plain step's cost host time included)
+        self.plain_samples: dict[int, list[float]] = {}
+        self._plain: dict[int, float] = {}
+        self._last: tuple | None = None  # the last step started: (kind, bucket, drafts, t0, request ids)
         self.accept_rate: list[float | None] = [None] * num_speculative_tokens
         self._refused: dict[int, int] = {}
+        self._probing: dict[int, int] = {}  # per bucket, the speculative steps a probe still runs
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
         self.confidences: dict[int, list[float]] = {}
 
@@ -176,32 +182,82 @@ class SpecDecoder:
 
         With profiled graphs: for some draft count ``d``, the tokens a verification of ``d`` drafts is expected to
         emit (:meth:`expected_emitted`) per second of a graph step (:meth:`graph_step_seconds`) beat one token per
-        plain step (``plain_cost`` of the smallest decode bucket that fits); false past the largest speculation
-        bucket. At a bucket with host time measured, the :attr:`FIRST_PROBE` th refusal says true instead, then
-        the one after twice as many, and so on: a slow first step must not switch speculation off for good,
-        and probes cost next to nothing (a probe where verification does not pay costs a few plain steps).
-        Without: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps, the most a
-        verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps run eagerly
-        there too)."""
+        plain step (:meth:`plain_step_seconds`); false past the largest speculation bucket. Both sides are
+        measured the same way once steps ran: the time from a step's start to the next one's. At a refused
+        bucket the :attr:`FIRST_PROBE` th refusal starts a probe instead, then the one after twice as many, and so
+        on: :attr:`PROBE_STEPS` speculative steps (the first verifies no draft), which measure that bucket's
+        speculative steps; a slow first step must not switch speculation off for good, and probes cost next to
+        nothing. Without graphs: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps,
+        the most a verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps
+        run eagerly there too)."""
+        if self.estimate_pays(num_seqs):
+            return True
+        g = self.graphs
+        b = g.bucket(num_seqs) if g is not None and g.seconds else None
+        if b is None:  # the cost-table rule, or past the largest speculation bucket: no probe
+            return False
+        if self._probing.get(b):
+            self._probing[b] -= 1
+            return True
+        n = self._refused[b] = self._refused.get(b, 0) + 1
+        if n >= self.FIRST_PROBE and n & (n - 1) == 0:  # FIRST_PROBE, then every doubling
+            self._probing[b] = self.PROBE_STEPS - 1
+            return True
+        return False
+
+    def estimate_pays(self, num_seqs: int) -> bool:
+        """:meth:`pays` from the estimates alone (no probe; nothing changes)."""
         if self.plain_cost is None:
             return True
-        plain = next((c for b, c in self.plain_cost.items() if b >= num_seqs), None)
+        plain = self.plain_step_seconds(num_seqs)
         if plain is None:
             return True
         if self.graphs is not None and self.graphs.seconds:
-            b = self.graphs.bucket(num_seqs)
-            if b is None:
+            if self.graphs.bucket(num_seqs) is None:
                 return False
-            if any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
-                   for d in range(1, self.k + 1)):
-                return True
-            if b not in self.overhead_samples:
-                return False
-            n = self._refused[b] = self._refused.get(b, 0) + 1
-            return n >= self.FIRST_PROBE and n & (n - 1) == 0  # FIRST_PROBE, then every doubling
+            return any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
+                       for d in range(1, self.k + 1))
         return self.cost(num_seqs, num_seqs * (1 + self.k)) < (1 + self.k) * plain
 
+    def plain_step_seconds(self, num_seqs: int) -> float | None:
+        """Seconds of a plain decode step of ``num_seqs`` sequences at the smallest decode-graph bucket holding
+        them: measured from step start to step start (:attr:`plain_samples`, :func:`robust_seconds`) once such
+        steps ran (with profiled speculation graphs only), else the bucket's replay time (``plain_cost``, no host
+        time: it under-rates speculation). None past the largest bucket or without ``plain_cost``."""
+        if self.plain_cost is None:
+            return None
+        b = next((b for b in self.plain_cost if b >= num_seqs), None)
+        return None if b is None else self._plain.get(b, self.plain_cost[b])
+
+    def mark_step(self, items, kind: str, bucket: int | None, drafts: int, t0: float) -> None:
+        """Note that a step started at ``t0`` (``time.perf_counter()``): ``kind`` ``"plain"`` or ``"spec"``, its
+        CUDA-graph ``bucket`` (None: eager, not measured) and the most drafts it verifies. The previous step gets
+        a sample when it was a graph step of the same requests (no idle time or batch change between them): a
+        plain one its period when this step is plain too (:attr:`plain_samples`; a plain step after it runs
+        overlapped), a speculative one its period minus its graphs' replay times (:attr:`overhead_samples`)."""
+        ids = tuple(it.req_id for it in items)
+        prev, self._last = self._last, (kind, bucket, drafts, t0, ids) if bucket is not None else None
+        if prev is None or prev[4] != ids:
+            return
+        prev_kind, b, d, start, _ = prev
+        period = t0 - start
+        if self.graphs is None or not self.graphs.seconds:  # the cost-table rule compares device times only
+            return
+        if prev_kind == "plain":
+            if kind == "plain":
+                self._plain[b] = _add_sample(self.plain_samples.setdefault(b, []), period)
+            return
+        sec = self.graphs.step_seconds(len(ids), d)
+        if sec is None:
+            return
+        samples = self.overhead_samples.setdefault(b, [])
+        first = self.stats.first_overheads.setdefault(b, [])
+        self._overhead[b] = _add_sample(samples, max(period - sec, 0.0))
+        if len(first) < 5:
+            first.append(samples[-1])
+
     FIRST_PROBE = 8  # a power of two
+    PROBE_STEPS = 3
 
     def expected_emitted(self, drafts: int) -> float:
         """Tokens a verification of ``drafts`` drafts emits in expectation: ``1 + sum_i prod_{j <= i} a_j`` over
@@ -213,13 +269,12 @@ class SpecDecoder:
         return out
 
     def graph_step_seconds(self, num_seqs: int, drafts: int) -> float | None:
-        """Seconds of a graph step of ``num_seqs`` sequences verifying up to ``drafts`` drafts each: the graphs'
-        replay times (:meth:`~deepinfer.spec_graphs.SpecGraphs.step_seconds`) plus the host time measured past
-        them: the second smallest of the last five at its bucket (the smallest while fewer: a bucket's first steps
-        carry one-time costs, and a refused bucket gains samples only by probes); at a bucket not measured yet, the
-        largest of the other
-        buckets' medians, each scaled by ``sqrt(bucket / theirs)`` when theirs is smaller (host time grows with the
-        batch, ``docs/speculative.md``); 0 before any. None without profiled graphs for that batch."""
+        """Seconds of a graph step of ``num_seqs`` sequences verifying up to ``drafts`` drafts each, from its start
+        to the next step's: the graphs' replay times (:meth:`~deepinfer.spec_graphs.SpecGraphs.step_seconds`) plus
+        the time measured past them at its bucket (:meth:`mark_step`, :func:`robust_seconds`); at a bucket not
+        measured yet, the largest of the other buckets' figures, each scaled by ``sqrt(bucket / theirs)`` when
+        theirs is smaller (host time grows with the batch, ``docs/speculative.md``); 0 before any. None without
+        profiled graphs for that batch."""
         sec = self.graphs.step_seconds(num_seqs, drafts) if self.graphs is not None else None
         if sec is None:
             return None
@@ -457,12 +512,12 @@ class SpecDecoder:
         out = SpecStepOutput(ids_out, lps_out, tops_out, t0, time.perf_counter() - t0, n_decode, n_prefill)
         out.graph = g is not None
         self.stats.graph_steps += out.graph
-        self._measure(items, nv, kept, n_base, g, out.host_seconds)
+        self._measure(nv, kept, n_base)
+        self.mark_step(items, "spec", g.bucket if g is not None else None, max(nv), t0)
         return out
 
-    def _measure(self, items, nv: list[int], kept: list[int], n_base: list[int], g, seconds: float) -> None:
-        """Update :attr:`accept_rate` from this step's verifications and, for a graph step, the host time past
-        the graphs' replay times (the last 5 per bucket)."""
+    def _measure(self, nv: list[int], kept: list[int], n_base: list[int]) -> None:
+        """Update :attr:`accept_rate` from this step's verifications."""
         accepted = [(k - b, v) for k, b, v in zip(kept, n_base, nv) if v]
         for j in range(self.k):
             reached = [a for a, v in accepted if v > j and a >= j]  # verified draft j + 1, the ones before taken
@@ -470,16 +525,6 @@ class SpecDecoder:
                 rate = sum(a > j for a in reached) / len(reached)
                 old = self.accept_rate[j]
                 self.accept_rate[j] = rate if old is None else 0.9 * old + 0.1 * rate
-        if g is not None and self.graphs.seconds:
-            sec = self.graphs.step_seconds(len(items), max(nv))
-            if sec is not None:
-                samples = self.overhead_samples.setdefault(g.bucket, [])
-                samples.append(max(seconds - sec, 0.0))
-                first = self.stats.first_overheads.setdefault(g.bucket, [])
-                if len(first) < 5:
-                    first.append(samples[-1])
-                del samples[:-5]
-                self._overhead[g.bucket] = sorted(samples)[1 if len(samples) >= 5 else 0]
 
     def _sample(self, items, states, nv, logits, row_states, counters, masks, ids: torch.Tensor | None,
                 draft_at: list[int]):
@@ -794,3 +839,16 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
         lengths = [min(cap, len(row)) for row in surv]
         consider(lengths, n + sum(sum(row[:m]) for row, m in zip(surv, lengths)))
     return best_k
+
+
+def _add_sample(samples: list[float], seconds: float) -> float:
+    """Append ``seconds`` to ``samples``, keep the last five, return their :func:`robust_seconds`."""
+    samples.append(seconds)
+    del samples[:-5]
+    return robust_seconds(samples)
+
+
+def robust_seconds(samples: list[float]) -> float:
+    """The second smallest of ``samples`` (the smallest while fewer than five): a bucket's first steps carry
+    one-time costs and a stray slow step (a collection, another process) must not decide alone."""
+    return sorted(samples)[1 if len(samples) >= 5 else 0]

@@ -26,11 +26,14 @@ def test_bench_spec_rows(tmp_path, monkeypatch):
     assert [r["mode"] for r in rows] == ["off", "scheduled", "fixed-2"]
     for r in rows:
         assert r["decode_tok_s"] > 0 and r["shape"]["batch"] == 2
+    for r in rows[:2]:  # off and scheduled alternate twice (the default --repeats), the faster run kept
+        assert len(r["decode_tok_s_runs"]) == 2 and r["decode_tok_s"] == max(r["decode_tok_s_runs"])
+    assert "decode_tok_s_runs" not in rows[2]
     for r in rows[1:]:
         assert r["greedy_identical"] and r["verifications"] >= 0 and r["acceptance_length"] >= 1.0
         assert len(r["acceptance_per_position"]) == 2 and r["speedup"] > 0
     mod.main(["--batches", "1", "--ks", "1", "--max-tokens", "4", "--prompt-len", "8", "--no-scheduled", "--phases",
-              "--batch1-requests", "2", "--out", str(out)])
+              "--batch1-requests", "2", "--repeats", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["shape"]["requests"] for r in rows] == [2, 2]  # batch 1: requests one after another
     phases = rows[1]["phase_ms_per_step"]

@@ -51,35 +51,78 @@ class _Graphs:
         return None if self.bucket(n) is None else 1.0 + 0.5 * drafts
 
 
-def test_pays_with_graphs_reads_measured_acceptance_and_host_time():
+def _items(*req_ids):
+    return [SimpleNamespace(req_id=r) for r in req_ids]
+
+
+def test_pays_with_graphs_reads_measured_acceptance_and_step_periods():
     model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
     d = sd.SpecDecoder(_Runner(model), 3, "confidence", plain_cost={1: 1.0, 4: 1.0, 64: 1.0}, graphs=_Graphs())
     # before any verification every draft counts as accepted: 4 tokens per 2.5 s against 1 per 1 s
     assert d.expected_emitted(3) == 4.0 and d.pays(1) and d.pays(4)
     assert not d.pays(8)  # no speculation graph: an eager verification against graph plain steps
     assert d.pays(100)  # past the decode graphs plain steps are eager too
-    # a step verifying 3 drafts for 2 sequences (one accepted 2 of them, one had no draft) took 3 s
-    d._measure([None, None], [3, 0], [3, 1], [1, 1], SimpleNamespace(bucket=4), 3.0)
+    # a step verifying 3 drafts for 2 sequences (one accepted 2 of them, one had no draft)
+    d._measure([3, 0], [3, 1], [1, 1])
     assert d.accept_rate == [1.0, 1.0, 0.0] and d.expected_emitted(3) == 3.0
+    # it started at 0 s, the next step of the same requests at 3 s: 0.5 s past its replays (1 + 0.5 * 3)
+    d.mark_step(_items(1, 2), "spec", 4, 3, 0.0)
+    d.mark_step(_items(1, 2), "spec", 4, 3, 3.0)
     assert d.overhead_samples == {4: [0.5]}
+    d.mark_step(_items(1), "spec", None, 3, 10.0)  # other requests (the batch changed): no sample
+    d.mark_step(_items(1), "spec", 4, 3, 20.0)  # after an eager step: none either
+    assert d.overhead_samples == {4: [0.5]}
+    d._last = None
     assert d.graph_step_seconds(1, 3) == 3.0  # bucket 1 takes the figure of a larger bucket as it is
     assert d.graph_step_seconds(16, 0) is None  # past the largest speculation bucket
     d.graphs.buckets = (1, 4, 16)
     assert d.graph_step_seconds(16, 0) == 1.0 + 0.5 * 2  # a larger one scales it by sqrt(16 / 4)
     d.graphs.buckets = (1, 4)
     assert d.pays(1)  # 2 drafts: 3 tokens per 2.5 s
-    d._measure([None], [3], [1], [1], SimpleNamespace(bucket=1), 4.0)  # none of three accepted, slow
-    assert d.accept_rate == [0.9, 1.0, 0.0] and d.overhead_samples[1] == [1.5]
-    assert d.expected_emitted(2) == 1.0 + 0.9 + 0.9
-    # 2.8 tokens per 3.5 s, 1.9 per 3 s, 2.8 per 4 s: below a plain step; the 8th refusal probes, then every doubling
+    d._measure([3], [1], [1])  # none of three accepted
+    assert d.accept_rate == [0.9, 1.0, 0.0] and d.expected_emitted(2) == 1.0 + 0.9 + 0.9
+
+    def slow_step(t, period=4.0, drafts=3):  # a bucket-1 step followed by a plain one: 1.5 s past its replays
+        d.mark_step(_items(9), "spec", 1, drafts, t)
+        d.mark_step(_items(9), "plain", 1, 0, t + period)
+        d._last = None
+
+    slow_step(30.0)
+    assert d.overhead_samples[1] == [1.5] and d.stats.first_overheads[1] == [1.5]
+    # 2.8 tokens per 3.5 s, 1.9 per 3 s, 2.8 per 4 s: below a plain step. The 8th refusal starts a probe of
+    # PROBE_STEPS speculative steps, then the 16th, and so on at every doubling; estimate_pays never probes
+    assert not any(d.estimate_pays(1) for _ in range(64)) and not d._refused
     answers = [d.pays(1) for _ in range(1024)]
-    assert [i + 1 for i, a in enumerate(answers) if a] == [8, 16, 32, 64, 128, 256, 512, 1024]
-    for _ in range(2):  # two more slow steps
-        d._measure([None], [3], [1], [1], SimpleNamespace(bucket=1), 4.0)
-    assert d.overhead_samples[1] == [1.5, 1.5, 1.5] and not d.pays(1)
-    for _ in range(2):  # then two fast ones: the second smallest of five is 0 (the median would be 1.5)
-        d._measure([None], [3], [4], [1], SimpleNamespace(bucket=1), 2.5)
-    assert d.overhead_samples[1] == [1.5, 1.5, 1.5, 0.0, 0.0] and d._overhead[1] == 0.0 and d.pays(1)
+    assert d.PROBE_STEPS == 3
+    assert [i + 1 for i, a in enumerate(answers) if a][:9] == [8, 9, 10, 18, 19, 20, 36, 37, 38]
+    assert sum(answers) == 3 * 7  # refusals 8, 16, .., 512 within 1024 answers
+    for t in (40.0, 50.0):  # two more slow steps
+        slow_step(t)
+    assert d.overhead_samples[1] == [1.5, 1.5, 1.5] and not d.estimate_pays(1)
+    for t in (60.0, 70.0):  # then two fast ones: the second smallest of five is 0 (the median would be 1.5)
+        slow_step(t, period=2.5)
+    assert d.overhead_samples[1] == [1.5, 1.5, 1.5, 0.0, 0.0] and d._overhead[1] == 0.0 and d.estimate_pays(1)
+    assert d.stats.first_overheads[1] == [1.5, 1.5, 1.5, 0.0, 0.0]
+
+
+def test_plain_steps_are_measured_start_to_start_as_speculative_ones():
+    model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
+    d = sd.SpecDecoder(_Runner(model), 3, "confidence", plain_cost={1: 1.0, 4: 1.0}, graphs=_Graphs())
+    d._measure([3], [1], [1])  # no draft accepted: 1 token per 2.5 s of replays
+    assert d.plain_step_seconds(1) == 1.0 and d.plain_step_seconds(3) == 1.0 and d.plain_step_seconds(5) is None
+    assert not d.estimate_pays(1)
+    d.mark_step(_items(7), "plain", 1, 0, 0.0)
+    d.mark_step(_items(7), "plain", 1, 0, 3.0)
+    assert d.plain_samples == {1: [3.0]} and d.plain_step_seconds(1) == 3.0
+    assert d.estimate_pays(1)  # plain steps measured at 3 s (their host time): 1 token per 2.5 s now wins
+    d.mark_step(_items(7), "spec", 1, 3, 4.0)  # a plain step before a speculative one: no sample (it waited)
+    d.mark_step(_items(7), "plain", None, 0, 9.0)  # an eager plain step: its period is not a graph step's
+    d.mark_step(_items(7), "plain", 1, 0, 10.0)
+    assert d.plain_samples == {1: [3.0]} and d.overhead_samples == {1: [2.5]}
+    for t in (11.0, 12.0, 13.0, 14.0):  # steps of 1 s each (10 s was one)
+        d.mark_step(_items(7), "plain", 1, 0, t)
+    assert d.plain_samples == {1: [3.0, 1.0, 1.0, 1.0, 1.0]} and d.plain_step_seconds(1) == 1.0
+    assert d.plain_step_seconds(4) == 1.0  # another bucket keeps its replay time
 
 
 @pytest.fixture(scope="module")
