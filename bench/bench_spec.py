@@ -79,7 +79,7 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     llm.generate(prompts[:min(batch, 4)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     stats0 = _spec_counters(llm)
     n_req = batch if batch > 1 else args.batch1_requests
-    with phase_timer(args.phases and bool(spec)) as phases:
+    with phase_timer(args.phases and bool(spec)) as phases, timeline(args.timeline and bool(spec)) as trace:
         outs = llm.generate(prompts[:n_req], sp)
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
@@ -101,6 +101,8 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
                     "graph_steps": st["graph_steps"] - stats0["graph_steps"]})
         if phases is not None:
             row["phase_ms_per_step"] = phases.per_step()
+        if trace is not None:
+            row["timeline"] = trace
         spec_dec = llm.runner.spec
         # per bucket, ms: the first five and the last five host-time samples past the replays (the schedule's
         # estimate reads the last five; the first steps of an engine carry one-time costs)
@@ -140,10 +142,8 @@ def phase_timer(on: bool):
 
     out = _Phases()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    wrapped = [(sd.SpecDecoder, "execute", "step"), (sd.SpecDecoder, "_chain", "chain"),
-               (sd.SpecDecoder, "_sample", "sample_accept"), (sd.SpecDecoder, "_mtp_pass", "mtp_pass"),
-               (sd.SpecDecoder, "_draw", "draw"), (sg.SpecGraph, "load", "graph_load"),
-               (sg.SpecGraph, "replay", "graph_replay"), (plan.PlanBuilder, "state_commit", "state_commit")]
+    owners = {"SpecDecoder": sd.SpecDecoder, "SpecGraph": sg.SpecGraph, "PlanBuilder": plan.PlanBuilder}
+    wrapped = [(owners[o], name, label) for o, name, label in _TIMED]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
 
     def timed(real, label):
@@ -166,6 +166,96 @@ def phase_timer(on: bool):
     finally:
         for owner, name, real in saved:
             setattr(owner, name, real)
+
+
+_TIMED = [("SpecDecoder", "execute", "step"), ("SpecDecoder", "_chain", "chain"),
+          ("SpecDecoder", "_sample", "sample_accept"), ("SpecDecoder", "_mtp_pass", "mtp_pass"),
+          ("SpecDecoder", "_draw", "draw"), ("SpecGraph", "load", "graph_load"), ("SpecGraph", "replay", "graph_replay"),
+          ("PlanBuilder", "state_commit", "state_commit")]
+
+
+@contextlib.contextmanager
+def timeline(on: bool):
+    """With ``on``: a dict filled when the block ends with where the device idled during speculative steps,
+    from a torch.profiler trace (nothing synchronised): per step window (one ``SpecDecoder.execute`` start to the
+    next), the mean window, device-busy time (the union of kernels and copies) and the device-idle ms that fall
+    inside each host phase of :func:`phase_timer` (nested: ``step`` holds the others) and between steps (the
+    engine's scheduling and applying). Else None."""
+    if not on:
+        yield None
+        return
+    import deepinfer.spec_decode as sd
+    import deepinfer.spec_graphs as sg
+    from deepinfer.models.deepseek_v4 import plan
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    owners = {"SpecDecoder": sd.SpecDecoder, "SpecGraph": sg.SpecGraph, "PlanBuilder": plan.PlanBuilder}
+    saved = [(owners[o], name, getattr(owners[o], name), label) for o, name, label in _TIMED]
+
+    def labelled(real, label):
+        def f(*a, **kw):
+            with record_function(f"spec:{label}"):
+                return real(*a, **kw)
+        return f
+
+    for owner, name, real, label in saved:
+        setattr(owner, name, labelled(real, label))
+    out: dict = {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    try:
+        with profile(activities=acts) as prof:
+            yield out
+    finally:
+        for owner, name, real, _ in saved:
+            setattr(owner, name, real)
+    events = prof.events()
+    busy = _union([(e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA])
+    labels: dict[str, list] = {}
+    for e in events:
+        if e.device_type == DeviceType.CPU and e.name.startswith("spec:"):
+            labels.setdefault(e.name[5:], []).append((e.time_range.start, e.time_range.end))
+    starts = sorted(a for a, _ in labels.get("step", []))
+    windows = list(zip(starts, starts[1:]))
+    if not windows:
+        return
+    idle = [gap for w0, w1 in windows for gap in _minus((w0, w1), busy)]
+    n = len(windows)
+    per = {lab: _overlap(idle, _union(r)) / n / 1e3 for lab, r in labels.items()}
+    out.update({"steps": n, "window_ms": sum(b - a for a, b in windows) / n / 1e3,
+                "device_busy_ms": sum(_overlap([w], busy) for w in windows) / n / 1e3,
+                "device_idle_ms_in": {k: round(v, 3) for k, v in sorted(per.items())},
+                "device_idle_ms_between_steps": (sum(b - a for a, b in idle) / n / 1e3) - per.get("step", 0.0)})
+
+
+def _union(spans: list) -> list:
+    """Sorted disjoint union of ``(start, end)`` spans."""
+    out: list = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def _minus(window, spans: list) -> list:
+    """Parts of ``window`` outside the disjoint sorted ``spans``."""
+    gaps, t = [], window[0]
+    for a, b in spans:
+        if b <= t or a >= window[1]:
+            continue
+        if a > t:
+            gaps.append((t, a))
+        t = max(t, b)
+    if t < window[1]:
+        gaps.append((t, window[1]))
+    return gaps
+
+
+def _overlap(spans: list, others: list) -> float:
+    """Total length of the intersection of two span lists (``others`` disjoint)."""
+    return sum(max(0.0, min(b, d) - max(a, c)) for a, b in spans for c, d in others)
 
 
 def _spec_counters(llm) -> dict:
@@ -244,6 +334,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--phases", action="store_true",
                    help="time each speculative step's phases (synchronised: slower rows, for diagnosis)")
+    p.add_argument("--timeline", action="store_true",
+                   help="trace the speculative rows (torch.profiler): where the device idles per step")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<device>/bench_spec.json)")
     args = p.parse_args(argv)
     if args.batch1_requests < 1 or args.repeats < 1:

@@ -32,12 +32,15 @@ def test_bench_spec_rows(tmp_path, monkeypatch):
     for r in rows[1:]:
         assert r["greedy_identical"] and r["verifications"] >= 0 and r["acceptance_length"] >= 1.0
         assert len(r["acceptance_per_position"]) == 2 and r["speedup"] > 0
-    mod.main(["--batches", "1", "--ks", "1", "--max-tokens", "4", "--prompt-len", "8", "--no-scheduled", "--phases",
+    mod.main(["--batches", "1", "--ks", "1", "--max-tokens", "4", "--prompt-len", "8", "--no-scheduled", "--phases", "--timeline",
               "--batch1-requests", "2", "--repeats", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["shape"]["requests"] for r in rows] == [2, 2]  # batch 1: requests one after another
     phases = rows[1]["phase_ms_per_step"]
     assert {"step", "chain", "sample_accept", "mtp_pass", "draw"} <= set(phases) and phases["step"] > 0
+    trace = rows[1]["timeline"]  # on the CPU no device time: the whole window idles, inside the step phases
+    assert trace["steps"] >= 1 and trace["device_busy_ms"] == 0 and trace["device_idle_ms_in"]["step"] > 0
+    assert mod._minus((0, 10), mod._union([(2, 3), (1, 2.5), (5, 6)])) == [(0, 1), (3, 5), (6, 10)]
     assert sd.SpecDecoder.execute.__name__ == "execute"  # the wrappers are gone after the row
     with pytest.raises(SystemExit, match="--model"):
         mod.main(["--model", str(tmp_path / "missing")])
