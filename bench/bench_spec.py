@@ -104,8 +104,8 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
         if trace is not None:
             row["timeline"] = trace
         spec_dec = llm.runner.spec
-        # per bucket, ms: the first five and the last five host-time samples past the replays (the schedule's
-        # estimate reads the last five; the first steps of an engine carry one-time costs)
+        # per bucket, ms: the first five and the last five samples of step time past the replays (start to next
+        # start; the schedule's estimate reads the last five, and an engine's first steps carry one-time costs)
         first = spec_dec.stats.first_overheads
         row["host_overhead_ms"] = {str(b): {"first": [round(1e3 * x, 3) for x in first.get(b, [])],
                                             "last": [round(1e3 * x, 3) for x in v]}
@@ -128,6 +128,19 @@ class _Phases:
         return {k: round(1e3 * v / n, 3) for k, v in self.seconds.items() if k != "_count"} if n else {}
 
 
+def _timed_methods() -> list[tuple]:
+    """``(owner, method name, phase label)`` of the speculative step's phases that :func:`phase_timer` and
+    :func:`timeline` wrap."""
+    import deepinfer.spec_decode as sd
+    import deepinfer.spec_graphs as sg
+    from deepinfer.models.deepseek_v4 import plan
+
+    return [(sd.SpecDecoder, "execute", "step"), (sd.SpecDecoder, "_chain", "chain"),
+            (sd.SpecDecoder, "_sample", "sample_accept"), (sd.SpecDecoder, "_mtp_pass", "mtp_pass"),
+            (sd.SpecDecoder, "_draw", "draw"), (sg.SpecGraph, "load", "graph_load"),
+            (sg.SpecGraph, "replay", "graph_replay"), (plan.PlanBuilder, "state_commit", "state_commit")]
+
+
 @contextlib.contextmanager
 def phase_timer(on: bool):
     """With ``on``: a :class:`_Phases` timing ``SpecDecoder`` steps (``step``), the draft chain, sampling and
@@ -136,14 +149,9 @@ def phase_timer(on: bool):
     if not on:
         yield None
         return
-    import deepinfer.spec_decode as sd
-    import deepinfer.spec_graphs as sg
-    from deepinfer.models.deepseek_v4 import plan
-
     out = _Phases()
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    owners = {"SpecDecoder": sd.SpecDecoder, "SpecGraph": sg.SpecGraph, "PlanBuilder": plan.PlanBuilder}
-    wrapped = [(owners[o], name, label) for o, name, label in _TIMED]
+    wrapped = _timed_methods()
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in wrapped]
 
     def timed(real, label):
@@ -168,10 +176,6 @@ def phase_timer(on: bool):
             setattr(owner, name, real)
 
 
-_TIMED = [("SpecDecoder", "execute", "step"), ("SpecDecoder", "_chain", "chain"),
-          ("SpecDecoder", "_sample", "sample_accept"), ("SpecDecoder", "_mtp_pass", "mtp_pass"),
-          ("SpecDecoder", "_draw", "draw"), ("SpecGraph", "load", "graph_load"), ("SpecGraph", "replay", "graph_replay"),
-          ("PlanBuilder", "state_commit", "state_commit")]
 
 
 @contextlib.contextmanager
@@ -184,14 +188,10 @@ def timeline(on: bool):
     if not on:
         yield None
         return
-    import deepinfer.spec_decode as sd
-    import deepinfer.spec_graphs as sg
-    from deepinfer.models.deepseek_v4 import plan
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    owners = {"SpecDecoder": sd.SpecDecoder, "SpecGraph": sg.SpecGraph, "PlanBuilder": plan.PlanBuilder}
-    saved = [(owners[o], name, getattr(owners[o], name), label) for o, name, label in _TIMED]
+    saved = [(owner, name, getattr(owner, name), label) for owner, name, label in _timed_methods()]
 
     def labelled(real, label):
         def f(*a, **kw):

@@ -235,14 +235,14 @@ class SpecDecoder:
         a sample when it was a graph step of the same requests (no idle time or batch change between them): a
         plain one its period when this step is plain too (:attr:`plain_samples`; a plain step after it runs
         overlapped), a speculative one its period minus its graphs' replay times (:attr:`overhead_samples`)."""
+        if self.graphs is None or not self.graphs.seconds:  # the cost-table rule compares device times only
+            return
         ids = tuple(it.req_id for it in items)
         prev, self._last = self._last, (kind, bucket, drafts, t0, ids) if bucket is not None else None
         if prev is None or prev[4] != ids:
             return
         prev_kind, b, d, start, _ = prev
         period = t0 - start
-        if self.graphs is None or not self.graphs.seconds:  # the cost-table rule compares device times only
-            return
         if prev_kind == "plain":
             if kind == "plain":
                 self._plain[b] = _add_sample(self.plain_samples.setdefault(b, []), period)
