@@ -186,15 +186,15 @@ class SpecDecoder:
         measured the same way once steps ran: the time from a step's start to the next one's. At a refused
         bucket the :attr:`FIRST_PROBE` th refusal starts a probe instead, then the one after twice as many, and so
         on: :attr:`PROBE_STEPS` speculative steps (the first verifies no draft), which measure that bucket's
-        speculative steps; a slow first step must not switch speculation off for good, and probes cost next to
-        nothing. Without graphs: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps,
+        speculative steps; a slow first step must not switch speculation off for good. No probe where the
+        replays alone already lose (host time only adds). Without graphs: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps,
         the most a verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps
         run eagerly there too)."""
         if self.estimate_pays(num_seqs):
             return True
         g = self.graphs
         b = g.bucket(num_seqs) if g is not None and g.seconds else None
-        if b is None:  # the cost-table rule, or past the largest speculation bucket: no probe
+        if b is None or not self._could_pay(num_seqs):  # a probe only measures host time, which only adds
             return False
         if self._probing.get(b):
             self._probing[b] -= 1
@@ -218,6 +218,13 @@ class SpecDecoder:
             return any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
                        for d in range(1, self.k + 1))
         return self.cost(num_seqs, num_seqs * (1 + self.k)) < (1 + self.k) * plain
+
+    def _could_pay(self, num_seqs: int) -> bool:
+        """Whether a speculative step could beat a plain one at ``num_seqs`` sequences with no host time past
+        its graphs' replays (the least it can take)."""
+        plain = self.plain_step_seconds(num_seqs)
+        return any(self.expected_emitted(d) * plain > self.graphs.step_seconds(num_seqs, d)
+                   for d in range(1, self.k + 1))
 
     def plain_step_seconds(self, num_seqs: int) -> float | None:
         """Seconds of a plain decode step of ``num_seqs`` sequences at the smallest decode-graph bucket holding
@@ -492,8 +499,11 @@ class SpecDecoder:
                 row_states.extend([st] * (k + 1))
                 counters.extend(range(first, first + k + 1))
         masks = r._grammar_masks(row_states, logits.shape[1]) if row_states else None
-        ids_out, lps_out, tops_out, kept = self._sample(items, states, nv, logits, row_states, counters, masks,
-                                                        ids if drafts else None, draft_at)
+        # a decode step runs its MTP pass over every row while the host waits for the step's read
+        early = (lambda mtp_ids: self._mtp_rows(states, c0, q, mtp_ids, streams)) \
+            if self._mtp_early(items, states, n_base) else None
+        ids_out, lps_out, tops_out, kept, pre = self._sample(items, states, nv, logits, row_states, counters, masks,
+                                                             ids if drafts else None, draft_at, early)
 
         # 4. the ring state of the kept positions only
         if deferred:
@@ -503,8 +513,11 @@ class SpecDecoder:
                                            checked=True)
             commit_deferred_state(comp, lists)
 
-        # 5. the MTP layer over the kept positions; the next step's first drafts
-        self._mtp_pass(items, states, c0, kept, row_starts, streams)
+        # 5. the MTP layer over the kept positions (run before the read in a decode step); the next first drafts
+        if pre is not None:
+            self._keep_drafts(items, states, c0, kept, row_starts, pre)
+        else:
+            self._mtp_pass(items, states, c0, kept, row_starts, streams)
         decode = [it.start >= st.num_prompt_tokens and b == 1 for it, st, b in zip(items, states, n_base)]
         # a decode emits its kept positions' worth of tokens (1 + accepted drafts)
         n_decode = sum(k for k, d in zip(kept, decode) if d)
@@ -527,15 +540,17 @@ class SpecDecoder:
                 self.accept_rate[j] = rate if old is None else 0.9 * old + 0.1 * rate
 
     def _sample(self, items, states, nv, logits, row_states, counters, masks, ids: torch.Tensor | None,
-                draft_at: list[int]):
+                draft_at: list[int], before_read=None):
         """Draws and acceptance: per sampled request its token(s), logprob(s) and top logprobs (in step order),
-        and per request the positions it keeps (``q`` of a request without drafts, 1 + accepted drafts else).
-        ``ids``: the step's token ids on the device when it verifies drafts (request ``i``'s from token row
-        ``draft_at[i]``)."""
+        per request the positions it keeps (``q`` of a request without drafts, 1 + accepted drafts else), and what
+        ``before_read(mtp_ids)`` returned (None without it). ``ids``: the step's token ids on the device when it
+        verifies drafts (request ``i``'s from token row ``draft_at[i]``). ``before_read`` is device work enqueued
+        before the step's one read is waited for; ``mtp_ids`` ``[rows]`` int64 holds, per logits row, the token
+        the step emits after it (where the row is kept)."""
         r = self.runner
         kept = [it.num_new_tokens - it.num_draft_tokens + k for it, k in zip(items, nv)]
         if not row_states:
-            return [], [], [], kept
+            return [], [], [], kept, None
         base, base_lp, tops = r.sampler.sample_device(logits, row_states, counters, masks)
         # the confidences of this step's drafts, read with its results (the next step's choice: no read of its own)
         conf_refs, conf_of = [], []  # conf_of: (item, its first index in conf_refs)
@@ -546,25 +561,34 @@ class SpecDecoder:
                     conf_of.append((i, len(conf_refs)))
                     conf_refs.extend(d.conf[:max(k, 1)])
         conf_t, conf_order = flat_rows(conf_refs) if conf_refs else (None, [])
-        head, m = ([conf_t] if conf_refs else []), len(conf_refs)  # the read's first m values
+        m = len(conf_refs)  # the read's first m values
+        parts = ([conf_t] if conf_refs else []) + [base.double(), base_lp.double()]
         spec_items = [i for i, (it, k) in enumerate(zip(items, nv)) if it.needs_logits and k]
         # greedy verifications accept on the host from the sampler's argmax (the read below): no device work
         greedy = all(states[i].params.temperature < MIN_SAMPLING_TEMPERATURE for i in spec_items)
+        mtp_ids = base
+        if spec_items and greedy:  # the drafts come with the read
+            parts.append(ids.double())
+        elif spec_items:
+            packed, mtp_ids = self._accept(items, states, nv, logits, base, counters, spec_items, ids, draft_at)
+            parts.append(packed.reshape(-1))
+        flat, pre = _read(parts, before_read, mtp_ids)  # one read
+        n = base.shape[0]
+        conf_h, flat = flat[:m], flat[m:]
+        base_h, base_lp_h, rest = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:]
         emitted = {}
-        if spec_items and not greedy:
-            emitted = self._accept(items, states, nv, logits, base, counters, spec_items, ids, draft_at)
-        if spec_items and greedy:  # one read, the drafts with it
-            n = base.shape[0]
-            flat = torch.cat(head + [base.double(), base_lp.double(), ids.double()]).tolist()
-            conf_h, flat = flat[:m], flat[m:]
-            base_h, base_lp_h, ids_h = [int(t) for t in flat[:n]], flat[n:2 * n], flat[2 * n:]
-            drafts_h = [[int(t) for t in ids_h[draft_at[i]:draft_at[i] + nv[i]]] for i in spec_items]
+        if spec_items and greedy:
+            drafts_h = [[int(t) for t in rest[draft_at[i]:draft_at[i] + nv[i]]] for i in spec_items]
             emitted = self._accept_greedy(items, nv, spec_items, base_h, base_lp_h, drafts_h)
-        else:
-            n = base.shape[0]
-            flat = torch.cat(head + [base.double(), base_lp.double()]).tolist()  # one read
-            conf_h, flat = flat[:m], flat[m:]
-            base_h, base_lp_h = [int(t) for t in flat[:n]], flat[n:2 * n]
+        elif spec_items:
+            K = max(nv[i] for i in spec_items)
+            w = 2 * K + 3
+            got = []
+            for a in range(len(spec_items)):
+                row = rest[a * w:(a + 1) * w]
+                e = int(row[K + 1])
+                got.append(([int(t) for t in row[:e]], row[K + 2:K + 2 + e]))
+            emitted = self._record(nv, spec_items, got)
         vals = [0.0] * len(conf_refs)
         for at, v in zip(conf_order, conf_h):
             vals[at] = v
@@ -590,13 +614,15 @@ class SpecDecoder:
                 tops_out.append(tops[row:row + len(toks)])
                 kept[i] = it.num_new_tokens - it.num_draft_tokens + len(toks) - 1
             row += k + 1
-        return ids_out, lps_out, tops_out, kept
+        return ids_out, lps_out, tops_out, kept, pre
 
     def _accept(self, items, states, nv, logits, base, counters, spec_items, ids: torch.Tensor,
-                draft_at: list[int]) -> dict[int, tuple[list, list]]:
+                draft_at: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`~deepinfer.speculative.accept_drafts` over the requests ``spec_items`` (some of them sampled;
-        drafts read from the step's device ``ids`` at ``draft_at``): ``{item: (tokens, logprobs)}`` of what each
-        emits (:meth:`_record`)."""
+        drafts read from the step's device ``ids`` at ``draft_at``), on the device: per request of ``spec_items``
+        a float64 row of ``2 K + 3`` values (its ``K + 1`` tokens, ``-1`` past the emitted ones, their count, their
+        logprobs; ``K`` the most drafts), and ``base`` with each verification's rows replaced by its emitted
+        tokens (the MTP pass's inputs)."""
         r = self.runner
         dev = logits.device
         K = max(nv[i] for i in spec_items)
@@ -644,13 +670,14 @@ class SpecDecoder:
         raw = logits[base_rows.reshape(-1)].float()
         lse = _log_softmax_normaliser(raw).view(n, K + 1)
         tok_lp = raw.view(n, K + 1, V).gather(2, tokens.clamp(min=0)[:, :, None]).squeeze(2) - lse
-        # one read: tokens, counts and logprobs as float64 (token ids are exact there)
-        packed = torch.cat([tokens.double(), n_emit.double()[:, None], tok_lp.double()], dim=1).tolist()
-        got = []
-        for row in packed:
-            e = int(row[K + 1])
-            got.append(([int(t) for t in row[:e]], row[K + 2:K + 2 + e]))
-        return self._record(nv, spec_items, got)
+        # past a row's emitted tokens its index points at a spare slot, dropped after the scatter
+        N = base.shape[0]
+        spare = torch.full_like(base_rows, N)
+        col = torch.arange(K + 1, device=dev)
+        rows = torch.where(col[None, :] <= num_d[:, None], base_rows, spare)
+        emitted_ids = torch.cat([base, base.new_zeros(1)]).scatter_(0, rows.reshape(-1), tokens.reshape(-1))[:N]
+        # tokens, counts and logprobs as float64 (token ids are exact there), read with the step's other results
+        return torch.cat([tokens.double(), n_emit.double()[:, None], tok_lp.double()], dim=1), emitted_ids
 
     def _accept_greedy(self, items, nv, spec_items, base_h: list[int], base_lp_h: list[float],
                        drafts: list[list[int]]) -> dict:
@@ -726,6 +753,48 @@ class SpecDecoder:
         for n, (i, p) in enumerate(zip(drafting, pos)):
             self.drafts[items[i].req_id] = DraftState(p, (toks, n), probs[n], None if conf is None else (conf, n),
                                                       (hs, n))
+
+
+    def _mtp_early(self, items, states, n_base) -> bool:
+        """Whether the MTP pass can run before the step's read, over every verification row: every request
+        decodes (one token and its drafts, with logits) and speculates, and the MTP layer attends its window only
+        (a row past the kept ones writes window KV alone, which a later step overwrites before reading it)."""
+        if any(getattr(self.runner.model.config, "mtp_compress_ratios", ())[:1]):
+            return False
+        return all(b == 1 and it.needs_logits and it.start >= st.num_prompt_tokens and speculates(st.params)
+                   for it, st, b in zip(items, states, n_base))
+
+    def _mtp_rows(self, states, c0, q, mtp_ids: torch.Tensor, streams: torch.Tensor):
+        """The MTP layer over all ``q[i]`` rows of each request's verification from ``c0[i]`` (row ``t``'s input:
+        ``mtp_ids[t]``, the token the step emits after it) and a draft per row, all left on the device:
+        ``(tokens, confidences, distributions, streams)`` (:meth:`_draw`); :meth:`_keep_drafts` keeps the row of
+        each request's last kept position."""
+        n = int(q.sum())
+        logits, mtp_streams = self._forward_mtp(states, c0, q, mtp_ids[:n].clamp(min=0), streams[:n],
+                                                list(range(n)))
+        row_states = [st for st, k in zip(states, q.tolist()) for _ in range(k)]
+        # row t's draft goes at position c0 + t + 2 (the token after the next step's input)
+        counters = [c + t + 2 - st.num_prompt_tokens for st, c, k in zip(states, c0.tolist(), q.tolist())
+                    for t in range(k)]
+        toks, conf, probs = self._draw(logits, row_states, counters)
+        return toks, conf, probs, mtp_streams
+
+    def _keep_drafts(self, items, states, c0, kept, row_starts, pre) -> None:
+        """The next first drafts from :meth:`_mtp_rows`'s results ``pre``: the row of each request's last kept
+        position, for each request that sampled a token."""
+        toks, conf, probs, mtp_streams = pre
+        for it in items:
+            self.drafts.pop(it.req_id, None)
+        who = [i for i, st in enumerate(states) if len(st.token_ids) > c0[i] + kept[i]]
+        if not who:
+            return
+        rows = [int(row_starts[i]) + kept[i] - 1 for i in who]
+        (at,) = index_tensors([np.asarray(rows, dtype=np.int64)], toks.device)
+        # copies: the graph's buffers are rewritten by its next replay
+        tk, hs, cf = toks[at], mtp_streams[at], None if conf is None else conf[at]
+        for n, (i, row) in enumerate(zip(who, rows)):
+            self.drafts[items[i].req_id] = DraftState(int(c0[i]) + kept[i] + 1, (tk, n), probs[row],
+                                                      None if cf is None else (cf, n), (hs, n))
 
 
 class StepCostTable:
@@ -839,6 +908,23 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
         lengths = [min(cap, len(row)) for row in surv]
         consider(lengths, n + sum(sum(row[:m]) for row, m in zip(surv, lengths)))
     return best_k
+
+
+def _read(parts: list[torch.Tensor], before_read, mtp_ids: torch.Tensor) -> tuple[list[float], object]:
+    """The float64 concatenation of ``parts`` on the host (one read) and what ``before_read(mtp_ids)`` returned
+    (None without it): on CUDA its work is enqueued after the copy, so that it runs while the host waits."""
+    flat = torch.cat(parts)
+    if before_read is None:
+        return flat.tolist(), None
+    if flat.device.type != "cuda":
+        return flat.tolist(), before_read(mtp_ids)
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+    host.copy_(flat, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    pre = before_read(mtp_ids)
+    done.synchronize()
+    return host.tolist(), pre
 
 
 def _add_sample(samples: list[float], seconds: float) -> float:

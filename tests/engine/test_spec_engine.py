@@ -559,3 +559,36 @@ def test_graph_steps_equal_speculation_off(reference, oracle, monkeypatch, k, sc
     assert kinds == ({"verify", "draft", "mtp"} if k > 1 else {"verify", "mtp"})
     assert any(q > 1 for kind, _, q in replays if kind == "verify")
     assert True in verify_calls and False in verify_calls  # decode steps replay the graph, prefill steps eager
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_mtp_pass_before_the_read_keeps_the_state_of_the_pass_after_it(reference, oracle, monkeypatch, graphs):
+    """A decode step runs its MTP pass over every verification row before its read and keeps each request's last
+    kept row: the next drafts' positions and hidden streams equal those of the pass over the kept rows alone
+    (after the read), with accepted blocks and rejections; outputs equal speculation off either way."""
+    def run(early: bool):
+        kept, calls = [], []
+        real_init, real_rows = sd.DraftState.__init__, sd.SpecDecoder._mtp_rows
+
+        def init(self, position, token, probs, conf, hidden):
+            kept.append((position, hidden[0][hidden[1]].float().clone()))
+            real_init(self, position, token, probs, conf, hidden)
+
+        def rows(self, *a):
+            calls.append(1)
+            return real_rows(self, *a)
+
+        with monkeypatch.context() as m:
+            m.setattr(sd.DraftState, "__init__", init)
+            m.setattr(sd.SpecDecoder, "_mtp_rows", rows)
+            if not early:
+                m.setattr(sd.SpecDecoder, "_mtp_early", lambda self, *a: False)
+            _greedy_equals_reference(_spec(3, graphs=graphs), reference)
+        return kept, len(calls)
+
+    early, n_early = run(True)
+    late, n_late = run(False)
+    assert n_early > 0 and n_late == 0
+    assert [p for p, _ in early] == [p for p, _ in late]
+    for (_, a), (_, b) in zip(early, late):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

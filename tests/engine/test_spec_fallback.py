@@ -103,6 +103,9 @@ def test_pays_with_graphs_reads_measured_acceptance_and_step_periods():
         slow_step(t, period=2.5)
     assert d.overhead_samples[1] == [1.5, 1.5, 1.5, 0.0, 0.0] and d._overhead[1] == 0.0 and d.estimate_pays(1)
     assert d.stats.first_overheads[1] == [1.5, 1.5, 1.5, 0.0, 0.0]
+    d._refused.clear()
+    d.accept_rate = [0.1, 0.1, 0.1]  # 1.1 tokens per 1.5 s of replays at best: no probe can find a win
+    assert not any(d.pays(1) for _ in range(1024)) and d._refused == {}
 
 
 def test_plain_steps_are_measured_start_to_start_as_speculative_ones():
