@@ -268,8 +268,9 @@ def _spec_counters(llm) -> dict:
             "graph_steps": s.graph_steps}
 
 
-def sweep(model, args) -> list[dict]:
-    """Every (batch, mode) row; spec rows carry the speedup and overhead against the spec-off row."""
+def sweep(model, args, on_row=None) -> list[dict]:
+    """Every (batch, mode) row; spec rows carry the speedup and overhead against the spec-off row.
+    ``on_row(rows)`` runs after each row (the result file is rewritten as rows come: a run cut short keeps them)."""
     from deepinfer import LLM
 
     ks = [int(x) for x in args.ks.split(",")]
@@ -314,6 +315,8 @@ def sweep(model, args) -> list[dict]:
                     row["greedy_identical"] = tokens == base_tokens
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
@@ -346,7 +349,6 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model
     if model not in PRESETS and not Path(model).is_dir():
         raise SystemExit(f"--model: {model!r} is neither a preset nor a checkpoint directory")
-    rows = sweep(model, args)
     dev = "h200" if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name() else \
         ("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or ROOT / "bench" / "results" / dev / "bench_spec.json"
@@ -354,8 +356,12 @@ def main(argv: list[str] | None = None) -> None:
     from bench.timer import commit_id
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    out.write_text(json.dumps({"model": str(args.model), "gpu": gpu, "torch": torch.__version__,
-                               "commit": commit_id(), "rows": rows}, indent=1) + "\n")
+    head = {"model": str(args.model), "gpu": gpu, "torch": torch.__version__, "commit": commit_id()}
+
+    def write(rows: list[dict]) -> None:
+        out.write_text(json.dumps({**head, "rows": rows}, indent=1) + "\n")
+
+    write(sweep(model, args, write))
     print(f"wrote {out}")
 
 
