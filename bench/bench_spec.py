@@ -7,10 +7,12 @@ Usage (from the repository root, PYTHONPATH=python:engine):
 
 Per batch size (--batches, default 1,8,64,256) and mode (``off``; ``fixed-k`` for each k of --ks, default 1..5;
 ``scheduled``: spec_schedule="confidence" with k = the largest of --ks; off and scheduled run --repeats times,
-alternating, and keep their fastest run, ``decode_tok_s_runs`` holding all): one warm-up generate, then --batch requests
-(at batch 1, --batch1-requests of them one after another: one prompt's acceptance is noise) decode --max-tokens tokens
-each (greedy unless --temperature; ignore_eos). Prompts: lines of --prompts (tokenized
-with the model's tokenizer, cycled), else random token ids of --prompt-len.
+alternating, and keep their fastest run, ``decode_tok_s_runs`` holding all): one warm-up generate, then requests
+that decode --max-tokens tokens each (greedy unless --temperature; ignore_eos): at batch 1, --batch1-requests of them
+one after another (one prompt's acceptance is noise); past it, --waves x batch of them, at most batch at a time. A
+single wave would measure how a static batch drains: speculating requests finish unevenly and the slowest one sets
+the time, while spec off finishes them together. Prompts: lines of --prompts (tokenized with the model's tokenizer,
+cycled), else random token ids of --prompt-len.
 
 Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.EngineStats``), its median over pure
 decode steps, TPOT, and with speculation the acceptance length (mean tokens per verification = 1 + accepted drafts),
@@ -78,13 +80,14 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
     llm.generate(prompts[:min(batch, 4)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     stats0 = _spec_counters(llm)
-    n_req = batch if batch > 1 else args.batch1_requests
+    n_req = batch * args.waves if batch > 1 else args.batch1_requests
     with phase_timer(args.phases and bool(spec)) as phases, timeline(args.timeline and bool(spec)) as trace:
         outs = llm.generate(prompts[:n_req], sp)
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
                                                         "max_tokens": args.max_tokens, "k": k if spec else 0,
-                                                        "requests": n_req, "temperature": args.temperature},
+                                                        "requests": n_req, "waves": args.waves if batch > 1 else 1,
+                                                        "temperature": args.temperature},
            "decode_tok_s": s["decode_tok_s"], "decode_tok_s_median": s["decode_tok_s_median"],
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
            "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan")}
@@ -329,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ks", default="1,2,3,4,5")
     p.add_argument("--no-scheduled", action="store_true", help="skip the confidence-scheduled rows")
     p.add_argument("--batch1-requests", type=int, default=8, help="requests run one after another at batch 1")
+    p.add_argument("--waves", type=int, default=4,
+                   help="past batch 1, requests per row = waves x batch, at most batch at once (default 4)")
     p.add_argument("--repeats", type=int, default=2, help="runs of the off and scheduled rows (the fastest kept)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=256)
@@ -341,9 +346,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="trace the speculative rows (torch.profiler): where the device idles per step")
     p.add_argument("--out", type=Path, default=None, help="result JSON (default bench/results/<device>/bench_spec.json)")
     args = p.parse_args(argv)
-    if args.batch1_requests < 1 or args.repeats < 1:
-        raise SystemExit("--batch1-requests and --repeats: must be at least 1")
-    args.batch_max = max([int(b) for b in args.batches.split(",")] + [args.batch1_requests])
+    if args.batch1_requests < 1 or args.repeats < 1 or args.waves < 1:
+        raise SystemExit("--batch1-requests, --repeats and --waves: must be at least 1")
+    args.batch_max = max([int(b) * args.waves for b in args.batches.split(",")] + [args.batch1_requests])
     from deepinfer.presets import PRESETS
 
     model = args.model

@@ -150,8 +150,8 @@ class SpecDecoder:
         self.plain_cost = dict(sorted(plain_cost.items())) if plain_cost and schedule == "confidence" else None
         self.graphs = graphs
         # measured: seconds a graph step takes past its graphs' replay times (the last few per bucket), and per
-        # draft position the rate at which a verified draft is accepted once the ones before it were (EMA; None:
-        # not measured yet, counted as 1)
+        # draft position the rate at which a verified draft is accepted once the ones before it were
+        # (:meth:`_measure`; None: not measured yet, counted as 1)
         self.overhead_samples: dict[int, list[float]] = {}
         self._overhead: dict[int, float] = {}  # robust figure of each bucket's samples (:func:`robust_seconds`)
         # per decode-graph bucket, the seconds between the starts of consecutive plain graph steps of the same
@@ -160,6 +160,9 @@ class SpecDecoder:
         self._plain: dict[int, float] = {}
         self._last: tuple | None = None  # the last step started: (kind, bucket, drafts, t0, request ids)
         self.accept_rate: list[float | None] = [None] * num_speculative_tokens
+        # per draft position, the decayed counts behind accept_rate (:meth:`_measure`)
+        self._accepted = [0.0] * num_speculative_tokens
+        self._verified = [0.0] * num_speculative_tokens
         self._refused: dict[int, int] = {}
         self._probing: dict[int, int] = {}  # per bucket, the speculative steps a probe still runs
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
@@ -529,15 +532,21 @@ class SpecDecoder:
         self.mark_step(items, "spec", g.bucket if g is not None else None, max(nv), t0)
         return out
 
+    #: per step that verifies a draft position, the weight its earlier counts keep (about 50 steps' memory)
+    ACCEPT_DECAY = 0.98
+
     def _measure(self, nv: list[int], kept: list[int], n_base: list[int]) -> None:
-        """Update :attr:`accept_rate` from this step's verifications."""
+        """Update :attr:`accept_rate` from this step's verifications: per draft position, the decayed counts of
+        drafts verified there (the ones before it taken) and accepted, with one accepted and one rejected draft
+        as a prior, ``(accepted + 1) / (verified + 2)``. A few early rejections must not read as a rate of 0: the
+        schedule would then never speculate, nor probe, again (:meth:`pays`)."""
         accepted = [(k - b, v) for k, b, v in zip(kept, n_base, nv) if v]
         for j in range(self.k):
             reached = [a for a, v in accepted if v > j and a >= j]  # verified draft j + 1, the ones before taken
             if reached:
-                rate = sum(a > j for a in reached) / len(reached)
-                old = self.accept_rate[j]
-                self.accept_rate[j] = rate if old is None else 0.9 * old + 0.1 * rate
+                self._accepted[j] = self.ACCEPT_DECAY * self._accepted[j] + sum(a > j for a in reached)
+                self._verified[j] = self.ACCEPT_DECAY * self._verified[j] + len(reached)
+                self.accept_rate[j] = (self._accepted[j] + 1) / (self._verified[j] + 2)
 
     def _sample(self, items, states, nv, logits, row_states, counters, masks, ids: torch.Tensor | None,
                 draft_at: list[int], before_read=None):

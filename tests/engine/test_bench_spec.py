@@ -21,11 +21,11 @@ def test_bench_spec_rows(tmp_path, monkeypatch):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("The quick brown fox\n\nimport os\n")
     mod.main(["--batches", "2", "--ks", "2", "--max-tokens", "4", "--prompt-len", "8", "--prompts", str(prompts),
-              "--out", str(out)])
+              "--waves", "2", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [r["mode"] for r in rows] == ["off", "scheduled", "fixed-2"]
     for r in rows:
-        assert r["decode_tok_s"] > 0 and r["shape"]["batch"] == 2
+        assert r["decode_tok_s"] > 0 and r["shape"]["batch"] == 2 and r["shape"]["requests"] == 4
     for r in rows[:2]:  # off and scheduled alternate twice (the default --repeats), the faster run kept
         assert len(r["decode_tok_s_runs"]) == 2 and r["decode_tok_s"] == max(r["decode_tok_s_runs"])
     assert "decode_tok_s_runs" not in rows[2]

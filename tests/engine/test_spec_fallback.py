@@ -64,7 +64,9 @@ def test_pays_with_graphs_reads_measured_acceptance_and_step_periods():
     assert d.pays(100)  # past the decode graphs plain steps are eager too
     # a step verifying 3 drafts for 2 sequences (one accepted 2 of them, one had no draft)
     d._measure([3, 0], [3, 1], [1, 1])
-    assert d.accept_rate == [1.0, 1.0, 0.0] and d.expected_emitted(3) == 3.0
+    # (accepted + 1) / (verified + 2) per position: the prior keeps one step's rejection from reading as 0
+    assert d.accept_rate == pytest.approx([2 / 3, 2 / 3, 1 / 3])
+    assert d.expected_emitted(3) == pytest.approx(1 + 2 / 3 + 4 / 9 + 4 / 27)
     # it started at 0 s, the next step of the same requests at 3 s: 0.5 s past its replays (1 + 0.5 * 3)
     d.mark_step(_items(1, 2), "spec", 4, 3, 0.0)
     d.mark_step(_items(1, 2), "spec", 4, 3, 3.0)
@@ -78,9 +80,14 @@ def test_pays_with_graphs_reads_measured_acceptance_and_step_periods():
     d.graphs.buckets = (1, 4, 16)
     assert d.graph_step_seconds(16, 0) == 1.0 + 0.5 * 2  # a larger one scales it by sqrt(16 / 4)
     d.graphs.buckets = (1, 4)
-    assert d.pays(1)  # 2 drafts: 3 tokens per 2.5 s
-    d._measure([3], [1], [1])  # none of three accepted
-    assert d.accept_rate == [0.9, 1.0, 0.0] and d.expected_emitted(2) == 1.0 + 0.9 + 0.9
+    assert not d.estimate_pays(1)  # 1.67 tokens per 2 s, 2.11 per 2.5 s, 2.26 per 3 s
+    for _ in range(50):  # 50 steps accepting both of their 2 drafts: 2.9 tokens per 2.5 s
+        d._measure([2], [3], [1])
+    assert d.accept_rate[0] > 0.96 and d.accept_rate[2] == pytest.approx(1 / 3) and d.pays(1)
+    before = list(d.accept_rate)
+    d._measure([3], [1], [1])  # none of three accepted: only the first position verified anything
+    assert d.accept_rate[0] < before[0] and d.accept_rate[1:] == before[1:]
+    d.accept_rate = [0.9, 1.0, 0.0]
 
     def slow_step(t, period=4.0, drafts=3):  # a bucket-1 step followed by a plain one: 1.5 s past its replays
         d.mark_step(_items(9), "spec", 1, drafts, t)
@@ -106,6 +113,26 @@ def test_pays_with_graphs_reads_measured_acceptance_and_step_periods():
     d._refused.clear()
     d.accept_rate = [0.1, 0.1, 0.1]  # 1.1 tokens per 1.5 s of replays at best: no probe can find a win
     assert not any(d.pays(1) for _ in range(1024)) and d._refused == {}
+
+
+def test_an_early_rejection_does_not_end_speculation_for_good():
+    """The first verification rejects its first draft and the first step carries a one-time cost: the schedule
+    refuses, but its probes still run (a rate of 0 would have ended them: no speculative step would measure
+    again), and a probe that measures cheap steps and accepted drafts brings speculation back."""
+    model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
+    # plain steps of 1.4 s; a rate of 0 would emit 1 token per 1.5 s of replays at best: no probe
+    d = sd.SpecDecoder(_Runner(model), 3, "confidence", plain_cost={1: 1.4, 4: 1.4}, graphs=_Graphs())
+    d._measure([3], [1], [1])  # draft 1 rejected
+    assert d.accept_rate == [pytest.approx(1 / 3), None, None]
+    d.mark_step(_items(5), "spec", 1, 3, 0.0)
+    d.mark_step(_items(5), "spec", 1, 3, 10.0)  # 7.5 s past the replays (a first step's one-time costs)
+    assert not d.estimate_pays(1)
+    answers = [d.pays(1) for _ in range(8)]
+    assert answers == [False] * 7 + [True]  # the 8th refusal starts a probe
+    for t in (20.0, 22.5, 25.0, 27.5):  # its steps take 2.5 s (no time past the replays) and accept every draft
+        d._measure([3], [4], [1])
+        d.mark_step(_items(5), "spec", 1, 3, t)
+    assert d.estimate_pays(1)
 
 
 def test_plain_steps_are_measured_start_to_start_as_speculative_ones():
