@@ -27,10 +27,12 @@ MTP_OWN = {"e_proj.weight": "e_proj.weight", "h_proj.weight": "h_proj.weight", "
 _EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.weight$")
 
 #: default model shape: sized so that one H200 trains it in about six minutes (docs/train-spec-model.md). The
-#: layer pattern is V4-Flash's (sliding, sliding, CSA, HCA, CSA, HCA; the first 3 hash-routed), the MTP layer a
-#: sliding-window block; ``index_topk`` 512 makes the CSA layers see every compressed entry up to 2048 tokens.
+#: layer pattern is V4-Flash's (sliding, sliding, then CSA and HCA in turn; the first 3 hash-routed), the MTP layer
+#: a sliding-window block; ``index_topk`` 512 makes the CSA layers see every compressed entry up to 2048 tokens.
+#: 16 layers: the MTP layer's cost against the target's sets what speculation can win at batch 1
+#: (docs/speculative.md, "On the H200").
 DEFAULT_SHAPE = {
-    "hidden_size": 512, "num_hidden_layers": 6, "num_attention_heads": 8, "head_dim": 128, "qk_rope_head_dim": 64,
+    "hidden_size": 512, "num_hidden_layers": 16, "num_attention_heads": 8, "head_dim": 128, "qk_rope_head_dim": 64,
     "q_lora_rank": 256, "o_groups": 4, "o_lora_rank": 128, "n_routed_experts": 16, "num_experts_per_tok": 2,
     "moe_intermediate_size": 512, "index_n_heads": 8, "index_head_dim": 64, "index_topk": 512,
 }
