@@ -167,6 +167,7 @@ class SpecDecoder:
         self._probing: dict[int, int] = {}  # per bucket, the speculative steps a probe still runs
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
         self.confidences: dict[int, list[float]] = {}
+        self._seqs = None  # the running step's StepSeqs (its scheduled positions): each forward takes its rows
 
     @staticmethod
     def check_runner(runner) -> None:
@@ -294,11 +295,14 @@ class SpecDecoder:
         return sec + max((o * max(1.0, (b / m) ** 0.5) for m, o in self._overhead.items()), default=0.0)
 
     # ------------------------------------------------------------------------------------------------ helpers
-    def _forward_mtp(self, states: list[RequestState], c0: np.ndarray, q: np.ndarray, ids: list[int] | torch.Tensor,
+    def _forward_mtp(self, rows: list[int] | None, c0: np.ndarray, q: np.ndarray, ids: list[int] | torch.Tensor,
                      hidden: torch.Tensor, logits_rows: list[int], discard_state: bool = False):
+        """The MTP layer over the step's requests ``rows`` (indices into the step; all when None) at positions
+        ``[c0[i], c0[i] + q[i])``: ``(logits, streams)``."""
         r = self.runner
-        seqs = r.step_seqs(states, c0, q)
-        g = self._graph("draft" if discard_state else "mtp", len(states), int(q.max()), int((c0 + q).max()))
+        seqs = self._seqs.at(c0, q, rows)
+        n = len(c0)
+        g = self._graph("draft" if discard_state else "mtp", n, int(q.max()), int((c0 + q).max()))
         if g is not None:
             g.load(r.builder, seqs, ids, logits_rows, checked=True)
             g.hidden[:len(ids)].copy_(hidden)
@@ -355,7 +359,7 @@ class SpecDecoder:
             sts = [states[i] for i in sel]
             # the MTP row at position t takes token t + 1 and predicts t + 2: the next draft
             c0 = np.array([items[i].start + j - 2 for i in sel], dtype=np.int64)
-            logits, streams = self._forward_mtp(sts, c0, np.ones(len(sel), dtype=np.int64),
+            logits, streams = self._forward_mtp(sel, c0, np.ones(len(sel), dtype=np.int64),
                                                 gather_rows([d.tokens[j - 2] for d in ds]),
                                                 gather_rows([d.hidden for d in ds]), list(range(len(sel))),
                                                 discard_state=True)
@@ -440,8 +444,8 @@ class SpecDecoder:
         c0 = np.fromiter((it.start for it in items), np.int64, len(items))
         # every forward of the step (draft chain, verification, MTP pass, commit) computes positions inside the
         # scheduled ones over the same tables: one check of those covers them all
-        r.builder.check_arrays(r.step_seqs(states, c0, np.fromiter((it.num_new_tokens for it in items), np.int64,
-                                                                   len(items))))
+        self._seqs = r.step_seqs(states, c0, np.fromiter((it.num_new_tokens for it in items), np.int64, len(items)))
+        r.builder.check_arrays(self._seqs)
         nv = []
         for it, st in zip(items, states):
             ds = self.drafts.get(it.req_id)
@@ -476,7 +480,7 @@ class SpecDecoder:
                                           r.device)
             ids_t[rows_t] = gather_rows(drafts)
             ids = ids_t
-        seqs = r.step_seqs(states, c0, q)
+        seqs = self._seqs.at(c0, q)
         g = self._graph("verify", len(items), int(q.max()), int((c0 + q).max())) if self._graph_step(items) \
             else None
         deferred = any(nv) or g is not None  # a verification graph always defers
@@ -512,7 +516,7 @@ class SpecDecoder:
         if deferred:
             from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
 
-            lists = r.builder.state_commit(r.step_seqs(states, c0, np.array(kept, dtype=np.int64)), row_starts,
+            lists = r.builder.state_commit(self._seqs.at(c0, np.array(kept, dtype=np.int64)), row_starts,
                                            checked=True)
             commit_deferred_state(comp, lists)
 
@@ -750,7 +754,7 @@ class SpecDecoder:
                 logits_rows.append(len(ids) - 1)
                 drafting.append(i)
         (rows_t,) = index_tensors([np.asarray(rows, dtype=np.int64)], streams.device)  # no wait for the device
-        logits, mtp_streams = self._forward_mtp(sts, c, q, ids, streams[rows_t], logits_rows)
+        logits, mtp_streams = self._forward_mtp(sel, c, q, ids, streams[rows_t], logits_rows)
         if not drafting:
             return
         dst = [states[i] for i in drafting]
@@ -779,7 +783,7 @@ class SpecDecoder:
         ``(tokens, confidences, distributions, streams)`` (:meth:`_draw`); :meth:`_keep_drafts` keeps the row of
         each request's last kept position."""
         n = int(q.sum())
-        logits, mtp_streams = self._forward_mtp(states, c0, q, mtp_ids[:n].clamp(min=0), streams[:n],
+        logits, mtp_streams = self._forward_mtp(None, c0, q, mtp_ids[:n].clamp(min=0), streams[:n],
                                                 list(range(n)))
         row_states = [st for st, k in zip(states, q.tolist()) for _ in range(k)]
         # row t's draft goes at position c0 + t + 2 (the token after the next step's input)

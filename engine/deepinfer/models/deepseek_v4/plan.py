@@ -95,6 +95,15 @@ class StepSeqs:
             floor = np.fromiter((s.window_floor for s in seqs), np.int64, len(seqs))
         return cls(c0, q, bt, wt, shared, floor)
 
+    def at(self, c0: np.ndarray, q: np.ndarray, rows: list[int] | None = None) -> "StepSeqs":
+        """The same sequences (``rows`` of them, in that order; all when None) computing positions
+        ``[c0[i], c0[i] + q[i])`` instead: the tables are shared, not copied."""
+        def pick(a):
+            return a if rows is None or a is None else a[rows]
+
+        return StepSeqs(c0, q, pick(self.block_tables), pick(self.window_tables), pick(self.shared_len),
+                        pick(self.window_floor))
+
     def to_list(self) -> list[SeqStep]:
         """:class:`SeqStep` s of the rows (a row ends before its trailing ``-1`` s)."""
         def trim(row: list[int]) -> tuple[int, ...]:
