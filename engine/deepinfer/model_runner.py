@@ -387,6 +387,8 @@ class ModelRunner:
             block id its table does not hold (naming ``released_block_ids``, the request and the group).
         """
         if output.cache_swaps:  # before anything reads or writes the blocks this step
+            if self.spec is not None:  # the last speculative step's ring state first: the swaps copy it
+                self.spec.flush_commit()
             if self.host_tier is None:
                 raise RuntimeError("ModelRunner: the scheduler output carries cache_swaps but the runner has no "
                                    "host tier")
@@ -474,6 +476,7 @@ class ModelRunner:
         if self.spec is not None:
             if output.speculative:
                 return self.spec.execute(output)
+            self.spec.flush_commit()
             self.spec.stats.plain_steps += 1
         t0 = time.perf_counter()
         self.update_states(output)
@@ -561,6 +564,8 @@ class ModelRunner:
     def execute_empty(self) -> None:
         """An empty step: the model's forward over no tokens (under expert parallelism it still joins every MoE
         layer's dispatch and combine, so the other DP ranks' step goes on; ``docs/expert-parallel.md``)."""
+        if self.spec is not None:
+            self.spec.flush_commit()
         e = torch.empty(0, dtype=torch.int64, device=self.device)
         batch = ForwardBatch(e, e, [], [], torch.zeros(0, 1, dtype=torch.int32, device=self.device), e,
                              self.batch_invariant)

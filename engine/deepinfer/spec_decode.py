@@ -168,6 +168,7 @@ class SpecDecoder:
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
         self.confidences: dict[int, list[float]] = {}
         self._seqs = None  # the running step's StepSeqs (its scheduled positions): each forward takes its rows
+        self._pending_commit = None  # the last step's deferred ring state: (comp, kept positions, row starts)
 
     @staticmethod
     def check_runner(runner) -> None:
@@ -181,6 +182,19 @@ class SpecDecoder:
             raise ValueError("EngineConfig.speculative_method: not supported with expert parallelism yet (the "
                              "number of MTP forwards per step differs between ranks)")
 
+    def flush_commit(self) -> None:
+        """Write the compressor ring state that the last speculative step kept (its verification deferred it:
+        rejected positions leave none). The step leaves it pending, so that the next step's draft chain (the MTP
+        layer, which reads no ring of the target) reaches the device first; this runs before any other forward
+        and before any cache swap (``ModelRunner``). Host lists and device work, no wait."""
+        if self._pending_commit is None:
+            return
+        from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
+
+        comp, seqs, row_starts = self._pending_commit
+        self._pending_commit = None
+        commit_deferred_state(comp, self.runner.builder.state_commit(seqs, row_starts, checked=True))
+
     def pays(self, num_seqs: int) -> bool:
         """Whether a speculative step can beat a plain one at ``num_seqs`` sequences (host data only).
 
@@ -191,9 +205,9 @@ class SpecDecoder:
         bucket the :attr:`FIRST_PROBE` th refusal starts a probe instead, then the one after twice as many, and so
         on: :attr:`PROBE_STEPS` speculative steps (the first verifies no draft), which measure that bucket's
         speculative steps; a slow first step must not switch speculation off for good. No probe where the
-        replays alone already lose (host time only adds). Without graphs: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps,
-        the most a verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps
-        run eagerly there too)."""
+        replays alone already lose (host time only adds). Without graphs: verifying ``k`` drafts each
+        (``cost``) takes less than ``1 + k`` plain steps, the most a verification can emit. True without
+        ``plain_cost`` or past its largest bucket (plain steps run eagerly there too)."""
         if self.estimate_pays(num_seqs):
             return True
         g = self.graphs
@@ -452,7 +466,8 @@ class SpecDecoder:
             ok = it.num_draft_tokens and ds is not None and ds.position == it.start + 1 == len(st.token_ids)
             nv.append(it.num_draft_tokens if ok else 0)
         nv = self._lengths(items, nv)
-        self._chain(items, states, nv)
+        self._chain(items, states, nv)  # the MTP layer reads no ring of the target: the last step's commit waits
+        self.flush_commit()
 
         # 2. the target over every request's tokens: a verification's last token and drafts
         n_base = [it.num_new_tokens - it.num_draft_tokens for it in items]
@@ -512,13 +527,9 @@ class SpecDecoder:
         ids_out, lps_out, tops_out, kept, pre = self._sample(items, states, nv, logits, row_states, counters, masks,
                                                              ids if drafts else None, draft_at, early)
 
-        # 4. the ring state of the kept positions only
+        # 4. the ring state of the kept positions only: written before the target's next forward (flush_commit)
         if deferred:
-            from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
-
-            lists = r.builder.state_commit(self._seqs.at(c0, np.array(kept, dtype=np.int64)), row_starts,
-                                           checked=True)
-            commit_deferred_state(comp, lists)
+            self._pending_commit = (comp, self._seqs.at(c0, np.array(kept, dtype=np.int64)), row_starts)
 
         # 5. the MTP layer over the kept positions (run before the read in a decode step); the next first drafts
         if pre is not None:

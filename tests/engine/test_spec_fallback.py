@@ -190,6 +190,23 @@ def test_plain_steps_while_the_batch_is_large_then_speculation(monkeypatch, refe
     assert not llm.engine.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.config.num_blocks
 
 
+@pytest.mark.parametrize("period", [3, 4])
+def test_plain_steps_after_speculative_ones_see_the_kept_ring_state(monkeypatch, reference, period):
+    """A speculative step leaves its ring-state commit pending (the next step's draft chain goes first); a plain
+    step that follows must write it before its forward: ``period - 1`` speculative steps, then a plain one (period
+    3 fails when the plain step does not; period 4 accepts drafts), greedy outputs equal speculation off."""
+    sp, ref = reference
+    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(PROMPTS, ref)})
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=3, spec_schedule="fixed", max_num_seqs=8)
+    turns = iter(range(10 ** 6))
+    llm.scheduler.spec_pays = lambda n: next(turns) % period != period - 1
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == ref
+    stats = llm.runner.spec.stats
+    assert stats.plain_steps >= 3 and stats.verifications > 3 and stats.drafted > 0
+    assert stats.accepted > 0 or period == 3
+
+
 def test_sampled_requests_switching_modes_finish_with_their_lengths(monkeypatch):
     """Seeded sampled requests through both kinds of step: every request ends at max_tokens, tokens in the
     vocabulary, the same outputs on a second run (the switch points depend on the batch only)."""
