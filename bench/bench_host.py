@@ -9,7 +9,8 @@ plan is built) and a vocabulary of ``--vocab`` tokens: the real :class:`PlanBuil
 returns zero logits. So the figures are the host work of the engine alone, on this CPU (not the H200's).
 ``--paths spec-plain`` runs graph-mode decode steps of an engine configured to speculate whose verification
 never pays (plain steps, as the schedule gives where speculation loses).
-``--paths spec-plans`` times a speculative graph step's plan work alone (``spec_plans``).
+``--paths spec-plans`` times a speculative graph step's plan work alone (``spec_plans``); ``--paths spec-steps``
+whole speculative graph steps of a random checkpoint, replays stubbed (``spec_steps``).
 ``--window-group`` gives the stand-in DeepSeek-V4's two cache groups (the default is one group, as the committed
 figures were measured). ``--graphs`` also runs the graph-mode path: every decode step builds its plan into a captured bucket's buffer
 (``ModelRunner`` with stand-in graphs whose replay does nothing), as decode steps do on CUDA.
@@ -113,8 +114,7 @@ def use_window_group(llm) -> None:
 
 
 def run(batch: int, graphs: bool, args, spec_plain: bool = False) -> tuple[dict, pstats.Stats | None]:
-    from deepinfer import LLM, SamplingParams
-    from deepinfer.sequence import Sequence
+    from deepinfer import LLM
 
     model = HostOnlyModel(args.vocab)
     max_len = args.prompt_len + args.steps + 2 * args.warmup + 128
@@ -132,6 +132,25 @@ def run(batch: int, graphs: bool, args, spec_plain: bool = False) -> tuple[dict,
         use_window_group(llm)
     if graphs:
         install_graphs(llm)
+    check = None
+    if spec_plain:
+        def check():
+            if llm.runner.spec.stats.verifications:
+                raise RuntimeError("spec-plain: a step verified drafts")
+    wall, cpu, prof = _time_steps(llm, batch, args, check)
+    row = {"op": "engine_host_decode", "device": "cpu", "shape": {"batch": batch, "graph_plans": graphs,
+           "prompt_len": args.prompt_len, "vocab": args.vocab, "temperature": args.temperature,
+           "window_group": window_group, "spec_configured": spec_plain},
+           "host_ms": round(1e3 * statistics.median(wall), 4), "host_cpu_ms": round(1e3 * statistics.median(cpu), 4)}
+    return row, (pstats.Stats(prof) if prof is not None else None)
+
+
+def _time_steps(llm, batch: int, args, check=None):
+    """``batch`` requests of random prompts prefilled and decoded ``--warmup`` tokens, then ``--steps`` engine
+    steps timed one by one: ``(wall seconds, thread CPU seconds, cProfile or None)``; ``check()`` after each."""
+    from deepinfer import SamplingParams
+    from deepinfer.sequence import Sequence
+
     rng = random.Random(0)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.steps + 2 * args.warmup, ignore_eos=True)
     seqs = [Sequence(i, [rng.randrange(3, args.vocab) for _ in range(args.prompt_len)], sp, seed=i)
@@ -149,14 +168,48 @@ def run(batch: int, graphs: bool, args, spec_plain: bool = False) -> tuple[dict,
         t, c = time.perf_counter(), time.thread_time()
         engine.step()
         cpu.append(time.thread_time() - c)
-        if spec_plain and llm.runner.spec.stats.verifications:
-            raise RuntimeError("spec-plain: a step verified drafts")
+        if check is not None:
+            check()
         wall.append(time.perf_counter() - t)
         if prof is not None:
             prof.disable()
-    row = {"op": "engine_host_decode", "device": "cpu", "shape": {"batch": batch, "graph_plans": graphs,
-           "prompt_len": args.prompt_len, "vocab": args.vocab, "temperature": args.temperature,
-           "window_group": window_group, "spec_configured": spec_plain},
+    return wall, cpu, prof
+
+
+def spec_steps(batch: int, args) -> tuple[dict, pstats.Stats | None]:
+    """Host time of speculative graph steps (fixed ``--draft-tokens``): a random checkpoint of the tiny preset's
+    shape at ``--spec-layers`` layers and a vocabulary of ``--vocab``, its steps through ``SpecGraphs`` whose
+    replays hand back their first replay's outputs (so only the host work runs; drafts are mostly rejected, one
+    or two tokens a step). ``host_ms``: median wall time of an engine step, as :func:`run`."""
+    import tempfile
+
+    from deepinfer import LLM
+    from deepinfer.presets import make_checkpoint
+    from deepinfer.spec_graphs import SpecGraph, SpecGraphs, spec_buckets
+
+    max_len = args.prompt_len + args.steps * (args.draft_tokens + 1) + 2 * args.warmup + 128
+    with tempfile.TemporaryDirectory() as d:
+        make_checkpoint("tiny", d, num_layers=args.spec_layers, vocab_size=args.vocab, progress=False)
+        llm = LLM(d, speculative_method="mtp", num_speculative_tokens=args.draft_tokens, spec_schedule="fixed",
+                  max_num_seqs=batch, max_model_len=max_len, max_num_batched_tokens=max(2048, batch))
+    llm.runner.spec.graphs = SpecGraphs(llm.runner, args.draft_tokens, spec_buckets(batch), max_len)
+    real, first = SpecGraph.replay, {}
+
+    def replay(g) -> None:
+        if id(g) not in first:
+            real(g)
+            first[id(g)] = (g.logits, g.streams, g.deferred)
+        g.logits, g.streams, g.deferred = first[id(g)]
+
+    SpecGraph.replay = replay
+    try:
+        wall, cpu, prof = _time_steps(llm, batch, args)
+    finally:
+        SpecGraph.replay = real
+    stats = llm.runner.spec.stats
+    row = {"op": "engine_host_spec_step", "device": "cpu", "shape": {"batch": batch, "layers": args.spec_layers,
+           "draft_tokens": args.draft_tokens, "prompt_len": args.prompt_len, "vocab": args.vocab,
+           "temperature": args.temperature}, "graph_steps": stats.graph_steps,
            "host_ms": round(1e3 * statistics.median(wall), 4), "host_cpu_ms": round(1e3 * statistics.median(cpu), 4)}
     return row, (pstats.Stats(prof) if prof is not None else None)
 
@@ -224,8 +277,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--paths", default="eager,graphs",
                    help="eager, graphs (engine decode steps), spec-plain (graphs, speculation configured but never "
-                        "paying: plain steps), spec-plans (a speculative step's plan work)")
-    p.add_argument("--draft-tokens", type=int, default=3, help="spec-plans: drafts per sequence")
+                        "paying: plain steps), spec-plans (a speculative step's plan work), spec-steps "
+                        "(whole speculative graph steps, replays stubbed)")
+    p.add_argument("--draft-tokens", type=int, default=3, help="spec-plans, spec-steps: drafts per sequence")
+    p.add_argument("--spec-layers", type=int, default=16, help="spec-steps: the random checkpoint's layers")
     p.add_argument("--window-group", action="store_true",
                    help="DeepSeek-V4's two cache groups (window blocks released after the sliding window)")
     p.add_argument("--profile", action="store_true", help="cProfile table of the measured run (stdout)")
@@ -240,7 +295,10 @@ def main() -> None:
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                 continue
-            row, stats = run(b, path in ("graphs", "spec-plain"), args, path == "spec-plain")
+            if path == "spec-steps":
+                row, stats = spec_steps(b, args)
+            else:
+                row, stats = run(b, path in ("graphs", "spec-plain"), args, path == "spec-plain")
             rows.append(row)
             print(json.dumps(row), flush=True)
             if stats is not None:

@@ -277,6 +277,7 @@ def make_checkpoint(
     dtype: torch.dtype | None = None,
     num_layers: int | None = None,
     num_experts: int | None = None,
+    vocab_size: int | None = None,
     progress: bool | None = None,
 ) -> Path:
     """Generate a deterministic random checkpoint of ``preset`` (see :func:`preset_config`) into ``out_dir``.
@@ -287,9 +288,16 @@ def make_checkpoint(
     256 experts), not by CPU math; it is never committed anywhere.
     ``tiny-v41`` / ``v41-flash-shapes`` are written in V4.1's native format (FP8 dense with 32x32 UE8M0 scales, FP4
     experts; ``deepseek_v41.params``); the format options must stay at their defaults.
+    ``vocab_size`` (``tiny`` only) shrinks the vocabulary, for host-time benchmarks whose sampling must cost
+    nothing; the tokenizer files stay V4's.
     Returns ``Path(out_dir)``. Raises ValueError for an unknown preset or bad options.
     """
     cfg_dict = preset_config(preset, num_layers=num_layers, num_experts=num_experts)
+    if vocab_size is not None:
+        if preset != "tiny" or not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or vocab_size < 2:
+            raise ValueError(f"vocab_size: an integer >= 2 for the tiny preset only, got {vocab_size!r} for "
+                             f"{preset!r}")
+        cfg_dict["vocab_size"] = vocab_size
     if preset in V41_PRESETS:
         from .models.deepseek_v41.params import write_checkpoint as write_v41
 

@@ -119,6 +119,19 @@ def test_bench_host_runs_both_plan_paths():
             assert row["shape"]["batch"] == 5 and row["shape"]["graph_plans"] == graphs
             assert row["shape"]["window_group"] == window_group
             assert row["host_ms"] > 0 and row["host_cpu_ms"] > 0
+    # whole speculative graph steps of a small random checkpoint, replays stubbed
+    args = argparse.Namespace(vocab=64, prompt_len=20, steps=3, warmup=1, temperature=0.0, profile=False,
+                              draft_tokens=2, spec_layers=4)
+    row, _ = mod.spec_steps(2, args)
+    assert row["shape"]["layers"] == 4 and row["graph_steps"] >= 3 and row["host_ms"] > 0
+
+
+def test_make_checkpoint_vocab_size_is_for_the_tiny_preset_only(tmp_path):
+    from deepinfer.presets import make_checkpoint
+
+    for preset, value in (("v4-flash-shapes", 512), ("tiny", 1), ("tiny", True)):
+        with pytest.raises(ValueError, match="vocab_size"):
+            make_checkpoint(preset, tmp_path / "x", vocab_size=value)
 
 
 def test_kept_rows_keep_other_checkpoints_with_their_commit(tmp_path):
