@@ -168,7 +168,8 @@ class SpecDecoder:
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
         self.confidences: dict[int, list[float]] = {}
         self._seqs = None  # the running step's StepSeqs (its scheduled positions): each forward takes its rows
-        self._pending_commit = None  # the last step's deferred ring state: (comp, kept positions, row starts)
+        # the last step's deferred ring state: (its verification graph or None, comp, kept positions, row starts)
+        self._pending_commit = None
 
     @staticmethod
     def check_runner(runner) -> None:
@@ -191,9 +192,13 @@ class SpecDecoder:
             return
         from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
 
-        comp, seqs, row_starts = self._pending_commit
+        g, comp, seqs, row_starts = self._pending_commit
         self._pending_commit = None
-        commit_deferred_state(comp, self.runner.builder.state_commit(seqs, row_starts, checked=True))
+        builder = self.runner.builder
+        if g is not None and g.commit_lists is not None:  # the verification graph's captured commit
+            g.commit(builder, seqs, row_starts)
+        else:
+            commit_deferred_state(comp, builder.state_commit(seqs, row_starts, checked=True))
 
     def pays(self, num_seqs: int) -> bool:
         """Whether a speculative step can beat a plain one at ``num_seqs`` sequences (host data only).
@@ -529,7 +534,7 @@ class SpecDecoder:
 
         # 4. the ring state of the kept positions only: written before the target's next forward (flush_commit)
         if deferred:
-            self._pending_commit = (comp, self._seqs.at(c0, np.array(kept, dtype=np.int64)), row_starts)
+            self._pending_commit = (g, comp, self._seqs.at(c0, np.array(kept, dtype=np.int64)), row_starts)
 
         # 5. the MTP layer over the kept positions (run before the read in a decode step); the next first drafts
         if pre is not None:

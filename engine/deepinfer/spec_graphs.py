@@ -3,7 +3,8 @@
 Three forwards per speculative step have fixed shapes once the batch is padded to a bucket:
 
 * ``verify``: the target over ``q`` tokens per sequence (the last token and ``q - 1`` drafts), its hidden streams
-  returned and its compressors' ring state deferred (written after acceptance, for the kept positions only);
+  returned and its compressors' ring state deferred (written after acceptance, for the kept positions only, by
+  the graph's captured commit: :meth:`SpecGraph.commit`);
 * ``draft``: the MTP layer over one token per sequence (a step of the draft chain; ring state discarded);
 * ``mtp``: the MTP layer over up to ``k + 1`` kept positions per sequence (ring state written).
 
@@ -18,9 +19,11 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import numpy as np
 import torch
 
-from deepinfer.models.deepseek_v4.plan import SeqStep
+import deepinfer_ops
+from deepinfer.models.deepseek_v4.plan import SeqStep, StepSeqs
 
 SPEC_GRAPH_MAX_SEQS = 64  # the largest batch with speculation graphs; past it verification rarely pays
 
@@ -61,6 +64,9 @@ class SpecGraph:
         self.logits = self.streams = None
         self.deferred: dict[int, list] = {}
         self.keep = None  # tensors the captured graph reads that must outlive it (RoPE tables)
+        # verify only: the commit of its deferred ring state (:meth:`commit`): lists at this graph's capacity in
+        # ``commit_flat``, their views by ratio, and the captured writes (None off CUDA)
+        self.commit_flat = self.commit_lists = self.commit_graph = None
 
     def load(self, builder, seqs, ids: list[int], logits_rows: list[int], checked: bool = False) -> None:
         """Write the step's plan (``StepSeqs`` of at most ``bucket`` sequences, ``q`` tokens each) into the
@@ -74,6 +80,25 @@ class SpecGraph:
         else:  # off CUDA: the forward itself over the static buffers
             self.plan.derived.clear()
             self.logits, self.streams, self.deferred = self._run()
+
+    def commit(self, builder, seqs, row_starts) -> None:
+        """Write the ring state the last replay deferred for the positions each sequence keeps (``seqs``:
+        ``StepSeqs`` of ``[c0, c0 + kept)``, their rows from ``row_starts``): the commit lists into
+        :attr:`commit_flat` (:meth:`~deepinfer.models.deepseek_v4.plan.PlanBuilder.state_commit` at this graph's
+        capacity), then one replay of the captured writes (off CUDA: the writes themselves). Raises ValueError
+        naming ``capacity`` when the kept positions do not fit."""
+        builder.state_commit(seqs, row_starts, checked=True, capacity=self.capacity, out=self.commit_flat)
+        if self.commit_graph is not None:
+            self.commit_graph.replay()
+        else:
+            self._write_state()
+
+    def _write_state(self) -> None:
+        """The ring writes of :meth:`commit`: every deferred compressor of each ratio with that ratio's lists."""
+        for m, entries in self.deferred.items():
+            ring_src, st_src, st_dst = self.commit_lists[m]
+            for ring_kv, ring_gate, kv_new, gate_new in entries:
+                deepinfer_ops.compressor_state_write(ring_kv, ring_gate, kv_new, gate_new, ring_src, st_src, st_dst)
 
     def deferred_plans(self) -> dict:
         """``{ratio: CompressorPlan}`` holding this replay's deferred ring state, for
@@ -156,6 +181,14 @@ class SpecGraphs:
         if cuda:
             g.graph, (g.logits, g.streams, g.deferred) = r.capture_graph(run, plan)
             g.keep = dict(model._rope_tables)
+        if kind == "verify" and r.builder.ratios:
+            # the commit's lists at this capacity; the dummy commit keeps position 0 of each sequence (block 0)
+            g.commit_flat = torch.empty(r.builder.fill_size(cap), dtype=torch.int64, device=r.device)
+            g.commit_lists = r.builder.state_commit(
+                StepSeqs(np.zeros(bucket, np.int64), np.ones(bucket, np.int64), np.zeros((bucket, 1), np.int64)),
+                np.arange(bucket, dtype=np.int64) * q, checked=True, capacity=cap, out=g.commit_flat)
+            if cuda:
+                g.commit_graph, _ = r.capture_graph(g._write_state, plan)
         return g
 
     @torch.inference_mode()

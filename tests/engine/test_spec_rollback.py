@@ -12,7 +12,7 @@ from deepinfer.forward_batch import ForwardBatch
 from deepinfer.models import TINY_CONFIG, DeepseekV4Config, init_parameters
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
-from deepinfer.models.deepseek_v4.plan import StepSeqs
+from deepinfer.models.deepseek_v4.plan import Capacity, StepSeqs
 from deepinfer_ops.testing.compare import TOLERANCES, assert_close
 
 TOL = TOLERANCES[torch.float32]
@@ -37,11 +37,12 @@ def _full_logits(model, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return model.forward(ForwardBatch(ids, torch.arange(n), [n], [n], bt, rows), model.allocate_cache(nb))
 
 
-def _verify_then_continue(model, seqs, defer: bool = True) -> list[torch.Tensor]:
+def _verify_then_continue(model, seqs, defer: bool = True, capacity=None) -> list[torch.Tensor]:
     """``seqs``: per sequence ``(prefix ids, kept ids, rejected ids, continuation ids, block ids)``. Prefill the
     prefixes, run ONE step over kept + rejected of every sequence (state deferred, committed for the kept rows;
-    ``defer=False``: written as a plain step), then one step over the continuations. Returns the continuation
-    logits of each sequence."""
+    ``defer=False``: written as a plain step; ``capacity``: the commit lists at that fixed capacity, as a captured
+    commit writes them), then one step over the continuations. Returns the continuation logits of each
+    sequence."""
     cache = model.allocate_cache(8)
     for layer in cache.layers:
         for t in layer.values():
@@ -72,8 +73,9 @@ def _verify_then_continue(model, seqs, defer: bool = True) -> list[torch.Tensor]
     if defer:
         kept = np.array([s[1].numel() for s in seqs], dtype=np.int64)
         q = np.array([v.numel() for v in verify], dtype=np.int64)
+        out = None if capacity is None else torch.full((builder.fill_size(capacity),), -7, dtype=torch.int64)
         lists = builder.state_commit(StepSeqs(np.array(c0, dtype=np.int64), kept, bt.numpy().astype(np.int64)),
-                                     np.cumsum(q) - q)
+                                     np.cumsum(q) - q, capacity=capacity, out=out)
         commit_deferred_state(plan.comp, lists)
     c1 = [c + s[1].numel() for c, s in zip(c0, seqs)]
     cont = [s[3] for s in seqs]
@@ -114,6 +116,23 @@ def test_rollback_of_several_sequences_in_one_step(model):
         ids = torch.cat([s[0], s[1], s[3]])
         start = s[0].numel() + s[1].numel()
         assert_close(g, _full_logits(model, ids, torch.arange(start, ids.numel())), TOL, name="batched rollback")
+
+
+def test_commit_lists_at_a_larger_capacity_write_the_same_state(model):
+    """A captured commit's lists have the lengths of its graph (more sequences, more tokens each, longer
+    contexts): the padding writes nowhere; a step that does not fit is refused naming ``capacity``."""
+    a = _case(10, 1, 4, 1, [6, 1])
+    b = _case(126, 3, 6, 2, [2, 7, 4])
+    got = _verify_then_continue(model, [a, b], capacity=Capacity(4, 6, 700, 7))
+    for s, g in zip((a, b), got):
+        ids = torch.cat([s[0], s[1], s[3]])
+        start = s[0].numel() + s[1].numel()
+        assert_close(g, _full_logits(model, ids, torch.arange(start, ids.numel())), TOL, name="padded commit")
+    builder = model.plan_builder(model.allocate_cache(2))
+    seqs = StepSeqs(np.array([3, 4]), np.array([2, 1]), np.array([[0], [1]]))
+    for cap in (Capacity(1, 4, 64, 4), Capacity(2, 4, 64, 1), Capacity(2, 4, 4, 4)):
+        with pytest.raises(ValueError, match="capacity"):
+            builder.state_commit(seqs, np.array([0, 4]), capacity=cap)
 
 
 def test_without_deferral_a_rejected_position_corrupts_the_ring(model):

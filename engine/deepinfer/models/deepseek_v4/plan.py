@@ -474,12 +474,17 @@ class PlanBuilder:
         def write(host: torch.Tensor) -> None:
             deepinfer_ops.decode_plan_fill(host, *args, n, qc, nb, self.block_size, self.lookback, ratios, overlaps)
 
+        return self._stager.upload_filled(self.fill_size(capacity), write, self.device, out)
+
+    def fill_size(self, capacity: Capacity) -> int:
+        """int64 entries of the buffer :func:`deepinfer_ops.decode_plan_fill` writes at ``capacity``."""
+        n, nb, qc = capacity.num_seqs, capacity.max_blocks, capacity.tokens_per_seq
         size = n * qc * (6 + nb + self._window_width(qc))
         for m, overlap in self.ratios:
             R, close = (2 * m if overlap else m), n * -(-qc // m)
             size += n * (R - 1) + close * (m + 2) + 2 * n * R * (1 + -(-(qc - 1) // self.block_size))
             size += close * (m + 1) if overlap else 0
-        return self._stager.upload_filled(size, write, self.device, out)
+        return size
 
     def _check_inputs(self, seqs, input_ids, logits_indices, pad_multiple: int, capacity: Capacity | None,
                       checked: bool):
@@ -593,15 +598,18 @@ class PlanBuilder:
                     chunks[f"{name}{m}"] = arr
         return chunks, meta, T, rows, max_len
 
-    def state_commit(self, seqs: StepSeqs, row_starts: np.ndarray,
-                     checked: bool = False) -> dict[int, tuple[torch.Tensor, ...]]:
+    def state_commit(self, seqs: StepSeqs, row_starts: np.ndarray, checked: bool = False,
+                     capacity: Capacity | None = None,
+                     out: torch.Tensor | None = None) -> dict[int, tuple[torch.Tensor, ...]]:
         """The ring-state writes of a step whose state was deferred (``CompressorPlan.deferred``), for the tokens
         it keeps: sequence ``i`` keeps positions ``[c0[i], c0[i] + q[i])`` of the step, whose token rows start at
         ``row_starts[i]`` (``[num_seqs]`` int64, the step's own rows). Returns ``{ratio: (ring_src, st_src,
         st_dst)}`` on the device (one copy): the lists of a graph-mode plan of exactly the kept tokens
         (:func:`deepinfer_ops.decode_plan_fill`, padding rows writing nowhere), their new-token rows pointing into
         the deferred step's rows. ``checked``: ``seqs`` (or a step over the same tables covering their positions)
-        passed :meth:`check_arrays` already. Host data; raises ValueError naming the field."""
+        passed :meth:`check_arrays` already. ``capacity`` fixes the list lengths (a captured commit's; else the
+        step's own) and ``out`` (:meth:`fill_size` entries) receives them. Host data; raises ValueError naming
+        the field (``capacity`` when the step does not fit it)."""
         if not checked:
             self.check_arrays(seqs)
         B = self.block_size
@@ -617,17 +625,23 @@ class PlanBuilder:
         if qc > B:
             raise ValueError(f"seqs: a commit keeps at most block_size={B} tokens per sequence, got {qc}")
         cap = Capacity(S, max(1, seqs.block_tables.shape[1]), int((c0s + qs).max()), qc)
-        dev = self._fill(seqs, c0s, qs, row_starts, None, np.zeros(0, dtype=np.int64), cap, None)
+        if capacity is not None:
+            if S > capacity.num_seqs or qc > capacity.tokens_per_seq or cap.max_len > capacity.max_len:
+                raise ValueError(f"capacity: the commit ({S} sequences keeping up to {qc} tokens, contexts to "
+                                 f"{cap.max_len}) does not fit {capacity}")
+            cap = capacity
+        dev = self._fill(seqs, c0s, qs, row_starts, None, np.zeros(0, dtype=np.int64), cap, out)
+        n, qc = cap.num_seqs, cap.tokens_per_seq
         at = cap.num_rows * (6 + cap.max_blocks + self._window_width(qc))
-        out = {}
+        lists = {}
         for m, overlap in self.ratios:  # the layout of _chunks: ring_src, cur, w_pos, dst, st_src, st_dst, ...
-            R, close = (2 * m if overlap else m), S * -(-qc // m)
-            n_ring, n_st = S * (R - 1), S * R * (1 + -(-(qc - 1) // B))
+            R, close = (2 * m if overlap else m), n * -(-qc // m)
+            n_ring, n_st = n * (R - 1), n * R * (1 + -(-(qc - 1) // B))
             ring_src = dev[at:at + n_ring]
             at += n_ring + close * (m + 2)
-            out[m] = (ring_src, dev[at:at + n_st], dev[at + n_st:at + 2 * n_st])
+            lists[m] = (ring_src, dev[at:at + n_st], dev[at + n_st:at + 2 * n_st])
             at += 2 * n_st + (close * (m + 1) if overlap else 0)
-        return out
+        return lists
 
     def check_ids(self, ids) -> None:
         """Token ids must lie in ``[0, vocab_size)`` (host data; raises ValueError naming ``input_ids``)."""
