@@ -168,7 +168,8 @@ class SpecDecoder:
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
         self.confidences: dict[int, list[float]] = {}
         self._seqs = None  # the running step's StepSeqs (its scheduled positions): each forward takes its rows
-        # the last step's deferred ring state: (its verification graph or None, comp, kept positions, row starts)
+        # the last step's deferred ring state: (its verification graph, else its plans' comp; kept positions; row
+        # starts)
         self._pending_commit = None
 
     @staticmethod
@@ -195,7 +196,7 @@ class SpecDecoder:
         g, comp, seqs, row_starts = self._pending_commit
         self._pending_commit = None
         builder = self.runner.builder
-        if g is not None and g.commit_lists is not None:  # the verification graph's captured commit
+        if g is not None:  # the verification graph's captured commit
             g.commit(builder, seqs, row_starts)
         else:
             commit_deferred_state(comp, builder.state_commit(seqs, row_starts, checked=True))
@@ -507,7 +508,7 @@ class SpecDecoder:
         if g is not None:
             g.load(r.builder, seqs, ids, logits_rows, checked=True)
             g.replay()
-            logits, streams, comp = g.logits[:len(logits_rows)], g.streams, g.deferred_plans()
+            logits, streams, comp = g.logits[:len(logits_rows)], g.streams, None  # its commit: SpecGraph.commit
         else:
             plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant,
                                    r.model.step_pad(r.batch_invariant, r.device), checked=True)

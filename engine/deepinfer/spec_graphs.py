@@ -22,7 +22,7 @@ import time
 import numpy as np
 import torch
 
-import deepinfer_ops
+from deepinfer.models.deepseek_v4.compressor import write_deferred_state
 from deepinfer.models.deepseek_v4.plan import SeqStep, StepSeqs
 
 SPEC_GRAPH_MAX_SEQS = 64  # the largest batch with speculation graphs; past it verification rarely pays
@@ -87,6 +87,8 @@ class SpecGraph:
         :attr:`commit_flat` (:meth:`~deepinfer.models.deepseek_v4.plan.PlanBuilder.state_commit` at this graph's
         capacity), then one replay of the captured writes (off CUDA: the writes themselves). Raises ValueError
         naming ``capacity`` when the kept positions do not fit."""
+        if self.commit_lists is None:  # a model without compressors defers nothing
+            return
         builder.state_commit(seqs, row_starts, checked=True, capacity=self.capacity, out=self.commit_flat)
         if self.commit_graph is not None:
             self.commit_graph.replay()
@@ -94,17 +96,7 @@ class SpecGraph:
             self._write_state()
 
     def _write_state(self) -> None:
-        """The ring writes of :meth:`commit`: every deferred compressor of each ratio with that ratio's lists."""
-        for m, entries in self.deferred.items():
-            ring_src, st_src, st_dst = self.commit_lists[m]
-            for ring_kv, ring_gate, kv_new, gate_new in entries:
-                deepinfer_ops.compressor_state_write(ring_kv, ring_gate, kv_new, gate_new, ring_src, st_src, st_dst)
-
-    def deferred_plans(self) -> dict:
-        """``{ratio: CompressorPlan}`` holding this replay's deferred ring state, for
-        :func:`~deepinfer.models.deepseek_v4.compressor.commit_deferred_state` (which empties them; the graph's own
-        lists stay)."""
-        return {m: dataclasses.replace(cp, deferred=list(self.deferred.get(m, ()))) for m, cp in self.plan.comp.items()}
+        write_deferred_state(self.deferred, self.commit_lists)
 
 
 class SpecGraphs:

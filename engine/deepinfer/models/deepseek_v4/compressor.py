@@ -65,14 +65,19 @@ def commit_deferred_state(comp: dict, lists: dict) -> None:
     """Write the ring state a step deferred (``CompressorPlan.deferred`` of each plan in ``comp``, ``{ratio:
     CompressorPlan}``) with the lists of :meth:`~.plan.PlanBuilder.state_commit` (``{ratio: (ring_src, st_src,
     st_dst)}``): every compressor of every layer of that ratio, in the order they ran. Device work only."""
-    for m, cp in comp.items():
-        if not cp.deferred:
-            continue
+    write_deferred_state({m: cp.deferred for m, cp in comp.items() if cp.deferred}, lists)
+    for cp in comp.values():
+        cp.deferred = []
+
+
+def write_deferred_state(deferred: dict, lists: dict) -> None:
+    """The writes of :func:`commit_deferred_state` from ``{ratio: [(ring_kv, ring_gate, kv_new, gate_new)]}``
+    (a captured verification's own outputs: nothing is emptied). Device work only."""
+    for m, entries in deferred.items():
         ring_src, st_src, st_dst = lists[m]
         if st_dst.shape[0]:
-            for ring_kv, ring_gate, kv_new, gate_new in cp.deferred:
+            for ring_kv, ring_gate, kv_new, gate_new in entries:
                 deepinfer_ops.compressor_state_write(ring_kv, ring_gate, kv_new, gate_new, ring_src, st_src, st_dst)
-        cp.deferred = []
 
 
 class Indexer(nn.Module):
