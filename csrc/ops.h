@@ -109,6 +109,10 @@ void decode_plan_fill_cpu(at::Tensor& out, const at::Tensor& c0, const at::Tenso
                           const at::Tensor& shared_len, const at::Tensor& input_ids, const at::Tensor& logits_indices,
                           int64_t num_seqs, int64_t tokens_per_seq, int64_t max_blocks, int64_t block_size,
                           int64_t lookback, at::IntArrayRef ratios, at::IntArrayRef overlaps);
+void step_tables_check_cpu(at::Tensor& out, const at::Tensor& c0, const at::Tensor& query_lens,
+                           const at::Tensor& block_tables, const at::Tensor& window_tables,
+                           const at::Tensor& shared_len, const at::Tensor& window_floor, int64_t block_size,
+                           int64_t lookback, int64_t num_blocks, int64_t window_blocks, int64_t max_positions);
 void compressor_state_write_cpu(at::Tensor& ring_kv, at::Tensor& ring_gate, const at::Tensor& new_kv,
                                 const at::Tensor& new_gate, const at::Tensor& ring_src, const at::Tensor& st_src,
                                 const at::Tensor& st_dst);

@@ -67,6 +67,9 @@ TORCH_LIBRARY(deepinfer_ops, m) {
       "decode_plan_fill(Tensor! out, Tensor c0, Tensor query_lens, Tensor row_starts, Tensor block_tables, "
       "Tensor window_tables, Tensor shared_len, Tensor input_ids, Tensor logits_indices, int num_seqs, "
       "int tokens_per_seq, int max_blocks, int block_size, int lookback, int[] ratios, int[] overlaps) -> ()");
+  m.def("step_tables_check(Tensor! out, Tensor c0, Tensor query_lens, Tensor block_tables, Tensor window_tables, "
+        "Tensor shared_len, Tensor window_floor, int block_size, int lookback, int num_blocks, int window_blocks, "
+        "int max_positions) -> ()");
   m.def("compressor_state_write(Tensor! ring_kv, Tensor! ring_gate, Tensor new_kv, Tensor new_gate, Tensor ring_src, "
         "Tensor st_src, Tensor st_dst) -> ()");
 }
@@ -99,6 +102,7 @@ TORCH_LIBRARY_IMPL(deepinfer_ops, CPU, m) {
   m.impl("compressor_pool_rows", &deepinfer::compressor_pool_rows_cpu);
   m.impl("compressor_state_write", &deepinfer::compressor_state_write_cpu);
   m.impl("decode_plan_fill", &deepinfer::decode_plan_fill_cpu);
+  m.impl("step_tables_check", &deepinfer::step_tables_check_cpu);
   m.impl("logsumexp_rows", &deepinfer::logsumexp_rows_cpu);
 }
 

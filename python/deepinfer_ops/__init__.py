@@ -35,7 +35,7 @@ from .gemm import (
 from .mhc import hc_collapse, hc_mix, hc_post, hc_weights
 from .moe import fused_moe_fp8, moe_combine, moe_permute
 from .norm import rms_norm
-from .plan import decode_plan_fill
+from .plan import decode_plan_fill, step_tables_check
 from .quant import FP8_E4M3_MAX, per_token_group_quant_fp8
 from .rope import rope_cos_sin_cache, rotary_embedding
 from .sampling import logsumexp_rows
@@ -77,6 +77,7 @@ __all__ = [
     "select_accelerator",
     "sparse_mqa_decode",
     "sparse_mqa_prefill",
+    "step_tables_check",
     "swiglu_clamp_quant_fp8",
     "topk",
 ]

@@ -269,3 +269,10 @@ def _logsumexp_rows_fake(out, x):
 def _decode_plan_fill_fake(out, c0, query_lens, row_starts, block_tables, window_tables, shared_len, input_ids,
                            logits_indices, num_seqs, tokens_per_seq, max_blocks, block_size, lookback, ratios, overlaps):
     torch._check(out.dtype == torch.int64 and out.dim() == 1, lambda: "decode_plan_fill: out must be 1-D int64")
+
+
+@_register_fake("deepinfer_ops::step_tables_check")
+def _step_tables_check_fake(out, c0, query_lens, block_tables, window_tables, shared_len, window_floor, block_size,
+                            lookback, num_blocks, window_blocks, max_positions):
+    torch._check(out.dtype == torch.int64 and out.numel() == 1, lambda: "step_tables_check: out must hold one int64")
+    return None

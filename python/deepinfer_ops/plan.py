@@ -44,3 +44,36 @@ def decode_plan_fill(out: torch.Tensor, c0: torch.Tensor, query_lens: torch.Tens
     torch.ops.deepinfer_ops.decode_plan_fill(out, c0, query_lens, row_starts, block_tables, window_tables, shared_len,
                                              input_ids, logits_indices, num_seqs, tokens_per_seq, max_blocks,
                                              block_size, lookback, list(ratios), [int(o) for o in overlaps])
+
+
+def step_tables_check(c0: torch.Tensor, query_lens: torch.Tensor, block_tables: torch.Tensor,
+                      window_tables: torch.Tensor, shared_len: torch.Tensor, window_floor: torch.Tensor,
+                      block_size: int, lookback: int, num_blocks: int, window_blocks: int, max_positions: int) -> bool:
+    """Whether a step's block tables pass ``PlanBuilder.check_arrays`` (``engine/deepinfer/models/deepseek_v4/plan.py``
+    holds the rules and the error messages; the engine reruns its per-sequence checks to name a fault).
+
+    Host data only (CPU int64 tensors). ``S`` sequences; sequence ``i`` adds ``query_lens[i]`` tokens from position
+    ``c0[i]``.
+
+    Args:
+        c0, query_lens: ``[S]``.
+        block_tables: ``[S, width]`` ``full``-group block ids (``-1`` past a row).
+        window_tables: ``[S, width_w]`` ``window``-group block ids, or ``[0, 0]``: ``block_tables`` serve both groups.
+        shared_len, window_floor: ``[S]`` prefix-cache positions and the window group's first held position (whole
+            blocks), or ``[0]``: all 0.
+        block_size, lookback: cache block size and the window lookback in positions.
+        num_blocks, window_blocks: each group's block count (ids must lie below it).
+        max_positions: the model's ``max_position_embeddings``.
+    Returns:
+        True when valid: each sequence adds >= 1 token at a position >= 0; its context fits the tables and
+        ``max_positions``; ``shared_len`` / ``window_floor`` are whole blocks with ``window_floor <= c0`` (and 0
+        without a window table); per group the blocks read lie in ``[0, limit)``, no row lists a block twice, and a
+        block a row writes is read by no other row.
+    Raises:
+        RuntimeError naming the argument: wrong dtype, device or shape.
+    """
+    out = torch.zeros(1, dtype=torch.int64)
+    torch.ops.deepinfer_ops.step_tables_check(out, c0, query_lens, block_tables, window_tables, shared_len,
+                                              window_floor, block_size, lookback, num_blocks, window_blocks,
+                                              max_positions)
+    return bool(out[0])

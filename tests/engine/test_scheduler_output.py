@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import deepinfer_ops
 from deepinfer import LLM, SamplingParams
 from deepinfer.block_manager import FULL_GROUP, BlockManager
 from deepinfer.config import EngineConfig
@@ -340,3 +341,66 @@ def test_array_steps_are_checked_with_the_per_sequence_messages():
     ]:
         with pytest.raises(ValueError, match=msg):
             b.check_arrays(seqs)
+
+
+def test_step_tables_check_agrees_with_the_per_sequence_checks():
+    """deepinfer_ops.step_tables_check (check_arrays's C++ verdict) against check_step on random steps whose block
+    ids collide often: shared and written blocks, ids out of range, short rows, released window blocks, prefix
+    lengths and window floors (valid and not), one or two tables. Both accept or both refuse."""
+    cfg = DeepseekV4Config.from_dict(TINY_CONFIG)
+    rng = np.random.default_rng(7)
+    seen = {True: 0, False: 0}
+    for trial in range(1500):
+        B = 128
+        b = PlanBuilder(cfg, B, 24, "cpu", window_blocks=int(rng.integers(20, 30)))
+        S = int(rng.integers(1, 5))
+        c0 = rng.integers(0, 3 * B, S)
+        q = rng.integers(0 if trial % 50 == 0 else 1, 2 * B, S)
+        nb = -(-(c0 + q) // B)
+        width = int(nb.max() + rng.integers(-1 if trial % 9 == 0 else 0, 2))
+
+        def table(limit):  # distinct ids per step, then a few faults: shared prefixes, repeats, ids out of range
+            t = rng.permutation(30)[:S * max(width, 1)].reshape(S, -1)[:, :width] % limit
+            for _ in range(int(rng.integers(0, 3))):
+                i, j, c = rng.integers(0, S), rng.integers(0, S), rng.integers(0, max(width, 1))
+                if width:
+                    t[i, c] = [t[j, c], t[i, 0], -1, limit][int(rng.integers(0, 4))]
+            return t
+
+        bt = table(24)
+        wt = table(30) if trial % 2 else None
+        shared = floor = None
+        if trial % 3 == 0:
+            shared = rng.choice([0, 0, B, 2 * B, 50], S)
+            floor = rng.choice([0, 0, B, 2 * B, 3 * B, 7], S) if wt is not None else np.zeros(S, dtype=np.int64)
+        seqs = StepSeqs(c0, q, bt, wt, shared, floor)
+        try:
+            b.check_step(seqs.to_list())
+            ref = True
+        except ValueError:
+            ref = False
+        try:
+            b.check_arrays(seqs)
+            got = True
+        except ValueError:
+            got = False
+        assert got == ref, (trial, c0, q, bt, wt, shared, floor)
+        seen[ref] += 1
+    assert min(seen.values()) > 100, seen  # both verdicts are exercised
+
+
+def test_step_tables_check_refuses_bad_arguments_naming_them():
+    i64 = dict(dtype=torch.int64)
+    one, none = torch.ones(1, **i64), torch.empty(0, **i64)
+    bt = torch.zeros(1, 2, **i64)
+    args = [one, one, bt, torch.empty(0, 0, **i64), none, none, 128, 127, 8, 8, 1024]
+    assert deepinfer_ops.step_tables_check(*args)
+    with pytest.raises(RuntimeError, match="step_tables_check: c0 must be int64"):
+        deepinfer_ops.step_tables_check(one.int(), *args[1:])
+    with pytest.raises(RuntimeError, match="step_tables_check: block_tables must be 2-D"):
+        deepinfer_ops.step_tables_check(one, one, one, *args[3:])
+    with pytest.raises(RuntimeError, match="window_tables must be empty or have 1 rows"):
+        deepinfer_ops.step_tables_check(one, one, bt, torch.zeros(2, 2, **i64), *args[4:])
+    with pytest.raises(RuntimeError, match=r"shared_len must be empty or \[1\]"):
+        deepinfer_ops.step_tables_check(one, one, bt, args[3], torch.zeros(3, **i64), *args[5:])
+    assert not deepinfer_ops.step_tables_check(one, one, bt, args[3], none, none, 128, 127, 8, 8, 1)  # past max

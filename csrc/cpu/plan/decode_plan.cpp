@@ -10,18 +10,13 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "cpu/plan/host_args.h"
 #include "ops.h"
 
 namespace deepinfer {
 namespace {
 
 constexpr const char* kOp = "decode_plan_fill";
-
-void check_i64(const at::Tensor& t, const char* name, int64_t dim) {
-  DEEPINFER_CHECK(t.device().is_cpu(), kOp, name, " must be a CPU tensor");
-  DEEPINFER_CHECK(t.scalar_type() == at::kLong, kOp, name, " must be int64");
-  DEEPINFER_CHECK(t.dim() == dim, kOp, name, " must be ", dim, "-D, got ", t.dim(), "-D");
-}
 
 struct Table {  // a [rows, cols] int64 view with checked reads
   const int64_t* p;
@@ -65,16 +60,16 @@ void decode_plan_fill_cpu(at::Tensor& out, const at::Tensor& c0, const at::Tenso
                           const at::Tensor& shared_len, const at::Tensor& input_ids, const at::Tensor& logits_indices,
                           int64_t num_seqs, int64_t tokens_per_seq, int64_t max_blocks, int64_t block_size,
                           int64_t lookback, at::IntArrayRef ratios, at::IntArrayRef overlaps) {
-  check_i64(out, "out", 1);
+  check_host_i64(kOp, out, "out", 1);
   DEEPINFER_CHECK(out.is_contiguous(), kOp, "out must be contiguous");
-  check_i64(c0, "c0", 1);
-  check_i64(query_lens, "query_lens", 1);
-  check_i64(row_starts, "row_starts", 1);
-  check_i64(block_tables, "block_tables", 2);
-  check_i64(window_tables, "window_tables", 2);
-  check_i64(shared_len, "shared_len", 1);
-  check_i64(input_ids, "input_ids", 1);
-  check_i64(logits_indices, "logits_indices", 1);
+  check_host_i64(kOp, c0, "c0", 1);
+  check_host_i64(kOp, query_lens, "query_lens", 1);
+  check_host_i64(kOp, row_starts, "row_starts", 1);
+  check_host_i64(kOp, block_tables, "block_tables", 2);
+  check_host_i64(kOp, window_tables, "window_tables", 2);
+  check_host_i64(kOp, shared_len, "shared_len", 1);
+  check_host_i64(kOp, input_ids, "input_ids", 1);
+  check_host_i64(kOp, logits_indices, "logits_indices", 1);
   const int64_t S = c0.size(0), n = num_seqs, qc = tokens_per_seq, B = block_size, rows = n * qc;
   DEEPINFER_CHECK(S <= n, kOp, S, " sequences do not fit num_seqs=", n);
   DEEPINFER_CHECK(B > 0 && lookback >= 0 && max_blocks > 0, kOp, "block_size, max_blocks must be > 0, lookback >= 0");

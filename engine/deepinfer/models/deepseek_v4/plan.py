@@ -247,22 +247,11 @@ def _blocks_for(n: int, block_size: int) -> int:
     return -(-n // block_size)
 
 
-def _group_ok(table: np.ndarray, first: np.ndarray, end: np.ndarray, written_from: np.ndarray, limit: int) -> bool:
-    """One cache group of a step, vectorised: the ids of columns ``[first[i], end[i])`` of row ``i`` lie in
-    ``[0, limit)``, no row lists a block twice, and a block a row writes (columns from ``written_from[i]`` on) is
-    used by no other row."""
-    cols = np.arange(table.shape[1])[None, :]
-    r, c = np.nonzero((cols >= first[:, None]) & (cols < end[:, None]))
-    b = table[r, c]
-    if not ((b >= 0) & (b < limit)).all():
-        return False
-    sb = np.sort(b)
-    if not (sb[1:] == sb[:-1]).any():  # no block listed twice anywhere (no shared prefix): nothing else to check
-        return True
-    if np.unique(r * limit + b).size != b.size:
-        return False
-    blocks, counts = np.unique(b, return_counts=True)
-    return not np.isin(b[c >= written_from[r]], blocks[counts > 1]).any()
+def _i64(a: np.ndarray | None, dim: int = 1) -> torch.Tensor:
+    """A host array as a CPU int64 tensor sharing its memory where it can (``[0]`` / ``[0, 0]`` for None)."""
+    if a is None:
+        return torch.empty((0,) * dim, dtype=torch.int64)
+    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
 
 
 class PlanBuilder:
@@ -362,41 +351,32 @@ class PlanBuilder:
                                          f"also used by sequence {i}")
 
     def check_arrays(self, seqs: StepSeqs) -> None:
-        """:meth:`check_step` for the array form, vectorised over the sequences (both cache groups); on a fault the
-        per-sequence checks name it (the same messages). Raises ValueError naming the field."""
+        """:meth:`check_step` for the array form, in one C++ call (both cache groups,
+        :func:`deepinfer_ops.step_tables_check`); on a fault the per-sequence checks name it (the same messages).
+        Raises ValueError naming the field."""
         c0, q, bt, wt = seqs.c0, seqs.q, seqs.block_tables, seqs.window_tables
+        arrays = (c0, q, bt) + tuple(a for a in (wt, seqs.shared_len, seqs.window_floor) if a is not None)
+        try:  # the rules of check_step in one C++ loop; it also refuses wrong shapes
+            ints = all(a.dtype.kind in "iu" for a in arrays)
+            ok = ints and deepinfer_ops.step_tables_check(
+                _i64(c0), _i64(q), _i64(bt), _i64(wt, 2), _i64(seqs.shared_len), _i64(seqs.window_floor),
+                self.block_size, self.lookback, self.num_blocks, self.window_blocks,
+                self.config.max_position_embeddings)
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            ints = ok = False
+        if ok:
+            return
         S = len(c0) if isinstance(c0, np.ndarray) and c0.ndim == 1 else -1
-        tables = (bt,) if wt is None else (bt, wt)
-        extras = tuple(a for a in (seqs.shared_len, seqs.window_floor) if a is not None)
-        B = self.block_size
-        shapes_ok = (S >= 0 and all(isinstance(t, np.ndarray) and t.ndim == 2 and t.shape[0] == S for t in tables)
-                     and all(isinstance(a, np.ndarray) and a.shape == (S,) for a in extras))
-        ok = (shapes_ok and isinstance(q, np.ndarray) and q.shape == (S,)
-              and all(a.dtype.kind in "iu" for a in (c0, q) + tables + extras))
-        if ok and S:
-            L = c0 + q
-            nb = -(-L // B)
-            shared = seqs.shared_len if seqs.shared_len is not None else 0
-            floor = seqs.window_floor if seqs.window_floor is not None else np.zeros(S, dtype=np.int64)
-            ok = bool((q >= 1).all() and (c0 >= 0).all() and all(int(nb.max()) <= t.shape[1] for t in tables)
-                      and int(L.max()) <= self.config.max_position_embeddings)
-            if ok and extras:
-                ok = bool(((seqs.shared_len >= 0) & (seqs.shared_len % B == 0) & (floor >= 0) & (floor <= c0)
-                           & (floor % B == 0)).all() and (wt is not None or not floor.any()))
-            if ok:
-                ok = _group_ok(bt, np.zeros(S, dtype=np.int64), nb, np.maximum(c0, shared) // B, self.num_blocks)
-            if ok and wt is not None:
-                w0 = np.maximum(np.maximum(c0 - self.lookback, 0) // B, floor // B)
-                ok = _group_ok(wt, w0, nb, c0 // B, self.window_blocks)
-            elif ok:  # one table for both groups: its ids must also lie in the window group
-                used = np.arange(bt.shape[1])[None, :] < nb[:, None]
-                ok = int(bt[used].max()) < self.window_blocks
-        if not ok:
-            if not (shapes_ok and isinstance(q, np.ndarray) and len(q) == S):
-                raise ValueError("seqs: StepSeqs needs c0 [num_seqs], q [num_seqs], block_tables [num_seqs, width] "
-                                 "and window_tables (None or [num_seqs, width_w]) integer arrays")
-            self.check_step(seqs.to_list())
-            raise ValueError("seqs: StepSeqs arrays must be int64 / int32 / uint arrays")
+        if not (S >= 0 and all(isinstance(a, np.ndarray) for a in arrays) and q.shape == (S,)
+                and all(t.ndim == 2 and t.shape[0] == S for t in (bt, wt) if t is not None)
+                and all(a.shape == (S,) for a in (seqs.shared_len, seqs.window_floor) if a is not None)):
+            raise ValueError("seqs: StepSeqs needs c0 [num_seqs], q [num_seqs], block_tables [num_seqs, width] "
+                             "and window_tables (None or [num_seqs, width_w]) integer arrays")
+        self.check_step(seqs.to_list())
+        if ints:
+            raise RuntimeError("PlanBuilder.check_arrays: step_tables_check refused a step that check_step "
+                               "accepts (the two sets of rules disagree: a bug)")
+        raise ValueError("seqs: StepSeqs arrays must be int64 / int32 / uint arrays")
 
     def build(self, seqs: list[SeqStep], input_ids: list[int] | torch.Tensor, logits_indices: list[int],
               batch_invariant: bool = False, pad_multiple: int = 0, capacity: Capacity | None = None,
