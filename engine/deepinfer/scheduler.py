@@ -233,13 +233,20 @@ class Scheduler:
         return max(0, min(k, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1))
 
     def speculates_next(self) -> bool:
-        """Whether the next step verifies drafts: speculation is on and, when :attr:`spec_pays` is set, pays at the
-        batch size the next step can reach (the running requests topped up from the waiting ones)."""
+        """Whether the next step verifies drafts: speculation is on and, when :attr:`spec_pays` is set, the next
+        step has no prefill chunk and verification pays at the batch size it can reach (the running requests
+        topped up from the waiting ones). A step with a prefill chunk runs eagerly, its verification and draft
+        chain included, which costs several graph steps at large batches (``docs/speculative.md``): with
+        :attr:`spec_pays` set it is a plain step."""
         if not self.config.num_drafts:
             return False
         if self.spec_pays is None:
             return True
-        return bool(self.spec_pays(max(1, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))))
+        if self.waiting and len(self.running) < self.config.max_num_seqs:  # a request to admit: its prefill
+            return False
+        if not self.spec_pays(max(1, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))):
+            return False
+        return not any(self._left(seq) > 1 for seq in self.running)  # no prompt chunk left either
 
     def schedule(self, speculate: bool | None = None) -> SchedulerOutput:
         """Pick this step's work and allocate its blocks. ``scheduled`` is empty only when nothing can run now (no

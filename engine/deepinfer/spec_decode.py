@@ -167,6 +167,12 @@ class SpecDecoder:
         self._probing: dict[int, int] = {}  # per bucket, the speculative steps a probe still runs
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
         self.confidences: dict[int, list[float]] = {}
+        # calibration of those confidences (:meth:`calibrated`): per draft depth and confidence bin, the decayed
+        # counts of drafts verified there (the ones before them accepted) and accepted; per request, the bins its
+        # running step's choice read
+        self._cal_verified = np.zeros((num_speculative_tokens, self.CAL_BINS))
+        self._cal_accepted = np.zeros((num_speculative_tokens, self.CAL_BINS))
+        self._cal_bins: dict[int, list[int]] = {}
         self._seqs = None  # the running step's StepSeqs (its scheduled positions): each forward takes its rows
         # the last step's deferred ring state: (its verification graph, else its plans' comp; kept positions; row
         # starts)
@@ -398,6 +404,10 @@ class SpecDecoder:
         if self.schedule == "fixed" or not any(nv):
             return nv
         confs = [self.expected_confidences(it.req_id, k) for it, k in zip(items, nv)]
+        for it in items:  # the bins this choice reads, counted once the step is verified (_calibrate)
+            seen = self.confidences.get(it.req_id)
+            if seen:
+                self._cal_bins[it.req_id] = [self._bin(c) for c in seen]
         return choose_lengths(confs, self._step_cost(items))
 
     def expected_confidences(self, req_id: int, k: int) -> list[float]:
@@ -405,8 +415,37 @@ class SpecDecoder:
         last confidence there (:attr:`confidences`), else the measured acceptance rate there
         (:attr:`accept_rate`; 1 where not measured)."""
         seen = self.confidences.get(req_id, ())
-        return [seen[j] if j < len(seen) else (1.0 if a is None else a)
+        return [self.calibrated(j, seen[j]) if j < len(seen) else (1.0 if a is None else a)
                 for j, a in enumerate(self.accept_rate[:k])]
+
+    #: confidence bins of the calibration, and the weight of the raw confidence as its prior (in drafts)
+    CAL_BINS = 10
+    CAL_PRIOR = 2.0
+
+    def _bin(self, conf: float) -> int:
+        return min(max(int(conf * self.CAL_BINS), 0), self.CAL_BINS - 1)
+
+    def calibrated(self, depth: int, conf: float) -> float:
+        """The acceptance rate measured for drafts at ``depth`` (0-based; the ones before them accepted) whose
+        choice read a confidence in ``conf``'s bin, with ``conf`` itself as the prior (:attr:`CAL_PRIOR` drafts).
+        A drafter's probability of its own token is not the chance that the target agrees: the MTP layer of
+        ``bench_spec`` underrates it, and the schedule then verifies too few drafts (``docs/speculative.md``). The
+        counts depend on past steps only, so the choice stays lossless."""
+        b = self._bin(conf)
+        v = self._cal_verified[depth, b]
+        return float((self._cal_accepted[depth, b] + self.CAL_PRIOR * conf) / (v + self.CAL_PRIOR))
+
+    def _calibrate(self, items, nv: list[int], kept: list[int], n_base: list[int]) -> None:
+        """Count this step's verifications into the calibration (:meth:`calibrated`): each verified draft whose
+        earlier drafts were accepted, in the bin its choice read."""
+        for it, k, q, b in zip(items, nv, kept, n_base):
+            bins = self._cal_bins.pop(it.req_id, None)
+            if not k or not bins:
+                continue
+            acc = q - b
+            for j in range(min(k, acc + 1, len(bins))):
+                self._cal_verified[j, bins[j]] = self.ACCEPT_DECAY * self._cal_verified[j, bins[j]] + 1
+                self._cal_accepted[j, bins[j]] = self.ACCEPT_DECAY * self._cal_accepted[j, bins[j]] + (j < acc)
 
     def _seen(self, nv: int, emitted: int | None) -> int:
         """How many of a verification's draft confidences the next choice may read: up to the first rejected
@@ -454,8 +493,9 @@ class SpecDecoder:
         t0 = time.perf_counter()
         r = self.runner
         r.update_states(output)
-        for kept_per_request in (self.drafts, self.confidences):  # finished or preempted requests leave (also in
-            for rid in [rid for rid in kept_per_request if rid not in r.requests]:  # steps that scheduled nothing)
+        # finished or preempted requests leave (also in steps that scheduled nothing)
+        for kept_per_request in (self.drafts, self.confidences, self._cal_bins):
+            for rid in [rid for rid in kept_per_request if rid not in r.requests]:
                 del kept_per_request[rid]
         items = output.scheduled
         if not items:
@@ -550,6 +590,8 @@ class SpecDecoder:
         out.graph = g is not None
         self.stats.graph_steps += out.graph
         self._measure(nv, kept, n_base)
+        if self._cal_bins:
+            self._calibrate(items, nv, kept, n_base)
         self.mark_step(items, "spec", g.bucket if g is not None else None, max(nv), t0)
         return out
 

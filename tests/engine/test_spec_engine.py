@@ -7,6 +7,8 @@ and their rollback."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -422,6 +424,25 @@ def test_confidences_read_for_the_next_choice_stop_at_the_first_rejection():
     spec.accept_rate = [0.9, 0.8, None]
     assert spec.expected_confidences(7, 3) == [0.5, 0.8, 1.0]
     assert spec.expected_confidences(8, 2) == [0.9, 0.8]
+
+
+def test_confidences_are_calibrated_by_measured_acceptance():
+    """The schedule reads a confidence through its depth and bin's measured acceptance: raw confidences of 0.3 at
+    depth 0 whose drafts were always accepted read near 1 after a few dozen verifications, other bins and depths
+    keep their raw value; a verification counts only the depths whose earlier drafts were accepted."""
+    spec = _spec(3, "confidence").runner.spec
+    assert spec.calibrated(0, 0.3) == pytest.approx(0.3)  # nothing measured: the raw confidence
+    item = types.SimpleNamespace(req_id=5)
+    for _ in range(40):
+        spec._cal_bins[5] = [spec._bin(0.3), spec._bin(0.3), spec._bin(0.3)]
+        spec._calibrate([item], [3], [2], [1])  # 3 verified, the first accepted, the second rejected
+    assert spec.calibrated(0, 0.31) > 0.9 and spec.calibrated(0, 0.9) == pytest.approx(0.9)
+    assert spec.calibrated(1, 0.3) < 0.1  # depth 1: verified and rejected every time
+    assert spec.calibrated(2, 0.3) == pytest.approx(0.3)  # depth 2: never verified after an accepted depth 1
+    spec.confidences[5] = [0.3, 0.3]
+    spec.accept_rate = [0.5, 0.5, 0.5]
+    got = spec.expected_confidences(5, 3)
+    assert got[0] > 0.9 and got[1] < 0.1 and got[2] == 0.5
 
 
 def test_run_stats_report_this_runs_verifications(oracle):

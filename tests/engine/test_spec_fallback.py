@@ -223,3 +223,29 @@ def test_sampled_requests_switching_modes_finish_with_their_lengths(monkeypatch)
         assert llm.runner.spec.stats.plain_steps > 0
         runs.append([o.token_ids for o in outs])
     assert runs[0] == runs[1]
+
+
+def test_steps_with_a_prefill_chunk_are_plain_under_the_schedule(monkeypatch, reference):
+    """With the schedule's rule set (``spec_pays``), a step that admits a request or carries a prompt chunk is a
+    plain step (it would run eagerly, its verification too); the others speculate. Two requests at a time, so
+    admissions come while others decode; greedy outputs equal speculation off."""
+    sp, ref = reference
+    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(PROMPTS, ref)})
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=3, spec_schedule="confidence",
+              max_num_seqs=2, max_num_batched_tokens=64)
+    llm.scheduler.spec_pays = lambda n: True
+    steps = []
+    real = ModelRunner.execute
+
+    def execute(self, output, prev=None):
+        prefill = bool(output.new_requests) or any(it.num_new_tokens - it.num_draft_tokens > 1
+                                                   for it in output.scheduled)
+        steps.append((output.speculative, prefill))
+        return real(self, output, prev)
+
+    monkeypatch.setattr(ModelRunner, "execute", execute)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == ref
+    assert not any(spec and prefill for spec, prefill in steps), steps
+    assert sum(spec for spec, _ in steps) > 3 and sum(prefill for _, prefill in steps) >= 3
+    assert llm.runner.spec.stats.accepted > 0
