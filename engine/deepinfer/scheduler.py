@@ -233,20 +233,18 @@ class Scheduler:
         return max(0, min(k, budget - 1, seq.params.max_tokens - seq.num_output_tokens - 1))
 
     def speculates_next(self) -> bool:
-        """Whether the next step verifies drafts: speculation is on and, when :attr:`spec_pays` is set, the next
-        step has no prefill chunk and verification pays at the batch size it can reach (the running requests
-        topped up from the waiting ones). A step with a prefill chunk runs eagerly, its verification and draft
-        chain included, which costs several graph steps at large batches (``docs/speculative.md``): with
-        :attr:`spec_pays` set it is a plain step."""
+        """Whether the next step verifies drafts: speculation is on and, when :attr:`spec_pays` is set, pays at the
+        batch size the next step can reach (the running requests topped up from the waiting ones)."""
         if not self.config.num_drafts:
             return False
         if self.spec_pays is None:
             return True
-        if self.waiting and len(self.running) < self.config.max_num_seqs:  # a request to admit: its prefill
-            return False
-        if not self.spec_pays(max(1, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))):
-            return False
-        return not any(self._left(seq) > 1 for seq in self.running)  # no prompt chunk left either
+        return bool(self.spec_pays(max(1, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))))
+
+    def _prefill_next(self) -> bool:
+        """Whether the next step may carry a prompt chunk: a request to admit, or a running one mid-prompt."""
+        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs or \
+            any(self._left(seq) > 1 for seq in self.running)
 
     def schedule(self, speculate: bool | None = None) -> SchedulerOutput:
         """Pick this step's work and allocate its blocks. ``scheduled`` is empty only when nothing can run now (no
@@ -257,7 +255,11 @@ class Scheduler:
             RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
         """
         speculative = bool(self.config.num_drafts) and speculate is not False
-        k = self.config.num_drafts if speculative else 0
+        # under the schedule's rule (spec_pays), a step with a prompt chunk verifies no draft: it runs eagerly, and
+        # an eager verification costs several graph steps at large batches (docs/speculative.md); its MTP pass
+        # still drafts for the next step
+        k = self.config.num_drafts if speculative and not (self.spec_pays is not None and self._prefill_next()) \
+            else 0
         budget = self.config.max_num_batched_tokens
         prefill_left = self.prefill_budget
         limited = False  # the prefill limit held a chunk back (an empty step is then no deadlock)

@@ -225,10 +225,11 @@ def test_sampled_requests_switching_modes_finish_with_their_lengths(monkeypatch)
     assert runs[0] == runs[1]
 
 
-def test_steps_with_a_prefill_chunk_are_plain_under_the_schedule(monkeypatch, reference):
-    """With the schedule's rule set (``spec_pays``), a step that admits a request or carries a prompt chunk is a
-    plain step (it would run eagerly, its verification too); the others speculate. Two requests at a time, so
-    admissions come while others decode; greedy outputs equal speculation off."""
+def test_steps_with_a_prefill_chunk_verify_no_draft_under_the_schedule(monkeypatch, reference):
+    """With the schedule's rule set (``spec_pays``), a step that admits a request or carries a prompt chunk verifies
+    no draft (it would run eagerly, its verification too) but still runs the MTP pass, so the next step verifies
+    drafts; the other steps verify. Two requests at a time, so admissions come while others decode; greedy outputs
+    equal speculation off."""
     sp, ref = reference
     _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(PROMPTS, ref)})
     llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=3, spec_schedule="confidence",
@@ -240,12 +241,16 @@ def test_steps_with_a_prefill_chunk_are_plain_under_the_schedule(monkeypatch, re
     def execute(self, output, prev=None):
         prefill = bool(output.new_requests) or any(it.num_new_tokens - it.num_draft_tokens > 1
                                                    for it in output.scheduled)
-        steps.append((output.speculative, prefill))
+        steps.append((output.speculative, prefill, sum(it.num_draft_tokens for it in output.scheduled)))
         return real(self, output, prev)
 
     monkeypatch.setattr(ModelRunner, "execute", execute)
     outs = llm.generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == ref
-    assert not any(spec and prefill for spec, prefill in steps), steps
-    assert sum(spec for spec, _ in steps) > 3 and sum(prefill for _, prefill in steps) >= 3
+    assert all(spec for spec, _, _ in steps)
+    assert not any(prefill and drafts for _, prefill, drafts in steps), steps
+    assert sum(prefill for _, prefill, _ in steps) >= 3
+    # the step after an admission verifies the drafts its MTP pass made
+    after = [steps[i + 1][2] for i, (_, prefill, _) in enumerate(steps[:-1]) if prefill and not steps[i + 1][1]]
+    assert after and all(d > 0 for d in after), steps
     assert llm.runner.spec.stats.accepted > 0
