@@ -251,7 +251,8 @@ def _i64(a: np.ndarray | None, dim: int = 1) -> torch.Tensor:
     """A host array as a CPU int64 tensor sharing its memory where it can (``[0]`` / ``[0, 0]`` for None)."""
     if a is None:
         return torch.empty((0,) * dim, dtype=torch.int64)
-    return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
+    a = np.ascontiguousarray(a, dtype=np.int64)
+    return torch.from_numpy(a if a.flags.writeable else a.copy())  # torch warns on read-only arrays
 
 
 class PlanBuilder:
