@@ -242,9 +242,16 @@ class Scheduler:
         return bool(self.spec_pays(max(1, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))))
 
     def _prefill_next(self) -> bool:
-        """Whether the next step may carry a prompt chunk: a request to admit, or a running one mid-prompt."""
-        return bool(self.waiting) and len(self.running) < self.config.max_num_seqs or \
-            any(self._left(seq) > 1 for seq in self.running)
+        """Whether the next step may carry a prompt chunk: a running request mid-prompt, or a waiting one that a
+        free slot and the free blocks admit (before any prefix-cache hit: a request held back for blocks must not
+        stop the running ones from verifying)."""
+        if any(self._left(seq) > 1 for seq in self.running):
+            return True
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs or self.waiting[0].num_pending:
+            return False
+        seq = self.waiting[0]
+        n = min(self._left(seq), self.config.max_num_batched_tokens)
+        return self.block_manager.can_allocate(seq, seq.num_computed_tokens + n)
 
     def schedule(self, speculate: bool | None = None) -> SchedulerOutput:
         """Pick this step's work and allocate its blocks. ``scheduled`` is empty only when nothing can run now (no

@@ -11,6 +11,7 @@ import pytest
 import deepinfer.spec_decode as sd
 from deepinfer.llm import LLM
 from deepinfer.model_runner import ModelRunner
+from deepinfer.scheduler import Scheduler
 from deepinfer.sequence import SamplingParams
 from test_spec_engine import PROMPTS, _use_oracle
 
@@ -254,3 +255,26 @@ def test_steps_with_a_prefill_chunk_verify_no_draft_under_the_schedule(monkeypat
     after = [steps[i + 1][2] for i, (_, prefill, _) in enumerate(steps[:-1]) if prefill and not steps[i + 1][1]]
     assert after and all(d > 0 for d in after), steps
     assert llm.runner.spec.stats.accepted > 0
+
+
+def test_requests_held_back_for_blocks_do_not_stop_verification(monkeypatch, reference):
+    """A cache too small for every request at once: requests wait for blocks while a free slot exists. The running
+    ones still verify drafts in the steps that admit nobody; greedy outputs equal speculation off."""
+    sp, ref = reference
+    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(PROMPTS, ref)})
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=3, spec_schedule="confidence",
+              max_num_seqs=8, num_blocks=3)
+    llm.scheduler.spec_pays = lambda n: True
+    held = []
+    real = Scheduler.schedule
+
+    def schedule(self, speculate=None):
+        waiting = bool(self.waiting) and len(self.running) < self.config.max_num_seqs
+        out = real(self, speculate)
+        held.append(waiting and not out.new_requests and sum(it.num_draft_tokens for it in out.scheduled) > 0)
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == ref
+    assert any(held)  # steps with a request waiting for blocks, and drafts verified
