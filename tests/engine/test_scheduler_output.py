@@ -404,3 +404,23 @@ def test_step_tables_check_refuses_bad_arguments_naming_them():
     with pytest.raises(RuntimeError, match=r"shared_len must be empty or \[1\]"):
         deepinfer_ops.step_tables_check(one, one, bt, args[3], torch.zeros(3, **i64), *args[5:])
     assert not deepinfer_ops.step_tables_check(one, one, bt, args[3], none, none, 128, 127, 8, 8, 1)  # past max
+    with pytest.raises(RuntimeError, match="max_positions >= 0"):
+        deepinfer_ops.step_tables_check(one, one, bt, args[3], none, none, 128, 127, 8, 8, -2 ** 63)
+
+
+def test_check_arrays_takes_any_integer_layout_and_names_what_it_refuses():
+    """Reversed views (a length-1 axis keeps its negative stride), read-only and int32 arrays pass as the same step
+    in int64; a 0-d c0 is a shape error, a uint64 entry past int64 a value error (not a disagreement of the
+    rules)."""
+    b = PlanBuilder(DeepseekV4Config.from_dict(TINY_CONFIG), 128, 8, "cpu")
+    ro = np.array([[3, 4]])
+    ro.flags.writeable = False
+    b.check_arrays(StepSeqs(np.array([5])[::-1], np.array([1]), np.array([[3]])))
+    b.check_arrays(StepSeqs(np.array([5, 7]), np.array([1, 1]), np.array([[3], [4]])[:, ::-1]))
+    b.check_arrays(StepSeqs(np.array([130], dtype=np.int32), np.array([1], dtype=np.uint8), ro))
+    with pytest.raises(ValueError, match="StepSeqs needs c0"):
+        b.check_arrays(StepSeqs(np.array(5), np.array(1), np.array([[3]])))
+    u = np.uint64
+    with pytest.raises(ValueError, match="must fit int64"):
+        b.check_arrays(StepSeqs(np.array([0], u), np.array([1], u), np.array([[0]], u), None, np.array([2 ** 63], u),
+                                np.array([0], u)))

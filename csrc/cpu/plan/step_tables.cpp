@@ -101,7 +101,8 @@ void step_tables_check_cpu(at::Tensor& out, const at::Tensor& c0, const at::Tens
   check_host_i64(kOp, shared_len, "shared_len", 1);
   check_host_i64(kOp, window_floor, "window_floor", 1);
   const int64_t S = c0.size(0), B = block_size;
-  DEEPINFER_CHECK(B > 0 && lookback >= 0, kOp, "block_size must be > 0 and lookback >= 0");
+  DEEPINFER_CHECK(B > 0 && lookback >= 0 && max_positions >= 0, kOp,
+                  "block_size must be > 0, lookback and max_positions >= 0");
   DEEPINFER_CHECK(query_lens.size(0) == S && block_tables.size(0) == S, kOp,
                   "query_lens and block_tables must have one entry per sequence (", S, ")");
   const bool has_wt = window_tables.size(0) != 0 || window_tables.size(1) != 0;

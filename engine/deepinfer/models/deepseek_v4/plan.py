@@ -252,7 +252,8 @@ def _i64(a: np.ndarray | None, dim: int = 1) -> torch.Tensor:
     if a is None:
         return torch.empty((0,) * dim, dtype=torch.int64)
     a = np.ascontiguousarray(a, dtype=np.int64)
-    return torch.from_numpy(a if a.flags.writeable else a.copy())  # torch warns on read-only arrays
+    # torch warns on read-only arrays and refuses negative strides (kept on a length-1 axis of a reversed view)
+    return torch.from_numpy(a if a.flags.writeable and min(a.strides, default=0) >= 0 else a.copy())
 
 
 class PlanBuilder:
@@ -358,7 +359,7 @@ class PlanBuilder:
         c0, q, bt, wt = seqs.c0, seqs.q, seqs.block_tables, seqs.window_tables
         arrays = (c0, q, bt) + tuple(a for a in (wt, seqs.shared_len, seqs.window_floor) if a is not None)
         try:  # the rules of check_step in one C++ loop; it also refuses wrong shapes
-            ints = all(a.dtype.kind in "iu" for a in arrays)
+            ints = all(a.dtype.kind in "iu" for a in arrays) and c0.ndim == q.ndim == 1
             ok = ints and deepinfer_ops.step_tables_check(
                 _i64(c0), _i64(q), _i64(bt), _i64(wt, 2), _i64(seqs.shared_len), _i64(seqs.window_floor),
                 self.block_size, self.lookback, self.num_blocks, self.window_blocks,
@@ -374,6 +375,8 @@ class PlanBuilder:
             raise ValueError("seqs: StepSeqs needs c0 [num_seqs], q [num_seqs], block_tables [num_seqs, width] "
                              "and window_tables (None or [num_seqs, width_w]) integer arrays")
         self.check_step(seqs.to_list())
+        if ints and any(a.dtype.kind == "u" and a.size and int(a.max()) > np.iinfo(np.int64).max for a in arrays):
+            raise ValueError("seqs: StepSeqs values must fit int64 (a uint64 entry is 2**63 or more)")
         if ints:
             raise RuntimeError("PlanBuilder.check_arrays: step_tables_check refused a step that check_step "
                                "accepts (the two sets of rules disagree: a bug)")
