@@ -352,8 +352,7 @@ def test_step_tables_check_agrees_with_the_per_sequence_checks():
     seen = {True: 0, False: 0}
     for trial in range(1500):
         B = 128
-        big = trial % 4 == 0  # past step_tables_check's stamp limit (1 << 22 blocks): its sort per row
-        b = PlanBuilder(cfg, B, 5_000_000 if big else 24, "cpu", window_blocks=int(rng.integers(20, 30)))
+        b = PlanBuilder(cfg, B, 24, "cpu", window_blocks=int(rng.integers(20, 30)))
         S = int(rng.integers(1, 5))
         c0 = rng.integers(0, 3 * B, S)
         q = rng.integers(0 if trial % 50 == 0 else 1, 2 * B, S)
@@ -368,7 +367,7 @@ def test_step_tables_check_agrees_with_the_per_sequence_checks():
                     t[i, c] = [t[j, c], t[i, 0], -1, limit][int(rng.integers(0, 4))]
             return t
 
-        bt = table(5_000_000 if big else 24)
+        bt = table(24)
         wt = table(30) if trial % 2 else None
         shared = floor = None
         if trial % 3 == 0:

@@ -8,7 +8,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <vector>
 
 #include "common/checks.h"
@@ -60,22 +59,6 @@ class Owners {
   size_t mask_ = 0;
 };
 
-// The duplicate rule without a sort per row where a group has at most kStampLimit blocks: per block id, the
-// generation of the last row that listed it (a fresh generation per row; all reset when the counter would wrap).
-constexpr int64_t kStampLimit = int64_t{1} << 22;
-struct RowStamps {
-  std::vector<uint32_t> of_block;
-  uint32_t gen = 0;
-  void reserve(int64_t limit, int64_t rows) {
-    if (static_cast<int64_t>(of_block.size()) < limit) of_block.resize(limit, 0);
-    if (gen > UINT32_MAX - static_cast<uint32_t>(rows) - 1) {
-      std::fill(of_block.begin(), of_block.end(), 0);
-      gen = 0;
-    }
-  }
-};
-thread_local RowStamps row_stamps;
-
 // One cache group: row i reads columns [first[i], end[i]) and writes those from written_from[i] on.
 bool group_ok(const Rows& t, const std::vector<int64_t>& first, const std::vector<int64_t>& end,
               const std::vector<int64_t>& written_from, int64_t limit, Owners& owners, std::vector<int64_t>& row) {
@@ -83,26 +66,16 @@ bool group_ok(const Rows& t, const std::vector<int64_t>& first, const std::vecto
   size_t n_written = 0;
   for (int64_t i = 0; i < S; ++i) n_written += std::max<int64_t>(end[i] - std::max(first[i], written_from[i]), 0);
   owners.reset(n_written);
-  const bool stamped = limit <= kStampLimit && S < (int64_t{1} << 30);
-  if (stamped) row_stamps.reserve(limit, S);
   for (int64_t i = 0; i < S; ++i) {
     row.clear();
-    const uint32_t g = stamped ? ++row_stamps.gen : 0;
     for (int64_t c = std::max<int64_t>(first[i], 0); c < end[i]; ++c) {
       const int64_t b = t.at(i, c);
       if (b < 0 || b >= limit) return false;
       if (c >= written_from[i] && !owners.claim(b, i)) return false;  // written by two rows
-      if (stamped) {
-        if (row_stamps.of_block[b] == g) return false;  // the row lists a block twice
-        row_stamps.of_block[b] = g;
-      } else {
-        row.push_back(b);
-      }
+      row.push_back(b);
     }
-    if (!stamped) {
-      std::sort(row.begin(), row.end());
-      if (std::adjacent_find(row.begin(), row.end()) != row.end()) return false;
-    }
+    std::sort(row.begin(), row.end());
+    if (std::adjacent_find(row.begin(), row.end()) != row.end()) return false;  // the row lists a block twice
   }
   for (int64_t i = 0; i < S; ++i) {  // a block written by one row and read by another
     for (int64_t c = std::max<int64_t>(first[i], 0); c < end[i]; ++c) {
