@@ -14,13 +14,15 @@ single wave would measure how a static batch drains: speculating requests finish
 the time, while spec off finishes them together. Prompts: lines of --prompts (tokenized with the model's tokenizer,
 cycled), else random token ids of --prompt-len.
 
-Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.EngineStats``), its median over pure
-decode steps, TPOT, and with speculation the acceptance length (mean tokens per verification = 1 + accepted drafts),
-the acceptance rate per draft position (accepted / verified at that position), the verification overhead (median
-decode step time over the spec-off median at the same batch size, minus 1, in percent) and the speedup over spec off;
-greedy rows also record whether the tokens equal spec off's (``greedy_identical``); with --phases, the spec rows
-also hold ``phase_ms_per_step`` (each phase synchronised: a diagnosis of where a step's time goes). Writes
-bench/results/<device>/bench_spec.json (--out to override).
+Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.EngineStats``), the same over the steps
+at full batch only (``decode_tok_s_at_peak``: the steady state, without the last wave's drain, where speculating
+requests finish one by one while spec off's finish together), its median over pure decode steps, TPOT, and with
+speculation the acceptance length (mean tokens per verification = 1 + accepted drafts), the acceptance rate per
+draft position (accepted / verified at that position), the verification overhead (median decode step time over the
+spec-off median at the same batch size, minus 1, in percent) and the speedups over spec off (``speedup``,
+``speedup_at_peak``); greedy rows also record whether the tokens equal spec off's (``greedy_identical``); with
+--phases, the spec rows also hold ``phase_ms_per_step`` (each phase synchronised: a diagnosis of where a step's time
+goes). Writes bench/results/<device>/bench_spec.json (--out to override).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
                                                         "max_tokens": args.max_tokens, "k": k if spec else 0,
                                                         "requests": n_req, "waves": args.waves if batch > 1 else 1,
                                                         "temperature": args.temperature},
-           "decode_tok_s": s["decode_tok_s"], "decode_tok_s_median": s["decode_tok_s_median"],
+           "decode_tok_s": s["decode_tok_s"], "decode_tok_s_at_peak": s["decode_tok_s_at_peak"],
+           "peak_steps": s["peak_steps"], "decode_tok_s_median": s["decode_tok_s_median"],
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
            "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan")}
     if spec:
@@ -311,6 +314,8 @@ def sweep(model, args, on_row=None) -> list[dict]:
                 base, base_tokens = row, tokens
             else:
                 row["speedup"] = row["decode_tok_s"] / base["decode_tok_s"] if base["decode_tok_s"] else None
+                row["speedup_at_peak"] = row["decode_tok_s_at_peak"] / base["decode_tok_s_at_peak"] \
+                    if base["decode_tok_s_at_peak"] else None
                 if base["decode_step_ms_median"]:
                     row["verification_overhead_pct"] = 100 * (row["decode_step_ms_median"]
                                                               / base["decode_step_ms_median"] - 1)

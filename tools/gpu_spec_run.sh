@@ -37,6 +37,6 @@ p = os.environ["OUT"] + "/bench_spec.json"
 if os.path.exists(p):
     for r in json.load(open(p))["rows"]:
         s = r.get("shape", {})
-        print(s.get("batch"), r.get("mode"), s.get("k"), round(r.get("decode_tok_s", 0)), r.get("speedup"), r.get("acceptance_length"), r.get("tpot_ms"))
+        print(s.get("batch"), r.get("mode"), s.get("k"), round(r.get("decode_tok_s", 0)), r.get("speedup"), round(r.get("decode_tok_s_at_peak", 0)), r.get("speedup_at_peak"), r.get("acceptance_length"), r.get("tpot_ms"))
 PY
 echo "total $(( $(date +%s) - T0 )) s"

@@ -37,7 +37,8 @@ def error_record(failure: RequestFailure) -> dict:
 class StepRecord:
     """What one applied step did: its decode and prefill tokens, its time since the previous applied step (the
     throughput view), the host time until its forward was queued, all the host time it took (scheduling, enqueue,
-    applying the results) and its GPU time (CUDA events around the forward; 0 on the CPU), in seconds."""
+    applying the results) and its GPU time (CUDA events around the forward; 0 on the CPU), in seconds; and the
+    number of sequences it scheduled."""
 
     decode_tokens: int
     prefill_tokens: int
@@ -45,6 +46,7 @@ class StepRecord:
     enqueue_seconds: float
     host_seconds: float
     gpu_seconds: float
+    num_seqs: int = 0
 
 
 class LLMEngine:
@@ -204,7 +206,8 @@ class LLMEngine:
         n_decode = out.num_decode_tokens
         # a speculative step counts the tokens its decodes emitted, not the drafts it verified
         n_prefill = getattr(out, "num_prefill_tokens", output.num_scheduled_tokens - n_decode)
-        self.records.append(StepRecord(n_decode, n_prefill, dt, out.host_seconds, host_s, out.gpu_seconds))
+        self.records.append(StepRecord(n_decode, n_prefill, dt, out.host_seconds, host_s, out.gpu_seconds,
+                                       len(output.scheduled)))
         return touched
 
 

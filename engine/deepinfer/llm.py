@@ -728,6 +728,7 @@ class LLM:
             stats.num_steps += 1
             stats.steps.append((r.decode_tokens, r.prefill_tokens, r.seconds, r.enqueue_seconds, r.host_seconds,
                                 r.gpu_seconds))
+            stats.step_seqs.append(r.num_seqs)
             n = r.decode_tokens + r.prefill_tokens
             stats.decode_tokens += r.decode_tokens
             stats.prefill_tokens += r.prefill_tokens

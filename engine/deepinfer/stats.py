@@ -42,6 +42,8 @@ class EngineStats:
     # medians of pure prefill / pure decode steps are robust to a few steps slowed by the host (GC, other
     # processes), which the means above carry in full
     steps: list[tuple[int, int, float, float, float, float]] = field(default_factory=list)
+    # per step, the sequences it scheduled (same order as ``steps``)
+    step_seqs: list[int] = field(default_factory=list)
     # speculation on: this run's {"verifications", "drafted", "accepted", "plain_steps"} (``SpecStats``), else None
     spec: dict | None = None
 
@@ -60,6 +62,7 @@ class EngineStats:
             out.ttft += p.ttft
             out.tpot += p.tpot
             out.steps += p.steps
+            out.step_seqs += p.step_seqs
             if p.spec is not None:
                 out.spec = {k: (out.spec or {}).get(k, 0) + v for k, v in p.spec.items()}
         return out
@@ -81,6 +84,13 @@ class EngineStats:
         def median_rate(pure: list[tuple[int, float]]) -> float:
             return median([n / dt for n, dt in pure if dt > 0]) if measured else 0.0
 
+        # steps at the run's largest batch: a closed run's ramp and drain (fewer sequences at once) left out
+        peak = max(self.step_seqs, default=0)
+        at_peak = [st for st, n in zip(self.steps, self.step_seqs) if n == peak] \
+            if len(self.step_seqs) == len(self.steps) else []
+        peak_tokens = sum(d for d, *_ in at_peak)
+        peak_time = sum(dt * d / (d + p) for d, p, dt, *_ in at_peak if d)
+
         return {
             "requests": self.num_requests, "errors": self.num_errors,
             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
@@ -88,6 +98,8 @@ class EngineStats:
             "prefill_tok_s": self.prefill_tokens / self.prefill_time if self.prefill_time > 0 and measured else 0.0,
             "decode_tok_s": self.decode_tokens / self.decode_time if self.decode_time > 0 and measured else 0.0,
             "note": None if measured else NO_THROUGHPUT,
+            "decode_tok_s_at_peak": peak_tokens / peak_time if peak_time > 0 and measured else 0.0,
+            "peak_seqs": peak, "peak_steps": len(at_peak),
             "prefill_tok_s_median": median_rate([(p, dt) for d, p, dt, *_ in self.steps if p and not d]),
             "decode_tok_s_median": median_rate([(d, dt) for d, p, dt, *_ in self.steps if d and not p]),
             "prefill_step_ms_median": 1000 * median([dt for d, p, dt, *_ in self.steps if p and not d]),

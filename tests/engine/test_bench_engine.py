@@ -70,6 +70,20 @@ def test_engine_stats_medians_take_pure_steps_only():
     assert empty["decode_tok_s_median"] == 0.0 and empty["decode_enqueue_ms_median"] == 0.0
 
 
+def test_engine_stats_at_peak_takes_the_largest_batch_steps_only():
+    """decode_tok_s_at_peak: decode tokens over decode time of the steps at the run's largest batch (a mixed step's
+    time split by its tokens); the ramp and the drain, with fewer sequences, are left out."""
+    from deepinfer.stats import EngineStats
+
+    steps = [(0, 400, 0.5, 0, 0, 0), (8, 0, 0.01, 0, 0, 0), (6, 6, 0.02, 0, 0, 0), (3, 0, 0.01, 0, 0, 0),
+             (1, 0, 0.01, 0, 0, 0)]
+    s = EngineStats(steps=steps, step_seqs=[4, 4, 4, 3, 1]).summary()
+    assert s["peak_seqs"] == 4 and s["peak_steps"] == 3
+    assert s["decode_tok_s_at_peak"] == pytest.approx(14 / 0.02)  # 8 in 0.01 s, 6 in half of 0.02 s
+    # stats without per-step batch sizes (built from steps alone) measure no peak
+    assert EngineStats(steps=steps).summary()["decode_tok_s_at_peak"] == 0.0
+
+
 def test_overhead_rows_without_a_measured_rate_report_no_overhead():
     """A run with no pure decode (or prefill) step has a median rate of 0 (EngineStats: not measured): the overhead
     is None on either side, not -100% (off side 0) -- and a measured pair still gives its percentage."""
