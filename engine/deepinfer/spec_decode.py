@@ -170,8 +170,8 @@ class SpecDecoder:
         # calibration of those confidences (:meth:`calibrated`): per draft depth and confidence bin, the decayed
         # counts of drafts verified there (the ones before them accepted) and accepted; per request, the bins its
         # running step's choice read
-        self._cal_verified = np.zeros((num_speculative_tokens, self.CAL_BINS))
-        self._cal_accepted = np.zeros((num_speculative_tokens, self.CAL_BINS))
+        self._cal_verified = [[0.0] * self.CAL_BINS for _ in range(num_speculative_tokens)]
+        self._cal_accepted = [[0.0] * self.CAL_BINS for _ in range(num_speculative_tokens)]
         self._cal_bins: dict[int, list[int]] = {}
         self._seqs = None  # the running step's StepSeqs (its scheduled positions): each forward takes its rows
         # the last step's deferred ring state: (its verification graph, else its plans' comp; kept positions; row
@@ -432,8 +432,7 @@ class SpecDecoder:
         ``bench_spec`` underrates it, and the schedule then verifies too few drafts (``docs/speculative.md``). The
         counts depend on past steps only, so the choice stays lossless."""
         b = self._bin(conf)
-        v = self._cal_verified[depth, b]
-        return float((self._cal_accepted[depth, b] + self.CAL_PRIOR * conf) / (v + self.CAL_PRIOR))
+        return (self._cal_accepted[depth][b] + self.CAL_PRIOR * conf) / (self._cal_verified[depth][b] + self.CAL_PRIOR)
 
     def _calibrate(self, items, nv: list[int], kept: list[int], n_base: list[int]) -> None:
         """Count this step's verifications into the calibration (:meth:`calibrated`): each verified draft whose
@@ -444,8 +443,9 @@ class SpecDecoder:
                 continue
             acc = q - b
             for j in range(min(k, acc + 1, len(bins))):
-                self._cal_verified[j, bins[j]] = self.ACCEPT_DECAY * self._cal_verified[j, bins[j]] + 1
-                self._cal_accepted[j, bins[j]] = self.ACCEPT_DECAY * self._cal_accepted[j, bins[j]] + (j < acc)
+                ver, got = self._cal_verified[j], self._cal_accepted[j]
+                ver[bins[j]] = self.ACCEPT_DECAY * ver[bins[j]] + 1
+                got[bins[j]] = self.ACCEPT_DECAY * got[bins[j]] + (j < acc)
 
     def _seen(self, nv: int, emitted: int | None) -> int:
         """How many of a verification's draft confidences the next choice may read: up to the first rejected
@@ -459,10 +459,8 @@ class SpecDecoder:
         longest cost nothing) when the step runs graphs, else :attr:`cost` of its tokens."""
         n = len(items)
         if self._graph_step(items) and self.graph_step_seconds(n, 0) is not None:
-            per_drafts = [self.graph_step_seconds(n, d) for d in range(self.k + 1)]  # once per call, not per try
-            return lambda lengths: per_drafts[max(lengths, default=0)]
-        base = sum(it.num_new_tokens - it.num_draft_tokens for it in items)
-        return lambda lengths: self.cost(n, base + sum(lengths))
+            return CostByLongest([self.graph_step_seconds(n, d) for d in range(self.k + 1)])
+        return CostByTokens(self.cost, n, sum(it.num_new_tokens - it.num_draft_tokens for it in items))
 
     def _graph_step(self, items) -> bool:
         """Whether the step's verification can replay a graph: every request decodes (one token and its drafts),
@@ -938,6 +936,35 @@ def default_step_cost(num_seqs: int, num_tokens: int) -> float:
     return 1.0 + num_tokens / 64.0
 
 
+class CostByLongest:
+    """A step cost set by its longest verification alone (one CUDA graph per draft count):
+    ``cost(lengths) = per_drafts[max(lengths)]``. :func:`choose_lengths` then tries the common caps only."""
+
+    __slots__ = ("per_drafts",)
+
+    def __init__(self, per_drafts: list[float]) -> None:
+        self.per_drafts = per_drafts
+
+    def __call__(self, lengths: list[int]) -> float:
+        return self.per_drafts[max(lengths, default=0)]
+
+
+class CostByTokens:
+    """A step cost set by its tokens: ``cost(num_seqs, base + sum(lengths))`` (``base``: the tokens besides the
+    drafts). :func:`choose_lengths` keeps the draft total as it goes instead of summing ``lengths`` per try."""
+
+    __slots__ = ("cost", "num_seqs", "base")
+
+    def __init__(self, cost, num_seqs: int, base: int) -> None:
+        self.cost, self.num_seqs, self.base = cost, num_seqs, base
+
+    def __call__(self, lengths: list[int]) -> float:
+        return self.of_drafts(sum(lengths))
+
+    def of_drafts(self, drafts: int) -> float:
+        return self.cost(self.num_seqs, self.base + drafts)
+
+
 def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
     """Verified drafts per sequence that maximise expected emitted tokens per unit of step cost.
 
@@ -945,7 +972,8 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
     ``s_i`` is the product of its first ``i`` confidences. Two families of choices are tried, each the best for one
     shape of cost: the ``T`` largest survivals for every ``T`` (a cost that grows with the number of drafts:
     survivals only fall along a sequence), and every common cap ``L`` (a cost set by the longest sequence, as one
-    CUDA graph per length is).
+    CUDA graph per length is). A :class:`CostByLongest` takes the caps alone: at a given longest length, verifying
+    every sequence's drafts up to it costs nothing more and only adds expected tokens.
 
     Args:
         confidences: per sequence, its drafts' confidences (probabilities in [0, 1]), in order.
@@ -972,13 +1000,22 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
             best, best_k = rate, list(lengths)
 
     expected = float(n)
-    for neg_s, j, i in sorted((-s, j, i) for i, row in enumerate(surv) for j, s in enumerate(row)):
-        k[i] = max(k[i], j + 1)
-        expected -= neg_s
-        consider(k, expected)
+    if not isinstance(step_cost, CostByLongest):
+        by_total = step_cost.of_drafts if isinstance(step_cost, CostByTokens) else None
+        total = 0
+        for neg_s, j, i in sorted((-s, j, i) for i, row in enumerate(surv) for j, s in enumerate(row)):
+            if j + 1 > k[i]:
+                total += j + 1 - k[i]
+                k[i] = j + 1
+            expected -= neg_s
+            if by_total is None:
+                consider(k, expected)
+            elif expected / by_total(total) > best:
+                best, best_k = expected / by_total(total), list(k)
+    expected = float(n)
     for cap in range(1, max(map(len, surv), default=0) + 1):
-        lengths = [min(cap, len(row)) for row in surv]
-        consider(lengths, n + sum(sum(row[:m]) for row, m in zip(surv, lengths)))
+        expected += sum(row[cap - 1] for row in surv if len(row) >= cap)
+        consider([min(cap, len(row)) for row in surv], expected)
     return best_k
 
 

@@ -7,6 +7,7 @@ and their rollback."""
 
 from __future__ import annotations
 
+import random
 import types
 
 import pytest
@@ -245,6 +246,34 @@ def test_choose_lengths_maximises_expected_tokens_per_cost():
     # survivals 0.9, 0.81, 0.729 / 0.9, 0.81: cap 2 (5.42 / 2) beats cap 1 (3.8 / 1.5) and cap 3 (6.15 / 2.5)
     assert sd.choose_lengths([[0.9, 0.9, 0.9], [0.9, 0.9]], longest) == [2, 2]
 
+
+
+def test_choose_lengths_cost_classes_match_the_full_search():
+    """A CostByLongest (caps only) reaches the same expected tokens per cost as the full search over the same
+    cost given as a plain function, and a CostByTokens the same choice, on random confidences and costs."""
+    rng = random.Random(3)
+
+    def rate(conf, lengths, cost):
+        e = len(conf)
+        for cs, m in zip(conf, lengths):
+            s = 1.0
+            for c in cs[:m]:
+                s *= c
+                e += s
+        return e / cost(lengths)
+
+    for _ in range(300):
+        n, k = rng.randint(1, 9), rng.randint(1, 5)
+        conf = [[rng.random() for _ in range(rng.randint(0, k))] for _ in range(n)]
+        per = sorted(rng.uniform(0.5, 3.0) for _ in range(k + 1))
+        fast = sd.choose_lengths(conf, sd.CostByLongest(per))
+        full = sd.choose_lengths(conf, lambda ks: per[max(ks, default=0)])
+        assert all(0 <= m <= len(cs) for m, cs in zip(fast, conf))
+        assert rate(conf, fast, lambda ks: per[max(ks, default=0)]) == pytest.approx(
+            rate(conf, full, lambda ks: per[max(ks, default=0)]), rel=1e-12)
+        # a cost by tokens: the running draft total gives the plain function's choice
+        by_tokens = sd.CostByTokens(lambda n, t: 1.0 + t / 7.0, n, n)
+        assert sd.choose_lengths(conf, by_tokens) == sd.choose_lengths(conf, lambda ks: 1.0 + (n + sum(ks)) / 7.0)
 
 def _recording(llm: LLM) -> dict:
     """``{prompt ids: output ids}`` of the requests ``llm`` runs from now on (filled as they finish)."""
