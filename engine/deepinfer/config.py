@@ -70,6 +70,10 @@ class EngineConfig:
         spec_schedule: ``"confidence"`` (the verified length per sequence maximises expected accepted tokens per
             unit of step cost, from the drafts' confidences) or ``"fixed"`` (always ``num_speculative_tokens``).
             Batch-invariant mode always uses the fixed length (the scheduled one depends on the batch).
+        spec_admit_hold: under the confidence schedule on CUDA, steps a waiting request may be held while fewer than
+            ``max(1, max_num_seqs // 8)`` slots are free (or fewer than the requests waiting), so that admissions
+            come in groups: a step that admits runs eagerly and verifies no draft (``docs/speculative.md``). 0
+            admits at once; default 8.
         data_parallel_size: DP attention ranks (``docs/expert-parallel.md``). Above 1, ``LLM`` spawns one process
             per rank (torch.multiprocessing; NCCL on CUDA, gloo on the CPU); each rank runs its own engine over its
             share of the requests (its own scheduler and cache) and the results come back in request order.
@@ -111,6 +115,7 @@ class EngineConfig:
     speculative_method: str | None = None
     num_speculative_tokens: int = 3
     spec_schedule: str = "confidence"
+    spec_admit_hold: int = 8
     data_parallel_size: int = 1
     expert_parallel_size: int = 1
     num_redundant_experts: int = 0
@@ -186,6 +191,9 @@ class EngineConfig:
                              f"got {k!r}")
         if self.spec_schedule not in ("confidence", "fixed"):
             raise ValueError(f"EngineConfig.spec_schedule must be 'confidence' or 'fixed', got {self.spec_schedule!r}")
+        h = self.spec_admit_hold
+        if isinstance(h, bool) or not isinstance(h, int) or h < 0:
+            raise ValueError(f"EngineConfig.spec_admit_hold must be an integer >= 0, got {h!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"EngineConfig.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         self.parallel.validate()

@@ -148,6 +148,7 @@ class Scheduler:
         # speculation: ``spec_pays(num_seqs) -> bool``, whether verifying drafts beats a plain step at that batch
         # size (``SpecDecoder.pays``; None: always)
         self.spec_pays = None
+        self._held_since: int | None = None  # the step since which admission is held (:meth:`_holds_admission`)
 
     # ---------------------------------------------------------------- admission
     def add(self, seq: Sequence) -> bool:
@@ -241,6 +242,25 @@ class Scheduler:
             return True
         return bool(self.spec_pays(max(1, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))))
 
+    def _holds_admission(self) -> bool:
+        """Whether this step admits nobody, under the schedule's rule (:attr:`spec_pays`) with requests running
+        and none mid-prompt: fewer slots are free than ``max(1, max_num_seqs // 8)`` and than the requests
+        waiting, and the hold began fewer than ``config.spec_admit_hold`` steps ago. Admissions then come in
+        groups; each admitting step runs eagerly and verifies no draft."""
+        hold = self.config.spec_admit_hold
+        free = self.config.max_num_seqs - len(self.running)
+        if not hold or self.spec_pays is None or not self.running or not self.waiting or free <= 0 \
+                or free >= min(len(self.waiting), max(1, self.config.max_num_seqs // 8)) \
+                or any(self._left(seq) > 1 for seq in self.running):
+            self._held_since = None
+            return False
+        if self._held_since is None:
+            self._held_since = self._next_step
+        if self._next_step - self._held_since >= hold:
+            self._held_since = None
+            return False
+        return True
+
     def _prefill_next(self) -> bool:
         """Whether the next step may carry a prompt chunk: a running request mid-prompt, or a waiting one that a
         free slot and the free blocks admit (before any prefix-cache hit: a request held back for blocks must not
@@ -262,11 +282,12 @@ class Scheduler:
             RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
         """
         speculative = bool(self.config.num_drafts) and speculate is not False
+        held = speculative and self._holds_admission()
         # under the schedule's rule (spec_pays), a step with a prompt chunk verifies no draft: it runs eagerly, and
         # an eager verification costs several graph steps at large batches (docs/speculative.md); its MTP pass
         # still drafts for the next step
-        k = self.config.num_drafts if speculative and not (self.spec_pays is not None and self._prefill_next()) \
-            else 0
+        k = self.config.num_drafts if speculative and (held or not (self.spec_pays is not None
+                                                                     and self._prefill_next())) else 0
         budget = self.config.max_num_batched_tokens
         prefill_left = self.prefill_budget
         limited = False  # the prefill limit held a chunk back (an empty step is then no deadlock)
@@ -316,7 +337,7 @@ class Scheduler:
                     prefill_left -= n
             i += 1
 
-        if not preempted:
+        if not preempted and not held:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 seq = self.waiting[0]
                 if seq.num_pending:  # preempted with a token in flight: admitted once it is applied

@@ -278,3 +278,58 @@ def test_requests_held_back_for_blocks_do_not_stop_verification(monkeypatch, ref
     outs = llm.generate(PROMPTS, sp)
     assert [o.token_ids for o in outs] == ref
     assert any(held)  # steps with a request waiting for blocks, and drafts verified
+
+
+MANY = [[(11 * i + 5 * j) % 900 + 20 for j in range(4 + i % 5)] for i in range(20)]
+MANY_SP = [SamplingParams(max_tokens=3 + (7 * i) % 11, temperature=0.0, ignore_eos=True) for i in range(20)]
+
+
+@pytest.fixture(scope="module")
+def many_reference():
+    llm = LLM("tiny", max_num_seqs=16)
+    return [o.token_ids for o in llm.generate(MANY, MANY_SP)]
+
+
+@pytest.mark.parametrize("hold", [0, 3])
+def test_admissions_come_in_groups_under_the_schedule(monkeypatch, many_reference, hold):
+    """16 slots, 20 requests of uneven lengths: with ``spec_admit_hold`` a free slot waits for a second one (16 // 8)
+    or for ``hold`` steps before the waiting requests are admitted; with 0, every free slot is filled at once.
+    Greedy outputs equal speculation off either way and every request finishes."""
+    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(MANY, many_reference)})
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=2, spec_schedule="confidence",
+              max_num_seqs=16, spec_admit_hold=hold)
+    llm.scheduler.spec_pays = lambda n: True
+    steps = []
+    real = Scheduler.schedule
+
+    def schedule(self, speculate=None):
+        free = self.config.max_num_seqs - len(self.running) if self.waiting else 0
+        out = real(self, speculate)
+        steps.append((free, len(out.new_requests)))
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    outs = llm.generate(MANY, MANY_SP)
+    assert [o.token_ids for o in outs] == many_reference
+    assert not llm.engine.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.config.num_blocks
+    waits, run = [], 0  # consecutive steps with a free slot and nobody admitted
+    for free, admitted in steps:
+        if free and not admitted:
+            run += 1
+        else:
+            waits.append(run)
+            run = 0
+    if hold:
+        assert any(free == 1 and not admitted for free, admitted in steps)  # one slot free: held
+        assert max(waits) <= hold  # never longer than the hold
+        assert all(admitted >= 2 or free < 2 for free, admitted in steps if admitted and free)
+    else:
+        assert max(waits) == 0
+
+
+def test_spec_admit_hold_must_be_a_count():
+    from deepinfer.config import EngineConfig
+
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(ValueError, match="spec_admit_hold"):
+            EngineConfig(spec_admit_hold=bad).validate()
