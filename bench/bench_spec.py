@@ -77,6 +77,8 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
 
     spec = {} if mode == "off" else {"speculative_method": "mtp", "num_speculative_tokens": k,
                                      "spec_schedule": "confidence" if mode == "scheduled" else "fixed"}
+    if spec and args.spec_admit_hold is not None:
+        spec["spec_admit_hold"] = args.spec_admit_hold
     llm = LLM(model, max_num_seqs=batch, device=args.device, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.prompt_len + args.max_tokens + 128, **spec)
     sp = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, ignore_eos=True, seed=1)
@@ -89,6 +91,7 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
                                                         "max_tokens": args.max_tokens, "k": k if spec else 0,
                                                         "requests": n_req, "waves": args.waves if batch > 1 else 1,
+                                                        "spec_admit_hold": llm.config.spec_admit_hold if spec else None,
                                                         "temperature": args.temperature},
            "decode_tok_s": s["decode_tok_s"], "decode_tok_s_at_peak": s["decode_tok_s_at_peak"],
            "peak_steps": s["peak_steps"], "decode_tok_s_median": s["decode_tok_s_median"],
@@ -344,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--spec-admit-hold", type=int, default=None,
+                   help="the spec rows' spec_admit_hold (default: the engine's; 0 admits at once)")
     p.add_argument("--device", default=None)
     p.add_argument("--phases", action="store_true",
                    help="time each speculative step's phases (synchronised: slower rows, for diagnosis)")
