@@ -14,9 +14,9 @@ single wave would measure how a static batch drains: speculating requests finish
 the time, while spec off finishes them together. Prompts: lines of --prompts (tokenized with the model's tokenizer,
 cycled), else random token ids of --prompt-len.
 
-Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.EngineStats``), the same over the steps
-at full batch only (``decode_tok_s_at_peak``: the steady state, without the last wave's drain, where speculating
-requests finish one by one while spec off's finish together), its median over pure decode steps, TPOT, and with
+Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.EngineStats``), the same from the first
+to the last step at full batch (``decode_tok_s_at_peak``: the steady state, without the last wave's drain, where
+speculating requests finish one by one while spec off's finish together), its median over pure decode steps, TPOT, and with
 speculation the acceptance length (mean tokens per verification = 1 + accepted drafts), the acceptance rate per
 draft position (accepted / verified at that position), the verification overhead (median decode step time over the
 spec-off median at the same batch size, minus 1, in percent) and the speedups over spec off (``speedup``,

@@ -242,16 +242,18 @@ class Scheduler:
             return True
         return bool(self.spec_pays(max(1, min(self.config.max_num_seqs, len(self.running) + len(self.waiting)))))
 
-    def _holds_admission(self) -> bool:
-        """Whether this step admits nobody, under the schedule's rule (:attr:`spec_pays`) with requests running
-        and none mid-prompt: fewer slots are free than ``max(1, max_num_seqs // 8)`` and than the requests
-        waiting, and the hold began fewer than ``config.spec_admit_hold`` steps ago. Admissions then come in
-        groups; each admitting step runs eagerly and verifies no draft."""
+    def _holds_admission(self, speculative: bool) -> bool:
+        """Whether this step admits nobody: a speculative step under the schedule's rule (:attr:`spec_pays`), with
+        requests running, some of them speculating and none mid-prompt; fewer slots free than
+        ``max(1, max_num_seqs // 8)`` and than the requests waiting; the hold begun fewer than
+        ``config.spec_admit_hold`` steps ago. Admissions then come in groups; each admitting step runs eagerly and
+        verifies no draft."""
         hold = self.config.spec_admit_hold
         free = self.config.max_num_seqs - len(self.running)
-        if not hold or self.spec_pays is None or not self.running or not self.waiting or free <= 0 \
-                or free >= min(len(self.waiting), max(1, self.config.max_num_seqs // 8)) \
-                or any(self._left(seq) > 1 for seq in self.running):
+        if not speculative or not hold or self.spec_pays is None or not self.running or not self.waiting \
+                or free <= 0 or free >= min(len(self.waiting), max(1, self.config.max_num_seqs // 8)) \
+                or any(self._left(seq) > 1 for seq in self.running) \
+                or not any(speculates(seq.params) for seq in self.running):
             self._held_since = None
             return False
         if self._held_since is None:
@@ -282,7 +284,7 @@ class Scheduler:
             RuntimeError: requests are queued but none can ever be scheduled (unreachable by construction).
         """
         speculative = bool(self.config.num_drafts) and speculate is not False
-        held = speculative and self._holds_admission()
+        held = self._holds_admission(speculative)
         # under the schedule's rule (spec_pays), a step with a prompt chunk verifies no draft: it runs eagerly, and
         # an eager verification costs several graph steps at large batches (docs/speculative.md); its MTP pass
         # still drafts for the next step

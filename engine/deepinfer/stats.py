@@ -42,7 +42,8 @@ class EngineStats:
     # medians of pure prefill / pure decode steps are robust to a few steps slowed by the host (GC, other
     # processes), which the means above carry in full
     steps: list[tuple[int, int, float, float, float, float]] = field(default_factory=list)
-    # per step, the sequences it scheduled (same order as ``steps``)
+    # per step, the sequences it scheduled (same order as ``steps``; empty in merged stats: the peak figures are
+    # per rank)
     step_seqs: list[int] = field(default_factory=list)
     # speculation on: this run's {"verifications", "drafted", "accepted", "plain_steps"} (``SpecStats``), else None
     spec: dict | None = None
@@ -62,7 +63,6 @@ class EngineStats:
             out.ttft += p.ttft
             out.tpot += p.tpot
             out.steps += p.steps
-            out.step_seqs += p.step_seqs
             if p.spec is not None:
                 out.spec = {k: (out.spec or {}).get(k, 0) + v for k, v in p.spec.items()}
         return out
@@ -84,10 +84,14 @@ class EngineStats:
         def median_rate(pure: list[tuple[int, float]]) -> float:
             return median([n / dt for n, dt in pure if dt > 0]) if measured else 0.0
 
-        # steps at the run's largest batch: a closed run's ramp and drain (fewer sequences at once) left out
-        peak = max(self.step_seqs, default=0)
-        at_peak = [st for st, n in zip(self.steps, self.step_seqs) if n == peak] \
-            if len(self.step_seqs) == len(self.steps) else []
+        # the steady state: from the first to the last step at the run's largest batch (a closed run's ramp and
+        # drain left out; steps between, held admissions included, count); not measured for merged ranks
+        peak = max(self.step_seqs, default=0) if len(self.step_seqs) == len(self.steps) else 0
+        at_peak = []
+        if peak:
+            i0 = self.step_seqs.index(peak)
+            i1 = len(self.step_seqs) - 1 - self.step_seqs[::-1].index(peak)
+            at_peak = self.steps[i0:i1 + 1]
         peak_tokens = sum(d for d, *_ in at_peak)
         peak_time = sum(dt * d / (d + p) for d, p, dt, *_ in at_peak if d)
 

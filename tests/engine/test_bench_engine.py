@@ -71,8 +71,8 @@ def test_engine_stats_medians_take_pure_steps_only():
 
 
 def test_engine_stats_at_peak_takes_the_largest_batch_steps_only():
-    """decode_tok_s_at_peak: decode tokens over decode time of the steps at the run's largest batch (a mixed step's
-    time split by its tokens); the ramp and the drain, with fewer sequences, are left out."""
+    """decode_tok_s_at_peak: decode tokens over decode time from the first to the last step at the run's largest
+    batch (a mixed step's time split by its tokens); the ramp and the drain, with fewer sequences, are left out."""
     from deepinfer.stats import EngineStats
 
     steps = [(0, 400, 0.5, 0, 0, 0), (8, 0, 0.01, 0, 0, 0), (6, 6, 0.02, 0, 0, 0), (3, 0, 0.01, 0, 0, 0),
@@ -80,8 +80,13 @@ def test_engine_stats_at_peak_takes_the_largest_batch_steps_only():
     s = EngineStats(steps=steps, step_seqs=[4, 4, 4, 3, 1]).summary()
     assert s["peak_seqs"] == 4 and s["peak_steps"] == 3
     assert s["decode_tok_s_at_peak"] == pytest.approx(14 / 0.02)  # 8 in 0.01 s, 6 in half of 0.02 s
-    # stats without per-step batch sizes (built from steps alone) measure no peak
+    # the window runs from the first to the last step at the peak: a step below it in between counts
+    s = EngineStats(steps=steps, step_seqs=[4, 4, 3, 4, 1]).summary()
+    assert s["peak_steps"] == 4 and s["decode_tok_s_at_peak"] == pytest.approx(17 / 0.03)
+    # stats without per-step batch sizes (built from steps alone, or merged ranks) measure no peak
     assert EngineStats(steps=steps).summary()["decode_tok_s_at_peak"] == 0.0
+    merged = EngineStats.merged([EngineStats(steps=steps, step_seqs=[4, 4, 4, 3, 1])] * 2).summary()
+    assert merged["decode_tok_s_at_peak"] == 0.0 and merged["peak_steps"] == 0
 
 
 def test_overhead_rows_without_a_measured_rate_report_no_overhead():

@@ -327,6 +327,29 @@ def test_admissions_come_in_groups_under_the_schedule(monkeypatch, many_referenc
         assert max(waits) == 0
 
 
+def test_no_hold_when_no_running_request_speculates(monkeypatch, many_reference):
+    """Requests with a penalty never verify drafts: holding their admissions gains nothing, so free slots are
+    filled at once."""
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=2, spec_schedule="confidence",
+              max_num_seqs=16, spec_admit_hold=8)
+    llm.scheduler.spec_pays = lambda n: True
+    held = []
+    real = Scheduler.schedule
+
+    def schedule(self, speculate=None):
+        free = self.config.max_num_seqs - len(self.running) if self.waiting else 0
+        out = real(self, speculate)
+        held.append(bool(free) and not out.new_requests)
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    params = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True, presence_penalty=0.3)
+              for p in MANY_SP]
+    outs = llm.generate(MANY, params)
+    assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
+    assert not any(held)
+
+
 def test_spec_admit_hold_must_be_a_count():
     from deepinfer.config import EngineConfig
 
