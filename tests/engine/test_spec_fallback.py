@@ -290,15 +290,8 @@ def many_reference():
     return [o.token_ids for o in llm.generate(MANY, MANY_SP)]
 
 
-@pytest.mark.parametrize("hold", [0, 3])
-def test_admissions_come_in_groups_under_the_schedule(monkeypatch, many_reference, hold):
-    """16 slots, 20 requests of uneven lengths: with ``spec_admit_hold`` a free slot waits for a second one (16 // 8)
-    or for ``hold`` steps before the waiting requests are admitted; with 0, every free slot is filled at once.
-    Greedy outputs equal speculation off either way and every request finishes."""
-    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(MANY, many_reference)})
-    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=2, spec_schedule="confidence",
-              max_num_seqs=16, spec_admit_hold=hold)
-    llm.scheduler.spec_pays = lambda n: True
+def _admissions(monkeypatch) -> list[tuple[int, int]]:
+    """Per schedule call: (free slots with a request waiting, else 0; requests admitted)."""
     steps = []
     real = Scheduler.schedule
 
@@ -309,6 +302,19 @@ def test_admissions_come_in_groups_under_the_schedule(monkeypatch, many_referenc
         return out
 
     monkeypatch.setattr(Scheduler, "schedule", schedule)
+    return steps
+
+
+@pytest.mark.parametrize("hold", [0, 3])
+def test_admissions_come_in_groups_under_the_schedule(monkeypatch, many_reference, hold):
+    """16 slots, 20 requests of uneven lengths: with ``spec_admit_hold`` a free slot waits for a second one (16 // 8)
+    or for ``hold`` steps before the waiting requests are admitted; with 0, every free slot is filled at once.
+    Greedy outputs equal speculation off either way and every request finishes."""
+    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(MANY, many_reference)})
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=2, spec_schedule="confidence",
+              max_num_seqs=16, spec_admit_hold=hold)
+    llm.scheduler.spec_pays = lambda n: True
+    steps = _admissions(monkeypatch)
     outs = llm.generate(MANY, MANY_SP)
     assert [o.token_ids for o in outs] == many_reference
     assert not llm.engine.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.config.num_blocks
@@ -333,21 +339,12 @@ def test_no_hold_when_no_running_request_speculates(monkeypatch, many_reference)
     llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=2, spec_schedule="confidence",
               max_num_seqs=16, spec_admit_hold=8)
     llm.scheduler.spec_pays = lambda n: True
-    held = []
-    real = Scheduler.schedule
-
-    def schedule(self, speculate=None):
-        free = self.config.max_num_seqs - len(self.running) if self.waiting else 0
-        out = real(self, speculate)
-        held.append(bool(free) and not out.new_requests)
-        return out
-
-    monkeypatch.setattr(Scheduler, "schedule", schedule)
+    steps = _admissions(monkeypatch)
     params = [SamplingParams(max_tokens=p.max_tokens, temperature=0.0, ignore_eos=True, presence_penalty=0.3)
               for p in MANY_SP]
     outs = llm.generate(MANY, params)
     assert all(len(o.token_ids) == p.max_tokens for o, p in zip(outs, params))
-    assert not any(held)
+    assert not any(free and not admitted for free, admitted in steps)
 
 
 def test_spec_admit_hold_must_be_a_count():
