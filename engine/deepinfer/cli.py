@@ -443,6 +443,9 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     e.add_argument("--spec-schedule", choices=("confidence", "fixed"), default=None,
                    help="verified drafts per step: chosen from the drafts' confidences and the step cost "
                    "(default), or always --num-speculative-tokens")
+    e.add_argument("--spec-admit-hold", type=_non_negative_int, default=None,
+                   help="with the confidence schedule on CUDA, the most steps a free slot waits so that admissions "
+                   "come in groups (default 8; 0: admit at once)")
     d = p.add_argument_group("data and expert parallelism (docs/expert-parallel.md)")
     d.add_argument("--data-parallel-size", type=_positive_int, default=1,
                    help="DP attention ranks: one process per rank, each with its own engine over its share of the "
@@ -468,7 +471,7 @@ def engine_config(args: argparse.Namespace):
     from deepinfer.config import EngineConfig
 
     method = getattr(args, "speculative_method", None)
-    for flag in ("num_speculative_tokens", "spec_schedule"):
+    for flag in ("num_speculative_tokens", "spec_schedule", "spec_admit_hold"):
         if getattr(args, flag, None) is not None and method is None:
             raise ValueError(f"--{flag.replace('_', '-')}: needs --speculative-method mtp (speculation is off)")
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -480,6 +483,7 @@ def engine_config(args: argparse.Namespace):
                         speculative_method=method,
                         num_speculative_tokens=getattr(args, "num_speculative_tokens", None) or 3,
                         spec_schedule=getattr(args, "spec_schedule", None) or "confidence",
+                        spec_admit_hold=8 if getattr(args, "spec_admit_hold", None) is None else args.spec_admit_hold,
                         data_parallel_size=args.data_parallel_size,
                         expert_parallel_size=args.expert_parallel_size,
                         num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,

@@ -388,17 +388,18 @@ def test_cli_options_reach_the_engine_config():
     from deepinfer.cli import build_parser, engine_config
 
     args = build_parser().parse_args(["generate", "--input", "a", "--output", "b", "--speculative-method", "mtp",
-                                      "--num-speculative-tokens", "2", "--spec-schedule", "fixed"])
+                                      "--num-speculative-tokens", "2", "--spec-schedule", "fixed",
+                                      "--spec-admit-hold", "0"])
     cfg = engine_config(args)
-    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.spec_schedule, cfg.num_drafts) == \
-        ("mtp", 2, "fixed", 2)
+    assert (cfg.speculative_method, cfg.num_speculative_tokens, cfg.spec_schedule, cfg.num_drafts,
+            cfg.spec_admit_hold) == ("mtp", 2, "fixed", 2, 0)
     off = engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b"]))
-    assert off.speculative_method is None and off.num_drafts == 0
+    assert off.speculative_method is None and off.num_drafts == 0 and off.spec_admit_hold == 8
     bad = engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b",
                                                    "--speculative-method", "mtp", "--num-speculative-tokens", "9"]))
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         bad.validate()
-    for flag, value in (("--num-speculative-tokens", "2"), ("--spec-schedule", "fixed")):
+    for flag, value in (("--num-speculative-tokens", "2"), ("--spec-schedule", "fixed"), ("--spec-admit-hold", "4")):
         with pytest.raises(ValueError, match=f"{flag}: needs --speculative-method mtp"):
             engine_config(build_parser().parse_args(["generate", "--input", "a", "--output", "b", flag, value]))
 
