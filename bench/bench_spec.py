@@ -16,10 +16,10 @@ cycled), else random token ids of --prompt-len.
 
 Each row: decode tok/s (emitted tokens / decode step time, ``deepinfer.stats.EngineStats``), the same from the first
 to the last step at full batch (``decode_tok_s_at_peak``: the steady state, without the last wave's drain, where
-speculating requests finish one by one while spec off's finish together), its median over pure decode steps, TPOT, and with
-speculation the acceptance length (mean tokens per verification = 1 + accepted drafts), the acceptance rate per
-draft position (accepted / verified at that position), the verification overhead (median decode step time over the
-spec-off median at the same batch size, minus 1, in percent) and the speedups over spec off (``speedup``,
+speculating requests finish one by one while spec off's finish together), its median over pure decode steps, TPOT,
+and with speculation the acceptance length (mean tokens per verification = 1 + accepted drafts), the acceptance rate
+per draft position (accepted / verified at that position), the verification overhead (median decode step time over
+the spec-off median at the same batch size, minus 1, in percent) and the speedups over spec off (``speedup``,
 ``speedup_at_peak``); greedy rows also record whether the tokens equal spec off's (``greedy_identical``); with
 --phases, the spec rows also hold ``phase_ms_per_step`` (each phase synchronised: a diagnosis of where a step's time
 goes). Writes bench/results/<device>/bench_spec.json (--out to override).
