@@ -198,8 +198,8 @@ def spec_steps(batch: int, args) -> tuple[dict, pstats.Stats | None]:
     def replay(g) -> None:
         if id(g) not in first:
             real(g)
-            first[id(g)] = (g.logits, g.streams, g.deferred)
-        g.logits, g.streams, g.deferred = first[id(g)]
+            first[id(g)] = (g.logits, g.streams, g.deferred, g.greedy)
+        g.logits, g.streams, g.deferred, g.greedy = first[id(g)]
 
     SpecGraph.replay = replay
     try:

@@ -346,7 +346,8 @@ class LLM:
                 from deepinfer.spec_graphs import SpecGraphs, spec_buckets
 
                 graphs = SpecGraphs(self.runner, spec_graph_tokens, spec_buckets(cfg.max_num_seqs),
-                                    self.max_model_len)
+                                    self.max_model_len,
+                                    confidences=cfg.spec_schedule == "confidence" and not cfg.batch_invariant)
                 graphs.profile()  # replay times: the schedule's costs, and reported
             if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
                 # profiled on CUDA (the graphs' replays, else eager forwards); the CPU keeps default_step_cost

@@ -28,6 +28,7 @@ from deepinfer.forward_batch import index_tensors
 from deepinfer.model_runner import RequestState, host_token
 from deepinfer.sampler import MIN_SAMPLING_TEMPERATURE, _log_softmax_normaliser
 from deepinfer.scheduler import SchedulerOutput, speculates
+from deepinfer.spec_graphs import greedy_draws
 from deepinfer.speculative import accept_drafts, draw_drafts, filtered_probs
 
 
@@ -197,15 +198,25 @@ class SpecDecoder:
         and before any cache swap (``ModelRunner``). Host lists and device work, no wait."""
         if self._pending_commit is None:
             return
-        from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
+        from deepinfer.models.deepseek_v4.compressor import write_deferred_state
 
         g, comp, seqs, row_starts = self._pending_commit
         self._pending_commit = None
         builder = self.runner.builder
         if g is not None:  # the verification graph's captured commit
             g.commit(builder, seqs, row_starts)
-        else:
-            commit_deferred_state(comp, builder.state_commit(seqs, row_starts, checked=True))
+            return
+        deferred = {m: cp.deferred for m, cp in comp.items() if cp.deferred}
+        B = builder.block_size
+        # a commit keeps at most a block's tokens per sequence: a prompt chunk verified beside drafts commits in
+        # parts of B positions, in order (each part reads the ring state the one before wrote)
+        for off in range(0, max(int(seqs.q.max(initial=0)), 1), B):
+            q = np.clip(seqs.q - off, 0, B)
+            rows = np.flatnonzero(q)
+            part = seqs.at(seqs.c0[rows] + off, q[rows], rows.tolist())
+            write_deferred_state(deferred, builder.state_commit(part, row_starts[rows] + off, checked=True))
+        for cp in comp.values():
+            cp.deferred = []
 
     def pays(self, num_seqs: int) -> bool:
         """Whether a speculative step can beat a plain one at ``num_seqs`` sequences (host data only).
@@ -324,7 +335,8 @@ class SpecDecoder:
     def _forward_mtp(self, rows: list[int] | None, c0: np.ndarray, q: np.ndarray, ids: list[int] | torch.Tensor,
                      hidden: torch.Tensor, logits_rows: list[int], discard_state: bool = False):
         """The MTP layer over the step's requests ``rows`` (indices into the step; all when None) at positions
-        ``[c0[i], c0[i] + q[i])``: ``(logits, streams)``."""
+        ``[c0[i], c0[i] + q[i])``: ``(logits, streams, greedy)``, ``greedy`` the graph's greedy drafts of the
+        logits rows (:func:`~deepinfer.spec_graphs.greedy_draws`; None when the forward ran eagerly)."""
         r = self.runner
         seqs = self._seqs.at(c0, q, rows)
         n = len(c0)
@@ -333,28 +345,31 @@ class SpecDecoder:
             g.load(r.builder, seqs, ids, logits_rows, checked=True)
             g.hidden[:len(ids)].copy_(hidden)
             g.replay()
-            return g.logits[:len(logits_rows)], g.streams[:len(ids)]
+            return g.logits[:len(logits_rows)], g.streams[:len(ids)], g.greedy
         plan = r.builder.build(seqs, ids, logits_rows, r.batch_invariant,
                                r.model.step_pad(r.batch_invariant, r.device), checked=True)
         if discard_state:  # a draft chain step: its positions are provisional, the rings keep the kept state
             for cp in plan.comp.values():
                 cp.deferred = []
-        return r.model.forward_mtp(plan, r.cache, hidden, 0, return_hidden=True)
+        return (*r.model.forward_mtp(plan, r.cache, hidden, 0, return_hidden=True), None)
 
-    def _draw(self, logits: torch.Tensor, states: list[RequestState], counters: list[int]):
+    def _draw(self, logits: torch.Tensor, states: list[RequestState], counters: list[int], greedy_pre=None):
         """Drafts for rows of ``logits``: ``(tokens [n] int64, confidences [n] float, distributions)``, all left
         on the device (nothing read); confidences only under the ``"confidence"`` schedule (else None);
-        distributions are None for greedy requests."""
+        distributions are None for greedy requests. ``greedy_pre``: a draft graph's own greedy draws of these
+        rows (:func:`~deepinfer.spec_graphs.greedy_draws`), copied instead of recomputed when every request is
+        greedy."""
         r = self.runner
         dev = logits.device
         params = [st.params for st in states]
         confident = self.schedule == "confidence"
+        n = len(states)
         if all(p.temperature < MIN_SAMPLING_TEMPERATURE for p in params):  # greedy only: no distribution to keep
-            lf = logits.float()
-            tokens = torch.argmax(lf, dim=-1)
-            if not confident:
-                return tokens, None, [None] * len(states)
-            return tokens, torch.softmax(lf, dim=-1).gather(1, tokens[:, None]).squeeze(1), [None] * len(states)
+            if greedy_pre is not None and (greedy_pre[1] is not None or not confident):
+                # copies: the graph's outputs are rewritten by its next replay
+                return (greedy_pre[0][:n].clone(), greedy_pre[1][:n].clone() if confident else None, [None] * n)
+            tokens, conf = greedy_draws(logits, confident)
+            return tokens, conf, [None] * n
         temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         probs = filtered_probs(logits, temp, torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev),
                                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
@@ -385,11 +400,12 @@ class SpecDecoder:
             sts = [states[i] for i in sel]
             # the MTP row at position t takes token t + 1 and predicts t + 2: the next draft
             c0 = np.array([items[i].start + j - 2 for i in sel], dtype=np.int64)
-            logits, streams = self._forward_mtp(sel, c0, np.ones(len(sel), dtype=np.int64),
-                                                gather_rows([d.tokens[j - 2] for d in ds]),
-                                                gather_rows([d.hidden for d in ds]), list(range(len(sel))),
-                                                discard_state=True)
-            toks, conf, probs = self._draw(logits, sts, [int(c) + 2 - st.num_prompt_tokens for c, st in zip(c0, sts)])
+            logits, streams, pre = self._forward_mtp(sel, c0, np.ones(len(sel), dtype=np.int64),
+                                                     gather_rows([d.tokens[j - 2] for d in ds]),
+                                                     gather_rows([d.hidden for d in ds]), list(range(len(sel))),
+                                                     discard_state=True)
+            toks, conf, probs = self._draw(logits, sts, [int(c) + 2 - st.num_prompt_tokens for c, st in zip(c0, sts)],
+                                           pre)
             hs = streams[:len(sel)].clone()  # a graph's output buffer: the next replay rewrites it
             for n, d in enumerate(ds):
                 d.tokens.append((toks, n))
@@ -811,13 +827,13 @@ class SpecDecoder:
                 logits_rows.append(len(ids) - 1)
                 drafting.append(i)
         (rows_t,) = index_tensors([np.asarray(rows, dtype=np.int64)], streams.device)  # no wait for the device
-        logits, mtp_streams = self._forward_mtp(sel, c, q, ids, streams[rows_t], logits_rows)
+        logits, mtp_streams, pre = self._forward_mtp(sel, c, q, ids, streams[rows_t], logits_rows)
         if not drafting:
             return
         dst = [states[i] for i in drafting]
         # the first draft goes at position c0 + kept + 1: the token after the next step's input
         pos = [int(c0[i]) + kept[i] + 1 for i in drafting]
-        toks, conf, probs = self._draw(logits, dst, [p - st.num_prompt_tokens for p, st in zip(pos, dst)])
+        toks, conf, probs = self._draw(logits, dst, [p - st.num_prompt_tokens for p, st in zip(pos, dst)], pre)
         (at,) = index_tensors([np.asarray(logits_rows, dtype=np.int64)], mtp_streams.device)
         hs = mtp_streams[at]  # a copy: the graph's buffer is rewritten by its next replay
         for n, (i, p) in enumerate(zip(drafting, pos)):
@@ -840,13 +856,13 @@ class SpecDecoder:
         ``(tokens, confidences, distributions, streams)`` (:meth:`_draw`); :meth:`_keep_drafts` keeps the row of
         each request's last kept position."""
         n = int(q.sum())
-        logits, mtp_streams = self._forward_mtp(None, c0, q, mtp_ids[:n].clamp(min=0), streams[:n],
-                                                list(range(n)))
+        logits, mtp_streams, pre = self._forward_mtp(None, c0, q, mtp_ids[:n].clamp(min=0), streams[:n],
+                                                     list(range(n)))
         row_states = [st for st, k in zip(states, q.tolist()) for _ in range(k)]
         # row t's draft goes at position c0 + t + 2 (the token after the next step's input)
         counters = [c + t + 2 - st.num_prompt_tokens for st, c, k in zip(states, c0.tolist(), q.tolist())
                     for t in range(k)]
-        toks, conf, probs = self._draw(logits, row_states, counters)
+        toks, conf, probs = self._draw(logits, row_states, counters, pre)
         return toks, conf, probs, mtp_streams
 
     def _keep_drafts(self, items, states, c0, kept, row_starts, pre) -> None:

@@ -28,6 +28,17 @@ from deepinfer.models.deepseek_v4.plan import SeqStep, StepSeqs
 SPEC_GRAPH_MAX_SEQS = 64  # the largest batch with speculation graphs; past it verification rarely pays
 
 
+def greedy_draws(logits: torch.Tensor, confidences: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Greedy drafts of ``logits`` ``[n, V]``: ``(argmax [n] int64, its softmax probability [n] float32, or None
+    without ``confidences``)``, computed in fp32. ``SpecDecoder._draw`` and the draft graphs share it, so a draft
+    is the same token whether drawn in a graph or eagerly."""
+    lf = logits.float()
+    tokens = torch.argmax(lf, dim=-1)
+    if not confidences:
+        return tokens, None
+    return tokens, torch.softmax(lf, dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
 def spec_buckets(max_num_seqs: int) -> list[int]:
     """Batch sizes with speculation graphs: powers of two below ``min(max_num_seqs, SPEC_GRAPH_MAX_SEQS)``, then
     that bound."""
@@ -54,14 +65,15 @@ class SpecGraph:
     """One captured forward: ``kind`` (``"verify"``, ``"draft"``, ``"mtp"``) over ``bucket`` sequences of up to
     ``q`` tokens. ``plan`` (every field a view of ``flat``) and ``hidden`` (``[bucket * q, hc_mult, hidden]``, the
     MTP input; None for ``verify``) are its inputs; ``logits`` (``[bucket * q, vocab]`` float32), ``streams``
-    (``[bucket * q, hc_mult, hidden]``) and ``deferred`` (``{ratio: [(ring_kv, ring_gate, kv_new, gate_new)]}``,
-    ``verify`` only) its outputs, rewritten by every replay."""
+    (``[bucket * q, hc_mult, hidden]``), ``deferred`` (``{ratio: [(ring_kv, ring_gate, kv_new, gate_new)]}``,
+    ``verify`` only) and ``greedy`` (``draft`` / ``mtp`` only: :func:`greedy_draws` of the logits, the confidences
+    None unless the graphs were made with ``confidences``) its outputs, rewritten by every replay."""
 
     def __init__(self, kind: str, bucket: int, q: int, capacity, plan, flat: torch.Tensor, hidden, run) -> None:
         self.kind, self.bucket, self.q, self.capacity = kind, bucket, q, capacity
         self.plan, self.flat, self.hidden, self._run = plan, flat, hidden, run
         self.graph = None
-        self.logits = self.streams = None
+        self.logits = self.streams = self.greedy = None
         self.deferred: dict[int, list] = {}
         self.keep = None  # tensors the captured graph reads that must outlive it (RoPE tables)
         # verify only: the commit of its deferred ring state (:meth:`commit`): lists at this graph's capacity in
@@ -79,7 +91,7 @@ class SpecGraph:
             self.graph.replay()
         else:  # off CUDA: the forward itself over the static buffers
             self.plan.derived.clear()
-            self.logits, self.streams, self.deferred = self._run()
+            self.logits, self.streams, self.deferred, self.greedy = self._run()
 
     def commit(self, builder, seqs, row_starts) -> None:
         """Write the ring state the last replay deferred for the positions each sequence keeps (``seqs``:
@@ -104,19 +116,22 @@ class SpecGraphs:
     ``1 .. k + 1``, ``draft`` and ``mtp`` per bucket. Captured on CUDA (largest first, the runner's pool), kept
     as eager replays elsewhere. ``seconds`` (after :meth:`profile`): replay times by ``(kind, bucket, q)``.
 
+    ``confidences``: the ``draft`` and ``mtp`` graphs also compute greedy drafts' confidences (the confidence
+    schedule reads them).
+
     Raises:
         ValueError naming ``num_speculative_tokens`` when ``k + 1`` tokens do not fit a cache block, ``max_len``
         when they do not fit it.
     """
 
     @torch.inference_mode()
-    def __init__(self, runner, k: int, buckets: list[int], max_len: int) -> None:
+    def __init__(self, runner, k: int, buckets: list[int], max_len: int, confidences: bool = True) -> None:
         if not 1 <= k + 1 <= runner.cache.block_size:
             raise ValueError(f"num_speculative_tokens: {k} + 1 tokens per sequence must fit a cache block "
                              f"({runner.cache.block_size})")
         if max_len < k + 1:
             raise ValueError(f"max_len: {max_len} positions cannot hold the {k} + 1 tokens of a verification")
-        self.runner, self.k, self.max_len = runner, k, max_len
+        self.runner, self.k, self.max_len, self.confidences = runner, k, max_len, confidences
         self.buckets = sorted(set(buckets))
         self.verify: dict[tuple[int, int], SpecGraph] = {}
         self.draft: dict[int, SpecGraph] = {}
@@ -163,15 +178,17 @@ class SpecGraphs:
         def run():
             for cp in plan.comp.values():
                 cp.deferred = [] if defer else None
+            greedy = None
             if kind == "verify":
                 logits, streams = model.forward(plan, r.cache, return_hidden=True)
             else:
                 logits, streams = model.forward_mtp(plan, r.cache, hidden, 0, return_hidden=True)
-            return logits, streams, {m: cp.deferred or [] for m, cp in plan.comp.items()}
+                greedy = greedy_draws(logits, self.confidences)  # the drafts of greedy requests, in the graph
+            return logits, streams, {m: cp.deferred or [] for m, cp in plan.comp.items()}, greedy
 
         g = SpecGraph(kind, bucket, q, cap, plan, flat, hidden, run)
         if cuda:
-            g.graph, (g.logits, g.streams, g.deferred) = r.capture_graph(run, plan)
+            g.graph, (g.logits, g.streams, g.deferred, g.greedy) = r.capture_graph(run, plan)
             g.keep = dict(model._rope_tables)
         if kind == "verify" and r.builder.ratios:
             # the commit's lists at this capacity; the dummy commit keeps position 0 of each sequence (block 0)

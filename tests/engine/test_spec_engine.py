@@ -56,8 +56,8 @@ def _use_oracle(monkeypatch, refs: dict) -> None:
     """Make the drafter propose ``refs[prompt]`` (output tokens by index), every third one wrong."""
     real = sd.SpecDecoder._draw
 
-    def draw(self, logits, states, counters):
-        toks, conf, probs = real(self, logits, states, counters)
+    def draw(self, logits, states, counters, greedy_pre=None):
+        toks, conf, probs = real(self, logits, states, counters, greedy_pre)
         for n, (st, c) in enumerate(zip(states, counters)):
             ref = refs.get(tuple(st.token_ids[:st.num_prompt_tokens]))
             if ref is not None and c < len(ref):
@@ -303,8 +303,8 @@ def test_chat_with_speculation_equals_speculation_off(monkeypatch):
     assert stop.strip()
     real = sd.SpecDecoder._draw
 
-    def draw(self, logits, states, counters):  # drafts from speculation off, every third one wrong
-        toks, conf, probs = real(self, logits, states, counters)
+    def draw(self, logits, states, counters, greedy_pre=None):  # drafts from speculation off, every third one wrong
+        toks, conf, probs = real(self, logits, states, counters, greedy_pre)
         for n, (st, c) in enumerate(zip(states, counters)):
             ref = refs.get(tuple(st.token_ids[:st.num_prompt_tokens]), [])
             if c < len(ref):
@@ -413,8 +413,8 @@ def test_confidence_schedule_stops_verifying_an_unconfident_request(reference, o
     low = tuple(PROMPTS[1])
     draw = sd.SpecDecoder._draw
 
-    def confident_draw(self, logits, states, counters):
-        toks, conf, probs = draw(self, logits, states, counters)
+    def confident_draw(self, logits, states, counters, greedy_pre=None):
+        toks, conf, probs = draw(self, logits, states, counters, greedy_pre)
         for n, st in enumerate(states):
             conf[n] = 0.2 if tuple(st.token_ids[:st.num_prompt_tokens]) == low else 0.95
         return toks, conf, probs
@@ -497,6 +497,33 @@ def test_step_records_count_emitted_decode_tokens(oracle):
     assert st.prefill_tokens == sum(len(p) for p in PROMPTS)
     # every output token but each request's first (sampled by its prefill) is a decode token
     assert st.decode_tokens == sum(len(o.token_ids) - 1 for o in outs)
+
+
+@pytest.mark.parametrize("confidences", [True, False])
+def test_draft_graphs_draw_greedy_drafts_themselves(monkeypatch, reference, confidences):
+    """The draft and MTP graphs compute greedy drafts (argmax, and with ``confidences`` its probability) after
+    their forward; a greedy step copies those instead of drawing again: the same tokens and confidences as an
+    eager draw of the same logits, unaffected by the graph's next replay; greedy outputs equal speculation off."""
+    from deepinfer.spec_graphs import SpecGraphs, spec_buckets
+
+    llm = _spec(3, "confidence")
+    llm.runner.spec.graphs = SpecGraphs(llm.runner, 3, spec_buckets(8), 512, confidences=confidences)
+    seen = []
+    real = sd.SpecDecoder._draw
+
+    def draw(self, logits, states, counters, greedy_pre=None):
+        out = real(self, logits, states, counters, greedy_pre)
+        if greedy_pre is not None:
+            eager = sd.greedy_draws(logits, True)
+            assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+            assert out[0].data_ptr() != greedy_pre[0].data_ptr()  # a copy: the next replay rewrites the graph's
+            seen.append(greedy_pre[1] is not None)
+        return out
+
+    monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
+    _use_oracle(monkeypatch, {p: o.token_ids for p, o in reference.items()})  # on top: drafts that get accepted
+    _greedy_equals_reference(llm, reference)
+    assert seen and all(c == confidences for c in seen)
 
 
 def test_greedy_draft_confidence_is_the_drafters_probability():
@@ -643,3 +670,28 @@ def test_mtp_pass_before_the_read_keeps_the_state_of_the_pass_after_it(reference
     assert [p for p, _ in early] == [p for p, _ in late]
     for (_, a), (_, b) in zip(early, late):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("schedule", ["fixed", "confidence"])
+def test_a_long_prompt_chunk_beside_a_verification(monkeypatch, schedule):
+    """A prompt chunk longer than a cache block (300 tokens) in the same step as another request's verification:
+    the step's ring state is committed in parts of a block (a commit keeps at most ``block_size`` tokens per
+    sequence); greedy outputs equal speculation off."""
+    prompts = [[11 + i % 50 for i in range(20)], [17 + i % 40 for i in range(10)], [13 + i % 70 for i in range(300)]]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (30, 2, 5)]
+    ref = [o.token_ids for o in LLM("tiny", max_num_seqs=2).generate(prompts, params)]
+    _use_oracle(monkeypatch, {tuple(p): r for p, r in zip(prompts, ref)})
+    llm = _spec(3, schedule, max_num_seqs=2, max_num_batched_tokens=512)
+    mixed = []
+    real = sd.SpecDecoder.execute
+
+    def execute(self, output):
+        mixed.append(any(it.num_draft_tokens for it in output.scheduled)
+                     and any(it.num_new_tokens > llm.cache.block_size for it in output.scheduled))
+        return real(self, output)
+
+    monkeypatch.setattr(sd.SpecDecoder, "execute", execute)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref and not any(o.error for o in outs)
+    assert any(mixed)
+    assert llm.block_manager.num_free_blocks == llm.config.num_blocks
