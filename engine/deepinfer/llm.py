@@ -351,7 +351,7 @@ class LLM:
                 graphs.profile()  # replay times: the schedule's costs, and reported
             if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
                 # profiled on CUDA (the graphs' replays, else eager forwards); the CPU keeps default_step_cost
-                from deepinfer.spec_decode import profile_plain_steps, profile_step_cost
+                from deepinfer.spec_cost import profile_plain_steps, profile_step_cost
 
                 if graphs is None:
                     sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < cfg.max_num_seqs] \
