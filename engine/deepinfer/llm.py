@@ -342,14 +342,15 @@ class LLM:
 
             SpecDecoder.check_runner(self.runner)
             cost = plain = None
+            # batch-invariant mode keeps the fixed length: the scheduled one depends on the batch
+            schedule = "fixed" if cfg.batch_invariant else cfg.spec_schedule
             if self.runner.graphs and spec_graph_tokens:
                 from deepinfer.spec_graphs import SpecGraphs, spec_buckets
 
                 graphs = SpecGraphs(self.runner, spec_graph_tokens, spec_buckets(cfg.max_num_seqs),
-                                    self.max_model_len,
-                                    confidences=cfg.spec_schedule == "confidence" and not cfg.batch_invariant)
+                                    self.max_model_len, confidences=schedule == "confidence")
                 graphs.profile()  # replay times: the schedule's costs, and reported
-            if cfg.spec_schedule == "confidence" and not cfg.batch_invariant and self.device.type == "cuda":
+            if schedule == "confidence" and self.device.type == "cuda":
                 # profiled on CUDA (the graphs' replays, else eager forwards); the CPU keeps default_step_cost
                 from deepinfer.spec_cost import profile_plain_steps, profile_step_cost
 
@@ -358,8 +359,6 @@ class LLM:
                         + [cfg.max_num_seqs]
                     cost = profile_step_cost(self.runner, sizes, cfg.num_speculative_tokens)
                 plain = profile_plain_steps(self.runner)
-            # batch-invariant mode keeps the fixed length: the scheduled one depends on the batch
-            schedule = "fixed" if cfg.batch_invariant else cfg.spec_schedule
             self.runner.spec = SpecDecoder(self.runner, cfg.num_speculative_tokens, schedule, cost, plain, graphs)
             if self.runner.spec.plain_cost is not None:
                 self.scheduler.spec_pays = self.runner.spec.pays

@@ -199,7 +199,7 @@ class SpecDecoder:
         and before any cache swap (``ModelRunner``). Host lists and device work, no wait."""
         if self._pending_commit is None:
             return
-        from deepinfer.models.deepseek_v4.compressor import write_deferred_state
+        from deepinfer.models.deepseek_v4.compressor import commit_deferred_state
 
         g, comp, seqs, row_starts = self._pending_commit
         self._pending_commit = None
@@ -207,17 +207,16 @@ class SpecDecoder:
         if g is not None:  # the verification graph's captured commit
             g.commit(builder, seqs, row_starts)
             return
-        deferred = {m: cp.deferred for m, cp in comp.items() if cp.deferred}
         B = builder.block_size
         # a commit keeps at most a block's tokens per sequence: a prompt chunk verified beside drafts commits in
-        # parts of B positions, in order (each part reads the ring state the one before wrote)
+        # parts of B positions, in order
+        parts = []
         for off in range(0, max(int(seqs.q.max(initial=0)), 1), B):
             q = np.clip(seqs.q - off, 0, B)
             rows = np.flatnonzero(q)
             part = seqs.at(seqs.c0[rows] + off, q[rows], rows.tolist())
-            write_deferred_state(deferred, builder.state_commit(part, row_starts[rows] + off, checked=True))
-        for cp in comp.values():
-            cp.deferred = []
+            parts.append(builder.state_commit(part, row_starts[rows] + off, checked=True))
+        commit_deferred_state(comp, *parts)
 
     def pays(self, num_seqs: int) -> bool:
         """Whether a speculative step can beat a plain one at ``num_seqs`` sequences (host data only).

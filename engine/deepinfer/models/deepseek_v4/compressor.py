@@ -61,11 +61,15 @@ class Compressor(nn.Module):
                                                  cp.st_dst)
 
 
-def commit_deferred_state(comp: dict, lists: dict) -> None:
+def commit_deferred_state(comp: dict, *parts: dict) -> None:
     """Write the ring state a step deferred (``CompressorPlan.deferred`` of each plan in ``comp``, ``{ratio:
     CompressorPlan}``) with the lists of :meth:`~.plan.PlanBuilder.state_commit` (``{ratio: (ring_src, st_src,
-    st_dst)}``): every compressor of every layer of that ratio, in the order they ran. Device work only."""
-    write_deferred_state({m: cp.deferred for m, cp in comp.items() if cp.deferred}, lists)
+    st_dst)}``): every compressor of every layer of that ratio, in the order they ran; several ``parts`` (a
+    commit of consecutive position ranges) in order, each reading the ring state the one before wrote. Device work
+    only."""
+    deferred = {m: cp.deferred for m, cp in comp.items() if cp.deferred}
+    for lists in parts:
+        write_deferred_state(deferred, lists)
     for cp in comp.values():
         cp.deferred = []
 
