@@ -311,7 +311,7 @@ def sweep(model, args, on_row=None) -> list[dict]:
             row["decode_tok_s_runs"] = [r["decode_tok_s"] for r, _ in rts]
             chosen[mode] = (row, tokens)
         base = base_tokens = None
-        for mode, k in [*paired, *((f"fixed-{k}", k) for k in ks)]:
+        for mode, k in [*paired, *((f"fixed-{k}", k) for k in ([] if args.no_fixed else ks))]:
             row, tokens = chosen[mode] if mode in chosen else measure(batch, mode, k)
             if mode == "off":
                 base, base_tokens = row, tokens
@@ -339,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batches", default="1,8,64,256")
     p.add_argument("--ks", default="1,2,3,4,5")
     p.add_argument("--no-scheduled", action="store_true", help="skip the confidence-scheduled rows")
+    p.add_argument("--no-fixed", action="store_true", help="skip the fixed-length rows")
     p.add_argument("--batch1-requests", type=int, default=8, help="requests run one after another at batch 1")
     p.add_argument("--waves", type=int, default=4,
                    help="past batch 1, requests per row = waves x batch, at most batch at once (default 4)")

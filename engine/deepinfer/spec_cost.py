@@ -125,13 +125,7 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
     Returns:
         drafts to verify per sequence (each at most its number of drafts).
     """
-    surv = []
-    for cs in confidences:
-        s, row = 1.0, []
-        for c in cs:
-            s *= min(max(float(c), 0.0), 1.0)
-            row.append(s)
-        surv.append(row)
+    surv = survivals(confidences)
     n = len(confidences)
     k = [0] * n
     best, best_k = n / step_cost(k), list(k)
@@ -160,3 +154,22 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
         expected += sum(row[cap - 1] for row in surv if len(row) >= cap)
         consider([min(cap, len(row)) for row in surv], expected)
     return best_k
+
+
+def survivals(confidences: list[list[float]]) -> list[list[float]]:
+    """Per sequence, the chance that each of its drafts is accepted: the product of the confidences up to it
+    (each clamped to [0, 1])."""
+    out = []
+    for cs in confidences:
+        s, row = 1.0, []
+        for c in cs:
+            s *= min(max(float(c), 0.0), 1.0)
+            row.append(s)
+        out.append(row)
+    return out
+
+
+def expected_tokens(confidences: list[list[float]], lengths: list[int]) -> float:
+    """Tokens a step emits in expectation when sequence ``i`` verifies ``lengths[i]`` of its drafts:
+    ``sum_i (1 + sum_{j < lengths[i]} s_ij)``, ``s`` the :func:`survivals`."""
+    return sum(1.0 + sum(row[:k]) for row, k in zip(survivals(confidences), lengths))

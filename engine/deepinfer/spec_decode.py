@@ -28,7 +28,7 @@ from deepinfer.forward_batch import index_tensors
 from deepinfer.model_runner import RequestState, host_token
 from deepinfer.sampler import MIN_SAMPLING_TEMPERATURE, _log_softmax_normaliser
 from deepinfer.scheduler import SchedulerOutput, speculates
-from deepinfer.spec_cost import CostByLongest, CostByTokens, choose_lengths, default_step_cost
+from deepinfer.spec_cost import CostByLongest, CostByTokens, choose_lengths, default_step_cost, expected_tokens
 from deepinfer.spec_graphs import greedy_draws
 from deepinfer.speculative import accept_drafts, draw_drafts, filtered_probs
 
@@ -167,6 +167,9 @@ class SpecDecoder:
         self._verified = [0.0] * num_speculative_tokens
         self._refused: dict[int, int] = {}
         self._probing: dict[int, int] = {}  # per bucket, the speculative steps a probe still runs
+        # per graph bucket, the decayed ratio of the choice's expected tokens per second to a plain step's
+        # (:meth:`_note_gain`; below 1: the choices stopped paying)
+        self._gain: dict[int, float] = {}
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
         self.confidences: dict[int, list[float]] = {}
         # calibration of those confidences (:meth:`calibrated`): per draft depth and confidence bin, the decayed
@@ -223,14 +226,15 @@ class SpecDecoder:
 
         With profiled graphs: for some draft count ``d``, the tokens a verification of ``d`` drafts is expected to
         emit (:meth:`expected_emitted`) per second of a graph step (:meth:`graph_step_seconds`) beat one token per
-        plain step (:meth:`plain_step_seconds`); false past the largest speculation bucket. Both sides are
-        measured the same way once steps ran: the time from a step's start to the next one's. At a refused
-        bucket the :attr:`FIRST_PROBE` th refusal starts a probe instead, then the one after twice as many, and so
-        on: :attr:`PROBE_STEPS` speculative steps (the first verifies no draft), which measure that bucket's
-        speculative steps; a slow first step must not switch speculation off for good. No probe where the
-        replays alone already lose (host time only adds). Without graphs: verifying ``k`` drafts each
-        (``cost``) takes less than ``1 + k`` plain steps, the most a verification can emit. True without
-        ``plain_cost`` or past its largest bucket (plain steps run eagerly there too)."""
+        plain step (:meth:`plain_step_seconds`), and the bucket's recent choices paid (:meth:`_note_gain`); false
+        past the largest speculation bucket. Both sides are measured the same way once steps ran: the time from
+        a step's start to the next one's. At a refused bucket the :attr:`FIRST_PROBE` th refusal starts a probe
+        instead, then the one after twice as many, and so on: :attr:`PROBE_STEPS` speculative steps (the first
+        verifies no draft), which measure that bucket's speculative steps; a slow first step must not switch
+        speculation off for good. No probe where the replays alone already lose (host time only adds). Without
+        graphs: verifying ``k`` drafts each (``cost``) takes less than ``1 + k`` plain steps, the most a
+        verification can emit. True without ``plain_cost`` or past its largest bucket (plain steps run eagerly
+        there too)."""
         if self.estimate_pays(num_seqs):
             return True
         g = self.graphs
@@ -254,7 +258,8 @@ class SpecDecoder:
         if plain is None:
             return True
         if self.graphs is not None and self.graphs.seconds:
-            if self.graphs.bucket(num_seqs) is None:
+            b = self.graphs.bucket(num_seqs)
+            if b is None or self._gain.get(b, 1.0) < 1.0:
                 return False
             return any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
                        for d in range(1, self.k + 1))
@@ -424,7 +429,31 @@ class SpecDecoder:
             seen = self.confidences.get(it.req_id)
             if seen:
                 self._cal_bins[it.req_id] = [self._bin(c) for c in seen]
-        return choose_lengths(confs, self._step_cost(items))
+        cost = self._step_cost(items)
+        lengths = choose_lengths(confs, cost)
+        if isinstance(cost, CostByLongest):
+            self._note_gain(len(items), confs, lengths, cost)
+        return lengths
+
+    #: weight of a bucket's earlier choices in :attr:`_gain` (about five steps' memory)
+    GAIN_DECAY = 0.8
+
+    def _note_gain(self, num_seqs: int, confs: list[list[float]], lengths: list[int], cost) -> None:
+        """Fold a graph step's choice into its bucket's :attr:`_gain`: its expected tokens per second of the
+        step (:func:`~deepinfer.spec_cost.expected_tokens`, the calibrated confidences) over ``num_seqs`` per
+        second of a plain step. Below 1, :meth:`estimate_pays` refuses: the acceptance rates alone can promise a
+        gain that the choice, reading each request's own confidences, never takes (a drafter whose drafts are
+        never accepted: every step a verification of no draft, dearer than a plain step). Back at 1 or above,
+        the bucket's refusals count from 0 again: the next decline probes soon."""
+        plain = self.plain_step_seconds(num_seqs)
+        b = self.graphs.bucket(num_seqs)
+        if plain is None or b is None:
+            return
+        gain = expected_tokens(confs, lengths) / cost(lengths) * plain / num_seqs
+        old = self._gain.get(b)
+        self._gain[b] = gain if old is None else self.GAIN_DECAY * old + (1.0 - self.GAIN_DECAY) * gain
+        if self._gain[b] >= 1.0:
+            self._refused.pop(b, None)
 
     def expected_confidences(self, req_id: int, k: int) -> list[float]:
         """The confidences the schedule expects of a request's next ``k`` drafts: at depth ``j`` the request's

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import deepinfer.spec_cost as sc
 import deepinfer.spec_decode as sd
 from deepinfer.llm import LLM
 from deepinfer.model_runner import ModelRunner
@@ -154,6 +155,32 @@ def test_plain_steps_are_measured_start_to_start_as_speculative_ones():
         d.mark_step(_items(7), "plain", 1, 0, t)
     assert d.plain_samples == {1: [3.0, 1.0, 1.0, 1.0, 1.0]} and d.plain_step_seconds(1) == 1.0
     assert d.plain_step_seconds(4) == 1.0  # another bucket keeps its replay time
+
+
+def test_choices_that_verify_nothing_switch_speculation_off():
+    """A drafter whose drafts the target never takes (random weights): the acceptance rates' prior still promises
+    a gain, but each choice, reading the requests' own confidences, verifies no draft, a step dearer than a plain
+    one. The bucket's gain falls below 1 and the schedule runs plain steps, probing at the refusal doublings;
+    choices that pay again bring speculation back and restart the refusal count."""
+    model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
+    graphs = _Graphs()
+    graphs.max_len = 1 << 20
+    runner = _Runner(model)
+    runner.requests = {7: SimpleNamespace(num_prompt_tokens=4)}
+    d = sd.SpecDecoder(runner, 3, "confidence", plain_cost={1: 0.9, 4: 0.9}, graphs=graphs)
+    item = SimpleNamespace(req_id=7, start=10, num_new_tokens=4, num_draft_tokens=3, needs_logits=True)
+    d.accept_rate = [0.9, None, None]  # 1.9 tokens per 1.5 s of replays at 1 draft against 1 per 0.9 s
+    assert d.pays(1) and d._gain == {}
+    d.confidences[7] = [1e-4, 1e-4, 1e-4]
+    assert d._lengths([item], [3]) == [0]  # 1 token per 1 s of a verification of nothing
+    assert d._gain == {1: pytest.approx(0.9)} and not d.estimate_pays(1)
+    answers = [d.pays(1) for _ in range(20)]
+    assert [i + 1 for i, a in enumerate(answers) if a] == [8, 9, 10, 18, 19, 20]  # probes
+    d.confidences[7] = [0.99, 0.99, 0.99]  # a probe's choice verifies every draft: 3.94 tokens per 2.5 s
+    assert d._lengths([item], [3]) == [3]
+    assert d._gain[1] == pytest.approx(0.8 * 0.9 + 0.2 * 3.940399 / 2.5 * 0.9) and d._gain[1] > 1
+    assert d._refused == {} and d.estimate_pays(1)
+    assert sc.expected_tokens([[0.5, 0.5], [], [2.0]], [2, 0, 1]) == pytest.approx(1.75 + 1 + 2)
 
 
 @pytest.fixture(scope="module")
