@@ -168,7 +168,7 @@ class SpecDecoder:
         self._refused: dict[int, int] = {}
         self._probing: dict[int, int] = {}  # per bucket, the speculative steps a probe still runs
         # per graph bucket, the decayed ratio of the choice's expected tokens per second to a plain step's
-        # (:meth:`_note_gain`; below 1: the choices stopped paying)
+        # (:meth:`_note_gain`; 1 or below: the choices stopped paying)
         self._gain: dict[int, float] = {}
         # per request, the confidences of its last step's drafts that the next choice may read (:meth:`_seen`)
         self.confidences: dict[int, list[float]] = {}
@@ -259,7 +259,7 @@ class SpecDecoder:
             return True
         if self.graphs is not None and self.graphs.seconds:
             b = self.graphs.bucket(num_seqs)
-            if b is None or self._gain.get(b, 1.0) < 1.0:
+            if b is None or self._gain.get(b, 2.0) <= 1.0 + 1e-9:  # ties to plain steps
                 return False
             return any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
                        for d in range(1, self.k + 1))
@@ -276,11 +276,19 @@ class SpecDecoder:
         """Seconds of a plain decode step of ``num_seqs`` sequences at the smallest decode-graph bucket holding
         them: measured from step start to step start (:attr:`plain_samples`, :func:`robust_seconds`) once such
         steps ran (with profiled speculation graphs only), else the bucket's replay time (``plain_cost``, no host
-        time: it under-rates speculation). None past the largest bucket or without ``plain_cost``."""
+        time: it under-rates speculation), and never more than a measured graph step verifying no draft at that
+        batch (a plain step's work and more: a slow plain sample must not make speculation look cheap for good,
+        since plain steps then stop running and measuring). None past the largest bucket or without
+        ``plain_cost``."""
         if self.plain_cost is None:
             return None
         b = next((b for b in self.plain_cost if b >= num_seqs), None)
-        return None if b is None else self._plain.get(b, self.plain_cost[b])
+        if b is None:
+            return None
+        sec = self._plain.get(b, self.plain_cost[b])
+        if self.graphs is not None and self.graphs.seconds and self.graphs.bucket(num_seqs) in self._overhead:
+            sec = min(sec, self.graph_step_seconds(num_seqs, 0))
+        return sec
 
     def mark_step(self, items, kind: str, bucket: int | None, drafts: int, t0: float) -> None:
         """Note that a step started at ``t0`` (``time.perf_counter()``): ``kind`` ``"plain"`` or ``"spec"``, its
@@ -441,10 +449,11 @@ class SpecDecoder:
     def _note_gain(self, num_seqs: int, confs: list[list[float]], lengths: list[int], cost) -> None:
         """Fold a graph step's choice into its bucket's :attr:`_gain`: its expected tokens per second of the
         step (:func:`~deepinfer.spec_cost.expected_tokens`, the calibrated confidences) over ``num_seqs`` per
-        second of a plain step. Below 1, :meth:`estimate_pays` refuses: the acceptance rates alone can promise a
-        gain that the choice, reading each request's own confidences, never takes (a drafter whose drafts are
-        never accepted: every step a verification of no draft, dearer than a plain step). Back at 1 or above,
-        the bucket's refusals count from 0 again: the next decline probes soon."""
+        second of a plain step. At 1 or below (a choice of no draft at all gives at most 1),
+        :meth:`estimate_pays` refuses: the acceptance rates alone can promise a gain that the choice, reading
+        each request's own confidences, never takes (a drafter whose drafts are never accepted: every step a
+        verification of no draft, dearer than a plain step). Back above 1, the bucket's refusals count from 0
+        again: the next decline probes soon."""
         plain = self.plain_step_seconds(num_seqs)
         b = self.graphs.bucket(num_seqs)
         if plain is None or b is None:
@@ -452,7 +461,7 @@ class SpecDecoder:
         gain = expected_tokens(confs, lengths) / cost(lengths) * plain / num_seqs
         old = self._gain.get(b)
         self._gain[b] = gain if old is None else self.GAIN_DECAY * old + (1.0 - self.GAIN_DECAY) * gain
-        if self._gain[b] >= 1.0:
+        if self._gain[b] > 1.0 + 1e-9:
             self._refused.pop(b, None)
 
     def expected_confidences(self, req_id: int, k: int) -> list[float]:

@@ -181,6 +181,17 @@ def test_choices_that_verify_nothing_switch_speculation_off():
     assert d._gain[1] == pytest.approx(0.8 * 0.9 + 0.2 * 3.940399 / 2.5 * 0.9) and d._gain[1] > 1
     assert d._refused == {} and d.estimate_pays(1)
     assert sc.expected_tokens([[0.5, 0.5], [], [2.0]], [2, 0, 1]) == pytest.approx(1.75 + 1 + 2)
+    # a slow plain sample (3 s) makes any verification look cheap, and plain steps then never run to correct it;
+    # a plain step costs no more than a graph step verifying no draft (measured at 1 + 0.5 s here)
+    for t in (100.0, 103.0):
+        d.mark_step(_items(7), "plain", 1, 0, t)
+    assert d.plain_samples[1] == [3.0] and d.plain_step_seconds(1) == 3.0
+    d.mark_step(_items(8), "spec", 1, 3, 200.0)
+    d.mark_step(_items(8), "spec", 1, 3, 203.0)  # 0.5 s past its 2.5 s of replays
+    assert d.graph_step_seconds(1, 0) == 1.5 and d.plain_step_seconds(1) == 1.5
+    d._gain.clear()
+    d.confidences[7] = [1e-4, 1e-4, 1e-4]
+    assert d._lengths([item], [3]) == [0] and not d.estimate_pays(1)  # no draft verified: a tie, plain steps
 
 
 @pytest.fixture(scope="module")
