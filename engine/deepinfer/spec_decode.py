@@ -259,7 +259,7 @@ class SpecDecoder:
             return True
         if self.graphs is not None and self.graphs.seconds:
             b = self.graphs.bucket(num_seqs)
-            if b is None or self._gain.get(b, 2.0) <= 1.0 + 1e-9:  # ties to plain steps
+            if b is None or self._gain.get(b, self.GAIN_PRIOR) <= 1.0 + 1e-9:  # ties to plain steps
                 return False
             return any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
                        for d in range(1, self.k + 1))
@@ -277,17 +277,18 @@ class SpecDecoder:
         them: measured from step start to step start (:attr:`plain_samples`, :func:`robust_seconds`) once such
         steps ran (with profiled speculation graphs only), else the bucket's replay time (``plain_cost``, no host
         time: it under-rates speculation), and never more than a measured graph step verifying no draft at that
-        batch (a plain step's work and more: a slow plain sample must not make speculation look cheap for good,
-        since plain steps then stop running and measuring). None past the largest bucket or without
-        ``plain_cost``."""
+        batch, its MTP pass left out (a plain step's work and more: a slow plain sample must not make speculation
+        look cheap for good, since plain steps then stop running and measuring). None past the largest bucket or
+        without ``plain_cost``."""
         if self.plain_cost is None:
             return None
         b = next((b for b in self.plain_cost if b >= num_seqs), None)
         if b is None:
             return None
         sec = self._plain.get(b, self.plain_cost[b])
-        if self.graphs is not None and self.graphs.seconds and self.graphs.bucket(num_seqs) in self._overhead:
-            sec = min(sec, self.graph_step_seconds(num_seqs, 0))
+        g = self.graphs
+        if g is not None and g.seconds and g.bucket(num_seqs) in self._overhead:
+            sec = min(sec, g.step_seconds(num_seqs, 0, mtp=False) + self._overhead[g.bucket(num_seqs)])
         return sec
 
     def mark_step(self, items, kind: str, bucket: int | None, drafts: int, t0: float) -> None:
@@ -439,17 +440,20 @@ class SpecDecoder:
                 self._cal_bins[it.req_id] = [self._bin(c) for c in seen]
         cost = self._step_cost(items)
         lengths = choose_lengths(confs, cost)
-        if isinstance(cost, CostByLongest):
+        # a choice read no confidence of its own (a request's first drafts) is no evidence of what choices pay
+        if isinstance(cost, CostByLongest) and any(self.confidences.get(it.req_id) for it in items):
             self._note_gain(len(items), confs, lengths, cost)
         return lengths
 
-    #: weight of a bucket's earlier choices in :attr:`_gain` (about five steps' memory)
-    GAIN_DECAY = 0.8
+    #: weight of a bucket's earlier choices in :attr:`_gain` (about three steps' memory), and its value before the
+    #: bucket's first choice: one early choice, its confidences not yet calibrated, must not decline alone
+    GAIN_DECAY = 0.7
+    GAIN_PRIOR = 1.3
 
     def _note_gain(self, num_seqs: int, confs: list[list[float]], lengths: list[int], cost) -> None:
         """Fold a graph step's choice into its bucket's :attr:`_gain`: its expected tokens per second of the
         step (:func:`~deepinfer.spec_cost.expected_tokens`, the calibrated confidences) over ``num_seqs`` per
-        second of a plain step. At 1 or below (a choice of no draft at all gives at most 1),
+        second of a plain step. At 1 or below (a choice of no draft at all gives less than 1),
         :meth:`estimate_pays` refuses: the acceptance rates alone can promise a gain that the choice, reading
         each request's own confidences, never takes (a drafter whose drafts are never accepted: every step a
         verification of no draft, dearer than a plain step). Back above 1, the bucket's refusals count from 0
@@ -459,8 +463,7 @@ class SpecDecoder:
         if plain is None or b is None:
             return
         gain = expected_tokens(confs, lengths) / cost(lengths) * plain / num_seqs
-        old = self._gain.get(b)
-        self._gain[b] = gain if old is None else self.GAIN_DECAY * old + (1.0 - self.GAIN_DECAY) * gain
+        self._gain[b] = self.GAIN_DECAY * self._gain.get(b, self.GAIN_PRIOR) + (1.0 - self.GAIN_DECAY) * gain
         if self._gain[b] > 1.0 + 1e-9:
             self._refused.pop(b, None)
 

@@ -208,12 +208,13 @@ class SpecGraphs:
             self.seconds[(g.kind, g.bucket, g.q)] = best_seconds(g.replay, self.runner.device, repeats)
         return self.seconds
 
-    def step_seconds(self, num_seqs: int, drafts: int) -> float | None:
+    def step_seconds(self, num_seqs: int, drafts: int, mtp: bool = True) -> float | None:
         """Device seconds of a speculative step of ``num_seqs`` sequences verifying up to ``drafts`` drafts each:
-        the verification, ``drafts - 1`` draft-chain forwards and the MTP pass (from :attr:`seconds`; None before
-        :meth:`profile` or past the largest bucket)."""
+        the verification, ``drafts - 1`` draft-chain forwards and (``mtp``) the MTP pass (from :attr:`seconds`;
+        None before :meth:`profile` or past the largest bucket)."""
         b = self.bucket(num_seqs)
         if b is None or not self.seconds:
             return None
         s = self.seconds
-        return s[("verify", b, drafts + 1)] + max(drafts - 1, 0) * s[("draft", b, 1)] + s[("mtp", b, self.k + 1)]
+        return s[("verify", b, drafts + 1)] + max(drafts - 1, 0) * s[("draft", b, 1)] \
+            + (s[("mtp", b, self.k + 1)] if mtp else 0.0)

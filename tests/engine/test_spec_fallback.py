@@ -41,7 +41,8 @@ def test_pays_compares_a_full_verification_with_plain_steps():
 
 
 class _Graphs:
-    """The cost side of ``SpecGraphs``: buckets 1 and 4, a step of ``d`` drafts costs ``1 + d / 2``."""
+    """The cost side of ``SpecGraphs``: buckets 1 and 4, a step of ``d`` drafts costs ``1 + d / 2`` (0.1 of it the
+    MTP pass)."""
 
     seconds = {"profiled": True}
     buckets = (1, 4)
@@ -49,8 +50,8 @@ class _Graphs:
     def bucket(self, n):
         return next((b for b in self.buckets if b >= n), None)
 
-    def step_seconds(self, n, drafts):
-        return None if self.bucket(n) is None else 1.0 + 0.5 * drafts
+    def step_seconds(self, n, drafts, mtp=True):
+        return None if self.bucket(n) is None else 0.9 + 0.5 * drafts + 0.1 * mtp
 
 
 def _items(*req_ids):
@@ -160,8 +161,9 @@ def test_plain_steps_are_measured_start_to_start_as_speculative_ones():
 def test_choices_that_verify_nothing_switch_speculation_off():
     """A drafter whose drafts the target never takes (random weights): the acceptance rates' prior still promises
     a gain, but each choice, reading the requests' own confidences, verifies no draft, a step dearer than a plain
-    one. The bucket's gain falls below 1 and the schedule runs plain steps, probing at the refusal doublings;
-    choices that pay again bring speculation back and restart the refusal count."""
+    one. The bucket's gain (from 1.3, about three steps' memory) falls below 1 and the schedule runs plain steps,
+    probing at the refusal doublings; choices that pay again bring speculation back and restart the refusal
+    count."""
     model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
     graphs = _Graphs()
     graphs.max_len = 1 << 20
@@ -172,26 +174,33 @@ def test_choices_that_verify_nothing_switch_speculation_off():
     d.accept_rate = [0.9, None, None]  # 1.9 tokens per 1.5 s of replays at 1 draft against 1 per 0.9 s
     assert d.pays(1) and d._gain == {}
     d.confidences[7] = [1e-4, 1e-4, 1e-4]
-    assert d._lengths([item], [3]) == [0]  # 1 token per 1 s of a verification of nothing
-    assert d._gain == {1: pytest.approx(0.9)} and not d.estimate_pays(1)
+    gains = []
+    for _ in range(4):  # 1 token per 1 s of a verification of nothing: 0.9 of a plain step's rate
+        assert d.estimate_pays(1) and d._lengths([item], [3]) == [0]
+        gains.append(d._gain[1])
+    assert gains == pytest.approx([1.18, 1.096, 1.0372, 0.99604]) and not d.estimate_pays(1)
     answers = [d.pays(1) for _ in range(20)]
     assert [i + 1 for i, a in enumerate(answers) if a] == [8, 9, 10, 18, 19, 20]  # probes
     d.confidences[7] = [0.99, 0.99, 0.99]  # a probe's choice verifies every draft: 3.94 tokens per 2.5 s
     assert d._lengths([item], [3]) == [3]
-    assert d._gain[1] == pytest.approx(0.8 * 0.9 + 0.2 * 3.940399 / 2.5 * 0.9) and d._gain[1] > 1
+    assert d._gain[1] == pytest.approx(0.7 * 0.99604 + 0.3 * 3.940399 / 2.5 * 0.9) and d._gain[1] > 1
     assert d._refused == {} and d.estimate_pays(1)
     assert sc.expected_tokens([[0.5, 0.5], [], [2.0]], [2, 0, 1]) == pytest.approx(1.75 + 1 + 2)
     # a slow plain sample (3 s) makes any verification look cheap, and plain steps then never run to correct it;
-    # a plain step costs no more than a graph step verifying no draft (measured at 1 + 0.5 s here)
+    # a plain step costs no more than a graph step verifying no draft without its MTP pass (0.9 + 0.5 s here)
     for t in (100.0, 103.0):
         d.mark_step(_items(7), "plain", 1, 0, t)
     assert d.plain_samples[1] == [3.0] and d.plain_step_seconds(1) == 3.0
     d.mark_step(_items(8), "spec", 1, 3, 200.0)
     d.mark_step(_items(8), "spec", 1, 3, 203.0)  # 0.5 s past its 2.5 s of replays
-    assert d.graph_step_seconds(1, 0) == 1.5 and d.plain_step_seconds(1) == 1.5
+    assert d.graph_step_seconds(1, 0) == 1.5 and d.plain_step_seconds(1) == pytest.approx(1.4)
     d._gain.clear()
     d.confidences[7] = [1e-4, 1e-4, 1e-4]
-    assert d._lengths([item], [3]) == [0] and not d.estimate_pays(1)  # no draft verified: a tie, plain steps
+    choices = 0
+    while d.estimate_pays(1) and choices < 10:  # verifications of nothing: 1.4 / 1.5 of a plain step's rate
+        assert d._lengths([item], [3]) == [0]
+        choices += 1
+    assert choices == 5 and d._gain[1] < 1
 
 
 @pytest.fixture(scope="module")
@@ -391,3 +400,62 @@ def test_spec_admit_hold_must_be_a_count():
     for bad in (-1, 1.5, True, "8"):
         with pytest.raises(ValueError, match="spec_admit_hold"):
             EngineConfig(spec_admit_hold=bad).validate()
+
+
+@pytest.fixture(scope="module")
+def long_reference():
+    llm = LLM("tiny", max_num_seqs=8)
+    sp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    return sp, [o.token_ids for o in llm.generate(PROMPTS, sp)]
+
+
+@pytest.mark.parametrize("drafter", ["never-accepted", "oracle"])
+def test_a_drafter_never_accepted_leaves_the_schedule_to_plain_steps(monkeypatch, long_reference, drafter):
+    """The engine with the schedule's rule over graph costs (off CUDA, eager replays; replay times set by hand:
+    a verification of no draft 1.05 s against a plain step's 1 s, each draft 0.06 s more). A drafter whose
+    drafts are always wrong, at confidence 1e-4 (random weights): after the first verification every choice
+    verifies nothing, so the acceptance rates stay near their prior and promise a gain; the choices' own gain
+    turns the rule to plain steps (the refusals' probes aside). The oracle (right at 0.9 but every third draft):
+    speculation stays. Greedy outputs equal speculation off either way; nothing leaks."""
+    from deepinfer.spec_graphs import SpecGraphs, spec_buckets
+
+    sp, ref = long_reference
+    refs = {tuple(p): r for p, r in zip(PROMPTS, ref)}
+    if drafter == "oracle":
+        _use_oracle(monkeypatch, refs)
+    else:
+        real = sd.SpecDecoder._draw
+
+        def draw(self, logits, states, counters, greedy_pre=None):
+            toks, conf, probs = real(self, logits, states, counters, greedy_pre)
+            for n, (st, c) in enumerate(zip(states, counters)):
+                r = refs[tuple(st.token_ids[:st.num_prompt_tokens])]
+                toks[n] = (r[c] + 1) % 1000 if c < len(r) else toks[n]
+                conf[n] = 1e-4
+            return toks, conf, probs
+
+        monkeypatch.setattr(sd.SpecDecoder, "_draw", draw)
+    llm = LLM("tiny", speculative_method="mtp", num_speculative_tokens=3, spec_schedule="confidence",
+              max_num_seqs=8)
+    spec = llm.runner.spec
+    spec.graphs = SpecGraphs(llm.runner, 3, spec_buckets(8), 512, confidences=True)
+    for g in [*spec.graphs.verify.values(), *spec.graphs.draft.values(), *spec.graphs.mtp.values()]:
+        spec.graphs.seconds[(g.kind, g.bucket, g.q)] = {"verify": 1.0 + 0.01 * (g.q - 1)}.get(g.kind, 0.05)
+    spec.plain_cost = {b: 1.0 for b in spec_buckets(8)}
+    llm.scheduler.spec_pays = spec.pays
+    outs = llm.generate(PROMPTS, sp)
+    assert [o.token_ids for o in outs] == ref
+    st = spec.stats
+    if drafter == "oracle":
+        assert st.accepted > 0 and st.plain_steps < st.graph_steps
+    else:
+        # one uninformed choice verifies (the requests' first drafts); six choices of nothing take the gain from
+        # 1.3 below 1; then plain steps, and three probes of three steps each (the 8th, 16th and 32nd refusals)
+        assert st.verifications <= len(PROMPTS) and st.accepted == 0 and st.plain_steps > st.graph_steps
+        assert list(spec._gain) == [4] and spec._gain[4] < 1.0
+        gain = dict(spec._gain)
+        spec._gain.clear()
+        assert spec.estimate_pays(4)  # the acceptance rates alone (one rejection per position) promise a gain
+        spec._gain.update(gain)
+        assert not spec.estimate_pays(4)
+    assert not llm.engine.has_unfinished_requests() and llm.block_manager.num_free_blocks == llm.config.num_blocks
