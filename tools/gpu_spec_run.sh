@@ -2,7 +2,7 @@
 # One device call for speculative decoding (docs/train-spec-model.md): wheels from .whl/, build, the spec CUDA tests,
 # a training run into /tmp/spec-model (kept while the machine stays warm: a later call skips it), then
 # bench/bench_spec.py until LIMIT seconds after the start; every file lands in $OUT.
-# Environment: TESTS (1), MIN (training minutes, 3.5), KS (3), BATCHES (1,8,64,256), REPEATS (2), WAVES (2),
+# Environment: TESTS (1), MIN (training minutes, 3.5), KS (3), BATCHES (1,8,64,256), REPEATS (2), WAVES (4),
 # LIMIT (590), BENCH_EXTRA (more bench_spec arguments), DEEPINFER_COMMIT (recorded in the JSON).
 # SHAPES=1: no training; the cost rows on v4-flash-shapes instead (random weights: acceptance means nothing there),
 # a checkpoint of LAYERS (43) layers and EXPERTS (8) routed experts made in /tmp/v4fs (kept while warm), into
@@ -41,7 +41,7 @@ elif [ ! -f /tmp/spec-model/config.json ]; then
 fi
 echo "train done at $(( $(date +%s) - T0 )) s"
 timeout $(( $(left) - 5 )) python3 bench/bench_spec.py --model $MODEL $PROMPTS \
-  --batches ${BATCHES:-1,8,64,256} --ks ${KS:-3} --repeats ${REPEATS:-2} --waves ${WAVES:-2} --out $OUT/$NAME.json ${BENCH_EXTRA:-} 2>&1 | tee $OUT/$NAME.log | grep -v "^{" | tail -5
+  --batches ${BATCHES:-1,8,64,256} --ks ${KS:-3} --repeats ${REPEATS:-2} --waves ${WAVES:-4} --out $OUT/$NAME.json ${BENCH_EXTRA:-} 2>&1 | tee $OUT/$NAME.log | grep -v "^{" | tail -5
 python3 - <<'PY'
 import json, os
 p = os.environ["OUT"] + "/" + os.environ["NAME"] + ".json"
