@@ -108,7 +108,7 @@ class CostByTokens:
         return self.cost(self.num_seqs, self.base + drafts)
 
 
-def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
+def choose_lengths(confidences: list[list[float]], step_cost) -> tuple[list[int], float]:
     """Verified drafts per sequence that maximise expected emitted tokens per unit of step cost.
 
     A sequence verifying ``j`` drafts emits ``1 + sum_{i <= j} s_i`` tokens in expectation, where the survival
@@ -123,9 +123,16 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
         step_cost: ``step_cost(lengths) -> float > 0``, the step's cost verifying ``lengths[i]`` drafts of
             sequence ``i``.
     Returns:
-        drafts to verify per sequence (each at most its number of drafts).
+        ``(lengths, rate)``: drafts to verify per sequence (each at most its number of drafts), and the expected
+        tokens per unit of cost that choice gives.
     """
-    surv = survivals(confidences)
+    surv = []
+    for cs in confidences:
+        s, row = 1.0, []
+        for c in cs:
+            s *= min(max(float(c), 0.0), 1.0)
+            row.append(s)
+        surv.append(row)
     n = len(confidences)
     k = [0] * n
     best, best_k = n / step_cost(k), list(k)
@@ -153,23 +160,4 @@ def choose_lengths(confidences: list[list[float]], step_cost) -> list[int]:
     for cap in range(1, max(map(len, surv), default=0) + 1):
         expected += sum(row[cap - 1] for row in surv if len(row) >= cap)
         consider([min(cap, len(row)) for row in surv], expected)
-    return best_k
-
-
-def survivals(confidences: list[list[float]]) -> list[list[float]]:
-    """Per sequence, the chance that each of its drafts is accepted: the product of the confidences up to it
-    (each clamped to [0, 1])."""
-    out = []
-    for cs in confidences:
-        s, row = 1.0, []
-        for c in cs:
-            s *= min(max(float(c), 0.0), 1.0)
-            row.append(s)
-        out.append(row)
-    return out
-
-
-def expected_tokens(confidences: list[list[float]], lengths: list[int]) -> float:
-    """Tokens a step emits in expectation when sequence ``i`` verifies ``lengths[i]`` of its drafts:
-    ``sum_i (1 + sum_{j < lengths[i]} s_ij)``, ``s`` the :func:`survivals`."""
-    return sum(1.0 + sum(row[:k]) for row, k in zip(survivals(confidences), lengths))
+    return best_k, best

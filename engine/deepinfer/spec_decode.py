@@ -28,7 +28,7 @@ from deepinfer.forward_batch import index_tensors
 from deepinfer.model_runner import RequestState, host_token
 from deepinfer.sampler import MIN_SAMPLING_TEMPERATURE, _log_softmax_normaliser
 from deepinfer.scheduler import SchedulerOutput, speculates
-from deepinfer.spec_cost import CostByLongest, CostByTokens, choose_lengths, default_step_cost, expected_tokens
+from deepinfer.spec_cost import CostByLongest, CostByTokens, choose_lengths, default_step_cost
 from deepinfer.spec_graphs import greedy_draws
 from deepinfer.speculative import accept_drafts, draw_drafts, filtered_probs
 
@@ -259,7 +259,7 @@ class SpecDecoder:
             return True
         if self.graphs is not None and self.graphs.seconds:
             b = self.graphs.bucket(num_seqs)
-            if b is None or self._gain.get(b, self.GAIN_PRIOR) <= 1.0 + 1e-9:  # ties to plain steps
+            if b is None or self._gain.get(b, self.GAIN_PRIOR) <= 1.0:
                 return False
             return any(self.expected_emitted(d) * plain > self.graph_step_seconds(num_seqs, d)
                        for d in range(1, self.k + 1))
@@ -287,9 +287,8 @@ class SpecDecoder:
             return None
         sec = self._plain.get(b, self.plain_cost[b])
         g = self.graphs
-        if g is not None and g.seconds and g.bucket(num_seqs) in self._overhead:
-            sec = min(sec, g.step_seconds(num_seqs, 0, mtp=False) + self._overhead[g.bucket(num_seqs)])
-        return sec
+        over = self._overhead.get(g.bucket(num_seqs)) if g is not None and g.seconds else None
+        return sec if over is None else min(sec, g.step_seconds(num_seqs, 0, mtp=False) + over)
 
     def mark_step(self, items, kind: str, bucket: int | None, drafts: int, t0: float) -> None:
         """Note that a step started at ``t0`` (``time.perf_counter()``): ``kind`` ``"plain"`` or ``"spec"``, its
@@ -439,10 +438,10 @@ class SpecDecoder:
             if seen:
                 self._cal_bins[it.req_id] = [self._bin(c) for c in seen]
         cost = self._step_cost(items)
-        lengths = choose_lengths(confs, cost)
+        lengths, rate = choose_lengths(confs, cost)
         # a choice read no confidence of its own (a request's first drafts) is no evidence of what choices pay
         if isinstance(cost, CostByLongest) and any(self.confidences.get(it.req_id) for it in items):
-            self._note_gain(len(items), confs, lengths, cost)
+            self._note_gain(len(items), rate)
         return lengths
 
     #: weight of a bucket's earlier choices in :attr:`_gain` (about three steps' memory), and its value before the
@@ -450,10 +449,10 @@ class SpecDecoder:
     GAIN_DECAY = 0.7
     GAIN_PRIOR = 1.3
 
-    def _note_gain(self, num_seqs: int, confs: list[list[float]], lengths: list[int], cost) -> None:
+    def _note_gain(self, num_seqs: int, rate: float) -> None:
         """Fold a graph step's choice into its bucket's :attr:`_gain`: its expected tokens per second of the
-        step (:func:`~deepinfer.spec_cost.expected_tokens`, the calibrated confidences) over ``num_seqs`` per
-        second of a plain step. At 1 or below (a choice of no draft at all gives less than 1),
+        step (``rate``, :func:`~deepinfer.spec_cost.choose_lengths` over the calibrated confidences) over
+        ``num_seqs`` per second of a plain step. At 1 or below (a choice of no draft at all gives less than 1),
         :meth:`estimate_pays` refuses: the acceptance rates alone can promise a gain that the choice, reading
         each request's own confidences, never takes (a drafter whose drafts are never accepted: every step a
         verification of no draft, dearer than a plain step). Back above 1, the bucket's refusals count from 0
@@ -462,9 +461,9 @@ class SpecDecoder:
         b = self.graphs.bucket(num_seqs)
         if plain is None or b is None:
             return
-        gain = expected_tokens(confs, lengths) / cost(lengths) * plain / num_seqs
+        gain = rate * plain / num_seqs
         self._gain[b] = self.GAIN_DECAY * self._gain.get(b, self.GAIN_PRIOR) + (1.0 - self.GAIN_DECAY) * gain
-        if self._gain[b] > 1.0 + 1e-9:
+        if self._gain[b] > 1.0:
             self._refused.pop(b, None)
 
     def expected_confidences(self, req_id: int, k: int) -> list[float]:

@@ -233,19 +233,19 @@ def test_bad_settings_name_the_field(field, value, match):
 
 def test_choose_lengths_maximises_expected_tokens_per_cost():
     flat = lambda ks: 1.0  # noqa: E731 - a step that costs the same for any number of drafts
-    assert sc.choose_lengths([[0.9, 0.5, 0.1], [0.2]], flat) == [3, 1]
+    assert sc.choose_lengths([[0.9, 0.5, 0.1], [0.2]], flat)[0] == [3, 1]
     steep = lambda ks: 1.0 + sum(ks)  # noqa: E731 - every draft costs a whole step
-    assert sc.choose_lengths([[0.9, 0.9], [0.6]], steep) == [0, 0]
+    assert sc.choose_lengths([[0.9, 0.9], [0.6]], steep)[0] == [0, 0]
     mid = lambda ks: 1.0 + 0.25 * sum(ks)  # noqa: E731
     # survivals 0.9, 0.81, 0.2: the first two pay for their cost, the third does not
-    assert sc.choose_lengths([[0.9, 0.9], [0.2]], mid) == [2, 0]
-    assert sc.choose_lengths([], flat) == []
+    assert sc.choose_lengths([[0.9, 0.9], [0.2]], mid)[0] == [2, 0]
+    assert sc.choose_lengths([], flat)[0] == []
     # a graph-shaped cost (set by the longest): survivals 0.95, 0.9025, 0.857 / 0.5; cap 1 gives 3.45 / 1.5 = 2.3,
     # better than any set of the largest survivals ([3, 1]: 5.21 / 2.5) or no draft (2 / 1)
     longest = lambda ks: 1.0 + 0.5 * max(ks, default=0)  # noqa: E731
-    assert sc.choose_lengths([[0.95, 0.95, 0.95], [0.5]], longest) == [1, 1]
+    assert sc.choose_lengths([[0.95, 0.95, 0.95], [0.5]], longest)[0] == [1, 1]
     # survivals 0.9, 0.81, 0.729 / 0.9, 0.81: cap 2 (5.42 / 2) beats cap 1 (3.8 / 1.5) and cap 3 (6.15 / 2.5)
-    assert sc.choose_lengths([[0.9, 0.9, 0.9], [0.9, 0.9]], longest) == [2, 2]
+    assert sc.choose_lengths([[0.9, 0.9, 0.9], [0.9, 0.9]], longest)[0] == [2, 2]
 
 
 
@@ -267,14 +267,18 @@ def test_choose_lengths_cost_classes_match_the_full_search():
         n, k = rng.randint(1, 9), rng.randint(1, 5)
         conf = [[rng.random() for _ in range(rng.randint(0, k))] for _ in range(n)]
         per = sorted(rng.uniform(0.5, 3.0) for _ in range(k + 1))
-        fast = sc.choose_lengths(conf, sc.CostByLongest(per))
-        full = sc.choose_lengths(conf, lambda ks: per[max(ks, default=0)])
+        fast, fast_rate = sc.choose_lengths(conf, sc.CostByLongest(per))
+        full, _ = sc.choose_lengths(conf, lambda ks: per[max(ks, default=0)])
         assert all(0 <= m <= len(cs) for m, cs in zip(fast, conf))
         assert rate(conf, fast, lambda ks: per[max(ks, default=0)]) == pytest.approx(
             rate(conf, full, lambda ks: per[max(ks, default=0)]), rel=1e-12)
+        # the returned rate is the choice's expected tokens per cost
+        assert fast_rate == pytest.approx(rate(conf, fast, lambda ks: per[max(ks, default=0)]), rel=1e-12)
         # a cost by tokens: the running draft total gives the plain function's choice
         by_tokens = sc.CostByTokens(lambda n, t: 1.0 + t / 7.0, n, n)
-        assert sc.choose_lengths(conf, by_tokens) == sc.choose_lengths(conf, lambda ks: 1.0 + (n + sum(ks)) / 7.0)
+        got, got_rate = sc.choose_lengths(conf, by_tokens)
+        want, want_rate = sc.choose_lengths(conf, lambda ks: 1.0 + (n + sum(ks)) / 7.0)
+        assert got == want and got_rate == pytest.approx(want_rate, rel=1e-12)
 
 def _recording(llm: LLM) -> dict:
     """``{prompt ids: output ids}`` of the requests ``llm`` runs from now on (filled as they finish)."""

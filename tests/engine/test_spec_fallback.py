@@ -185,7 +185,9 @@ def test_choices_that_verify_nothing_switch_speculation_off():
     assert d._lengths([item], [3]) == [3]
     assert d._gain[1] == pytest.approx(0.7 * 0.99604 + 0.3 * 3.940399 / 2.5 * 0.9) and d._gain[1] > 1
     assert d._refused == {} and d.estimate_pays(1)
-    assert sc.expected_tokens([[0.5, 0.5], [], [2.0]], [2, 0, 1]) == pytest.approx(1.75 + 1 + 2)
+    # the rate it reads: expected tokens (1.75 + 1 + 2, a confidence above 1 counted as 1) per unit of cost
+    assert sc.choose_lengths([[0.5, 0.5], [], [2.0]], sc.CostByLongest([1.0, 1.0, 1.0])) == ([2, 0, 1],
+                                                                                          pytest.approx(4.75))
     # a slow plain sample (3 s) makes any verification look cheap, and plain steps then never run to correct it;
     # a plain step costs no more than a graph step verifying no draft without its MTP pass (0.9 + 0.5 s here)
     for t in (100.0, 103.0):
