@@ -471,19 +471,19 @@ def engine_config(args: argparse.Namespace):
     from deepinfer.config import EngineConfig
 
     method = getattr(args, "speculative_method", None)
+    spec = {}  # the speculation flags given; EngineConfig holds their defaults
     for flag in ("num_speculative_tokens", "spec_schedule", "spec_admit_hold"):
-        if getattr(args, flag, None) is not None and method is None:
-            raise ValueError(f"--{flag.replace('_', '-')}: needs --speculative-method mtp (speculation is off)")
+        if getattr(args, flag, None) is not None:
+            if method is None:
+                raise ValueError(f"--{flag.replace('_', '-')}: needs --speculative-method mtp (speculation is off)")
+            spec[flag] = getattr(args, flag)
     return EngineConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         num_blocks=args.num_blocks, max_model_len=args.max_model_len, device=args.device,
                         seed=args.seed, enable_image_fetch=args.enable_image_fetch, gemm=args.gemm,
                         enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
                         kv_cache_dtype=args.kv_cache_dtype, enable_prefix_caching=args.enable_prefix_caching,
                         prefix_replay_tokens=args.prefix_replay_tokens, host_cache_gib=args.host_cache_gib,
-                        speculative_method=method,
-                        num_speculative_tokens=getattr(args, "num_speculative_tokens", None) or 3,
-                        spec_schedule=getattr(args, "spec_schedule", None) or "confidence",
-                        spec_admit_hold=8 if getattr(args, "spec_admit_hold", None) is None else args.spec_admit_hold,
+                        speculative_method=method, **spec,
                         data_parallel_size=args.data_parallel_size,
                         expert_parallel_size=args.expert_parallel_size,
                         num_redundant_experts=args.num_redundant_experts, eplb_interval=args.eplb_interval,
