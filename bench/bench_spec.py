@@ -85,8 +85,14 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     llm.generate(prompts[:min(batch, 4)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     stats0 = _spec_counters(llm)
     n_req = batch * args.waves if batch > 1 else args.batch1_requests
-    with phase_timer(args.phases and bool(spec)) as phases, timeline(args.timeline and bool(spec)) as trace:
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    with phase_timer(args.phases and bool(spec)) as phases, timeline(args.timeline and bool(spec)) as trace, \
+            gc_timer() as gcs:
         outs = llm.generate(prompts[:n_req], sp)
+    if args.gc_freeze:
+        gc.unfreeze()
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
                                                         "max_tokens": args.max_tokens, "k": k if spec else 0,
@@ -96,7 +102,8 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
            "decode_tok_s": s["decode_tok_s"], "decode_tok_s_at_peak": s["decode_tok_s_at_peak"],
            "peak_steps": s["peak_steps"], "decode_tok_s_median": s["decode_tok_s_median"],
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
-           "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan")}
+           "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan"),
+           "gc": gcs, "gc_freeze": args.gc_freeze, **step_tail(llm.last_stats.steps)}
     if spec:
         st = _spec_counters(llm)
         ver = st["verifications"] - stats0["verifications"]
@@ -122,6 +129,41 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
         sec = spec_dec.graph_step_seconds(batch, k)
         row["graph_step_ms"] = None if sec is None else 1e3 * sec  # replays at k drafts + measured host time
     return row, [o.token_ids for o in outs]
+
+
+def step_tail(steps) -> dict:
+    """Where a run's decode time goes past its typical step: ``decode_s`` (the decode time ``decode_tok_s``
+    divides by), ``mixed_decode_s`` (its part in steps that also ran prompt tokens) and, over pure decode steps,
+    ``slow_steps`` (those over 1.5x the median) and ``slow_extra_s`` (their time past the median)."""
+    pure = sorted(dt for d, p, dt, *_ in steps if d and not p)
+    med = pure[len(pure) // 2] if pure else 0.0
+    slow = [dt - med for dt in pure if dt > 1.5 * med]
+    return {"decode_s": round(sum(dt * d / (d + p) for d, p, dt, *_ in steps if d), 4),
+            "mixed_decode_s": round(sum(dt * d / (d + p) for d, p, dt, *_ in steps if d and p), 4),
+            "slow_steps": len(slow), "slow_extra_s": round(sum(slow), 4)}
+
+
+@contextlib.contextmanager
+def gc_timer():
+    """A dict filled when the block ends: per generation, the garbage collections inside it (``collections``)
+    and their milliseconds (``ms``)."""
+    out = {"collections": [0, 0, 0], "ms": [0.0, 0.0, 0.0]}
+    start: list[float] = []
+
+    def cb(phase, info):
+        if phase == "start":
+            start[:] = [time.perf_counter()]
+        elif start:
+            g = info["generation"]
+            out["collections"][g] += 1
+            out["ms"][g] += 1e3 * (time.perf_counter() - start[0])
+
+    gc.callbacks.append(cb)
+    try:
+        yield out
+    finally:
+        gc.callbacks.remove(cb)
+        out["ms"] = [round(x, 2) for x in out["ms"]]
 
 
 class _Phases:
@@ -351,6 +393,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spec-admit-hold", type=int, default=None,
                    help="the spec rows' spec_admit_hold (default: the engine's; 0 admits at once)")
     p.add_argument("--device", default=None)
+    p.add_argument("--gc-freeze", action="store_true",
+                   help="gc.freeze() before each measured run (the engine's objects leave the collector's scans)")
     p.add_argument("--phases", action="store_true",
                    help="time each speculative step's phases (synchronised: slower rows, for diagnosis)")
     p.add_argument("--timeline", action="store_true",
