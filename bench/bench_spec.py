@@ -85,14 +85,9 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     llm.generate(prompts[:min(batch, 4)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     stats0 = _spec_counters(llm)
     n_req = batch * args.waves if batch > 1 else args.batch1_requests
-    if args.gc_freeze:
-        gc.collect()
-        gc.freeze()
     with phase_timer(args.phases and bool(spec)) as phases, timeline(args.timeline and bool(spec)) as trace, \
             gc_timer() as gcs:
         outs = llm.generate(prompts[:n_req], sp)
-    if args.gc_freeze:
-        gc.unfreeze()
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
                                                         "max_tokens": args.max_tokens, "k": k if spec else 0,
@@ -103,7 +98,7 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
            "peak_steps": s["peak_steps"], "decode_tok_s_median": s["decode_tok_s_median"],
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
            "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan"),
-           "gc": gcs, "gc_freeze": args.gc_freeze, **step_tail(llm.last_stats.steps)}
+           "gc": gcs, **step_tail(llm.last_stats.steps)}
     if spec:
         st = _spec_counters(llm)
         ver = st["verifications"] - stats0["verifications"]
@@ -393,8 +388,6 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--spec-admit-hold", type=int, default=None,
                    help="the spec rows' spec_admit_hold (default: the engine's; 0 admits at once)")
     p.add_argument("--device", default=None)
-    p.add_argument("--gc-freeze", action="store_true",
-                   help="gc.freeze() before each measured run (the engine's objects leave the collector's scans)")
     p.add_argument("--phases", action="store_true",
                    help="time each speculative step's phases (synchronised: slower rows, for diagnosis)")
     p.add_argument("--timeline", action="store_true",

@@ -5,6 +5,8 @@ runner. ``LLM.generate`` / ``LLM.chat`` and the CLI are loops over it; see ``doc
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import gc
 import time
 from dataclasses import dataclass
 
@@ -31,6 +33,24 @@ def error_record(failure: RequestFailure) -> dict:
     if failure.param is not None:
         rec["param"] = failure.param
     return rec
+
+
+@contextlib.contextmanager
+def gc_frozen():
+    """Inside the block, the objects alive at its start stay out of the garbage collector's scans
+    (``gc.freeze``). A loaded engine holds a large heap of long-lived objects (modules, weights, graphs, tables),
+    and every full collection in a step loop would walk all of it, stalling that step; the stalls land in decode
+    time (``bench_spec.py`` rows record the collections' time, ``gc``). Nothing leaks: the block's end hands them back to the oldest
+    generation (``gc.unfreeze``). Does nothing when the heap is frozen already (by the caller or an outer
+    block), so nesting and a process that froze itself are left as they are."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @dataclass(frozen=True)

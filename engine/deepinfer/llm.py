@@ -20,7 +20,7 @@ from deepinfer import MODEL_PRESETS
 from deepinfer.block_manager import BlockManager, window_blocks_needed
 from deepinfer.chat import ChatFrontend, PreparedChat, RequestError, is_error_record, resolve_tokenizer_json
 from deepinfer.config import EngineConfig
-from deepinfer.engine import LLMEngine, OutputProcessor
+from deepinfer.engine import LLMEngine, OutputProcessor, gc_frozen
 from deepinfer.model_runner import ModelRunner, allocate_cache
 from deepinfer.prefix_cache import PrefixCaching, cache_salt
 from deepinfer.scheduler import Scheduler
@@ -694,24 +694,26 @@ class LLM:
         if self._dp is not None:
             self._dp.reset()
         try:
-            while True:
-                if self._dp is not None:  # every rank steps while any rank has work (an empty step if we have none)
-                    touched = self._dp.step()
-                    if touched is None:
+            with gc_frozen():  # full collections would walk the engine's heap mid-run
+                while True:
+                    # every rank steps while any rank has work (an empty step if we have none)
+                    if self._dp is not None:
+                        touched = self._dp.step()
+                        if touched is None:
+                            break
+                    elif engine.has_unfinished_requests():
+                        touched = engine.step()
+                    else:
                         break
-                elif engine.has_unfinished_requests():
-                    touched = engine.step()
-                else:
-                    break
-                if outputs is not None:
-                    outputs.process(touched)
-                if bar is not None:
-                    ended = [s.seq_id for s in touched if s.is_finished and s.seq_id not in counted]
-                    counted.update(ended)
-                    bar.update(len(ended))
-                    el = time.perf_counter() - t_start
-                    rate = (self.scheduler.num_generated_tokens - generated0) / el
-                    bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
+                    if outputs is not None:
+                        outputs.process(touched)
+                    if bar is not None:
+                        ended = [s.seq_id for s in touched if s.is_finished and s.seq_id not in counted]
+                        counted.update(ended)
+                        bar.update(len(ended))
+                        el = time.perf_counter() - t_start
+                        rate = (self.scheduler.num_generated_tokens - generated0) / el
+                        bar.set_postfix_str(f"{rate:.1f} tok/s", refresh=False)
         except KeyboardInterrupt:  # finished requests keep their results, the others end with an error record
             stats.interrupted = True
         finally:

@@ -284,3 +284,38 @@ def test_output_processor_stops_and_fails_one_request(async_):
     assert seqs[0].finish_reason == "stop" and seqs[0].output_token_ids == seen and len(seen) == 4
     assert seqs[1].error["code"] == "output_processing_failed" and "parser broke" in seqs[1].error["message"]
     assert seqs[2].error is None and seqs[2].num_output_tokens == 12 and seqs[2].finish_reason == "length"
+
+
+def test_the_run_loop_keeps_the_heap_frozen_and_leaves_the_collector_as_it_was():
+    """``LLM.generate`` steps with the heap alive at its start frozen (``gc.freeze``: full collections skip the
+    engine's objects), unfreezes it at the end, also after an error, and leaves a heap the caller froze frozen."""
+    import gc
+
+    llm = LLM("tiny")
+    counts = []
+    step = llm.engine.step
+
+    def spy():
+        counts.append(gc.get_freeze_count())
+        return step()
+
+    llm.engine.step = spy
+    sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    assert gc.get_freeze_count() == 0
+    llm.generate([[5, 6, 7]], sp)
+    assert counts and min(counts) > 0 and gc.get_freeze_count() == 0
+
+    def boom():
+        raise RuntimeError("model failed")
+
+    llm.engine.step = boom
+    with pytest.raises(RuntimeError, match="model failed"):
+        llm.generate([[5, 6, 7]], sp)
+    assert gc.get_freeze_count() == 0
+    llm.engine.step = spy
+    gc.freeze()
+    try:
+        llm.generate([[5, 6, 7]], sp)
+        assert gc.get_freeze_count() > 0  # still frozen (refcounting may have freed a few frozen objects)
+    finally:
+        gc.unfreeze()

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from deepinfer.api_checks import RequestError
-from deepinfer.engine import OutputProcessor
+from deepinfer.engine import OutputProcessor, gc_frozen
 
 log = logging.getLogger("deepinfer.server")
 
@@ -128,6 +128,10 @@ class EngineLoop:
 
     # ---------------------------------------------------------------- loop thread
     def _run(self) -> None:
+        with gc_frozen():  # the heap alive at start-up stays out of full collections while the loop serves
+            self._serve()
+
+    def _serve(self) -> None:
         engine = self.engine
         engine.reset_clock()
         while True:
