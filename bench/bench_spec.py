@@ -141,8 +141,8 @@ def step_tail(steps) -> dict:
 @contextlib.contextmanager
 def gc_timer():
     """A dict filled when the block ends: per generation, the garbage collections inside it (``collections``)
-    and their milliseconds (``ms``)."""
-    out = {"collections": [0, 0, 0], "ms": [0.0, 0.0, 0.0]}
+    and their milliseconds (``ms``); ``frozen_at_start``, the objects frozen when it began (``gc.freeze``)."""
+    out = {"collections": [0, 0, 0], "ms": [0.0, 0.0, 0.0], "frozen_at_start": gc.get_freeze_count()}
     start: list[float] = []
 
     def cb(phase, info):

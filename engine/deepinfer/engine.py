@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
+import threading
 import time
 from dataclasses import dataclass
 
@@ -35,22 +36,32 @@ def error_record(failure: RequestFailure) -> dict:
     return rec
 
 
+_gc_depth = 0  # open gc_frozen blocks, all threads
+_gc_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def gc_frozen():
     """Inside the block, the objects alive at its start stay out of the garbage collector's scans
     (``gc.freeze``). A loaded engine holds a large heap of long-lived objects (modules, weights, graphs, tables),
     and every full collection in a step loop would walk all of it, stalling that step; the stalls land in decode
-    time (``bench_spec.py`` rows record the collections' time, ``gc``). Nothing leaks: the block's end hands them back to the oldest
-    generation (``gc.unfreeze``). Does nothing when the heap is frozen already (by the caller or an outer
-    block), so nesting and a process that froze itself are left as they are."""
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
+    time (``bench_spec.py`` rows record the collections' time, ``gc``). Nothing leaks: the end of the outermost
+    open block (blocks nest and may run in several threads) hands them back to the oldest generation
+    (``gc.unfreeze``). The ``gc`` module keeps one frozen set, so a heap frozen before the block is unfrozen at
+    its end too: a process may freeze a few objects early (some images do), and skipping the freeze then would
+    leave every full collection walking the engine."""
+    global _gc_depth
+    with _gc_lock:
+        if _gc_depth == 0:
+            gc.freeze()
+        _gc_depth += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0:
+                gc.unfreeze()
 
 
 @dataclass(frozen=True)

@@ -288,8 +288,11 @@ def test_output_processor_stops_and_fails_one_request(async_):
 
 def test_the_run_loop_keeps_the_heap_frozen_and_leaves_the_collector_as_it_was():
     """``LLM.generate`` steps with the heap alive at its start frozen (``gc.freeze``: full collections skip the
-    engine's objects), unfreezes it at the end, also after an error, and leaves a heap the caller froze frozen."""
+    engine's objects) and unfreezes it at the end, also after an error; inside an open ``gc_frozen`` block the
+    heap stays frozen until that block ends; a heap frozen before the run is frozen during it too."""
     import gc
+
+    from deepinfer.engine import gc_frozen
 
     llm = LLM("tiny")
     counts = []
@@ -313,9 +316,21 @@ def test_the_run_loop_keeps_the_heap_frozen_and_leaves_the_collector_as_it_was()
         llm.generate([[5, 6, 7]], sp)
     assert gc.get_freeze_count() == 0
     llm.engine.step = spy
-    gc.freeze()
+    with gc_frozen():
+        llm.generate([[5, 6, 7]], sp)
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+    gc.freeze()  # a process that froze a few objects early: the run still freezes those made since
+    marker = [object()]
+    scanned = []
+
+    def spy_marker():
+        scanned.append(any(o is marker for o in gc.get_objects()))
+        return step()
+
+    llm.engine.step = spy_marker
     try:
         llm.generate([[5, 6, 7]], sp)
-        assert gc.get_freeze_count() > 0  # still frozen (refcounting may have freed a few frozen objects)
     finally:
         gc.unfreeze()
+    assert scanned and not any(scanned)
