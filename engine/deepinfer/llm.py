@@ -778,7 +778,7 @@ class LLM:
         if seq.error is None:
             out.token_ids = list(seq.output_token_ids)
             out.logprobs = list(seq.output_logprobs)
-            out.top_logprobs = list(seq.output_top_logprobs)
+            out.top_logprobs = [list(t) for t in seq.output_top_logprobs]
             out.text = self.decode(out.token_ids)
             out.finish_reason = seq.finish_reason
             out.stop_token_id = seq.stop_token_id

@@ -22,6 +22,7 @@ from deepinfer.block_manager import FULL_GROUP, WINDOW_GROUP
 from deepinfer.forward_batch import ForwardBatch, index_tensors
 from deepinfer.sampler import Sampler
 from deepinfer.scheduler import GRAMMAR_DEAD_END_TOKEN, GRAMMAR_VIOLATION_TOKEN, NewRequestData, SchedulerOutput
+from deepinfer.sequence import NO_TOP_LOGPROBS
 
 
 def allocate_cache(model, num_blocks: int, block_size: int, **options):
@@ -539,7 +540,7 @@ class ModelRunner:
             if graph is not None and graph.greedy is not None and masks is None and Sampler.plain_greedy(states_l):
                 # sampled inside the graph; copied out, since the next replay rewrites the graph's outputs
                 tokens, logprobs = (t[:len(states_l)].clone() for t in graph.greedy)
-                tops = [[] for _ in states_l]
+                tops = [NO_TOP_LOGPROBS] * len(states_l)
             else:
                 tokens, logprobs, tops = self.sampler.sample_device(logits, states_l, counters, masks)
         else:

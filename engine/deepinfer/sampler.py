@@ -19,6 +19,7 @@ import torch
 
 import deepinfer_ops
 from deepinfer.forward_batch import float_tensors, index_tensors
+from deepinfer.sequence import NO_TOP_LOGPROBS
 
 
 _MASK64 = (1 << 64) - 1
@@ -408,7 +409,7 @@ class Sampler:
                                             self.batch_invariant, kinds)
         raw = logits if raw is None else raw
         tokens = _nan_rows_token(tokens, logprobs)
-        tops: list[list[tuple[int, float]]] = [[] for _ in seqs]
+        tops: list = [NO_TOP_LOGPROBS] * len(seqs)
         for i, p in enumerate(params):
             if p.top_logprobs > 0:
                 tops[i] = top_logprobs(raw[i], p.top_logprobs)

@@ -22,7 +22,7 @@ from typing import Mapping, NamedTuple
 
 from deepinfer.block_manager import BlockChanges, BlockManager
 from deepinfer.config import EngineConfig
-from deepinfer.sequence import RequestFailure, SamplingParams, Sequence, SequenceStatus
+from deepinfer.sequence import NO_TOP_LOGPROBS, RequestFailure, SamplingParams, Sequence, SequenceStatus
 
 GRAMMAR_VIOLATION_TOKEN = -2  # the runner's mark for a token its request's grammar rejected
 GRAMMAR_DEAD_END_TOKEN = -3  # the runner's mark for a step where its request's grammar allowed no token
@@ -464,13 +464,13 @@ class Scheduler:
             item = verified.get(seq.seq_id)
             if item is None:
                 self._apply_token(seq, token_ids[k], logprobs[k], top_logprobs[k] if top_logprobs is not None
-                                  else [], now)
+                                  else NO_TOP_LOGPROBS, now)
                 continue
             toks = token_ids[k]
             # positions start .. start + len(toks) - 1 hold the request's last token and the accepted drafts
             seq.num_computed_tokens = item.start + len(toks)
             for j, token in enumerate(toks):
-                top = top_logprobs[k][j] if top_logprobs is not None else []
+                top = top_logprobs[k][j] if top_logprobs is not None else NO_TOP_LOGPROBS
                 if self._apply_token(seq, token, logprobs[k][j], top, now):
                     break
         return touched

@@ -10,6 +10,9 @@ from dataclasses import dataclass, field
 SEED_LIMIT = 1 << 63
 PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| <= 2 (OpenAI's range)
 LOGIT_BIAS_LIMIT = 100.0  # |logit_bias[token]| <= 100 (OpenAI's range)
+# the top_logprobs entry of a token whose request asked for none: one shared empty tuple, so that a step stores
+# no new container per token (the garbage collector would scan every one; RequestOutput gives lists)
+NO_TOP_LOGPROBS: tuple = ()
 
 
 class SamplingParamError(ValueError):

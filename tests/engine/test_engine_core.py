@@ -334,3 +334,23 @@ def test_the_run_loop_keeps_the_heap_frozen_and_leaves_the_collector_as_it_was()
     finally:
         gc.unfreeze()
     assert scanned and not any(scanned)
+
+
+def test_tokens_without_top_logprobs_store_no_container_of_their_own():
+    """A request that asked for no ``top_logprobs`` stores the shared empty entry per token (a step allocates no
+    container per token for the collector to scan); ``RequestOutput`` still gives a list per token."""
+    from deepinfer.sequence import NO_TOP_LOGPROBS, Sequence
+
+    llm = LLM("tiny")
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    seq = Sequence(7, [5, 6, 7], sp, seed=0)
+    asked = Sequence(8, [5, 6, 7], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, top_logprobs=2),
+                     seed=0)
+    eng = llm.engine
+    assert eng.add_request(seq) and eng.add_request(asked)
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert len(seq.output_top_logprobs) == 4 and all(t is NO_TOP_LOGPROBS for t in seq.output_top_logprobs)
+    assert all(len(t) == 2 for t in asked.output_top_logprobs)
+    (out,) = llm.generate([[5, 6, 7]], sp)
+    assert out.top_logprobs == [[], [], [], []]
