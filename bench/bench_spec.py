@@ -22,7 +22,10 @@ per draft position (accepted / verified at that position), the verification over
 the spec-off median at the same batch size, minus 1, in percent) and the speedups over spec off (``speedup``,
 ``speedup_at_peak``); greedy rows also record whether the tokens equal spec off's (``greedy_identical``); with
 --phases, the spec rows also hold ``phase_ms_per_step`` (each phase synchronised: a diagnosis of where a step's time
-goes). Writes bench/results/<device>/bench_spec.json (--out to override).
+goes). Every row also holds the garbage collections inside its run (``gc``), its decode time's tail
+(:func:`step_tail`) and its time by step kind (``time_by_kind``: graph or eager, speculative or plain, with
+prompt tokens or not, below the run's largest batch or not). Writes bench/results/<device>/bench_spec.json (--out
+to override).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     stats0 = _spec_counters(llm)
     n_req = batch * args.waves if batch > 1 else args.batch1_requests
     with phase_timer(args.phases and bool(spec)) as phases, timeline(args.timeline and bool(spec)) as trace, \
-            gc_timer() as gcs:
+            gc_timer() as gcs, step_kinds(llm.runner) as kinds:
         outs = llm.generate(prompts[:n_req], sp)
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
@@ -98,7 +101,8 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
            "peak_steps": s["peak_steps"], "decode_tok_s_median": s["decode_tok_s_median"],
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
            "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan"),
-           "gc": gcs, **step_tail(llm.last_stats.steps)}
+           "gc": gcs, **step_tail(llm.last_stats.steps),
+           "time_by_kind": time_by_kind(llm.last_stats.steps, llm.last_stats.step_seqs, kinds)}
     if spec:
         st = _spec_counters(llm)
         ver = st["verifications"] - stats0["verifications"]
@@ -136,6 +140,47 @@ def step_tail(steps) -> dict:
     return {"decode_s": round(sum(dt * d / (d + p) for d, p, dt, *_ in steps if d), 4),
             "mixed_decode_s": round(sum(dt * d / (d + p) for d, p, dt, *_ in steps if d and p), 4),
             "slow_steps": len(slow), "slow_extra_s": round(sum(slow), 4)}
+
+
+@contextlib.contextmanager
+def step_kinds(runner):
+    """A list filled while the block runs: per step the runner enqueued, in order, ``"spec-graph"``,
+    ``"spec-eager"``, ``"plain-graph"`` or ``"plain-eager"`` (the engine applies steps in that order: entry ``i``
+    is the ``i``-th step of the run's stats)."""
+    out: list[str] = []
+    real = runner.execute
+
+    def execute(output, *a, **kw):
+        res = real(output, *a, **kw)
+        out.append(("spec-" if getattr(output, "speculative", False) and runner.spec is not None else "plain-")
+                    + ("graph" if getattr(res, "graph", False) else "eager"))
+        return res
+
+    runner.execute = execute
+    try:
+        yield out
+    finally:
+        del runner.execute  # the class's method again
+
+
+def time_by_kind(steps, step_seqs, kinds: list[str]) -> dict | None:
+    """Where a run's time went by step kind (:func:`step_kinds`), each split by whether the step ran prompt tokens
+    (``+prefill``) and whether it ran fewer sequences than the run's largest batch (``<peak``): per key, steps,
+    seconds, the decode share of them and decode tokens. None when the kinds do not line up with the steps."""
+    if len(kinds) != len(steps) or len(step_seqs) != len(steps):
+        return None
+    peak = max(step_seqs, default=0)
+    out: dict[str, dict] = {}
+    for kind, (d, p, dt, *_), n in zip(kinds, steps, step_seqs):
+        key = kind + ("+prefill" if p else "") + ("<peak" if n < peak else "")
+        e = out.setdefault(key, {"steps": 0, "seconds": 0.0, "decode_s": 0.0, "decode_tokens": 0})
+        e["steps"] += 1
+        e["seconds"] += dt
+        e["decode_s"] += dt * d / (d + p) if d + p else 0.0
+        e["decode_tokens"] += d
+    for e in out.values():
+        e["seconds"], e["decode_s"] = round(e["seconds"], 4), round(e["decode_s"], 4)
+    return out
 
 
 @contextlib.contextmanager

@@ -29,6 +29,11 @@ def test_bench_spec_rows(tmp_path, monkeypatch):
     for r in rows[:2]:  # off and scheduled alternate twice (the default --repeats), the faster run kept
         assert len(r["decode_tok_s_runs"]) == 2 and r["decode_tok_s"] == max(r["decode_tok_s_runs"])
     assert "decode_tok_s_runs" not in rows[2]
+    for r in rows:  # every step has a kind, and the kinds' decode time is the row's
+        kinds = r["time_by_kind"]
+        assert kinds and sum(e["decode_s"] for e in kinds.values()) == pytest.approx(r["decode_s"], abs=1e-3)
+        assert all(k.startswith("plain-" if r["mode"] == "off" else "spec-") for k in kinds)
+        assert r["gc"]["collections"] and r["slow_steps"] >= 0
     for r in rows[1:]:
         assert r["greedy_identical"] and r["verifications"] >= 0 and r["acceptance_length"] >= 1.0
         assert len(r["acceptance_per_position"]) == 2 and r["speedup"] > 0
