@@ -93,10 +93,13 @@ def _rank_main(rank: int, world: int, store: str, model, llm_kwargs: dict, inbox
                 return
             call_id, method, args = pickle.loads(msg)
             if method == "serve":  # until the stop message; then this rank is done
+                from deepinfer.engine import gc_frozen
+
                 from .serve import rank_serve_loop
 
                 try:
-                    rank_serve_loop(llm, rank, inbox, outbox, parent)
+                    with gc_frozen():  # as the single-process loops: no full collection walks the engine
+                        rank_serve_loop(llm, rank, inbox, outbox, parent)
                 except BaseException as e:  # noqa: BLE001
                     outbox.put(("error", 0, rank, pickle.dumps(_error_info(e))))
                 return
