@@ -49,5 +49,8 @@ if os.path.exists(p):
     for r in json.load(open(p))["rows"]:
         s = r.get("shape", {})
         print(s.get("batch"), r.get("mode"), s.get("k"), round(r.get("decode_tok_s", 0)), r.get("speedup"), round(r.get("decode_tok_s_at_peak", 0)), r.get("speedup_at_peak"), r.get("acceptance_length"), r.get("tpot_ms"))
+        kinds = r.get("time_by_kind") or {}
+        print("   gc ms", r.get("gc", {}).get("ms"), "slow", r.get("slow_steps"), r.get("slow_extra_s"),
+              {k: (v["steps"], round(v["seconds"], 3), v["decode_tokens"]) for k, v in kinds.items()})
 PY
 echo "total $(( $(date +%s) - T0 )) s"
