@@ -48,8 +48,8 @@ def gc_frozen():
     time (``bench_spec.py`` rows record the collections' time, ``gc``). Nothing leaks: the end of the outermost
     open block (blocks nest and may run in several threads) hands them back to the oldest generation
     (``gc.unfreeze``). The ``gc`` module keeps one frozen set, so a heap frozen before the block is unfrozen at
-    its end too: a process may freeze a few objects early (some images do), and skipping the freeze then would
-    leave every full collection walking the engine."""
+    its end too: a process may have frozen a few objects early (the GPU image seemed to), and skipping the freeze
+    then would leave every full collection walking the engine."""
     global _gc_depth
     with _gc_lock:
         if _gc_depth == 0:
