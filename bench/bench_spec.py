@@ -22,7 +22,8 @@ per draft position (accepted / verified at that position), the verification over
 the spec-off median at the same batch size, minus 1, in percent) and the speedups over spec off (``speedup``,
 ``speedup_at_peak``); greedy rows also record whether the tokens equal spec off's (``greedy_identical``); with
 --phases, the spec rows also hold ``phase_ms_per_step`` (each phase synchronised: a diagnosis of where a step's time
-goes). Every row also holds the garbage collections inside its run (``gc``), its decode time's tail
+goes). Every row also holds the median host and GPU ms of a pure decode step (the GPU figure: CUDA events
+around the forward), the garbage collections inside its run (``gc``), its decode time's tail
 (:func:`step_tail`) and its time by step kind (``time_by_kind``: graph or eager, speculative or plain, with
 prompt tokens or not, below the run's largest batch or not). Writes bench/results/<device>/bench_spec.json (--out
 to override).
@@ -100,6 +101,7 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
            "decode_tok_s": s["decode_tok_s"], "decode_tok_s_at_peak": s["decode_tok_s_at_peak"],
            "peak_steps": s["peak_steps"], "decode_tok_s_median": s["decode_tok_s_median"],
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
+           "decode_host_ms_median": s["decode_host_ms_median"], "decode_gpu_ms_median": s["decode_gpu_ms_median"],
            "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan"),
            "gc": gcs, **step_tail(llm.last_stats.steps),
            "time_by_kind": time_by_kind(llm.last_stats.steps, llm.last_stats.step_seqs, kinds)}

@@ -50,7 +50,8 @@ if os.path.exists(p):
         s = r.get("shape", {})
         print(s.get("batch"), r.get("mode"), s.get("k"), round(r.get("decode_tok_s", 0)), r.get("speedup"), round(r.get("decode_tok_s_at_peak", 0)), r.get("speedup_at_peak"), r.get("acceptance_length"), r.get("tpot_ms"))
         kinds = r.get("time_by_kind") or {}
-        print("   gc ms", r.get("gc", {}).get("ms"), "slow", r.get("slow_steps"), r.get("slow_extra_s"),
+        print("   host / gpu ms", r.get("decode_host_ms_median"), r.get("decode_gpu_ms_median"),
+              "gc ms", r.get("gc", {}).get("ms"), "slow", r.get("slow_steps"), r.get("slow_extra_s"),
               {k: (v["steps"], round(v["seconds"], 3), v["decode_tokens"]) for k, v in kinds.items()})
 PY
 echo "total $(( $(date +%s) - T0 )) s"
