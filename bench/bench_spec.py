@@ -23,10 +23,10 @@ the spec-off median at the same batch size, minus 1, in percent) and the speedup
 ``speedup_at_peak``); greedy rows also record whether the tokens equal spec off's (``greedy_identical``); with
 --phases, the spec rows also hold ``phase_ms_per_step`` (each phase synchronised: a diagnosis of where a step's time
 goes). Every row also holds the median host and GPU ms of a pure decode step (the GPU figure: CUDA events
-around the forward), the garbage collections inside its run (``gc``), its decode time's tail
-(:func:`step_tail`) and its time by step kind (``time_by_kind``: graph or eager, speculative or plain, with
-prompt tokens or not, below the run's largest batch or not). Writes bench/results/<device>/bench_spec.json (--out
-to override).
+around the forward), its decode seconds (``decode_s``, what ``decode_tok_s`` divides by), the garbage
+collections inside its run (``gc``), its slow decode steps (:func:`step_tail`) and its time by step kind
+(``time_by_kind``: graph or eager, speculative or plain, with prompt tokens or not, below the run's largest batch
+or not). Writes bench/results/<device>/bench_spec.json (--out to override).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
            "decode_step_ms_median": s["decode_step_ms_median"], "tpot_ms": s["tpot_ms"],
            "decode_host_ms_median": s["decode_host_ms_median"], "decode_gpu_ms_median": s["decode_gpu_ms_median"],
            "us": round(1e6 / s["decode_tok_s"], 3) if s["decode_tok_s"] else float("nan"),
-           "gc": gcs, **step_tail(llm.last_stats.steps),
+           "decode_s": round(llm.last_stats.decode_time, 4), "gc": gcs, **step_tail(llm.last_stats.steps),
            "time_by_kind": time_by_kind(llm.last_stats.steps, llm.last_stats.step_seqs, kinds)}
     if spec:
         st = _spec_counters(llm)
@@ -133,15 +133,12 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
 
 
 def step_tail(steps) -> dict:
-    """Where a run's decode time goes past its typical step: ``decode_s`` (the decode time ``decode_tok_s``
-    divides by), ``mixed_decode_s`` (its part in steps that also ran prompt tokens) and, over pure decode steps,
-    ``slow_steps`` (those over 1.5x the median) and ``slow_extra_s`` (their time past the median)."""
+    """Where a run's pure decode steps go past the typical one: ``slow_steps`` (those over 1.5x the median) and
+    ``slow_extra_s`` (their time past the median)."""
     pure = sorted(dt for d, p, dt, *_ in steps if d and not p)
     med = pure[len(pure) // 2] if pure else 0.0
     slow = [dt - med for dt in pure if dt > 1.5 * med]
-    return {"decode_s": round(sum(dt * d / (d + p) for d, p, dt, *_ in steps if d), 4),
-            "mixed_decode_s": round(sum(dt * d / (d + p) for d, p, dt, *_ in steps if d and p), 4),
-            "slow_steps": len(slow), "slow_extra_s": round(sum(slow), 4)}
+    return {"slow_steps": len(slow), "slow_extra_s": round(sum(slow), 4)}
 
 
 @contextlib.contextmanager
