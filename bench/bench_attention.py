@@ -129,21 +129,27 @@ def bench_indexer(quick):
             out.append({"op": "mqa_logits", "shape": {"t": t, "H": H, "d": d, "n": n, "dtype": "fp8_keys"},
                         **metrics(time_cuda(lambda: deepinfer_ops.mqa_logits(q, w, k8, n)), flops, nbytes8),
                         "peers": {"torch_einsum_bf16_keys": metrics(time_cuda(peer), flops, nbytes)}})
-        for rows in [4, 64]:
-            s = torch.randn(rows, n, device="cuda").clamp_min(0)  # ReLU-like: many ties at 0
-            for kk in [512, 2048]:
-                nbytes = rows * n * 4
-                out.append({"op": "topk", "shape": {"rows": rows, "n": n, "k": kk},
-                            **metrics(time_cuda(lambda: deepinfer_ops.topk(s, kk)), bytes_moved=nbytes),
-                            "peers": {"torch.topk": metrics(time_cuda(lambda: torch.topk(s, kk)),
-                                                            bytes_moved=nbytes)}})
+    return out
+
+
+def bench_topk(quick):
+    """Indexer top-k (rows = query tokens, n = compressed entries) and the router's (n = 256 experts, k = 6)."""
+    out = []
+    shapes = [(rows, n, kk) for n in ([8192, 32768, 262144] if quick else [8192, 32768, 65536, 131072, 262144])
+              for rows in [4, 64] for kk in [512, 2048]] + [(4096, 256, 6)]
+    for rows, n, kk in shapes:
+        s = torch.randn(rows, n, device="cuda").clamp_min(0)  # ReLU-like: many ties at 0
+        nbytes = rows * n * 4
+        out.append({"op": "topk", "shape": {"rows": rows, "n": n, "k": kk},
+                    **metrics(time_cuda(lambda: deepinfer_ops.topk(s, kk)), bytes_moved=nbytes),
+                    "peers": {"torch.topk": metrics(time_cuda(lambda: torch.topk(s, kk)), bytes_moved=nbytes)}})
     return out
 
 
 def main() -> None:
     args = bench_args(__doc__.splitlines()[0])
     torch.manual_seed(0)
-    rows = bench_decode(args.quick) + bench_prefill(args.quick) + bench_indexer(args.quick)
+    rows = bench_decode(args.quick) + bench_prefill(args.quick) + bench_indexer(args.quick) + bench_topk(args.quick)
     write_results("bench_attention", rows, args.out_dir)
 
 

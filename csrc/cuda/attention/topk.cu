@@ -1,5 +1,6 @@
 // topk_rows on CUDA: exact top-k of each row of fp32 scores with the project's tie rule (higher score first, then
-// lower index). Two paths, chosen by the shape only (never by the data), with identical results:
+// lower index). Three paths, chosen by the shape only (never by the data), with identical results:
+//   * one CTA per row (rows of at most 32768, whose keys fit in shared memory; topk_row.cu): one launch, one read;
 //   * two-stage (one read of the scores; rows whose candidates fit: chunks * q <= kSelectMaxCand, e.g. n <= 262144
 //     at k <= 704): per-chunk candidate supersets, then one exact select + sort per row (see below, "Two-stage");
 //   * radix select over several CTAs per row (every other shape: larger k at long rows), described here.
@@ -34,10 +35,12 @@
 // Compact rows read the scores twice from memory, the others four times.
 // The selected set and its order do not depend on the chunking, the grid or the order of atomics, so results are
 // the same for any batch size and any GPU. Limits: k <= 2048 (the sort), n < 2^30.
-#include "deepinfer/attention/sparse_mqa.cuh"
+#include "topk_common.cuh"
 
 namespace deepinfer::attention {
 namespace {
+
+using namespace topk_detail;
 
 constexpr int kThreads = 512;                       // hist / collect CTAs
 constexpr int kWarps = kThreads / 32;
@@ -87,28 +90,6 @@ TopkPlan make_plan(const TopkParams& p) {
   return t;
 }
 
-// The rows and outputs of a topk_rows launch, as both paths' kernels see them.
-struct TopkRows {
-  const float* scores;
-  int64_t score_row_stride;
-  float* values;
-  int64_t* indices;
-  int64_t row0;  // first row of this group
-  int n, k;
-  bool vec;      // every row 16-byte aligned: float4 loads
-};
-
-TopkRows topk_rows_of(const TopkParams& p) {
-  TopkRows r{};
-  r.scores = p.scores;
-  r.score_row_stride = p.score_row_stride;
-  r.values = p.values;
-  r.indices = p.indices;
-  r.n = p.n;
-  r.k = p.k;
-  r.vec = is_aligned(p.scores, 16) && p.score_row_stride % 4 == 0;
-  return r;
-}
 
 struct TopkRun : TopkRows {  // the radix path
   int chunk, chunks;
@@ -119,61 +100,6 @@ struct TopkRun : TopkRows {  // the radix path
   uint64_t* cand;     // [group][kCandCap]
 };
 
-// Order-preserving map of a float to uint32 (larger float -> larger key); NaN is the largest, -0.0 == +0.0.
-__device__ __forceinline__ uint32_t topk_key(float x) {
-  if (isnan(x)) return 0xffffffffu;
-  if (x == 0.f) x = 0.f;
-  const uint32_t b = __float_as_uint(x);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
-}
-
-// Descending order of this value is (key desc, index asc); every real entry is > 0 (topk_key(-inf) > 0).
-__device__ __forceinline__ uint64_t sel_entry(uint32_t key, int index) {
-  return (static_cast<uint64_t>(key) << 32) | static_cast<uint64_t>(~static_cast<uint32_t>(index));
-}
-
-__device__ __forceinline__ int warp_inclusive_scan(int v, int lane) {
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, v, off);
-    if (lane >= off) v += y;
-  }
-  return v;
-}
-
-// Warp-aggregated append: lanes with `take` get consecutive slots from *counter (in lane order) and write `entry`
-// there (slots >= cap are dropped: never reached, the counts are exact). Call from all 32 lanes.
-__device__ __forceinline__ void warp_append(bool take, uint64_t entry, int* counter, uint64_t* buf, int cap,
-                                            int lane) {
-  const unsigned ballot = __ballot_sync(0xffffffffu, take);
-  if (ballot == 0u) return;  // warp-uniform
-  const int leader = __ffs(ballot) - 1;
-  int base = 0;
-  if (lane == leader) base = atomicAdd(counter, __popc(ballot));
-  base = __shfl_sync(0xffffffffu, base, leader);
-  const int slot = base + __popc(ballot & ((1u << lane) - 1u));
-  if (take && slot < cap) buf[slot] = entry;
-}
-
-// Descending bitonic sort of s[0, npow2) (npow2 a power of two) by the whole block; ends with a barrier.
-template <int kBlock>
-__device__ void bitonic_sort_desc(uint64_t* s, int npow2) {
-  for (int size = 2; size <= npow2; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      __syncthreads();
-      for (int t = threadIdx.x; t < npow2 / 2; t += kBlock) {
-        const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;  // lo: the t-th index with bit `stride` clear
-        const bool desc = (lo & size) == 0;  // direction of this run (the last merge, size = npow2, is descending)
-        const uint64_t a = s[lo], b = s[hi];
-        if ((a < b) == desc) {
-          s[lo] = b;
-          s[hi] = a;
-        }
-      }
-    }
-  }
-  __syncthreads();
-}
 
 // Elements of row g in the top-digit bin of the k-th largest key (valid once hist<1> has recorded that digit).
 __device__ __forceinline__ int top_bin_count(const TopkRun& r, int g, uint32_t prefix0) {
@@ -558,24 +484,6 @@ __device__ __forceinline__ Key block_search_kth(int rank, bool stop_exact, int s
   return x;
 }
 
-// Exclusive prefix of v over the block in thread order, and the block's total. Ends with a barrier.
-template <int kNumWarps>
-__device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int incl = warp_inclusive_scan(v, lane);
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  int before = 0;
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) {
-    const int c = s_warp[w];
-    before += w < warp ? c : 0;
-    total += c;
-  }
-  __syncthreads();
-  return before + incl - v;
-}
 
 // Persistent: CTA i takes work items (row, chunk) i, i + gridDim.x, ...; the next item's scores are loaded (into
 // registers) while the current one is searched, so the row is read once at close to the copy bandwidth.
@@ -932,7 +840,7 @@ void launch_topk_two_stage(const TopkParams& p, const TopkCandPlan& plan, cudaSt
 }  // namespace
 
 int64_t topk_rows_workspace_bytes(const TopkParams& p) {
-  if (p.rows == 0 || p.k == 0) return 0;
+  if (p.rows == 0 || p.k == 0 || topk_detail::topk_row_cta_fits(p)) return 0;
   const TopkCandPlan cp = make_cand_plan(p);
   return cp.use ? cp.bytes : make_plan(p).bytes;
 }
@@ -942,6 +850,10 @@ void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
   if (p.k > kMaxK || p.k > p.n || p.n >= (1 << 30)) {
     throw std::runtime_error("deepinfer topk_rows: need k <= min(n, 2048) and n < 2^30, got k = " +
                              std::to_string(p.k) + ", n = " + std::to_string(p.n));
+  }
+  if (topk_detail::topk_row_cta_fits(p)) {
+    topk_detail::launch_topk_row_cta(p, stream);
+    return;
   }
   const TopkCandPlan cp = make_cand_plan(p);
   const TopkPlan plan = cp.use ? TopkPlan{} : make_plan(p);
