@@ -18,9 +18,9 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     higher score first, then lower index. Deterministic for any batch size.
 
     fp32/bf16/fp16 scores on CPU (any k) or CUDA (k <= 2048, n < 2^30) run the native ``topk_rows`` op (radix
-    select on an order-preserving 32-bit key, bf16/fp16 upcast exactly to fp32; on CUDA one CTA per row up to
-    n = 32768, else several CTAs share a row: per-chunk candidates and one select per row where they fit, else radix
-    select, see csrc/cuda/attention/topk.cu);
+    select on an order-preserving 32-bit key, bf16/fp16 upcast exactly to fp32; on CUDA the keys of a row, or of its
+    chunks, in shared memory, then one select per row where the chunks' candidates fit, else radix select over
+    several CTAs per row, see csrc/cuda/attention/topk.cu);
     other cases use a stable descending sort. Both give the same result.
 
     Args:

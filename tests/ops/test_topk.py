@@ -108,8 +108,10 @@ def test_topk_native_op_poisoned_and_bf16(device):
     (1, 262144, 2048), (2, 262144, 512), (64, 262144, 2048), (8, 131072, 2048), (4, 32768, 512), (64, 32768, 512),
     (3, 65536, 2048), (7, 100003, 1000), (16, 4097, 2048), (33, 777, 13), (5, 5000, 1000), (2, 1, 1), (3, 2048, 2048),
     (9, 3, 2), (8, 65537, 1), (8, 40000, 2047),
-    # one CTA per row (n <= 32768; 256 threads up to n = 2048) and just past it
-    (4, 8192, 512), (6, 32768, 2048), (3, 32769, 700), (300, 256, 6), (2, 2049, 1500), (8, 16384, 1)])
+    # one CTA per row (n <= 32768; 256 threads up to n = 2048), chunks then a merge just past it, and past the
+    # merge's 16384 candidates (the multi-CTA radix path)
+    (4, 8192, 512), (6, 32768, 2048), (3, 32769, 700), (300, 256, 6), (2, 2049, 1500), (8, 16384, 1),
+    (2, 262145, 2048), (3, 600000, 1000)])
 def test_cuda_topk_matches_ref_hard_rows(rows, n, k):
     # Every row pattern of _topk_hard_rows at rows 1..64 and n up to 262144 (prime and odd n included), against the
     # stable-sort reference: indices and value bits equal.

@@ -1,5 +1,5 @@
-// Pieces shared by the topk_rows CUDA paths (topk.cu: two-stage and multi-CTA radix; topk_row.cu: one CTA per
-// row). Private to csrc/cuda/attention.
+// Pieces shared by the topk_rows CUDA paths (topk.cu: multi-CTA radix; topk_row.cu: keys in shared memory).
+// Private to csrc/cuda/attention.
 #pragma once
 
 #include "deepinfer/attention/sparse_mqa.cuh"
@@ -104,8 +104,9 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& tot
   return before + incl - v;
 }
 
-// One CTA per row (topk_row.cu): used when the row's keys and the k selected fit in shared memory.
-bool topk_row_cta_fits(const TopkParams& p);
-void launch_topk_row_cta(const TopkParams& p, cudaStream_t stream);
+// Where the keys fit in shared memory (topk_row.cu): one CTA per row, or per chunk of a row then one merge CTA
+// per row. Whether p takes that path, and the workspace it needs then (bytes, 16-byte aligned).
+bool topk_chunked_fits(const TopkParams& p, int64_t* workspace_bytes);
+void launch_topk_chunked(const TopkParams& p, cudaStream_t stream);
 
 }  // namespace deepinfer::attention::topk_detail

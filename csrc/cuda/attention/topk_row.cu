@@ -1,107 +1,72 @@
-// topk_rows on CUDA, one CTA per row, for rows whose keys fit in shared memory (n <= 32768): one launch, no
-// workspace, one read of the scores.
-//   1. The row's order-preserving keys (topk_common.cuh) go to shared memory, several 16-byte loads in flight per
-//      thread.
-//   2. Radix select from the top, 8 bits a pass (four passes at most): a shared 256-bin histogram of the keys under
-//      the digits fixed so far (lanes with the same bin add once), then one warp finds the digit holding the rank
-//      still wanted. It stops early when every key in that digit's bin is selected.
-//   3. The k entries (key << 32 | ~index) are collected in shared memory: keys above the k-th largest in any order;
-//      when only some of the keys equal to it are selected, the lowest-index ones, found by an index-ordered block
-//      scan over contiguous per-thread ranges.
-//   4. Bitonic sort (key desc, index asc), then values = scores[index] (the scores' own bits) and indices.
-// The selected set and its order are those of the tie rule, so the result equals topk.cu's other paths.
+// topk_rows on CUDA where keys fit in shared memory: one read of the scores, at most two launches.
+//   * n <= 32768: one CTA per row (select, sort, write).
+//   * longer rows (n up to 32 chunks of 8192-32768): one CTA per chunk of a row writes the chunk's own top k
+//     (unsorted) to the workspace; then one CTA per row selects the top k of those candidates, sorts and writes.
+//     Every element of the row's top k is in its chunk's top k, so the result is exact.
+// A select (select_top): the keys go to shared memory (chunk CTAs: the order-preserving 32-bit image of each score,
+// topk_common.cuh; the merge CTA: the candidates' 64-bit entries key << 32 | ~index, all distinct). A radix select
+// from the top, 8 bits a pass, finds the k-th largest: per pass a shared 256-bin histogram of the keys under the
+// digits fixed so far (lanes with the same bin add once), then one warp finds the digit holding the rank still
+// wanted; it stops once every key in that digit's bin is selected. The selected keys are collected in shared memory:
+// those above the k-th largest in any order; when only some keys equal to it are selected (ties of 32-bit keys), the
+// lowest-index ones, by an index-ordered block scan over contiguous per-thread ranges. Then a bitonic sort (key
+// desc, index asc) and values = scores[index] (the scores' own bits), indices.
+// The selected set and its order follow the tie rule alone, so results equal topk.cu's other paths and do not
+// depend on the chunking, the batch or the order of atomics.
 #include "topk_common.cuh"
 
 namespace deepinfer::attention::topk_detail {
 namespace {
 
-constexpr int kRowMaxN = 32768;
-constexpr int kRowMaxK = 2048;
-constexpr int kNarrowMaxN = 2048;      // rows up to this length use 256 threads (the router: n = 256)
-constexpr int64_t kMaxGrid = 1 << 30;  // rows per launch
+constexpr int kChunkMaxN = 32768;        // keys of one CTA (128 KiB of shared memory)
+constexpr int kMinChunk = 8192;          // chunk lengths tried: 8192, 16384, 32768 (the first whose merge fits)
+constexpr int kMergeMaxEntries = 16384;  // candidates of one row (128 KiB)
+constexpr int kMaxK = 2048;
+constexpr int kNarrowMaxN = 2048;        // rows up to this length use 256 threads (the router: n = 256)
+constexpr int kThreads = 1024;
+constexpr int64_t kRowGroup = 256;       // rows per workspace pass (chunked rows)
+constexpr size_t kStaticSmem = 8 * 1024; // the kernels' own shared arrays, with room to spare
 
-// Entries of the sort buffer: the power of two at or above k, at least 2 (the keys after it stay 16-byte aligned).
+// Entries of the sort buffer: the power of two at or above k, at least 2 (what follows it stays 16-byte aligned).
 __host__ __device__ inline int sort_size(int k) {
   int s = 2;
   while (s < k) s <<= 1;
   return s;
 }
 
-size_t row_cta_smem(int n, int k) {
-  return static_cast<size_t>(sort_size(k)) * sizeof(uint64_t) + static_cast<size_t>(n) * sizeof(uint32_t);
-}
+struct SelectSmem {
+  int hist[2][256];  // alternate passes: one is cleared while the other fills
+  int warp[32];
+  unsigned long long prefix;
+  int rem, bin, count;
+};
 
-template <int kThreads>
-__global__ void __launch_bounds__(kThreads) topk_row_cta_kernel(const __grid_constant__ TopkRows r) {
-  constexpr int kWarps = kThreads / 32;
-  extern __shared__ __align__(16) char dyn[];
-  const int n = r.n, k = r.k, npow2 = sort_size(k);
-  uint64_t* sel = reinterpret_cast<uint64_t*>(dyn);           // [npow2]
-  uint32_t* keys = reinterpret_cast<uint32_t*>(sel + npow2);  // [n]
-  __shared__ int hist[2][256];  // alternate passes: one is cleared while the other fills
-  __shared__ int s_warp[kWarps];
-  __shared__ uint32_t s_prefix;
-  __shared__ int s_rem, s_bin, s_count;
+// Radix select of the k-th largest of keys[0, m) (shared memory; 1 <= k <= m): on return prefix / mask are the
+// digits fixed, rem the rank still wanted among the keys whose masked bits equal prefix, and take_all tells that
+// all of those are selected (else mask is whole and prefix is the k-th largest key). Uniform across the block.
+template <int kBlock, typename Key>
+__device__ void radix_select(const Key* keys, int m, int k, SelectSmem& s, Key& prefix, Key& mask, int& rem,
+                             bool& take_all) {
+  constexpr int kPasses = sizeof(Key);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int64_t row = r.row0 + blockIdx.x;
-  const float* srow = r.scores + row * r.score_row_stride;
-
-  // 1. Keys into shared memory.
-  if (r.vec) {
-    const float4* s4 = reinterpret_cast<const float4*>(srow);
-    uint4* k4 = reinterpret_cast<uint4*>(keys);
-    const int n4 = n >> 2;
-    for (int base = 0; base < n4; base += 4 * kThreads) {
-      float4 v[4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int q = base + j * kThreads + tid;
-        v[j] = q < n4 ? __ldg(s4 + q) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int q = base + j * kThreads + tid;
-        if (q < n4) k4[q] = make_uint4(topk_key(v[j].x), topk_key(v[j].y), topk_key(v[j].z), topk_key(v[j].w));
-      }
-    }
-    for (int i = 4 * n4 + tid; i < n; i += kThreads) keys[i] = topk_key(__ldg(srow + i));
-  } else {
-    for (int base = 0; base < n; base += 8 * kThreads) {
-      float v[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int i = base + j * kThreads + tid;
-        v[j] = i < n ? __ldg(srow + i) : 0.f;
-      }
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int i = base + j * kThreads + tid;
-        if (i < n) keys[i] = topk_key(v[j]);
-      }
-    }
-  }
-  for (int i = tid; i < npow2; i += kThreads) sel[i] = 0ull;  // padding sorts last (every entry is > 0)
-  for (int i = tid; i < 256; i += kThreads) hist[0][i] = 0;
-  if (tid == 0) s_count = 0;
+  prefix = 0;
+  mask = 0;
+  rem = k;
+  take_all = false;
+  for (int i = tid; i < 256; i += kBlock) s.hist[0][i] = 0;
   __syncthreads();
-
-  // 2. Radix select: prefix / mask = the digits fixed so far, rem = the rank of the k-th largest key among the keys
-  // under the prefix.
-  uint32_t prefix = 0u, mask = 0u;
-  int rem = k;
-  bool take_all = false;  // every key under the prefix is selected
 #pragma unroll 1
-  for (int pass = 0; pass < 4; ++pass) {
-    const int shift = 24 - 8 * pass;
-    int* h = hist[pass & 1];
-    for (int i = tid; i < 256; i += kThreads) hist[(pass + 1) & 1][i] = 0;  // read two barriers ago
-    for (int base = 0; base < n; base += kThreads) {  // the same trip count in every thread (warp collectives)
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int shift = 8 * (kPasses - 1 - pass);
+    int* h = s.hist[pass & 1];
+    for (int i = tid; i < 256; i += kBlock) s.hist[(pass + 1) & 1][i] = 0;  // read two barriers ago
+    for (int base = 0; base < m; base += kBlock) {  // the same trip count in every thread (warp collectives)
       const int i = base + tid;
-      const uint32_t key = i < n ? keys[i] : 0u;
-      const bool take = i < n && (key & mask) == prefix;
+      const Key key = i < m ? keys[i] : Key(0);
+      const bool take = i < m && (key & mask) == prefix;
       const unsigned active = __ballot_sync(0xffffffffu, take);
       if (take) {
-        const uint32_t bin = (key >> shift) & 255u;
+        const uint32_t bin = static_cast<uint32_t>(key >> shift) & 255u;
         const unsigned peers = __match_any_sync(active, bin);
         if (__ffs(peers) - 1 == lane) atomicAdd(&h[bin], __popc(peers));
       }
@@ -120,9 +85,9 @@ __global__ void __launch_bounds__(kThreads) topk_row_cta_kernel(const __grid_con
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
           if (cum + c[j] >= rem) {
-            s_prefix = prefix | (static_cast<uint32_t>(255 - 8 * lane - j) << shift);
-            s_rem = rem - cum;
-            s_bin = c[j];
+            s.prefix = static_cast<unsigned long long>(prefix | (static_cast<Key>(255 - 8 * lane - j) << shift));
+            s.rem = rem - cum;
+            s.bin = c[j];
             break;
           }
           cum += c[j];
@@ -130,78 +95,228 @@ __global__ void __launch_bounds__(kThreads) topk_row_cta_kernel(const __grid_con
       }
     }
     __syncthreads();
-    prefix = s_prefix;
-    rem = s_rem;
-    mask |= 255u << shift;
-    if (s_bin == rem) {  // uniform
+    prefix = static_cast<Key>(s.prefix);
+    rem = s.rem;
+    mask |= static_cast<Key>(255) << shift;
+    if (s.bin == rem) {  // uniform
       take_all = true;
       break;
     }
   }
+}
 
-  // 3. Collect the k entries.
-  for (int base = 0; base < n; base += kThreads) {
+// The k largest of keys[0, m) into sel[0, k) as 64-bit entries entry(key, i), any order (s.count zeroed and a
+// barrier passed before the select). Ends with a barrier.
+template <int kBlock, typename Key, class Entry>
+__device__ void select_top(const Key* keys, int m, int k, SelectSmem& s, uint64_t* sel, Entry&& entry) {
+  Key prefix, mask;
+  int rem;
+  bool take_all;
+  radix_select<kBlock, Key>(keys, m, k, s, prefix, mask, rem, take_all);
+  const int tid = threadIdx.x, lane = tid % 32;
+  for (int base = 0; base < m; base += kBlock) {
     const int i = base + tid;
-    const uint32_t key = i < n ? keys[i] : 0u;
-    const uint32_t top = key & mask;
-    const bool take = i < n && (take_all ? top >= prefix : top > prefix);
-    warp_append(take, sel_entry(key, i), &s_count, sel, k, lane);
+    const Key key = i < m ? keys[i] : Key(0);
+    const Key top = key & mask;
+    const bool take = i < m && (take_all ? top >= prefix : top > prefix);
+    warp_append(take, entry(key, i), &s.count, sel, k, lane);
   }
-  if (!take_all) {  // mask is whole: prefix is the k-th largest key; the rem lowest-index keys equal to it
-    const int per = (n + kThreads - 1) / kThreads;
-    const int c0 = min(n, tid * per), c1 = min(n, c0 + per);
+  if (!take_all) {  // the rem lowest-index keys equal to prefix take slots [k - rem, k)
+    const int per = (m + kBlock - 1) / kBlock;
+    const int c0 = min(m, tid * per), c1 = min(m, c0 + per);
     int eq = 0;
     for (int i = c0; i < c1; ++i) eq += keys[i] == prefix ? 1 : 0;
     int total;
-    int rank = block_exclusive_scan<kWarps>(eq, s_warp, total);
+    int rank = block_exclusive_scan<kBlock / 32>(eq, s.warp, total);
     for (int i = c0; i < c1 && rank < rem; ++i) {
       if (keys[i] == prefix) {
-        sel[k - rem + rank] = sel_entry(prefix, i);
+        sel[k - rem + rank] = entry(prefix, i);
         ++rank;
       }
     }
   }
+  __syncthreads();
+}
 
-  // 4. Sort and write.
-  bitonic_sort_desc<kThreads>(sel, npow2);
-  float* vrow = r.values + row * k;
-  int64_t* irow = r.indices + row * k;
-  for (int j = tid; j < k; j += kThreads) {
+// Sort sel[0, npow2) (entries past k are 0) and write the row's values and indices.
+template <int kBlock>
+__device__ void sort_and_write(const TopkRows& r, int64_t row, uint64_t* sel, int npow2) {
+  bitonic_sort_desc<kBlock>(sel, npow2);
+  const float* srow = r.scores + row * r.score_row_stride;
+  float* vrow = r.values + row * r.k;
+  int64_t* irow = r.indices + row * r.k;
+  for (int j = threadIdx.x; j < r.k; j += kBlock) {
     const int idx = static_cast<int>(~static_cast<uint32_t>(sel[j]));
     vrow[j] = srow[idx];
     irow[j] = idx;
   }
 }
 
-template <int kThreads>
-void launch_rows(const TopkParams& p, size_t smem, cudaStream_t stream) {
-  ensure_dynamic_smem(topk_row_cta_kernel<kThreads>, smem);
-  TopkRows r = topk_rows_of(p);
-  for (int64_t row0 = 0; row0 < p.rows; row0 += kMaxGrid) {
-    r.row0 = row0;
-    const int64_t g = p.rows - row0 < kMaxGrid ? p.rows - row0 : kMaxGrid;
-    topk_row_cta_kernel<kThreads><<<static_cast<unsigned>(g), kThreads, smem, stream>>>(r);
-    DEEPINFER_CHECK_LAUNCH("topk_row_cta_kernel");
+// Keys of scores [c0, c0 + m) of a row into shared memory, several loads in flight per thread.
+template <int kBlock>
+__device__ void load_keys(const float* src, int m, bool vec, uint32_t* keys) {
+  const int tid = threadIdx.x;
+  if (vec) {
+    const float4* s4 = reinterpret_cast<const float4*>(src);
+    uint4* k4 = reinterpret_cast<uint4*>(keys);
+    const int m4 = m >> 2;
+    for (int base = 0; base < m4; base += 4 * kBlock) {
+      float4 v[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int q = base + j * kBlock + tid;
+        v[j] = q < m4 ? __ldg(s4 + q) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int q = base + j * kBlock + tid;
+        if (q < m4) k4[q] = make_uint4(topk_key(v[j].x), topk_key(v[j].y), topk_key(v[j].z), topk_key(v[j].w));
+      }
+    }
+    for (int i = 4 * m4 + tid; i < m; i += kBlock) keys[i] = topk_key(__ldg(src + i));
+  } else {
+    for (int base = 0; base < m; base += 8 * kBlock) {
+      float v[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int i = base + j * kBlock + tid;
+        v[j] = i < m ? __ldg(src + i) : 0.f;
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int i = base + j * kBlock + tid;
+        if (i < m) keys[i] = topk_key(v[j]);
+      }
+    }
   }
+}
+
+// Grid (rows of the group, chunks). kFinal (one chunk: the whole row): sort and write the row's result; else the
+// chunk's top min(k, its length) entries go to cand[g][chunk][0, k), zero-padded.
+template <int kBlock, bool kFinal>
+__global__ void __launch_bounds__(kBlock) topk_chunk_kernel(const __grid_constant__ TopkRows r, int chunk,
+                                                            uint64_t* cand) {
+  extern __shared__ __align__(16) char dyn[];
+  __shared__ SelectSmem s;
+  const int npow2 = sort_size(r.k), cid = blockIdx.y;
+  uint64_t* sel = reinterpret_cast<uint64_t*>(dyn);           // [npow2]
+  uint32_t* keys = reinterpret_cast<uint32_t*>(sel + npow2);  // [chunk]
+  const int64_t row = r.row0 + blockIdx.x;
+  const int c0 = cid * chunk, m = min(r.n - c0, chunk), kk = min(r.k, m);
+  load_keys<kBlock>(r.scores + row * r.score_row_stride + c0, m, r.vec, keys);  // chunk % 4 == 0: aligned too
+  for (int i = threadIdx.x; i < npow2; i += kBlock) sel[i] = 0ull;  // padding sorts last (every entry is > 0)
+  if (threadIdx.x == 0) s.count = 0;
+  // (radix_select's first barrier orders these stores before any use)
+  select_top<kBlock, uint32_t>(keys, m, kk, s, sel, [c0](uint32_t key, int i) { return sel_entry(key, c0 + i); });
+  if constexpr (kFinal) {
+    sort_and_write<kBlock>(r, row, sel, npow2);
+  } else {
+    uint64_t* out = cand + (static_cast<int64_t>(blockIdx.x) * gridDim.y + cid) * r.k;
+    for (int j = threadIdx.x; j < r.k; j += kBlock) out[j] = sel[j];
+  }
+}
+
+// One CTA per row of the group: the top k of the row's chunks * k candidates, sorted and written.
+__global__ void __launch_bounds__(kThreads) topk_merge_kernel(const __grid_constant__ TopkRows r, int entries,
+                                                              const uint64_t* cand) {
+  extern __shared__ __align__(16) char dyn[];
+  __shared__ SelectSmem s;
+  const int npow2 = sort_size(r.k);
+  uint64_t* sel = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
+  uint64_t* ent = sel + npow2;                       // [entries]
+  const uint4* src = reinterpret_cast<const uint4*>(cand + static_cast<int64_t>(blockIdx.x) * entries);
+  uint4* dst = reinterpret_cast<uint4*>(ent);
+  for (int q = threadIdx.x; q < entries / 2; q += kThreads) dst[q] = __ldg(src + q);  // entries is even (k * chunks,
+  for (int i = threadIdx.x; i < npow2; i += kThreads) sel[i] = 0ull;                  // chunks >= 2)
+  if (threadIdx.x == 0) s.count = 0;
+  select_top<kThreads, uint64_t>(ent, entries, r.k, s, sel, [](uint64_t e, int) { return e; });
+  sort_and_write<kThreads>(r, r.row0 + blockIdx.x, sel, npow2);
+}
+
+struct ChunkPlan {
+  bool use;
+  int chunk, chunks;
+  int64_t group_rows;
+  size_t chunk_smem, merge_smem;
+  int64_t bytes;  // workspace
+};
+
+ChunkPlan make_chunk_plan(const TopkParams& p) {
+  ChunkPlan c{};
+  if (p.k < 1 || p.k > kMaxK || p.k > p.n) return c;
+  int device = 0, optin = 0;
+  DEEPINFER_CUDA_CHECK(cudaGetDevice(&device));
+  DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const size_t limit = static_cast<size_t>(optin) - kStaticSmem, sort_bytes = sort_size(p.k) * sizeof(uint64_t);
+  if (p.n <= kChunkMaxN) {
+    c.chunk = p.n;
+    c.chunks = 1;
+    c.chunk_smem = sort_bytes + static_cast<size_t>(p.n) * sizeof(uint32_t);
+    c.use = c.chunk_smem <= limit;
+    return c;
+  }
+  for (int chunk = kMinChunk; chunk <= kChunkMaxN; chunk *= 2) {
+    const int chunks = (p.n + chunk - 1) / chunk;
+    const int64_t entries = static_cast<int64_t>(chunks) * p.k;
+    c.chunk_smem = sort_bytes + static_cast<size_t>(chunk) * sizeof(uint32_t);
+    c.merge_smem = sort_bytes + static_cast<size_t>(entries) * sizeof(uint64_t);
+    if (entries <= kMergeMaxEntries && c.chunk_smem <= limit && c.merge_smem <= limit) {
+      c.use = true;
+      c.chunk = chunk;
+      c.chunks = chunks;
+      c.group_rows = p.rows < kRowGroup ? p.rows : kRowGroup;
+      c.bytes = c.group_rows * entries * static_cast<int64_t>(sizeof(uint64_t));
+      return c;
+    }
+  }
+  return ChunkPlan{};
 }
 
 }  // namespace
 
-bool topk_row_cta_fits(const TopkParams& p) {
-  if (p.n > kRowMaxN || p.k > kRowMaxK || p.k < 1) return false;
-  int device = 0, optin = 0;
-  DEEPINFER_CUDA_CHECK(cudaGetDevice(&device));
-  DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  constexpr size_t kStaticSmem = 8 * 1024;  // the kernel's own arrays, with room to spare
-  return row_cta_smem(p.n, p.k) + kStaticSmem <= static_cast<size_t>(optin);
+bool topk_chunked_fits(const TopkParams& p, int64_t* workspace_bytes) {
+  const ChunkPlan c = make_chunk_plan(p);
+  if (workspace_bytes != nullptr) *workspace_bytes = c.bytes;
+  return c.use;
 }
 
-void launch_topk_row_cta(const TopkParams& p, cudaStream_t stream) {
-  const size_t smem = row_cta_smem(p.n, p.k);
-  if (p.n <= kNarrowMaxN) {
-    launch_rows<256>(p, smem, stream);
-  } else {
-    launch_rows<1024>(p, smem, stream);
+void launch_topk_chunked(const TopkParams& p, cudaStream_t stream) {
+  const ChunkPlan c = make_chunk_plan(p);
+  TopkRows r = topk_rows_of(p);
+  if (c.chunks == 1) {
+    constexpr int64_t kMaxGrid = int64_t(1) << 30;
+    const bool narrow = p.n <= kNarrowMaxN;
+    if (narrow) {
+      ensure_dynamic_smem(topk_chunk_kernel<256, true>, c.chunk_smem);
+    } else {
+      ensure_dynamic_smem(topk_chunk_kernel<kThreads, true>, c.chunk_smem);
+    }
+    for (int64_t row0 = 0; row0 < p.rows; row0 += kMaxGrid) {
+      r.row0 = row0;
+      const unsigned g = static_cast<unsigned>(p.rows - row0 < kMaxGrid ? p.rows - row0 : kMaxGrid);
+      if (narrow) {
+        topk_chunk_kernel<256, true><<<g, 256, c.chunk_smem, stream>>>(r, c.chunk, nullptr);
+      } else {
+        topk_chunk_kernel<kThreads, true><<<g, kThreads, c.chunk_smem, stream>>>(r, c.chunk, nullptr);
+      }
+      DEEPINFER_CHECK_LAUNCH("topk_chunk_kernel");
+    }
+    return;
+  }
+  if (p.workspace == nullptr || p.workspace_bytes < c.bytes || !is_aligned(p.workspace, 16)) {
+    throw std::runtime_error("deepinfer topk_rows: workspace missing, too small or not 16-byte aligned");
+  }
+  uint64_t* cand = static_cast<uint64_t*>(p.workspace);
+  ensure_dynamic_smem(topk_chunk_kernel<kThreads, false>, c.chunk_smem);
+  ensure_dynamic_smem(topk_merge_kernel, c.merge_smem);
+  for (int64_t row0 = 0; row0 < p.rows; row0 += c.group_rows) {
+    const int64_t g = p.rows - row0 < c.group_rows ? p.rows - row0 : c.group_rows;
+    r.row0 = row0;
+    const dim3 grid(static_cast<unsigned>(g), static_cast<unsigned>(c.chunks));
+    topk_chunk_kernel<kThreads, false><<<grid, kThreads, c.chunk_smem, stream>>>(r, c.chunk, cand);
+    DEEPINFER_CHECK_LAUNCH("topk_chunk_kernel");
+    topk_merge_kernel<<<static_cast<unsigned>(g), kThreads, c.merge_smem, stream>>>(r, c.chunks * p.k, cand);
+    DEEPINFER_CHECK_LAUNCH("topk_merge_kernel");
   }
 }
 
