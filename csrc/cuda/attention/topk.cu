@@ -53,6 +53,26 @@ constexpr int kCandCap = 8192;                      // candidates per compact ro
 constexpr int kSortThreads = 1024;
 constexpr int kMaxK = 2048;
 
+// Descending bitonic sort of s[0, npow2) (npow2 a power of two) by the whole block; ends with a barrier.
+template <int kBlock>
+__device__ void bitonic_sort_desc(uint64_t* s, int npow2) {
+  for (int size = 2; size <= npow2; size <<= 1) {
+    for (int stride = size >> 1; stride > 0; stride >>= 1) {
+      __syncthreads();
+      for (int t = threadIdx.x; t < npow2 / 2; t += kBlock) {
+        const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;  // lo: the t-th index with bit `stride` clear
+        const bool desc = (lo & size) == 0;  // direction of this run (the last merge, size = npow2, is descending)
+        const uint64_t a = s[lo], b = s[hi];
+        if ((a < b) == desc) {
+          s[lo] = b;
+          s[hi] = a;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
 __host__ __device__ constexpr int digit_shift(int pass) { return pass == 0 ? 21 : (pass == 1 ? 10 : 0); }
 __host__ __device__ constexpr int digit_bins(int pass) { return pass == 2 ? 1024 : 2048; }
 // Key bits fixed once the digits of passes 0..pass are known.

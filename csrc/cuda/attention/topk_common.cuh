@@ -65,26 +65,6 @@ __device__ __forceinline__ void warp_append(bool take, uint64_t entry, int* coun
   if (take && slot < cap) buf[slot] = entry;
 }
 
-// Descending bitonic sort of s[0, npow2) (npow2 a power of two) by the whole block; ends with a barrier.
-template <int kBlock>
-__device__ void bitonic_sort_desc(uint64_t* s, int npow2) {
-  for (int size = 2; size <= npow2; size <<= 1) {
-    for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      __syncthreads();
-      for (int t = threadIdx.x; t < npow2 / 2; t += kBlock) {
-        const int lo = 2 * t - (t & (stride - 1)), hi = lo + stride;  // lo: the t-th index with bit `stride` clear
-        const bool desc = (lo & size) == 0;  // direction of this run (the last merge, size = npow2, is descending)
-        const uint64_t a = s[lo], b = s[hi];
-        if ((a < b) == desc) {
-          s[lo] = b;
-          s[hi] = a;
-        }
-      }
-    }
-  }
-  __syncthreads();
-}
-
 // Exclusive prefix of v over the block in thread order, and the block's total. Ends with a barrier.
 template <int kNumWarps>
 __device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& total) {

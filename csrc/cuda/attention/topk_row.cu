@@ -6,7 +6,7 @@
 // A select (select_top): the keys go to shared memory (chunk CTAs: the order-preserving 32-bit image of each score,
 // topk_common.cuh; the merge CTA: the candidates' 64-bit entries key << 32 | ~index, all distinct). A radix select
 // from the top, 8 bits a pass, finds the k-th largest: per pass a shared 256-bin histogram of the keys under the
-// digits fixed so far (lanes with the same bin add once), then one warp finds the digit holding the rank still
+// digits fixed so far (shared atomics), then one warp finds the digit holding the rank still
 // wanted; it stops once every key in that digit's bin is selected. The selected keys are collected in shared memory:
 // those above the k-th largest in any order; when only some keys equal to it are selected (ties of 32-bit keys), the
 // lowest-index ones, by an index-ordered block scan over contiguous per-thread ranges. Then a bitonic sort (key
@@ -27,9 +27,9 @@ constexpr int kThreads = 1024;
 constexpr int64_t kRowGroup = 256;       // rows per workspace pass (chunked rows)
 constexpr size_t kStaticSmem = 8 * 1024; // the kernels' own shared arrays, with room to spare
 
-// Entries of the sort buffer: the power of two at or above k, at least 2 (what follows it stays 16-byte aligned).
+// Entries of the sort buffer: the power of two at or above k, at least 32 (whole warps in the sort).
 __host__ __device__ inline int sort_size(int k) {
-  int s = 2;
+  int s = 32;
   while (s < k) s <<= 1;
   return s;
 }
@@ -60,16 +60,10 @@ __device__ void radix_select(const Key* keys, int m, int k, SelectSmem& s, Key& 
     const int shift = 8 * (kPasses - 1 - pass);
     int* h = s.hist[pass & 1];
     for (int i = tid; i < 256; i += kBlock) s.hist[(pass + 1) & 1][i] = 0;  // read two barriers ago
-    for (int base = 0; base < m; base += kBlock) {  // the same trip count in every thread (warp collectives)
-      const int i = base + tid;
-      const Key key = i < m ? keys[i] : Key(0);
-      const bool take = i < m && (key & mask) == prefix;
-      const unsigned active = __ballot_sync(0xffffffffu, take);
-      if (take) {
-        const uint32_t bin = static_cast<uint32_t>(key >> shift) & 255u;
-        const unsigned peers = __match_any_sync(active, bin);
-        if (__ffs(peers) - 1 == lane) atomicAdd(&h[bin], __popc(peers));
-      }
+    for (int i = tid; i < m; i += kBlock) {
+      const Key key = keys[i];
+      const bool take = (key & mask) == prefix;
+      if (take) atomicAdd(&h[static_cast<uint32_t>(key >> shift) & 255u], 1);
     }
     __syncthreads();
     if (warp == 0) {  // lane l owns bins 255 - 8 l .. 248 - 8 l, from the top down
@@ -138,10 +132,58 @@ __device__ void select_top(const Key* keys, int m, int k, SelectSmem& s, uint64_
   __syncthreads();
 }
 
+// Descending bitonic sort of s[0, size) (size a power of two, 32 <= size <= 2048) by the whole block: thread t
+// holds elements t + j kBlock in registers; exchanges at strides below 32 are warp shuffles (each warp holds 32
+// consecutive elements), the others go through shared memory. Ends with a barrier.
+template <int kBlock>
+__device__ void sort_desc(uint64_t* s, int size) {
+  constexpr int kPer = 2048 / kBlock;
+  const int tid = threadIdx.x;
+  uint64_t x[kPer];
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int e = tid + j * kBlock;
+    x[j] = e < size ? s[e] : 0ull;
+  }
+  for (int run = 2; run <= size; run <<= 1) {
+    for (int stride = run >> 1; stride > 0; stride >>= 1) {
+      uint64_t y[kPer];
+      if (stride >= 32) {  // uniform
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          if (tid + j * kBlock < size) s[tid + j * kBlock] = x[j];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) {
+          const int e = tid + j * kBlock;
+          y[j] = e < size ? s[e ^ stride] : 0ull;
+        }
+        __syncthreads();
+      } else {
+#pragma unroll
+        for (int j = 0; j < kPer; ++j) y[j] = __shfl_xor_sync(0xffffffffu, x[j], stride);
+      }
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int e = tid + j * kBlock;
+        const bool want_max = ((e & stride) == 0) == ((e & run) == 0);  // the pair's lower element of a descending
+        x[j] = want_max ? (x[j] > y[j] ? x[j] : y[j]) : (x[j] < y[j] ? x[j] : y[j]);  // run keeps the larger
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    if (tid + j * kBlock < size) s[tid + j * kBlock] = x[j];
+  }
+  __syncthreads();
+}
+
 // Sort sel[0, npow2) (entries past k are 0) and write the row's values and indices.
 template <int kBlock>
 __device__ void sort_and_write(const TopkRows& r, int64_t row, uint64_t* sel, int npow2) {
-  bitonic_sort_desc<kBlock>(sel, npow2);
+  sort_desc<kBlock>(sel, npow2);
   const float* srow = r.scores + row * r.score_row_stride;
   float* vrow = r.values + row * r.k;
   int64_t* irow = r.indices + row * r.k;
@@ -224,10 +266,9 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const __grid_const
   const int npow2 = sort_size(r.k);
   uint64_t* sel = reinterpret_cast<uint64_t*>(dyn);  // [npow2]
   uint64_t* ent = sel + npow2;                       // [entries]
-  const uint4* src = reinterpret_cast<const uint4*>(cand + static_cast<int64_t>(blockIdx.x) * entries);
-  uint4* dst = reinterpret_cast<uint4*>(ent);
-  for (int q = threadIdx.x; q < entries / 2; q += kThreads) dst[q] = __ldg(src + q);  // entries is even (k * chunks,
-  for (int i = threadIdx.x; i < npow2; i += kThreads) sel[i] = 0ull;                  // chunks >= 2)
+  const uint64_t* src = cand + static_cast<int64_t>(blockIdx.x) * entries;
+  for (int i = threadIdx.x; i < entries; i += kThreads) ent[i] = __ldg(src + i);
+  for (int i = threadIdx.x; i < npow2; i += kThreads) sel[i] = 0ull;
   if (threadIdx.x == 0) s.count = 0;
   select_top<kThreads, uint64_t>(ent, entries, r.k, s, sel, [](uint64_t e, int) { return e; });
   sort_and_write<kThreads>(r, r.row0 + blockIdx.x, sel, npow2);
