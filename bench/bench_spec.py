@@ -129,6 +129,9 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
                                    for b, v in spec_dec.overhead_samples.items()}
         sec = spec_dec.graph_step_seconds(batch, k)
         row["graph_step_ms"] = None if sec is None else 1e3 * sec  # replays at k drafts + measured host time
+        # the schedule's step cost at the end of the run, verifying 0..k drafts (its choice weighs these)
+        row["cost_model_ms"] = None if sec is None else [
+            round(1e3 * spec_dec.graph_step_seconds(batch, d), 3) for d in range(k + 1)]
     return row, [o.token_ids for o in outs]
 
 

@@ -37,6 +37,7 @@ def test_bench_spec_rows(tmp_path, monkeypatch):
     for r in rows[1:]:
         assert r["greedy_identical"] and r["verifications"] >= 0 and r["acceptance_length"] >= 1.0
         assert len(r["acceptance_per_position"]) == 2 and r["speedup"] > 0
+        assert "cost_model_ms" in r  # None without graphs (the CPU)
     mod.main(["--batches", "1", "--ks", "1", "--max-tokens", "4", "--prompt-len", "8", "--no-scheduled", "--phases", "--timeline",
               "--batch1-requests", "2", "--repeats", "1", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
