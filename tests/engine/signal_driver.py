@@ -24,12 +24,14 @@ def say(phase: str) -> None:
     print(f"phase: {phase}", file=sys.stderr, flush=True)
 
 
-def wait_for_signal(seconds: float = 60) -> None:
-    """Sleep until the CLI's handler counts one more signal (a handler that does not raise lets ``time.sleep`` go
-    on), or ``seconds``."""
+def say_and_wait(phase: str, seconds: float = 60) -> None:
+    """Print the phase's marker, then sleep until the CLI's handler counts one more signal than before the marker
+    (a handler that does not raise lets ``time.sleep`` go on), or ``seconds``. The count is read first: the test
+    signals as soon as it reads the marker."""
     cli = sys.modules.get("deepinfer.cli")
     handler = lambda: getattr(cli, "_HANDLER", None)  # noqa: E731
     start = handler().count if handler() else 0
+    say(phase)
     end = time.monotonic() + seconds
     while time.monotonic() < end and not (handler() and handler().count > start):
         time.sleep(0.05)
@@ -39,8 +41,7 @@ class _SlowTorchImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
         if name == "torch":
             sys.meta_path.remove(self)
-            say("import")
-            wait_for_signal()
+            say_and_wait("import")
         return None
 
 
@@ -77,13 +78,11 @@ def main() -> int:
 
         def slow_write(self, records):
             if phase == "write":
-                say("write")
-                wait_for_signal()
+                say_and_wait("write")
             write(self, records)
             if phase == "after":
                 cli._phase("done")  # as run_generate does next
-                say("after")
-                wait_for_signal()
+                say_and_wait("after")
 
         cli._Output.write = slow_write
     return cli.main(argv)
