@@ -418,10 +418,7 @@ void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
     throw std::runtime_error("deepinfer topk_rows: need k <= min(n, 2048) and n < 2^30, got k = " +
                              std::to_string(p.k) + ", n = " + std::to_string(p.n));
   }
-  if (topk_detail::topk_chunked_fits(p, nullptr)) {
-    topk_detail::launch_topk_chunked(p, stream);
-    return;
-  }
+  if (topk_detail::launch_topk_chunked(p, stream)) return;
   const TopkPlan plan = make_plan(p);
   if (p.workspace == nullptr || p.workspace_bytes < plan.bytes || !is_aligned(p.workspace, 16)) {
     throw std::runtime_error("deepinfer topk_rows: workspace missing, too small or not 16-byte aligned");

@@ -65,28 +65,10 @@ __device__ __forceinline__ void warp_append(bool take, uint64_t entry, int* coun
   if (take && slot < cap) buf[slot] = entry;
 }
 
-// Exclusive prefix of v over the block in thread order, and the block's total. Ends with a barrier.
-template <int kNumWarps>
-__device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int incl = warp_inclusive_scan(v, lane);
-  if (lane == 31) s_warp[warp] = incl;
-  __syncthreads();
-  int before = 0;
-  total = 0;
-#pragma unroll
-  for (int w = 0; w < kNumWarps; ++w) {
-    const int c = s_warp[w];
-    before += w < warp ? c : 0;
-    total += c;
-  }
-  __syncthreads();
-  return before + incl - v;
-}
-
 // Where the keys fit in shared memory (topk_row.cu): one CTA per row, or per chunk of a row then one merge CTA
-// per row. Whether p takes that path, and the workspace it needs then (bytes, 16-byte aligned).
+// per row. Whether p takes that path, and the workspace it needs then (bytes, 16-byte aligned); the launch
+// returns false, launching nothing, where it does not.
 bool topk_chunked_fits(const TopkParams& p, int64_t* workspace_bytes);
-void launch_topk_chunked(const TopkParams& p, cudaStream_t stream);
+bool launch_topk_chunked(const TopkParams& p, cudaStream_t stream);
 
 }  // namespace deepinfer::attention::topk_detail

@@ -41,6 +41,25 @@ struct SelectSmem {
   int rem, bin, count;
 };
 
+// Exclusive prefix of v over the block in thread order, and the block's total. Ends with a barrier.
+template <int kNumWarps>
+__device__ __forceinline__ int block_exclusive_scan(int v, int* s_warp, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int incl = warp_inclusive_scan(v, lane);
+  if (lane == 31) s_warp[warp] = incl;
+  __syncthreads();
+  int before = 0;
+  total = 0;
+#pragma unroll
+  for (int w = 0; w < kNumWarps; ++w) {
+    const int c = s_warp[w];
+    before += w < warp ? c : 0;
+    total += c;
+  }
+  __syncthreads();
+  return before + incl - v;
+}
+
 // Radix select of the k-th largest of keys[0, m) (shared memory; 1 <= k <= m): on return prefix / mask are the
 // digits fixed, rem the rank still wanted among the keys whose masked bits equal prefix, and take_all tells that
 // all of those are selected (else mask is whole and prefix is the k-th largest key). Uniform across the block.
@@ -132,12 +151,12 @@ __device__ void select_top(const Key* keys, int m, int k, SelectSmem& s, uint64_
   __syncthreads();
 }
 
-// Descending bitonic sort of s[0, size) (size a power of two, 32 <= size <= 2048) by the whole block: thread t
+// Descending bitonic sort of s[0, size) (size a power of two, 32 <= size <= kMaxK) by the whole block: thread t
 // holds elements t + j kBlock in registers; exchanges at strides below 32 are warp shuffles (each warp holds 32
 // consecutive elements), the others go through shared memory. Ends with a barrier.
 template <int kBlock>
 __device__ void sort_desc(uint64_t* s, int size) {
-  constexpr int kPer = 2048 / kBlock;
+  constexpr int kPer = kMaxK / kBlock;
   const int tid = threadIdx.x;
   uint64_t x[kPer];
   __syncthreads();
@@ -321,8 +340,9 @@ bool topk_chunked_fits(const TopkParams& p, int64_t* workspace_bytes) {
   return c.use;
 }
 
-void launch_topk_chunked(const TopkParams& p, cudaStream_t stream) {
+bool launch_topk_chunked(const TopkParams& p, cudaStream_t stream) {
   const ChunkPlan c = make_chunk_plan(p);
+  if (!c.use) return false;
   TopkRows r = topk_rows_of(p);
   if (c.chunks == 1) {
     constexpr int64_t kMaxGrid = int64_t(1) << 30;
@@ -342,7 +362,7 @@ void launch_topk_chunked(const TopkParams& p, cudaStream_t stream) {
       }
       DEEPINFER_CHECK_LAUNCH("topk_chunk_kernel");
     }
-    return;
+    return true;
   }
   if (p.workspace == nullptr || p.workspace_bytes < c.bytes || !is_aligned(p.workspace, 16)) {
     throw std::runtime_error("deepinfer topk_rows: workspace missing, too small or not 16-byte aligned");
@@ -359,6 +379,7 @@ void launch_topk_chunked(const TopkParams& p, cudaStream_t stream) {
     topk_merge_kernel<<<static_cast<unsigned>(g), kThreads, c.merge_smem, stream>>>(r, c.chunks * p.k, cand);
     DEEPINFER_CHECK_LAUNCH("topk_merge_kernel");
   }
+  return true;
 }
 
 }  // namespace deepinfer::attention::topk_detail

@@ -76,9 +76,8 @@ struct TopkParams {
 
 // Workspace bytes launch_topk_rows needs for p (rows, n, k and num_sms set).
 int64_t topk_rows_workspace_bytes(const TopkParams& p);
-// One CTA per row when the row fits in shared memory (topk_row.cu); else per-chunk candidates then one select per
-// row (one read of the scores), or radix select over several CTAs per row, then a bitonic sort of the k selected
-// (topk.cu).
+// The keys of a row, or of its chunks, in shared memory, then one select per row where the chunks' candidates fit
+// (topk_row.cu); else radix select over several CTAs per row, then a bitonic sort of the k selected (topk.cu).
 void launch_topk_rows(const TopkParams& p, cudaStream_t stream);
 
 struct KvCacheWriteParams {
