@@ -2,8 +2,9 @@
 # One device call for speculative decoding (docs/train-spec-model.md): wheels from .whl/, build, the spec CUDA tests,
 # a training run into /tmp/spec-model (kept while the machine stays warm: a later call skips it), then
 # bench/bench_spec.py until LIMIT seconds after the start; every file lands in $OUT.
-# Environment: TESTS (1), MIN (training minutes, 3.5), KS (3), BATCHES (1,8,64,256), REPEATS (2), WAVES (4),
-# LIMIT (590), BENCH_EXTRA (more bench_spec arguments), DEEPINFER_COMMIT (recorded in the JSON).
+# Environment: TESTS (1), MIN (training minutes, 3.5), STEPS (240 on an H200, 340 on 80 GB cards), KS (3),
+# BATCHES (1,8,64,256), REPEATS (2), WAVES (4), LIMIT (590), BENCH_EXTRA (more bench_spec arguments),
+# DEEPINFER_COMMIT (recorded in the JSON).
 # SHAPES=1: no training; the cost rows on v4-flash-shapes instead (random weights: acceptance means nothing there),
 # a checkpoint of LAYERS (43) layers and EXPERTS (8) routed experts made in /tmp/v4fs (kept while warm), into
 # $OUT/bench_spec_v4fs.json.
@@ -34,8 +35,10 @@ if [ "${SHAPES:-0}" = 1 ]; then
   echo "checkpoint done at $(( $(date +%s) - T0 )) s"
 elif [ ! -f /tmp/spec-model/config.json ]; then
   mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
-  bs=""; [ "$mem" -lt 100000 ] && bs="--batch-size 16"
-  timeout $(( $(left) - 60 )) python3 tools/train_spec_model.py --out /tmp/spec-model --minutes ${MIN:-3.5} --quant fp8-fp4 --no-engine-check $bs > $OUT/train.log 2>&1
+  # STEPS: the cosine schedule's length, set to what fits MIN minutes so that the learning rate decays fully
+  # (H200, 32 rows: 0.83 s a step; H100, 16 rows: 0.58 s); MIN stays the guard
+  bs=""; steps=${STEPS:-240}; [ "$mem" -lt 100000 ] && { bs="--batch-size 16"; steps=${STEPS:-340}; }
+  timeout $(( $(left) - 60 )) python3 tools/train_spec_model.py --out /tmp/spec-model --minutes ${MIN:-3.5} --steps $steps --quant fp8-fp4 --no-engine-check $bs > $OUT/train.log 2>&1
   cp /tmp/spec-model/train_spec_model.json $OUT/ 2>/dev/null
   python3 -c "import json;d=json.load(open('/tmp/spec-model/train_spec_model.json'));print('train', d['steps_done'], d['train_seconds'], 'accept_len heldout', d['metrics'].get('heldout',{}).get('accept_len'))"
 fi

@@ -308,7 +308,7 @@ class SpecDecoder(SpecSchedule):
         r = self.runner
         r.update_states(output)
         # finished or preempted requests leave (also in steps that scheduled nothing)
-        for kept_per_request in (self.drafts, self.confidences, self._cal_bins):
+        for kept_per_request in (self.drafts, self.confidences, self._cal_bins, self._dropped):
             for rid in [rid for rid in kept_per_request if rid not in r.requests]:
                 del kept_per_request[rid]
         items = output.scheduled

@@ -43,6 +43,8 @@ class SpecSchedule:
         self._cal_verified = [[0.0] * self.CAL_BINS for _ in range(k)]
         self._cal_accepted = [[0.0] * self.CAL_BINS for _ in range(k)]
         self._cal_bins: dict[int, list[int]] = {}
+        # per request, the choices that verified fewer of its drafts than it made room for (:meth:`_explore`)
+        self._dropped: dict[int, int] = {}
 
     def pays(self, num_seqs: int) -> bool:
         """Whether a speculative step can beat a plain one at ``num_seqs`` sequences (host data only).
@@ -183,7 +185,30 @@ class SpecSchedule:
         # a choice read no confidence of its own (a request's first drafts) is no evidence of what choices pay
         if isinstance(cost, CostByLongest) and any(self.confidences.get(it.req_id) for it in items):
             self._note_gain(len(items), rate)
-        return lengths
+        return self._explore(items, nv, lengths)
+
+    #: every this many choices that verify fewer of a request's drafts than it made room for, one verifies them all
+    EXPLORE_EVERY = 8
+
+    def _explore(self, items, nv: list[int], lengths: list[int]) -> list[int]:
+        """``lengths`` with, per request, every :attr:`EXPLORE_EVERY` th choice that dropped some of its ``nv``
+        drafts verifying them all instead, while its bucket's choices pay (:attr:`_gain` above 1; probes and
+        eager steps never explore). Without it a confidence bin the choice stops verifying keeps its prior, the
+        raw confidence, which underrates the target (:meth:`calibrated`), and is never measured again: the
+        H200's batch-1 run dropped drafts that were accepted as often as the ones it kept. The choice still reads
+        past steps only (counts on the host), so sampling stays lossless."""
+        g = self.graphs
+        b = g.bucket(len(items)) if g is not None and g.seconds else None
+        if b is None or self._gain.get(b, self.GAIN_PRIOR) <= 1.0:
+            return lengths
+        out = list(lengths)
+        for i, (it, k, d) in enumerate(zip(items, nv, lengths)):
+            if d >= k or not self.confidences.get(it.req_id):
+                continue
+            n = self._dropped[it.req_id] = self._dropped.get(it.req_id, 0) + 1
+            if n % self.EXPLORE_EVERY == 0:
+                out[i] = k
+        return out
 
     #: weight of a bucket's earlier choices in :attr:`_gain` (about three steps' memory), and its value before the
     #: bucket's first choice: one early choice, its confidences not yet calibrated, must not decline alone

@@ -205,6 +205,41 @@ def test_choices_that_verify_nothing_switch_speculation_off():
     assert choices == 5 and d._gain[1] < 1
 
 
+def test_every_eighth_choice_that_drops_drafts_verifies_them_all():
+    """A confidence bin the choice stops verifying would keep its prior (the raw confidence) for good. While the
+    bucket's choices pay, every eighth choice that drops some of a request's drafts verifies them all instead,
+    so the bins it avoids are measured; a bin found better than its prior then takes part again. Not while the
+    bucket's gain is at or below 1 (probes), and not for a request's first, uninformed choice."""
+    model = LLM("tiny", num_blocks=4, max_num_seqs=1).model
+    graphs = _Graphs()
+    graphs.max_len = 1 << 20
+    runner = _Runner(model)
+    runner.requests = {7: SimpleNamespace(num_prompt_tokens=4)}
+
+    def decoder():
+        return sd.SpecDecoder(runner, 3, "confidence", plain_cost={1: 0.9, 4: 0.9}, graphs=graphs)
+
+    d = decoder()
+    item = SimpleNamespace(req_id=7, start=10, num_new_tokens=4, num_draft_tokens=3, needs_logits=True)
+    d.accept_rate = [0.9, 0.9, 0.9]
+    assert d._lengths([item], [3]) == [3]  # no confidence of its own yet: all, and no count
+    d.confidences[7] = [0.95, 0.2, 0.2]  # 1.95 tokens per 1.5 s at one draft, 2.14 per 2 s at two
+    chosen = [d._lengths([item], [3])[0] for _ in range(16)]
+    assert chosen == [1] * 7 + [3] + [1] * 7 + [3] and d._gain[1] > 1
+    # an explored verification accepted every draft: the 0.2 bins at depths 1 and 2 move towards what they see
+    before = d.calibrated(1, 0.2)
+    for _ in range(4):
+        d._lengths([item], [3])
+        d._calibrate([item], [3], [4], [1])
+    assert d.calibrated(1, 0.2) > before + 0.4 and d._lengths([item], [3]) == [2]  # was 1
+    # a bucket whose choices stopped paying never explores: its steps are probes
+    d = decoder()
+    d.accept_rate, d.confidences[7], d._gain[1] = [0.9, 0.9, 0.9], [0.95, 0.2, 0.2], 0.5
+    assert [d._lengths([item], [3])[0] for _ in range(3)] == [1] * 3 and d._gain[1] < 1 and not d._dropped
+    d.confidences[7], d._gain[1] = [0.95, 0.2, 0.2], 5.0
+    assert [d._lengths([item], [2])[0] for _ in range(8)] == [1] * 7 + [2]  # all it made room for
+
+
 @pytest.fixture(scope="module")
 def reference():
     llm = LLM("tiny", max_num_seqs=8)
