@@ -9,8 +9,9 @@ Per batch size (--batches, default 1,8,64,256) and mode (``off``; ``fixed-k`` fo
 ``scheduled``: spec_schedule="confidence" with k = the largest of --ks; off and scheduled run --repeats times,
 alternating, and keep their fastest run, ``decode_tok_s_runs`` holding all): one warm-up generate, then requests
 that decode --max-tokens tokens each (greedy unless --temperature; ignore_eos): at batch 1, --batch1-requests of them
-one after another (one prompt's acceptance is noise); past it, --waves x batch of them, at most batch at a time. A
-single wave would measure how a static batch drains: speculating requests finish unevenly and the slowest one sets
+one after another, spread evenly over the prompts (one prompt's acceptance is noise, and the held-out prompts
+begin with every file opening); past it, --waves x batch of them, at most batch at a time. A single wave would
+measure how a static batch drains: speculating requests finish unevenly and the slowest one sets
 the time, while spec off finishes them together. Prompts: lines of --prompts (tokenized with the model's tokenizer,
 cycled), else random token ids of --prompt-len.
 
@@ -70,7 +71,9 @@ def make_prompts(llm, args) -> list[list[int]]:
                 ids.append(toks[:args.prompt_len])
         else:
             ids = [llm.encode(ln)[:args.prompt_len] or [1] for ln in lines]
+        args.distinct_prompts = len(ids)
         return [ids[i % len(ids)] for i in range(n)]
+    args.distinct_prompts = n
     rng = random.Random(0)
     return [[rng.randrange(3, llm.vocab_size) for _ in range(args.prompt_len)] for _ in range(n)]
 
@@ -89,9 +92,13 @@ def run(model, batch: int, mode: str, k: int, args, prompts: list[list[int]]) ->
     llm.generate(prompts[:min(batch, 4)], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))  # warm-up
     stats0 = _spec_counters(llm)
     n_req = batch * args.waves if batch > 1 else args.batch1_requests
+    todo = prompts[:n_req]
+    if batch == 1:  # spread over the prompt set, as the larger batches cover it (its head is all file openings)
+        m = min(args.distinct_prompts, len(prompts))
+        todo = [prompts[i * m // n_req] for i in range(n_req)]
     with phase_timer(args.phases and bool(spec)) as phases, timeline(args.timeline and bool(spec)) as trace, \
             gc_timer() as gcs, step_kinds(llm.runner) as kinds:
-        outs = llm.generate(prompts[:n_req], sp)
+        outs = llm.generate(todo, sp)
     s = llm.last_stats.summary()
     row = {"op": "spec_decode", "mode": mode, "shape": {"batch": batch, "prompt_len": args.prompt_len,
                                                         "max_tokens": args.max_tokens, "k": k if spec else 0,
@@ -424,7 +431,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--ks", default="1,2,3,4,5")
     p.add_argument("--no-scheduled", action="store_true", help="skip the confidence-scheduled rows")
     p.add_argument("--no-fixed", action="store_true", help="skip the fixed-length rows")
-    p.add_argument("--batch1-requests", type=int, default=8, help="requests run one after another at batch 1")
+    p.add_argument("--batch1-requests", type=int, default=16,
+                   help="requests run one after another at batch 1, spread evenly over the prompts (default 16)")
     p.add_argument("--waves", type=int, default=4,
                    help="past batch 1, requests per row = waves x batch, at most batch at once (default 4)")
     p.add_argument("--repeats", type=int, default=2, help="runs of the off and scheduled rows (the fastest kept)")
