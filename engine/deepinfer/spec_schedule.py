@@ -194,9 +194,9 @@ class SpecSchedule:
         """``lengths`` with, per request, every :attr:`EXPLORE_EVERY` th choice that dropped some of its ``nv``
         drafts verifying them all instead, while its bucket's choices pay (:attr:`_gain` above 1; probes and
         eager steps never explore). Without it a confidence bin the choice stops verifying keeps its prior, the
-        raw confidence, which underrates the target (:meth:`calibrated`), and is never measured again: the
-        H200's batch-1 run dropped drafts that were accepted as often as the ones it kept. The choice still reads
-        past steps only (counts on the host), so sampling stays lossless."""
+        raw confidence, which underrates the target (:meth:`calibrated`), and is never measured again
+        (``docs/speculative.md``, "On the H200"). The choice still reads past steps only (counts on the host), so
+        sampling stays lossless."""
         g = self.graphs
         b = g.bucket(len(items)) if g is not None and g.seconds else None
         if b is None or self._gain.get(b, self.GAIN_PRIOR) <= 1.0:
