@@ -31,8 +31,17 @@ def _flush_l2() -> None:
     _flush_buf.sum()  # a read-only pass: evicts the L2 without leaving dirty lines behind
 
 
-def time_cuda(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, flush_l2: bool = True) -> float:
-    """Median time of ``fn()`` in microseconds (CUDA events; L2 flushed before each timed call)."""
+#: GPU cycles of the sleep before each timed call with ``hide_launch`` (about 100 us at H100 / H200 clocks)
+_SLEEP_CYCLES = 200_000
+
+
+def time_cuda(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, flush_l2: bool = True,
+              hide_launch: bool = False) -> float:
+    """Median time of ``fn()`` in microseconds (CUDA events; L2 flushed before each timed call).
+
+    ``hide_launch``: a sleep kernel (``torch.cuda._sleep``) runs between the flush and the start event, so the
+    host has enqueued ``fn``'s kernels before the interval opens. Without it a call whose host side outlasts the
+    flush (about 60 us) is timed with the GPU idle waiting for its launch: a diagnosis for short ops."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -41,6 +50,8 @@ def time_cuda(fn: Callable[[], object], *, warmup: int = 5, iters: int = 50, flu
     for i in range(iters):
         if flush_l2:
             _flush_l2()
+        if hide_launch:
+            torch.cuda._sleep(_SLEEP_CYCLES)
         starts[i].record()
         fn()
         ends[i].record()

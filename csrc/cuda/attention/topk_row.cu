@@ -151,12 +151,14 @@ __device__ void select_top(const Key* keys, int m, int k, SelectSmem& s, uint64_
   __syncthreads();
 }
 
-// Descending bitonic sort of s[0, size) (size a power of two, 32 <= size <= kMaxK) by the whole block: thread t
-// holds elements t + j kBlock in registers; exchanges at strides below 32 are warp shuffles (each warp holds 32
-// consecutive elements), the others go through shared memory. Ends with a barrier.
-template <int kBlock>
+// Descending bitonic sort of s[0, size) (size a power of two, 32 <= size <= kSortMax) by the whole block: thread
+// t holds elements t + j kBlock in registers (kSortMax / kBlock of them: a launch that never sorts more than
+// kBlock entries keeps one, and its registers); exchanges at strides below 32 are warp shuffles (each warp holds
+// 32 consecutive elements), the others go through shared memory. Ends with a barrier.
+template <int kBlock, int kSortMax>
 __device__ void sort_desc(uint64_t* s, int size) {
-  constexpr int kPer = kMaxK / kBlock;
+  static_assert(kSortMax % kBlock == 0 && kSortMax <= kMaxK, "sort size");
+  constexpr int kPer = kSortMax / kBlock;
   const int tid = threadIdx.x;
   uint64_t x[kPer];
   __syncthreads();
@@ -200,9 +202,9 @@ __device__ void sort_desc(uint64_t* s, int size) {
 }
 
 // Sort sel[0, npow2) (entries past k are 0) and write the row's values and indices.
-template <int kBlock>
+template <int kBlock, int kSortMax>
 __device__ void sort_and_write(const TopkRows& r, int64_t row, uint64_t* sel, int npow2) {
-  sort_desc<kBlock>(sel, npow2);
+  sort_desc<kBlock, kSortMax>(sel, npow2);
   const float* srow = r.scores + row * r.score_row_stride;
   float* vrow = r.values + row * r.k;
   int64_t* irow = r.indices + row * r.k;
@@ -252,9 +254,9 @@ __device__ void load_keys(const float* src, int m, bool vec, uint32_t* keys) {
   }
 }
 
-// Grid (rows of the group, chunks). kFinal (one chunk: the whole row): sort and write the row's result; else the
-// chunk's top min(k, its length) entries go to cand[g][chunk][0, k), zero-padded.
-template <int kBlock, bool kFinal>
+// Grid (rows of the group, chunks). kFinal (one chunk: the whole row): sort and write the row's result (sort_size(k)
+// <= kSortMax); else the chunk's top min(k, its length) entries go to cand[g][chunk][0, k), zero-padded.
+template <int kBlock, bool kFinal, int kSortMax = kMaxK>
 __global__ void __launch_bounds__(kBlock) topk_chunk_kernel(const __grid_constant__ TopkRows r, int chunk,
                                                             uint64_t* cand) {
   extern __shared__ __align__(16) char dyn[];
@@ -270,7 +272,7 @@ __global__ void __launch_bounds__(kBlock) topk_chunk_kernel(const __grid_constan
   // (radix_select's first barrier orders these stores before any use)
   select_top<kBlock, uint32_t>(keys, m, kk, s, sel, [c0](uint32_t key, int i) { return sel_entry(key, c0 + i); });
   if constexpr (kFinal) {
-    sort_and_write<kBlock>(r, row, sel, npow2);
+    sort_and_write<kBlock, kSortMax>(r, row, sel, npow2);
   } else {
     uint64_t* out = cand + (static_cast<int64_t>(blockIdx.x) * gridDim.y + cid) * r.k;
     for (int j = threadIdx.x; j < r.k; j += kBlock) out[j] = sel[j];
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const __grid_const
   for (int i = threadIdx.x; i < npow2; i += kThreads) sel[i] = 0ull;
   if (threadIdx.x == 0) s.count = 0;
   select_top<kThreads, uint64_t>(ent, entries, r.k, s, sel, [](uint64_t e, int) { return e; });
-  sort_and_write<kThreads>(r, r.row0 + blockIdx.x, sel, npow2);
+  sort_and_write<kThreads, kMaxK>(r, r.row0 + blockIdx.x, sel, npow2);
 }
 
 struct ChunkPlan {
@@ -346,9 +348,12 @@ bool launch_topk_chunked(const TopkParams& p, cudaStream_t stream) {
   TopkRows r = topk_rows_of(p);
   if (c.chunks == 1) {
     constexpr int64_t kMaxGrid = int64_t(1) << 30;
-    const bool narrow = p.n <= kNarrowMaxN;
+    // narrow rows (the router's): 256 threads; where k needs no more than one sort entry a thread, the kernel
+    // keeps one register for it, not eight (63 -> fewer registers a thread: more CTAs a multiprocessor)
+    const bool narrow = p.n <= kNarrowMaxN, small_k = sort_size(p.k) <= 256;
+    auto narrow_kernel = small_k ? topk_chunk_kernel<256, true, 256> : topk_chunk_kernel<256, true>;
     if (narrow) {
-      ensure_dynamic_smem(topk_chunk_kernel<256, true>, c.chunk_smem);
+      ensure_dynamic_smem(narrow_kernel, c.chunk_smem);
     } else {
       ensure_dynamic_smem(topk_chunk_kernel<kThreads, true>, c.chunk_smem);
     }
@@ -356,7 +361,7 @@ bool launch_topk_chunked(const TopkParams& p, cudaStream_t stream) {
       r.row0 = row0;
       const unsigned g = static_cast<unsigned>(p.rows - row0 < kMaxGrid ? p.rows - row0 : kMaxGrid);
       if (narrow) {
-        topk_chunk_kernel<256, true><<<g, 256, c.chunk_smem, stream>>>(r, c.chunk, nullptr);
+        narrow_kernel<<<g, 256, c.chunk_smem, stream>>>(r, c.chunk, nullptr);
       } else {
         topk_chunk_kernel<kThreads, true><<<g, kThreads, c.chunk_smem, stream>>>(r, c.chunk, nullptr);
       }
