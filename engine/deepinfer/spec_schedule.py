@@ -185,21 +185,19 @@ class SpecSchedule:
         # a choice read no confidence of its own (a request's first drafts) is no evidence of what choices pay
         if isinstance(cost, CostByLongest) and any(self.confidences.get(it.req_id) for it in items):
             self._note_gain(len(items), rate)
-        return self._explore(items, nv, lengths)
+        return self._explore(items, nv, lengths) if isinstance(cost, CostByLongest) else lengths
 
     #: every this many choices that verify fewer of a request's drafts than it made room for, one verifies them all
     EXPLORE_EVERY = 8
 
     def _explore(self, items, nv: list[int], lengths: list[int]) -> list[int]:
         """``lengths`` with, per request, every :attr:`EXPLORE_EVERY` th choice that dropped some of its ``nv``
-        drafts verifying them all instead, while its bucket's choices pay (:attr:`_gain` above 1; probes and
-        eager steps never explore). Without it a confidence bin the choice stops verifying keeps its prior, the
+        drafts verifying them all instead, at a graph step (the caller's test) while its bucket's choices pay
+        (:attr:`_gain` above 1; probes never explore). Without it a confidence bin the choice stops verifying keeps its prior, the
         raw confidence, which underrates the target (:meth:`calibrated`), and is never measured again
         (``docs/speculative.md``, "On the H200"). The choice still reads past steps only (counts on the host), so
         sampling stays lossless."""
-        g = self.graphs
-        b = g.bucket(len(items)) if g is not None and g.seconds else None
-        if b is None or self._gain.get(b, self.GAIN_PRIOR) <= 1.0:
+        if self._gain.get(self.graphs.bucket(len(items)), self.GAIN_PRIOR) <= 1.0:
             return lengths
         out = list(lengths)
         for i, (it, k, d) in enumerate(zip(items, nv, lengths)):
