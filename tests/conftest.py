@@ -7,6 +7,7 @@ DEEPINFER_REQUIRE_CUDA=1 (set by tools/gpu_check.sh), where they fail instead: a
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 
@@ -22,6 +23,14 @@ def cuda_unavailable_reason() -> str | None:
     if not torch.cuda.is_available():
         return "no CUDA device on this machine (run tools/gpu_check.sh on the GPU machine)"
     return None
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n N``, as ``.ci/run`` runs) each worker and the processes it starts use one torch
+    thread: N workers on N cores, not N x cores threads (9.5 instead of 10.7 minutes for the suite on 2 cores)."""
+    if hasattr(config, "workerinput"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 def pytest_generate_tests(metafunc):
