@@ -133,10 +133,11 @@ def bench_indexer(quick):
 
 
 def bench_topk(quick):
-    """Indexer top-k (rows = query tokens, n = compressed entries) and the router's (n = 256 experts, k = 6)."""
+    """Indexer top-k (rows = query tokens, n = compressed entries) and the router's (n = 256 experts, k = 6; 64
+    rows: a decode step, 4096: a prefill chunk)."""
     out = []
     shapes = [(rows, n, kk) for n in ([8192, 32768, 262144] if quick else [8192, 32768, 65536, 131072, 262144])
-              for rows in [4, 64] for kk in [512, 2048]] + [(4096, 256, 6)]
+              for rows in [4, 64] for kk in [512, 2048]] + [(64, 256, 6), (4096, 256, 6)]
     for rows, n, kk in shapes:
         s = torch.randn(rows, n, device="cuda").clamp_min(0)  # ReLU-like: many ties at 0
         nbytes = rows * n * 4

@@ -18,8 +18,9 @@ def topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     higher score first, then lower index. Deterministic for any batch size.
 
     fp32/bf16/fp16 scores on CPU (any k) or CUDA (k <= 2048, n < 2^30) run the native ``topk_rows`` op (radix
-    select on an order-preserving 32-bit key, bf16/fp16 upcast exactly to fp32; on CUDA the keys of a row, or of its
-    chunks, in shared memory, then one select per row where the chunks' candidates fit, else radix select over
+    select on an order-preserving 32-bit key, bf16/fp16 upcast exactly to fp32; on CUDA one warp per row with the
+    scores in registers where n <= 1024 and k <= 32 (the router), else the keys of a row, or of its chunks, in
+    shared memory, then one select per row where the chunks' candidates fit, else radix select over
     several CTAs per row, see csrc/cuda/attention/topk.cu);
     other cases use a stable descending sort. Both give the same result.
 

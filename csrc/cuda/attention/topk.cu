@@ -408,6 +408,7 @@ __global__ void __launch_bounds__(kSortThreads) topk_sort_kernel(const __grid_co
 int64_t topk_rows_workspace_bytes(const TopkParams& p) {
   if (p.rows == 0 || p.k == 0) return 0;
   int64_t chunked = 0;
+  if (topk_detail::topk_warp_fits(p)) return 0;
   if (topk_detail::topk_chunked_fits(p, &chunked)) return chunked;
   return make_plan(p).bytes;
 }
@@ -418,6 +419,7 @@ void launch_topk_rows(const TopkParams& p, cudaStream_t stream) {
     throw std::runtime_error("deepinfer topk_rows: need k <= min(n, 2048) and n < 2^30, got k = " +
                              std::to_string(p.k) + ", n = " + std::to_string(p.n));
   }
+  if (topk_detail::launch_topk_warp(p, stream)) return;
   if (topk_detail::launch_topk_chunked(p, stream)) return;
   const TopkPlan plan = make_plan(p);
   if (p.workspace == nullptr || p.workspace_bytes < plan.bytes || !is_aligned(p.workspace, 16)) {

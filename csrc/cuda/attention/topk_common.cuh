@@ -69,6 +69,9 @@ __device__ __forceinline__ void warp_append(bool take, uint64_t entry, int* coun
 // per row. Whether p takes that path, and the workspace it needs then (bytes, 16-byte aligned); the launch
 // returns false, launching nothing, where it does not.
 bool topk_chunked_fits(const TopkParams& p, int64_t* workspace_bytes);
+// Short rows with a small k (n <= 1024, k <= 32): one warp per row, no workspace (topk_row.cu).
+bool topk_warp_fits(const TopkParams& p);
+bool launch_topk_warp(const TopkParams& p, cudaStream_t stream);
 bool launch_topk_chunked(const TopkParams& p, cudaStream_t stream);
 
 }  // namespace deepinfer::attention::topk_detail

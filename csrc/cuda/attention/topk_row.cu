@@ -1,4 +1,5 @@
 // topk_rows on CUDA where keys fit in shared memory: one read of the scores, at most two launches.
+//   * n <= 1024 and k <= 32 (the router): one warp per row, the scores in registers (topk_warp_kernel).
 //   * n <= 32768: one CTA per row (select, sort, write).
 //   * longer rows (n up to 32 chunks of 8192-32768): one CTA per chunk of a row writes the chunk's own top k
 //     (unsorted) to the workspace; then one CTA per row selects the top k of those candidates, sorts and writes.
@@ -295,6 +296,73 @@ __global__ void __launch_bounds__(kThreads) topk_merge_kernel(const __grid_const
   sort_and_write<kThreads, kMaxK>(r, r.row0 + blockIdx.x, sel, npow2);
 }
 
+// Short rows with a small k (the router: n = 256 experts, k = 6): one warp per row, the scores in registers (lane
+// l holds scores j * 32 + l, j < kSlots). Each lane keeps its best entry not yet taken (key desc, index asc: the
+// 64-bit sel_entry); each of the k rounds takes the warp's largest of those (a shuffle max, every entry distinct),
+// and only the lane that gave it rescans its slots. Lane r keeps round r's value and index, so the row is written
+// by one store per lane. No shared memory, no barrier, no atomics; a row's result depends on that row alone.
+constexpr int kWarpMaxK = 32;
+constexpr int kWarpMaxN = 1024;
+constexpr int kWarpRows = 8;  // rows (warps) per CTA
+
+template <int kSlots>
+__device__ __forceinline__ void lane_best(const float (&v)[kSlots], uint32_t taken, int n, int lane, uint64_t& best,
+                                          float& best_v) {
+  best = 0;  // below every real entry (topk_key(-inf) > 0)
+  best_v = 0.f;
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) {
+    const int idx = j * 32 + lane;
+    const uint64_t e = sel_entry(topk_key(v[j]), idx);
+    if (idx < n && !((taken >> j) & 1u) && e > best) {
+      best = e;
+      best_v = v[j];
+    }
+  }
+}
+
+template <int kSlots>
+__global__ void __launch_bounds__(kWarpRows * 32) topk_warp_kernel(const __grid_constant__ TopkRows r,
+                                                                     int64_t rows) {
+  const int lane = threadIdx.x % 32;
+  const int64_t row = r.row0 + static_cast<int64_t>(blockIdx.x) * kWarpRows + threadIdx.x / 32;
+  if (row >= rows) return;  // the whole warp
+  const float* src = r.scores + row * r.score_row_stride;
+  float v[kSlots];
+#pragma unroll
+  for (int j = 0; j < kSlots; ++j) v[j] = j * 32 + lane < r.n ? src[j * 32 + lane] : 0.f;
+  uint32_t taken = 0;
+  uint64_t best;
+  float best_v;
+  lane_best(v, taken, r.n, lane, best, best_v);
+  float out_v = 0.f;
+  int out_i = 0;
+#pragma unroll 1
+  for (int round = 0; round < r.k; ++round) {
+    uint64_t m = best;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+      const uint64_t o = __shfl_xor_sync(0xffffffffu, m, off);
+      m = o > m ? o : m;
+    }
+    const int idx = static_cast<int>(~static_cast<uint32_t>(m));
+    const int owner = idx % 32;
+    const float val = __shfl_sync(0xffffffffu, best_v, owner);
+    if (lane == round) {
+      out_v = val;
+      out_i = idx;
+    }
+    if (lane == owner) {
+      taken |= 1u << (idx / 32);
+      lane_best(v, taken, r.n, lane, best, best_v);
+    }
+  }
+  if (lane < r.k) {
+    r.values[row * r.k + lane] = out_v;
+    r.indices[row * r.k + lane] = out_i;
+  }
+}
+
 struct ChunkPlan {
   bool use;
   int chunk, chunks;
@@ -335,6 +403,26 @@ ChunkPlan make_chunk_plan(const TopkParams& p) {
 }
 
 }  // namespace
+
+bool topk_warp_fits(const TopkParams& p) { return p.k >= 1 && p.k <= kWarpMaxK && p.k <= p.n && p.n <= kWarpMaxN; }
+
+bool launch_topk_warp(const TopkParams& p, cudaStream_t stream) {
+  if (!topk_warp_fits(p)) return false;
+  TopkRows r = topk_rows_of(p);
+  constexpr int64_t kMaxRows = (int64_t(1) << 30) * kWarpRows;  // grid.x <= 2^30 CTAs a launch
+  for (int64_t row0 = 0; row0 < p.rows; row0 += kMaxRows) {
+    r.row0 = row0;
+    const int64_t g = p.rows - row0 < kMaxRows ? p.rows - row0 : kMaxRows;
+    const unsigned grid = static_cast<unsigned>((g + kWarpRows - 1) / kWarpRows);
+    if (p.n <= 256) {
+      topk_warp_kernel<8><<<grid, kWarpRows * 32, 0, stream>>>(r, row0 + g);
+    } else {
+      topk_warp_kernel<32><<<grid, kWarpRows * 32, 0, stream>>>(r, row0 + g);
+    }
+    DEEPINFER_CHECK_LAUNCH("topk_warp_kernel");
+  }
+  return true;
+}
 
 bool topk_chunked_fits(const TopkParams& p, int64_t* workspace_bytes) {
   const ChunkPlan c = make_chunk_plan(p);
