@@ -27,7 +27,7 @@ def cuda_unavailable_reason() -> str | None:
 
 def pytest_configure(config):
     """Under pytest-xdist (``-n N``, as ``.ci/run`` runs) each worker and the processes it starts use one torch
-    thread: N workers on N cores, not N x cores threads (9.5 instead of 10.7 minutes for the suite on 2 cores)."""
+    thread: N workers on N cores, not N x cores threads."""
     if hasattr(config, "workerinput"):
         os.environ["OMP_NUM_THREADS"] = "1"
         torch.set_num_threads(1)
