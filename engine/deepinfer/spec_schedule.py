@@ -193,8 +193,8 @@ class SpecSchedule:
     def _explore(self, items, nv: list[int], lengths: list[int]) -> list[int]:
         """``lengths`` with, per request, every :attr:`EXPLORE_EVERY` th choice that dropped some of its ``nv``
         drafts verifying them all instead, at a graph step (the caller's test) while its bucket's choices pay
-        (:attr:`_gain` above 1; probes never explore). Without it a confidence bin the choice stops verifying keeps its prior, the
-        raw confidence, which underrates the target (:meth:`calibrated`), and is never measured again
+        (:attr:`_gain` above 1; probes never explore). Without it a confidence bin the choice stops verifying keeps
+        its prior, the raw confidence, which underrates the target (:meth:`calibrated`), and is never measured again
         (``docs/speculative.md``, "On the H200"). The choice still reads past steps only (counts on the host), so
         sampling stays lossless."""
         if self._gain.get(self.graphs.bucket(len(items)), self.GAIN_PRIOR) <= 1.0:

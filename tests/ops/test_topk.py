@@ -110,10 +110,11 @@ def test_topk_native_op_poisoned_and_bf16(device):
     (9, 3, 2), (8, 65537, 1), (8, 40000, 2047),
     # one CTA per row (n <= 32768; 256 threads up to n = 2048), chunks then a merge just past it, and past the
     # merge's 16384 candidates (the multi-CTA radix path)
-    (4, 8192, 512), (6, 32768, 2048), (3, 32769, 700), (300, 256, 6), (2, 2049, 1500), (8, 16384, 1),
+    (4, 8192, 512), (6, 32768, 2048), (3, 32769, 700), (2, 2049, 1500), (8, 16384, 1),
     (2, 262145, 2048), (3, 600000, 1000),
     # one warp per row (n <= 1024, k <= 32: the router), at its limits and just past them
-    (64, 1024, 32), (40, 1000, 31), (9, 257, 16), (5, 33, 32), (301, 256, 8), (8, 1025, 32), (8, 1024, 33)])
+    (300, 256, 6), (64, 1024, 32), (40, 1000, 31), (9, 257, 16), (5, 33, 32), (301, 256, 8), (8, 1025, 32),
+    (8, 1024, 33)])
 def test_cuda_topk_matches_ref_hard_rows(rows, n, k):
     # Every row pattern of _topk_hard_rows at rows 1..64 and n up to 262144 (prime and odd n included), against the
     # stable-sort reference: indices and value bits equal.

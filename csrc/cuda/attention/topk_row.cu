@@ -23,7 +23,7 @@ constexpr int kChunkMaxN = 32768;        // keys of one CTA (128 KiB of shared m
 constexpr int kMinChunk = 8192;          // chunk lengths tried: 8192, 16384, 32768 (the first whose merge fits)
 constexpr int kMergeMaxEntries = 16384;  // candidates of one row (128 KiB)
 constexpr int kMaxK = 2048;
-constexpr int kNarrowMaxN = 2048;        // rows up to this length use 256 threads (the router: n = 256)
+constexpr int kNarrowMaxN = 2048;        // rows up to this length use 256 threads (past the warp path's limits)
 constexpr int kThreads = 1024;
 constexpr int64_t kRowGroup = 256;       // rows per workspace pass (chunked rows)
 constexpr size_t kStaticSmem = 8 * 1024; // the kernels' own shared arrays, with room to spare
@@ -436,7 +436,7 @@ bool launch_topk_chunked(const TopkParams& p, cudaStream_t stream) {
   TopkRows r = topk_rows_of(p);
   if (c.chunks == 1) {
     constexpr int64_t kMaxGrid = int64_t(1) << 30;
-    // narrow rows (the router's): 256 threads; where k needs no more than one sort entry a thread, the kernel
+    // narrow rows: 256 threads; where k needs no more than one sort entry a thread, the kernel
     // keeps one register for it, not eight (63 -> fewer registers a thread: more CTAs a multiprocessor)
     const bool narrow = p.n <= kNarrowMaxN, small_k = sort_size(p.k) <= 256;
     auto narrow_kernel = small_k ? topk_chunk_kernel<256, true, 256> : topk_chunk_kernel<256, true>;
