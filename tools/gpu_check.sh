@@ -42,9 +42,21 @@ echo "build took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
 fi
 
 echo "== tests"
-DEEPINFER_REQUIRE_CUDA=1 python3 -m pytest -q -rs ${PYTEST_ARGS:-tests} >"$OUT/pytest.log" 2>&1
+DEEPINFER_REQUIRE_CUDA=1 python3 -m pytest -q -rs --ignore=tests/ops/test_attention_consumers.py \
+  ${PYTEST_ARGS:-tests} >"$OUT/pytest.log" 2>&1
 test_rc=$?
 tail -25 "$OUT/pytest.log"
+# The sparse MQA kernel's alternate-tile consumers (under test, bench/NOTES-attention.md 12): their tests and the
+# attention suite once more in that mode, under a time limit (an untested kernel may hang); bench_attention skips
+# the mode when they fail. Drop this when one consumer layout is left.
+if [ -z "${PYTEST_ARGS:-}" ] || [[ "${PYTEST_ARGS}" == *attention* ]]; then
+  DEEPINFER_SPARSE_MQA_CONSUMERS=alternate DEEPINFER_REQUIRE_CUDA=1 timeout ${ALTERNATE_TIMEOUT:-300} \
+    python3 -m pytest -q -rs tests/ops/test_attention_consumers.py tests/ops/test_attention.py \
+    tests/ops/test_attention_lse.py >"$OUT/pytest_alternate.log" 2>&1
+  alt_rc=$?
+  echo "alternate consumers: rc=$alt_rc $(tail -1 "$OUT/pytest_alternate.log")"
+  [ $alt_rc -eq 0 ] || { test_rc=1; export DEEPINFER_BENCH_SKIP_ALTERNATE="its tests failed (rc $alt_rc)"; }
+fi
 
 echo "== main job on the GPU: deepinfer generate over examples/requests.jsonl (built-in tiny model)"
 DEEPINFER_ACCELERATOR=nvidia DEEPINFER_CACHE_DIR=/tmp/deepinfer-cache timeout ${GENERATE_TIMEOUT:-240} \

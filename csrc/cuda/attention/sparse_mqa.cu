@@ -14,9 +14,13 @@
 // rounded to bf16 and summed as rounded) and then O[:, half c] += P V[:, half c] (wgmma with P from registers, V as
 // the MN-major operand); the sink logit joins the denominator at the end. No split-KV: every head row is computed
 // the same way whatever the batch or the heads beside it, so results are batch-invariant by construction.
+// DEEPINFER_SPARSE_MQA_CONSUMERS=alternate selects the alternate-tile consumers instead (kAlt; under test): each
+// consumer scores every other tile over all dims and hands its weights to the other (bench/NOTES-attention.md 12).
 #include <cuda_fp8.h>
 #include <math_constants.h>
 
+#include <cstdlib>
+#include <cstring>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <utility>
 
@@ -63,6 +67,12 @@ struct Layout {
   static constexpr int valid_off = x_off + 2 * kRows * kEntries * 4;  // per buffer a 64-bit mask of valid entries
   static constexpr int bar_off = valid_off + 2 * 8;                    // full[2], empty[2]
   static constexpr int bytes = bar_off + 4 * 8;
+  // Alternate-tile consumers (kAlt) use the partials' space for: per buffer the scorer's bf16 weights P (64 heads x
+  // 64 entries, one swizzled 128-byte column block) and its running max per head; per consumer its row sums.
+  static constexpr int p_off = x_off;
+  static constexpr int m_off = p_off + 2 * kRows * kEntries * 2;
+  static constexpr int l_off = m_off + 2 * kRows * 4;
+  static_assert(l_off + 2 * kRows * 2 * 4 <= valid_off, "alternate-tile state fits the partials' space");
   static constexpr int alloc = bytes + 1024;  // the base is aligned up to 1024 B (the swizzle's repeat)
 };
 
@@ -91,18 +101,21 @@ __device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, flo
 }
 
 template <int N>
-struct PvAtom;
+struct PvAtom;  // O[:, N dims] += P V: P from registers (rs, the scorer's) or from shared memory (ss)
 template <>
 struct PvAtom<64> {
-  using type = gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+  using rs = gmma::MMA_64x64x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+  using ss = gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
 };
 template <>
 struct PvAtom<128> {
-  using type = gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+  using rs = gmma::MMA_64x128x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+  using ss = gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
 };
 template <>
 struct PvAtom<256> {
-  using type = gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+  using rs = gmma::MMA_64x256x16_F32BF16BF16_RS<gmma::Major::K, gmma::Major::MN>;
+  using ss = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
 };
 
 template <size_t N>
@@ -117,7 +130,84 @@ __device__ __forceinline__ float ex2(float x) {  // 2^x (MUFU; -inf -> 0)
   return y;
 }
 
-template <int kDim>
+// Online softmax of one 64-entry tile, rows r0 = 16 w4 + g (s[4j], s[4j + 1]) and r1 = r0 + 8 (s[4j + 2],
+// s[4j + 3]), columns 8j + 2 t4 (+1); invalid entries -> -inf. Scales s to base-2 units, updates the running max
+// (m0, m1), and returns the rescale factors of the old O and sums, the weights as the bf16 A fragments of PV
+// (registers 0 / 1 hold rows r0 / r1 of keys 16 (j/2) + 2 t4 for j even, registers 2 / 3 the same rows 8 keys on
+// for j odd), and the tile's row sums of the rounded (sum) and the fp32 (sumf) weights, reduced over the row's
+// four lanes.
+__device__ __forceinline__ void softmax_tile(float (&s)[32], uint64_t vmask, float sl2, int t4, float& m0, float& m1,
+                                             float& alpha0, float& alpha1, uint32_t (&pa)[4][4], float& sum0,
+                                             float& sum1, float& sumf0, float& sumf1) {
+  float mx0 = -CUDART_INF_F, mx1 = -CUDART_INF_F;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int col = j * 8 + 2 * t4;
+    const bool v0 = (vmask >> col) & 1u, v1 = (vmask >> (col + 1)) & 1u;
+    s[4 * j] = v0 ? s[4 * j] * sl2 : -CUDART_INF_F;
+    s[4 * j + 1] = v1 ? s[4 * j + 1] * sl2 : -CUDART_INF_F;
+    s[4 * j + 2] = v0 ? s[4 * j + 2] * sl2 : -CUDART_INF_F;
+    s[4 * j + 3] = v1 ? s[4 * j + 3] * sl2 : -CUDART_INF_F;
+    mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
+    mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
+  mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
+  mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
+  const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
+  alpha0 = mn0 == -CUDART_INF_F ? 1.f : ex2(m0 - mn0);  // 0 when m0 is -inf
+  alpha1 = mn1 == -CUDART_INF_F ? 1.f : ex2(m1 - mn1);
+  const float base0 = mn0 == -CUDART_INF_F ? 0.f : mn0, base1 = mn1 == -CUDART_INF_F ? 0.f : mn1;
+  float sum0a = 0.f, sum0b = 0.f, sum1a = 0.f, sum1b = 0.f;
+  sumf0 = 0.f;
+  sumf1 = 0.f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float x0 = ex2(s[4 * j] - base0), x1 = ex2(s[4 * j + 1] - base0);
+    const float x2 = ex2(s[4 * j + 2] - base1), x3 = ex2(s[4 * j + 3] - base1);
+    sumf0 += x0 + x1;
+    sumf1 += x2 + x3;
+    const __nv_bfloat162 e01 = __floats2bfloat162_rn(x0, x1);
+    const __nv_bfloat162 e23 = __floats2bfloat162_rn(x2, x3);
+    // Sums of the rounded weights (the ones PV multiplies), two chains per row, added at the end.
+    const float2 f01 = __bfloat1622float2(e01), f23 = __bfloat1622float2(e23);
+    sum0a += f01.x;
+    sum0b += f01.y;
+    sum1a += f23.x;
+    sum1b += f23.y;
+    pa[j / 2][(j % 2) * 2] = *reinterpret_cast<const uint32_t*>(&e01);
+    pa[j / 2][(j % 2) * 2 + 1] = *reinterpret_cast<const uint32_t*>(&e23);
+  }
+  sum0 = sum0a + sum0b;
+  sum1 = sum1a + sum1b;
+  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
+  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
+  sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
+  sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
+  sumf0 += __shfl_xor_sync(0xffffffffu, sumf0, 1);
+  sumf1 += __shfl_xor_sync(0xffffffffu, sumf1, 1);
+  sumf0 += __shfl_xor_sync(0xffffffffu, sumf0, 2);
+  sumf1 += __shfl_xor_sync(0xffffffffu, sumf1, 2);
+  m0 = mn0;
+  m1 = mn1;
+}
+
+// O *= alpha per row (skipped when no row of the warp changed its max).
+template <size_t N>
+__device__ __forceinline__ void rescale_o(float (&o)[N], float alpha0, float alpha1) {
+  if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
+#pragma unroll
+    for (size_t jn = 0; jn < N / 4; ++jn) {
+      o[4 * jn] *= alpha0;
+      o[4 * jn + 1] *= alpha0;
+      o[4 * jn + 2] *= alpha1;
+      o[4 * jn + 3] *= alpha1;
+    }
+  }
+}
+
+template <int kDim, bool kAlt>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __grid_constant__ SparseMqaParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<kDim>;
@@ -269,10 +359,10 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
 
   // ---- consumers ----
   setmaxnreg_inc<208>();
-  const int c = wg - 1, ct = tid - 128 * wg, w4 = ct / 32, g = lane / 4, t4 = lane % 4;
+  // the consumer index through a shuffle: warp-uniform for the compiler, so wgmma under branches on it stays async
+  const int c = __shfl_sync(0xffffffffu, wg, 0) - 1, ct = tid - 128 * wg, w4 = ct / 32, g = lane / 4, t4 = lane % 4;
   const int pv_col0 = kDim >= 128 ? c * kPvN : 0;
   const uint32_t q_s = smem_u32(smem + L::q_off), k_s = smem_u32(smem + L::k_off);
-  const uint32_t xbuf = smem_u32(smem + L::x_off);  // per consumer 8 x 128 float4
   const float sl2 = p.softmax_scale * kLog2e;  // scores in base-2 units
   float o[kPvN / 2];
 #pragma unroll
@@ -280,134 +370,186 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   // l: sums of the bf16-rounded weights (out's denominator: the weights PV multiplies); lf: of the fp32 weights
   // (lse's, exact to fp32 rounding as engines merging attention states by lse need).
   float m0 = -CUDART_INF_F, m1 = -CUDART_INF_F, l0 = 0.f, l1 = 0.f, lf0 = 0.f, lf1 = 0.f;
+  float s[32];
+  uint32_t pa[4][4];
+  float alpha0, alpha1, sum0, sum1, sumf0, sumf1;
 
+  if constexpr (kAlt) {
+    // Alternate tiles: tile t sits in buffer b = t & 1 and is scored by consumer b over all dims (S = Q K^T, then
+    // the online softmax against the running max the other consumer left in shared memory); the scorer writes
+    // its weights P and new max for the other consumer, and both apply every tile in order to their half of O:
+    // O = alpha O + P V[:, dims] (the scorer with P from registers, the other from shared memory). Each consumer
+    // sums the weights of its own tiles (rescaled at every tile); the two sums are added at the end.
+    const int r0 = w4 * 16 + g, r1 = r0 + 8;
+    const uint32_t p_s = smem_u32(smem + L::p_off);
+    float* m_s = reinterpret_cast<float*>(smem + L::m_off);  // [buffer][head row]
+    float* l_s = reinterpret_cast<float*>(smem + L::l_off);  // [consumer][head row][l, lf]
 #pragma unroll 1
-  for (int t = 0; t < num_tiles; ++t) {
-    const int b = t & 1;
-    mbar_wait(bar_full + b, (t >> 1) & 1);
-    fence_proxy_async_shared();  // the cp.async rows (generic proxy) before this warpgroup's wgmma reads them
-    const uint32_t kb = k_s + b * L::kTileBytes;
-
-    // 1. S_c = Q[:, half c] K[:, half c]^T (64 heads x 64 entries, fp32).
-    float s[32];
-    cute::warpgroup_arrive();
+    for (int t = -1; t < num_tiles; ++t) {  // t = -1 only issues consumer 0's first QK^T (one issue site, so no
+      const int b = t & 1;                  // register copies of S while a wgmma is in flight)
+      if (t >= 0) {
+        const uint32_t kb = k_s + b * L::kTileBytes;
+        cute::warpgroup_wait<0>();  // this consumer's PV of tile t - 1, and its QK^T of tile t when t is its own
+        fence_regs(o);
+        if (t > 0) mbar_arrive(bar_empty + (b ^ 1));  // tile t - 1's buffer is no longer read by this consumer
+        if (b == c) {
+          fence_regs(s);
+          const uint64_t vmask = *reinterpret_cast<const uint64_t*>(smem + L::valid_off + b * 8);
+          softmax_tile(s, vmask, sl2, t4, m0, m1, alpha0, alpha1, pa, sum0, sum1, sumf0, sumf1);
+          // P (64 heads x 64 entries bf16, K-major, 128-byte swizzle) and the new max for the other consumer.
+          const uint32_t pb = p_s + b * (kRows * kEntries * 2);
 #pragma unroll
-    for (int kk = 0; kk < kHalf / 16; ++kk) {
-      const int dim = c * kHalf + kk * 16;
-      const uint32_t off = (dim >> 6) * (64 * 128) + (dim & 63) * 2;
-      gmma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
-          gmma_desc(q_s + off, 16, 1024), gmma_desc(kb + off, 16, 1024), s,
-          kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, std::make_index_sequence<32>{});
-    }
-    cute::warpgroup_commit_batch();
-    const uint64_t vmask = *reinterpret_cast<const uint64_t*>(smem + L::valid_off + b * 8);
-    cute::warpgroup_wait<0>();
-    fence_regs(s);
-
-    // 2. S = S_0 + S_1: exchange the partials (fp32 addition commutes: both consumers hold the same bits).
+          for (int j = 0; j < 8; ++j) {
+            st_shared_u32(pb + swizzled(r0, j) + 4 * t4, pa[j / 2][(j % 2) * 2]);
+            st_shared_u32(pb + swizzled(r1, j) + 4 * t4, pa[j / 2][(j % 2) * 2 + 1]);
+          }
+          if (t4 == 0) {
+            m_s[b * kRows + r0] = m0;
+            m_s[b * kRows + r1] = m1;
+          }
+          fence_proxy_async_shared();  // P before the other consumer's wgmma reads it
+          named_bar_arrive(1 + b, 256);
+          l0 = l0 * alpha0 + sum0;
+          l1 = l1 * alpha1 + sum1;
+          lf0 = lf0 * alpha0 + sumf0;
+          lf1 = lf1 * alpha1 + sumf1;
+        } else {
+          named_bar_sync(1 + b, 256);  // the scorer's P and max of tile t
+          mbar_wait(bar_full + b, (t >> 1) & 1);  // (complete already) the producer's rows of tile t
+          fence_proxy_async_shared();
+          const float mn0 = m_s[b * kRows + r0], mn1 = m_s[b * kRows + r1];
+          alpha0 = mn0 == -CUDART_INF_F ? 1.f : ex2(m0 - mn0);  // the scorer's factors, bit for bit
+          alpha1 = mn1 == -CUDART_INF_F ? 1.f : ex2(m1 - mn1);
+          m0 = mn0;
+          m1 = mn1;
+          l0 *= alpha0;
+          l1 *= alpha1;
+          lf0 *= alpha0;
+          lf1 *= alpha1;
+        }
+        rescale_o(o, alpha0, alpha1);
+        fence_regs(o);
+        const uint32_t vb = kb + (pv_col0 / 64) * (64 * 128);  // V[:, this consumer's dims]
+        if (b == c) {
+          cute::warpgroup_arrive();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float4 v = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
-      st_shared_16(xbuf + ((c * 1024 + j * 128 + ct) << 4), *reinterpret_cast<const uint4*>(&v));
-    }
-    named_bar_sync(1, 256);
+          for (int kk = 0; kk < kEntries / 16; ++kk) {
+            gmma_rs<typename PvAtom<kPvN>::rs>(pa[kk], gmma_desc(vb + kk * 2048, 8192, 1024), o,
+                                                 std::make_index_sequence<kPvN / 2>{});
+          }
+          cute::warpgroup_commit_batch();
+        } else {
+          const uint32_t pb = p_s + b * (kRows * kEntries * 2);
+          cute::warpgroup_arrive();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint4 u = ld_shared_u4(xbuf + (((1 - c) * 1024 + j * 128 + ct) << 4));
-      const float4 v = *reinterpret_cast<const float4*>(&u);
-      s[4 * j] += v.x;
-      s[4 * j + 1] += v.y;
-      s[4 * j + 2] += v.z;
-      s[4 * j + 3] += v.w;
-    }
-    named_bar_sync(2, 256);  // both partials read before either is overwritten by the next tile
-
-    // 3. Online softmax over rows r0 = 16 w4 + g (s[4j], s[4j + 1]) and r1 = r0 + 8 (s[4j + 2], s[4j + 3]), columns
-    //    8j + 2 t4 (+1); invalid entries -> -inf.
-    float mx0 = -CUDART_INF_F, mx1 = -CUDART_INF_F;
+          for (int kk = 0; kk < kEntries / 16; ++kk) {
+            gmma_ss<typename PvAtom<kPvN>::ss>(gmma_desc(pb + kk * 32, 16, 1024),
+                                                   gmma_desc(vb + kk * 2048, 8192, 1024), o, gmma::ScaleOut::One,
+                                                   std::make_index_sequence<kPvN / 2>{});
+          }
+          cute::warpgroup_commit_batch();
+        }
+      }
+      if (b != c && t + 1 < num_tiles) {  // S = Q K^T of this consumer's next tile over all dims, behind the PV
+        const int bn = b ^ 1;
+        mbar_wait(bar_full + bn, ((t + 1) >> 1) & 1);
+        fence_proxy_async_shared();
+        const uint32_t kb = k_s + bn * L::kTileBytes;
+        cute::warpgroup_arrive();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const int col = j * 8 + 2 * t4;
-      const bool v0 = (vmask >> col) & 1u, v1 = (vmask >> (col + 1)) & 1u;
-      s[4 * j] = v0 ? s[4 * j] * sl2 : -CUDART_INF_F;
-      s[4 * j + 1] = v1 ? s[4 * j + 1] * sl2 : -CUDART_INF_F;
-      s[4 * j + 2] = v0 ? s[4 * j + 2] * sl2 : -CUDART_INF_F;
-      s[4 * j + 3] = v1 ? s[4 * j + 3] * sl2 : -CUDART_INF_F;
-      mx0 = fmaxf(mx0, fmaxf(s[4 * j], s[4 * j + 1]));
-      mx1 = fmaxf(mx1, fmaxf(s[4 * j + 2], s[4 * j + 3]));
-    }
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 1));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 1));
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, 2));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, 2));
-    const float mn0 = fmaxf(m0, mx0), mn1 = fmaxf(m1, mx1);
-    const float alpha0 = mn0 == -CUDART_INF_F ? 1.f : ex2(m0 - mn0);  // 0 when m0 is -inf
-    const float alpha1 = mn1 == -CUDART_INF_F ? 1.f : ex2(m1 - mn1);
-    const float base0 = mn0 == -CUDART_INF_F ? 0.f : mn0, base1 = mn1 == -CUDART_INF_F ? 0.f : mn1;
-    uint32_t pa[4][4];
-    float sum0a = 0.f, sum0b = 0.f, sum1a = 0.f, sum1b = 0.f, sumf0 = 0.f, sumf1 = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const float x0 = ex2(s[4 * j] - base0), x1 = ex2(s[4 * j + 1] - base0);
-      const float x2 = ex2(s[4 * j + 2] - base1), x3 = ex2(s[4 * j + 3] - base1);
-      sumf0 += x0 + x1;
-      sumf1 += x2 + x3;
-      const __nv_bfloat162 e01 = __floats2bfloat162_rn(x0, x1);
-      const __nv_bfloat162 e23 = __floats2bfloat162_rn(x2, x3);
-      // Sums of the rounded weights (the ones PV multiplies), two chains per row, added at the end.
-      const float2 f01 = __bfloat1622float2(e01), f23 = __bfloat1622float2(e23);
-      sum0a += f01.x;
-      sum0b += f01.y;
-      sum1a += f23.x;
-      sum1b += f23.y;
-      // A fragment of k-step j / 2: registers 0 / 1 hold rows r0 / r1 of keys 16 (j/2) + 2 t4 (j even), registers
-      // 2 / 3 the same rows 8 keys on (j odd).
-      pa[j / 2][(j % 2) * 2] = *reinterpret_cast<const uint32_t*>(&e01);
-      pa[j / 2][(j % 2) * 2 + 1] = *reinterpret_cast<const uint32_t*>(&e23);
-    }
-    float sum0 = sum0a + sum0b, sum1 = sum1a + sum1b;
-    sum0 += __shfl_xor_sync(0xffffffffu, sum0, 1);
-    sum1 += __shfl_xor_sync(0xffffffffu, sum1, 1);
-    sum0 += __shfl_xor_sync(0xffffffffu, sum0, 2);
-    sum1 += __shfl_xor_sync(0xffffffffu, sum1, 2);
-    sumf0 += __shfl_xor_sync(0xffffffffu, sumf0, 1);
-    sumf1 += __shfl_xor_sync(0xffffffffu, sumf1, 1);
-    sumf0 += __shfl_xor_sync(0xffffffffu, sumf0, 2);
-    sumf1 += __shfl_xor_sync(0xffffffffu, sumf1, 2);
-    l0 = l0 * alpha0 + sum0;
-    l1 = l1 * alpha1 + sum1;
-    lf0 = lf0 * alpha0 + sumf0;
-    lf1 = lf1 * alpha1 + sumf1;
-    m0 = mn0;
-    m1 = mn1;
-
-    // 4. O = alpha O + P V[:, this consumer's dims] (the rescale skipped when no row of the warp changed its max).
-    if (__any_sync(0xffffffffu, alpha0 != 1.f || alpha1 != 1.f)) {
-#pragma unroll
-      for (int jn = 0; jn < kPvN / 8; ++jn) {
-        o[4 * jn] *= alpha0;
-        o[4 * jn + 1] *= alpha0;
-        o[4 * jn + 2] *= alpha1;
-        o[4 * jn + 3] *= alpha1;
+        for (int kk = 0; kk < kDim / 16; ++kk) {
+          const uint32_t off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
+          gmma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
+              gmma_desc(q_s + off, 16, 1024), gmma_desc(kb + off, 16, 1024), s,
+              kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, std::make_index_sequence<32>{});
+        }
+        cute::warpgroup_commit_batch();
       }
     }
-    fence_regs(o);
-    cute::warpgroup_arrive();
-#pragma unroll
-    for (int kk = 0; kk < kEntries / 16; ++kk) {
-      gmma_rs<typename PvAtom<kPvN>::type>(pa[kk], gmma_desc(kb + (pv_col0 / 64) * (64 * 128) + kk * 2048, 8192, 1024),
-                                           o, std::make_index_sequence<kPvN / 2>{});
-    }
-    cute::warpgroup_commit_batch();
     cute::warpgroup_wait<0>();
     fence_regs(o);
-    mbar_arrive(bar_empty + b);
+    // Row sums: each consumer's share through shared memory, added in consumer order (the same bits in both).
+    if (t4 == 0) {
+      l_s[(c * kRows + r0) * 2] = l0;
+      l_s[(c * kRows + r0) * 2 + 1] = lf0;
+      l_s[(c * kRows + r1) * 2] = l1;
+      l_s[(c * kRows + r1) * 2 + 1] = lf1;
+    }
+    named_bar_sync(5, 256);  // also: every wgmma of both consumers has completed (the Q tile is free)
+    l0 = l_s[r0 * 2] + l_s[(kRows + r0) * 2];
+    lf0 = l_s[r0 * 2 + 1] + l_s[(kRows + r0) * 2 + 1];
+    l1 = l_s[r1 * 2] + l_s[(kRows + r1) * 2];
+    lf1 = l_s[r1 * 2 + 1] + l_s[(kRows + r1) * 2 + 1];
+  } else {
+    const uint32_t xbuf = smem_u32(smem + L::x_off);  // per consumer 8 x 128 float4
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t) {
+      const int b = t & 1;
+      mbar_wait(bar_full + b, (t >> 1) & 1);
+      fence_proxy_async_shared();  // the cp.async rows (generic proxy) before this warpgroup's wgmma reads them
+      const uint32_t kb = k_s + b * L::kTileBytes;
+
+      // 1. S_c = Q[:, half c] K[:, half c]^T (64 heads x 64 entries, fp32).
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < kHalf / 16; ++kk) {
+        const int dim = c * kHalf + kk * 16;
+        const uint32_t off = (dim >> 6) * (64 * 128) + (dim & 63) * 2;
+        gmma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
+            gmma_desc(q_s + off, 16, 1024), gmma_desc(kb + off, 16, 1024), s,
+            kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, std::make_index_sequence<32>{});
+      }
+      cute::warpgroup_commit_batch();
+      const uint64_t vmask = *reinterpret_cast<const uint64_t*>(smem + L::valid_off + b * 8);
+      cute::warpgroup_wait<0>();
+      fence_regs(s);
+
+      // 2. S = S_0 + S_1: exchange the partials (fp32 addition commutes: both consumers hold the same bits).
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float4 v = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
+        st_shared_16(xbuf + ((c * 1024 + j * 128 + ct) << 4), *reinterpret_cast<const uint4*>(&v));
+      }
+      named_bar_sync(1, 256);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint4 u = ld_shared_u4(xbuf + (((1 - c) * 1024 + j * 128 + ct) << 4));
+        const float4 v = *reinterpret_cast<const float4*>(&u);
+        s[4 * j] += v.x;
+        s[4 * j + 1] += v.y;
+        s[4 * j + 2] += v.z;
+        s[4 * j + 3] += v.w;
+      }
+      named_bar_sync(2, 256);  // both partials read before either is overwritten by the next tile
+
+      // 3. Online softmax (both consumers, the same bits).
+      softmax_tile(s, vmask, sl2, t4, m0, m1, alpha0, alpha1, pa, sum0, sum1, sumf0, sumf1);
+      l0 = l0 * alpha0 + sum0;
+      l1 = l1 * alpha1 + sum1;
+      lf0 = lf0 * alpha0 + sumf0;
+      lf1 = lf1 * alpha1 + sumf1;
+
+      // 4. O = alpha O + P V[:, this consumer's dims].
+      rescale_o(o, alpha0, alpha1);
+      fence_regs(o);
+      cute::warpgroup_arrive();
+#pragma unroll
+      for (int kk = 0; kk < kEntries / 16; ++kk) {
+        gmma_rs<typename PvAtom<kPvN>::rs>(pa[kk],
+                                             gmma_desc(kb + (pv_col0 / 64) * (64 * 128) + kk * 2048, 8192, 1024), o,
+                                             std::make_index_sequence<kPvN / 2>{});
+      }
+      cute::warpgroup_commit_batch();
+      cute::warpgroup_wait<0>();
+      fence_regs(o);
+      mbar_arrive(bar_empty + b);
+    }
   }
 
   // Epilogue: out = O / (l + exp(sink - m)); lse = m + log(lf) (natural log, without the sink), -inf when nothing
   // was valid. O is staged as bf16 in the Q tile's space (free: both consumers' last QK^T products completed before
-  // that tile's exchange barrier), 16-byte chunk ch of row r at chunk ch ^ (r & 7) (no bank conflicts), then
-  // written out with coalesced 16-byte stores.
+  // that tile's exchange barrier, or before the row-sum barrier with alternate tiles), 16-byte chunk ch of row r at
+  // chunk ch ^ (r & 7) (no bank conflicts), then written out with coalesced 16-byte stores.
   const bool writes_o = kDim >= 128 || c == 0;  // head_dim 64: both consumers hold all of O, consumer 0 writes it
 #pragma unroll
   for (int rr = 0; rr < 2; ++rr) {
@@ -455,8 +597,16 @@ void launch(const SparseMqaParams& p, cudaStream_t stream) {
   constexpr int smem = Layout<kDim>::alloc;
   static_assert(smem <= 227 * 1024, "shared memory");
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.num_heads + kRows - 1) / kRows));
-  ensure_dynamic_smem(sparse_mqa_sm90_kernel<kDim>, smem);
-  sparse_mqa_sm90_kernel<kDim><<<grid, kThreads, smem, stream>>>(p);
+  // DEEPINFER_SPARSE_MQA_CONSUMERS=alternate picks the alternate-tile consumers (under test; read per launch so
+  // that one process can time both).
+  const char* mode = std::getenv("DEEPINFER_SPARSE_MQA_CONSUMERS");
+  if (mode != nullptr && std::strcmp(mode, "alternate") == 0) {
+    ensure_dynamic_smem(sparse_mqa_sm90_kernel<kDim, true>, smem);
+    sparse_mqa_sm90_kernel<kDim, true><<<grid, kThreads, smem, stream>>>(p);
+  } else {
+    ensure_dynamic_smem(sparse_mqa_sm90_kernel<kDim, false>, smem);
+    sparse_mqa_sm90_kernel<kDim, false><<<grid, kThreads, smem, stream>>>(p);
+  }
   DEEPINFER_CHECK_LAUNCH("sparse_mqa_sm90_kernel");
 }
 
