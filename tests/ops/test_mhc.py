@@ -32,6 +32,23 @@ def test_hc_mix_matches_reference(device, tokens, k, m, dtype):
     assert_close(out, refs.hc_mix_ref(x, fn, 1e-6), MIX_TOL, name="hc_mix")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("k,m", [(16384, 24), (4099, 13), (1000, 8), (300, 4), (256, 1), (5000, 16)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_hc_mix_fused_equals_split_path(k, m, dtype):
+    """From 2048 tokens one CTA walks all of K (the fused kernel); fewer tokens spread K's parts over CTAs and sum
+    them in a second kernel. A token's bits are the same either way; strided and misaligned rows too."""
+    g = torch.Generator().manual_seed(k + m)
+    tokens = 2048 + 37
+    base = (torch.randn(tokens, k + 3, generator=g) * 3).to(dtype).cuda()
+    fn = (torch.randn(m, k, generator=g) * 0.02).cuda()
+    for x in (base[:, :k], base[:, 1:k + 1]):
+        full = deepinfer_ops.hc_mix(x, fn, 1e-6)
+        assert_close(full, refs.hc_mix_ref(x, fn, 1e-6), MIX_TOL, name="hc_mix")
+        split = torch.cat([deepinfer_ops.hc_mix(x[lo:lo + 1000], fn, 1e-6) for lo in range(0, tokens, 1000)])
+        assert torch.equal(full, split), "hc_mix: the fused kernel's bits differ from the split path's"
+
+
 def test_hc_mix_row_strided_and_misaligned(device):
     base = torch.randn(9, 4096 + 5, device=device, dtype=torch.bfloat16)
     fn = torch.randn(24, 4096, device=device) * 0.02
@@ -247,7 +264,7 @@ def test_hc_ops_zero_dim_inputs_name_the_tensor(device):
 @pytest.mark.cuda
 @pytest.mark.native_errors
 def test_hc_mix_cuda_refuses_k_past_the_grid_limit():
-    """hc_mix's CUDA kernel runs one CTA row per 1024 columns of K (gridDim.y <= 65535): a longer K is refused
+    """hc_mix's CUDA split path runs one CTA row per 256 columns of K (gridDim.y <= 65535): a longer K is refused
     naming x and the limit instead of a failed launch."""
     k = 65535 * 1024 + 1
     x = torch.zeros(1, k, dtype=torch.bfloat16, device="cuda")

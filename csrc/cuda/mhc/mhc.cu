@@ -13,13 +13,14 @@ __device__ __forceinline__ void load4(const T* src, int64_t valid, float (&v)[4]
   for (int e = 0; e < 4; ++e) v[e] = e < valid ? to_float(src[e]) : 0.f;
 }
 
-// hc_mix: out[t, m] = (x[t] . fn[m]) * rsqrt(mean(x[t]^2) + eps), in two kernels.
-// The reduction order of a token is fixed by K alone: K is cut into parts of kPartK elements (one CTA column each),
-// a part into chunks of kChunk, and a chunk's 4-element groups are dealt to kSlices threads (slice s takes groups
-// s, s + kSlices, ...). A thread accumulates its groups in K order; the kSlices partials go through a fixed
-// xor-shuffle tree; the first kernel writes one partial per (part, token, output), the second adds the parts in
-// order and applies the norm. kTpt (tokens per thread) and the CTA's token count only decide which tokens share the
-// weight reads, never a token's arithmetic: batch-invariant for any number of tokens.
+// hc_mix: out[t, m] = (x[t] . fn[m]) * rsqrt(mean(x[t]^2) + eps).
+// The reduction order of a token is fixed by K alone: K is cut into parts of kPartK elements, a part into chunks of
+// kChunk, and a chunk's 4-element groups are dealt to kSlices threads (slice s takes groups s, s + kSlices, ...). A
+// thread accumulates its groups in K order; the kSlices partials go through a fixed xor-shuffle tree; the parts are
+// added in order and the norm applied. Few tokens: one CTA column per part writes the partials, a second kernel adds
+// them. Many tokens: one CTA per 32 tokens walks all parts and adds them as it goes (hc_mix_fused_kernel). kTpt
+// (tokens per thread), the CTA's token count and the path only decide which tokens share the weight reads, never a
+// token's arithmetic: batch-invariant for any number of tokens.
 constexpr int kSlices = 8;
 constexpr int kChunk = 256;
 constexpr int kPartK = static_cast<int>(kHcMixPartK);
@@ -28,6 +29,79 @@ constexpr int kGroupsPerSlice = kChunk / 4 / kSlices;
 template <int kTpt>
 __host__ __device__ constexpr int mix_threads() {
   return (kTpt == 1 ? 8 : 16) * kSlices;  // token groups per CTA x kSlices
+}
+
+// Stages the weights of the chunk at column c0 in w_s [kMaxM][kChunk / 4] (asynchronous copies when vec; zeros past
+// K or past m rows are not read).
+template <int kMaxM, int kThreads>
+__device__ __forceinline__ void stage_weights(const HcMixParams& p, float4 (*w_s)[kChunk / 4], int64_t c0, bool vec) {
+  for (int i = threadIdx.x; i < p.m * (kChunk / 4); i += kThreads) {
+    const int m = i / (kChunk / 4), g = i % (kChunk / 4);
+    const int64_t k = c0 + 4 * g;
+    if (vec && k < p.k) {
+      cp_async_16(&w_s[m][g], p.fn + static_cast<int64_t>(m) * p.k + k);
+    } else {
+      float v[4] = {0.f, 0.f, 0.f, 0.f};
+      if (k < p.k) load4(p.fn + static_cast<int64_t>(m) * p.k + k, p.k - k, v);
+      w_s[m][g] = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  }
+}
+
+// This thread's x groups of the chunk at column c0: tokens t0 .. t0 + kTpt - 1, groups slice + kSlices j (zeros past
+// the tokens or K).
+template <typename T, int kTpt>
+__device__ __forceinline__ void load_x(const HcMixParams& p, int64_t t0, int64_t c0, int slice, bool vec,
+                                       Vec<T, 4> (&xr)[kTpt][kGroupsPerSlice]) {
+  const T* x = static_cast<const T*>(p.x);
+#pragma unroll
+  for (int t = 0; t < kTpt; ++t) {
+#pragma unroll
+    for (int j = 0; j < kGroupsPerSlice; ++j) {
+      const int64_t k = c0 + 4 * (slice + kSlices * j);
+      const T* src = x + (t0 + t) * p.x_row_stride + k;
+      const bool row_ok = t0 + t < p.tokens && k < p.k;
+      if (vec && row_ok) {
+        xr[t][j] = *reinterpret_cast<const Vec<T, 4>*>(src);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) xr[t][j].v[e] = row_ok && e < p.k - k ? src[e] : from_float<T>(0.f);
+      }
+    }
+  }
+}
+
+// One chunk's products: acc[t][m] += x . w over this thread's groups in K order, acc[t][kMaxM] += x . x. Both
+// kernels run this code, so a part's arithmetic is the same in each.
+template <typename T, int kTpt, int kMaxM>
+__device__ __forceinline__ void mix_chunk(const float4 (*w_s)[kChunk / 4], const Vec<T, 4> (&xr)[kTpt][kGroupsPerSlice],
+                                          int slice, int m_count, float (&acc)[kTpt][kMaxM + 1]) {
+#pragma unroll
+  for (int j = 0; j < kGroupsPerSlice; ++j) {
+    const int g = slice + kSlices * j;
+    float xv[kTpt][4];
+#pragma unroll
+    for (int t = 0; t < kTpt; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        xv[t][e] = to_float(xr[t][j].v[e]);
+        acc[t][kMaxM] += xv[t][e] * xv[t][e];
+      }
+    }
+#pragma unroll
+    for (int m = 0; m < kMaxM; ++m) {
+      if (m < m_count) {
+        const float4 w = w_s[m][g];
+#pragma unroll
+        for (int t = 0; t < kTpt; ++t) {
+          acc[t][m] += xv[t][0] * w.x;
+          acc[t][m] += xv[t][1] * w.y;
+          acc[t][m] += xv[t][2] * w.z;
+          acc[t][m] += xv[t][3] * w.w;
+        }
+      }
+    }
+  }
 }
 
 template <typename T, int kTpt, int kMaxM>
@@ -39,7 +113,6 @@ __global__ void __launch_bounds__(mix_threads<kTpt>()) hc_mix_partial_kernel(HcM
   const int64_t t0 = static_cast<int64_t>(blockIdx.x) * (kThreads / kSlices) * kTpt + group * kTpt;
   const int64_t k_begin = static_cast<int64_t>(blockIdx.y) * kPartK;
   const int64_t k_end = k_begin + kPartK < p.k ? k_begin + kPartK : p.k;
-  const T* x = static_cast<const T*>(p.x);
   float acc[kTpt][kMaxM + 1];
 #pragma unroll
   for (int t = 0; t < kTpt; ++t)
@@ -48,61 +121,12 @@ __global__ void __launch_bounds__(mix_threads<kTpt>()) hc_mix_partial_kernel(HcM
   for (int64_t c0 = k_begin; c0 < k_end; c0 += kChunk) {
     __syncthreads();  // the previous chunk's weights are no longer read
     // stage the chunk's weights [m][kChunk] (asynchronous copies, all in flight), then read this thread's x
-    for (int i = threadIdx.x; i < p.m * (kChunk / 4); i += kThreads) {
-      const int m = i / (kChunk / 4), g = i % (kChunk / 4);
-      const int64_t k = c0 + 4 * g;
-      if (vec && k < p.k) {
-        cp_async_16(&w_s[m][g], p.fn + static_cast<int64_t>(m) * p.k + k);
-      } else {
-        float v[4] = {0.f, 0.f, 0.f, 0.f};
-        if (k < p.k) load4(p.fn + static_cast<int64_t>(m) * p.k + k, p.k - k, v);
-        w_s[m][g] = make_float4(v[0], v[1], v[2], v[3]);
-      }
-    }
+    stage_weights<kMaxM, kThreads>(p, w_s, c0, vec);
     Vec<T, 4> xr[kTpt][kGroupsPerSlice];
-#pragma unroll
-    for (int t = 0; t < kTpt; ++t) {
-#pragma unroll
-      for (int j = 0; j < kGroupsPerSlice; ++j) {
-        const int64_t k = c0 + 4 * (slice + kSlices * j);
-        const T* src = x + (t0 + t) * p.x_row_stride + k;
-        const bool row_ok = t0 + t < p.tokens && k < p.k;
-        if (vec && row_ok) {
-          xr[t][j] = *reinterpret_cast<const Vec<T, 4>*>(src);
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) xr[t][j].v[e] = row_ok && e < p.k - k ? src[e] : from_float<T>(0.f);
-        }
-      }
-    }
+    load_x<T, kTpt>(p, t0, c0, slice, vec, xr);
     cp_async_wait_all();
     __syncthreads();
-#pragma unroll
-    for (int j = 0; j < kGroupsPerSlice; ++j) {
-      const int g = slice + kSlices * j;
-      float xv[kTpt][4];
-#pragma unroll
-      for (int t = 0; t < kTpt; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          xv[t][e] = to_float(xr[t][j].v[e]);
-          acc[t][kMaxM] += xv[t][e] * xv[t][e];
-        }
-      }
-#pragma unroll
-      for (int m = 0; m < kMaxM; ++m) {
-        if (m < p.m) {
-          const float4 w = w_s[m][g];
-#pragma unroll
-          for (int t = 0; t < kTpt; ++t) {
-            acc[t][m] += xv[t][0] * w.x;
-            acc[t][m] += xv[t][1] * w.y;
-            acc[t][m] += xv[t][2] * w.z;
-            acc[t][m] += xv[t][3] * w.w;
-          }
-        }
-      }
-    }
+    mix_chunk<T, kTpt, kMaxM>(w_s, xr, slice, p.m, acc);
   }
   // the kSlices threads of a token are consecutive lanes of one warp
 #pragma unroll
@@ -117,6 +141,92 @@ __global__ void __launch_bounds__(mix_threads<kTpt>()) hc_mix_partial_kernel(HcM
           partial[(static_cast<int64_t>(blockIdx.y) * p.tokens + t0 + t) * (p.m + 1) + (m == kMaxM ? p.m : m)] = v;
         }
       }
+    }
+  }
+}
+
+// The partials' xor-shuffle sum over a token's kSlices lanes (pairs 4, 2 and 1 apart), as a reduce-scatter: every
+// level exchanges only the half of the values the partner keeps, and lane `slice` ends with values
+// [slice * kV / 8, (slice + 1) * kV / 8). fp32 addition commutes, so each value has the tree's bits.
+template <int kV>
+__device__ __forceinline__ void reduce_scatter_slices(const float (&v)[kV], float (&r)[kV / 8], int slice) {
+  static_assert(kSlices == 8 && kV % 8 == 0, "three halving levels over 8 lanes");
+  float a[kV / 2], b[kV / 4];
+  const bool h4 = slice & 4, h2 = slice & 2, h1 = slice & 1;
+#pragma unroll
+  for (int i = 0; i < kV / 2; ++i) {
+    a[i] = (h4 ? v[kV / 2 + i] : v[i]) + __shfl_xor_sync(0xffffffffu, h4 ? v[i] : v[kV / 2 + i], 4);
+  }
+#pragma unroll
+  for (int i = 0; i < kV / 4; ++i) {
+    b[i] = (h2 ? a[kV / 4 + i] : a[i]) + __shfl_xor_sync(0xffffffffu, h2 ? a[i] : a[kV / 4 + i], 2);
+  }
+#pragma unroll
+  for (int i = 0; i < kV / 8; ++i) {
+    r[i] = (h1 ? b[kV / 8 + i] : b[i]) + __shfl_xor_sync(0xffffffffu, h1 ? b[i] : b[kV / 8 + i], 1);
+  }
+}
+
+// Many tokens: one CTA per 32 tokens walks every part of K in order (weights double-buffered by cp.async), sums
+// each part over the slices and adds it to running totals in part order -- exactly the partial + finish kernels'
+// operations, without the partials' round trip through memory. Bit for bit the same as those two kernels.
+template <int kMaxM>
+__host__ __device__ constexpr int fused_values() {  // the partials per token (kMaxM + 1) padded to 8 * 2^n
+  return kMaxM + 1 <= 8 ? 8 : kMaxM + 1 <= 16 ? 16 : 32;
+}
+
+template <typename T, int kMaxM>
+__global__ void __launch_bounds__(mix_threads<2>(), 3) hc_mix_fused_kernel(HcMixParams p, bool vec) {
+  constexpr int kTpt = 2, kThreads = mix_threads<kTpt>(), kV = fused_values<kMaxM>();
+  static_assert(kPartK == kChunk && kMaxM + 1 <= kV, "one chunk per part; the partials fit the padded values");
+  extern __shared__ float4 w_dyn[];  // [2][kMaxM][kChunk / 4]
+  auto w_buf = [&](int64_t q) {  // part q's weights
+    return reinterpret_cast<float4(*)[kChunk / 4]>(w_dyn + (q & 1) * kMaxM * (kChunk / 4));
+  };
+  const int slice = threadIdx.x % kSlices, group = threadIdx.x / kSlices;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * (kThreads / kSlices) * kTpt + group * kTpt;
+  const int64_t parts = (p.k + kPartK - 1) / kPartK;
+  float tot[kTpt][kV / 8];
+#pragma unroll
+  for (int t = 0; t < kTpt; ++t)
+#pragma unroll
+    for (int i = 0; i < kV / 8; ++i) tot[t][i] = 0.f;
+  stage_weights<kMaxM, kThreads>(p, w_buf(0), 0, vec);
+  cp_async_commit();
+  for (int64_t q = 0; q < parts; ++q) {
+    Vec<T, 4> xr[kTpt][kGroupsPerSlice];
+    load_x<T, kTpt>(p, t0, q * kPartK, slice, vec, xr);
+    if (q + 1 < parts) stage_weights<kMaxM, kThreads>(p, w_buf(q + 1), (q + 1) * kPartK, vec);
+    cp_async_commit();
+    cp_async_wait_group<1>();  // this thread's copies of part q; the barrier makes every thread's visible
+    __syncthreads();
+    float acc[kTpt][kMaxM + 1];
+#pragma unroll
+    for (int t = 0; t < kTpt; ++t)
+#pragma unroll
+      for (int m = 0; m <= kMaxM; ++m) acc[t][m] = 0.f;
+    mix_chunk<T, kTpt, kMaxM>(w_buf(q), xr, slice, p.m, acc);
+#pragma unroll
+    for (int t = 0; t < kTpt; ++t) {
+      float v[kV], r[kV / 8];
+#pragma unroll
+      for (int i = 0; i < kV; ++i) v[i] = i <= kMaxM ? acc[t][i] : 0.f;
+      reduce_scatter_slices<kV>(v, r, slice);
+#pragma unroll
+      for (int i = 0; i < kV / 8; ++i) tot[t][i] += r[i];
+    }
+    __syncthreads();  // part q's weights are read before part q + 2's copies go to the same buffer
+  }
+  // out = dot * rsqrt(ss / K + eps): the sum of squares is value kMaxM, held by lane slice kMaxM / (kV / 8).
+  const int ss_lane = (threadIdx.x % 32 & ~(kSlices - 1)) | (kMaxM / (kV / 8));
+#pragma unroll
+  for (int t = 0; t < kTpt; ++t) {
+    const float ss = __shfl_sync(0xffffffffu, tot[t][kMaxM % (kV / 8)], ss_lane);
+    const float inv = rsqrtf(ss / static_cast<float>(p.k) + p.eps);
+#pragma unroll
+    for (int i = 0; i < kV / 8; ++i) {
+      const int m = slice * (kV / 8) + i;
+      if (m < p.m && t0 + t < p.tokens) p.out[(t0 + t) * p.m + m] = tot[t][i] * inv;
     }
   }
 }
@@ -380,8 +490,29 @@ void launch_hc_weights(const HcWeightsParams& p, cudaStream_t stream) {
   DEEPINFER_CHECK_LAUNCH("hc_weights_kernel");
 }
 
-int64_t hc_mix_workspace_floats(int64_t tokens, int64_t k, int m) {
-  return (k + kPartK - 1) / kPartK * tokens * (m + 1);
+namespace {
+
+// The fused kernel needs tokens to fill the GPU (one CTA per 32); fewer tokens spread over K's parts instead. Both
+// paths give the same bits, so the choice is by speed alone.
+constexpr int64_t kFusedMinTokens = 2048;
+constexpr int kFusedMaxM = 24;
+
+bool hc_mix_fused(const HcMixParams& p) { return p.tokens >= kFusedMinTokens && p.m <= kFusedMaxM; }
+
+template <typename T, int kMaxM>
+void launch_fused_typed(const HcMixParams& p, bool vec, cudaStream_t stream) {
+  constexpr int kThreads = mix_threads<2>();
+  constexpr size_t smem = 2 * kMaxM * (kChunk / 4) * sizeof(float4);
+  const int64_t tile = static_cast<int64_t>(kThreads / kSlices) * 2;
+  ensure_dynamic_smem(hc_mix_fused_kernel<T, kMaxM>, smem);
+  const unsigned grid = static_cast<unsigned>((p.tokens + tile - 1) / tile);
+  hc_mix_fused_kernel<T, kMaxM><<<grid, kThreads, smem, stream>>>(p, vec);
+}
+
+}  // namespace
+
+int64_t hc_mix_workspace_floats(const HcMixParams& p) {
+  return hc_mix_fused(p) ? 0 : (p.k + kPartK - 1) / kPartK * p.tokens * (p.m + 1);
 }
 
 void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream) {
@@ -390,14 +521,24 @@ void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream) 
   DEEPINFER_DISPATCH_FLOAT(p.dtype, [&] {
     const bool vec = p.k % 4 == 0 && p.x_row_stride % 4 == 0 && is_aligned(p.x, 4 * sizeof(scalar_t)) &&
                      is_aligned(p.fn, 16);
-    // 2 tokens per thread share the weight reads once there are enough tokens to fill the GPU
-    if (p.tokens >= 1024) {
+    if (hc_mix_fused(p)) {
+      if (p.m <= 4) {
+        launch_fused_typed<scalar_t, 4>(p, vec, stream);
+      } else if (p.m <= 8) {
+        launch_fused_typed<scalar_t, 8>(p, vec, stream);
+      } else if (p.m <= 16) {
+        launch_fused_typed<scalar_t, 16>(p, vec, stream);
+      } else {
+        launch_fused_typed<scalar_t, 24>(p, vec, stream);
+      }
+    } else if (p.tokens >= 1024) {  // 2 tokens per thread share the weight reads once tokens fill the GPU
       launch_mix_m<scalar_t, 2>(p, workspace, parts, vec, stream);
     } else {
       launch_mix_m<scalar_t, 1>(p, workspace, parts, vec, stream);
     }
   });
-  DEEPINFER_CHECK_LAUNCH("hc_mix_partial_kernel");
+  DEEPINFER_CHECK_LAUNCH("hc_mix kernel");
+  if (hc_mix_fused(p)) return;
   const int64_t n = p.tokens * p.m;
   hc_mix_finish_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(p, workspace, parts);
   DEEPINFER_CHECK_LAUNCH("hc_mix_finish_kernel");

@@ -24,7 +24,7 @@ void hc_mix_cuda(at::Tensor& out, const at::Tensor& x, const at::Tensor& fn, dou
   p.eps = static_cast<float>(eps);
   p.dtype = to_dtype(x.scalar_type());
   const at::Tensor workspace =
-      at::empty({mhc::hc_mix_workspace_floats(p.tokens, p.k, p.m)}, x.options().dtype(at::kFloat));
+      at::empty({mhc::hc_mix_workspace_floats(p)}, x.options().dtype(at::kFloat));
   mhc::launch_hc_mix(p, workspace.mutable_data_ptr<float>(), current_stream());
 }
 

@@ -32,8 +32,9 @@ struct HcStreamParams {
   DType dtype;
 };
 
-// float32 scratch hc_mix needs (one partial per 1024-wide part of K, token and output + 1)
-int64_t hc_mix_workspace_floats(int64_t tokens, int64_t k, int m);
+// float32 scratch hc_mix needs for p (tokens, k, m set): one partial per kHcMixPartK-wide part of K, token and
+// output + 1; none when the fused kernel runs (many tokens)
+int64_t hc_mix_workspace_floats(const HcMixParams& p);
 void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream);
 struct HcWeightsParams {
   const float* mix;    // [tokens, 2 hc + hc^2]
