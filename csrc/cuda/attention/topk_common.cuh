@@ -65,6 +65,23 @@ __device__ __forceinline__ void warp_append(bool take, uint64_t entry, int* coun
   if (take && slot < cap) buf[slot] = entry;
 }
 
+// h[bin] += 1 for each lane with take (warp-uniform call). Lanes sharing a bin with the round's first taking lane add
+// once through it (two rounds), the rest one by one: a radix pass's keys crowd into a few bins (scores share an
+// exponent byte; ReLU scores are half zeros), and shared atomics on one address serialise.
+__device__ __forceinline__ void warp_hist_add(int* h, bool take, uint32_t bin, int lane) {
+#pragma unroll
+  for (int round = 0; round < 2; ++round) {
+    const unsigned active = __ballot_sync(0xffffffffu, take);
+    if (active == 0u) return;  // warp-uniform
+    const int leader = __ffs(active) - 1;
+    const uint32_t lead_bin = __shfl_sync(0xffffffffu, bin, leader);
+    const unsigned same = __ballot_sync(0xffffffffu, take && bin == lead_bin);
+    if (lane == leader) atomicAdd(&h[lead_bin], __popc(same));
+    take = take && bin != lead_bin;
+  }
+  if (take) atomicAdd(&h[bin], 1);
+}
+
 // Where the keys fit in shared memory (topk_row.cu): one CTA per row, or per chunk of a row then one merge CTA
 // per row. Whether p takes that path, and the workspace it needs then (bytes, 16-byte aligned); the launch
 // returns false, launching nothing, where it does not.

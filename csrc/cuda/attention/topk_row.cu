@@ -7,11 +7,11 @@
 // A select (select_top): the keys go to shared memory (chunk CTAs: the order-preserving 32-bit image of each score,
 // topk_common.cuh; the merge CTA: the candidates' 64-bit entries key << 32 | ~index, all distinct). A radix select
 // from the top, 8 bits a pass, finds the k-th largest: per pass a shared 256-bin histogram of the keys under the
-// digits fixed so far (shared atomics), then one warp finds the digit holding the rank still
-// wanted; it stops once every key in that digit's bin is selected. The selected keys are collected in shared memory:
-// those above the k-th largest in any order; when only some keys equal to it are selected (ties of 32-bit keys), the
-// lowest-index ones, by an index-ordered block scan over contiguous per-thread ranges. Then a bitonic sort (key
-// desc, index asc) and values = scores[index] (the scores' own bits), indices.
+// digits fixed so far (shared atomics, lanes of one bin aggregated), then one warp finds the digit holding the rank
+// still wanted; it stops once every key in that digit's bin is selected. The selected keys are collected in shared
+// memory: those above the k-th largest in any order; when only some keys equal to it are selected (ties of 32-bit
+// keys), the lowest-index ones, by an index-ordered block scan over contiguous per-thread ranges. Then a bitonic
+// sort (key desc, index asc) and values = scores[index] (the scores' own bits), indices.
 // The selected set and its order follow the tie rule alone, so results equal topk.cu's other paths and do not
 // depend on the chunking, the batch or the order of atomics.
 #include "topk_common.cuh"
@@ -80,10 +80,10 @@ __device__ void radix_select(const Key* keys, int m, int k, SelectSmem& s, Key& 
     const int shift = 8 * (kPasses - 1 - pass);
     int* h = s.hist[pass & 1];
     for (int i = tid; i < 256; i += kBlock) s.hist[(pass + 1) & 1][i] = 0;  // read two barriers ago
-    for (int i = tid; i < m; i += kBlock) {
-      const Key key = keys[i];
-      const bool take = (key & mask) == prefix;
-      if (take) atomicAdd(&h[static_cast<uint32_t>(key >> shift) & 255u], 1);
+    for (int base = 0; base < m; base += kBlock) {  // whole warps in every step (warp_hist_add)
+      const int i = base + tid;
+      const Key key = i < m ? keys[i] : Key(0);
+      warp_hist_add(h, i < m && (key & mask) == prefix, static_cast<uint32_t>(key >> shift) & 255u, lane);
     }
     __syncthreads();
     if (warp == 0) {  // lane l owns bins 255 - 8 l .. 248 - 8 l, from the top down
