@@ -21,11 +21,11 @@
 
 #include <cstdlib>
 #include <cstring>
-#include <cute/arch/mma_sm90_gmma.hpp>
 #include <utility>
 
 #include "deepinfer/attention/sparse_mqa.cuh"
 #include "deepinfer/ptx.cuh"
+#include "deepinfer/wgmma.cuh"
 
 namespace deepinfer::attention {
 namespace {
@@ -52,7 +52,7 @@ __device__ __forceinline__ uint4 decode_fp8_entry8(uint4 raw) {
 
 namespace sm90 {
 
-namespace gmma = cute::SM90::GMMA;
+using namespace deepinfer::wgmma;
 
 constexpr int kRows = 64;     // heads per CTA (wgmma M)
 constexpr int kEntries = 64;  // KV entries per tile
@@ -76,30 +76,6 @@ struct Layout {
   static constexpr int alloc = bytes + 1024;  // the base is aligned up to 1024 B (the swizzle's repeat)
 };
 
-// Byte offset of 16-byte chunk `c` (dims [8c, 8c + 8)) of row `r` in a swizzled tile of 64 rows.
-__device__ __forceinline__ uint32_t swizzled(int r, int c) {
-  return static_cast<uint32_t>((c >> 3) * (64 * 128) + r * 128 + (((c & 7) ^ (r & 7)) << 4));
-}
-
-// wgmma shared-memory descriptor, 128-byte swizzle. K-major tiles: sbo = 1024 B between 8-row groups (lbo unused);
-// MN-major (V in PV): lbo = 8192 B between 64-dim column blocks, sbo = 1024 B between 8-key groups.
-__device__ __forceinline__ uint64_t gmma_desc(uint32_t saddr, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t(1) << 62) | (uint64_t(sbo >> 4) << 32) | (uint64_t(lbo >> 4) << 16) |
-         static_cast<uint64_t>((saddr & 0x3ffffu) >> 4);
-}
-
-template <class Atom, size_t N, size_t... I>
-__device__ __forceinline__ void gmma_ss(uint64_t da, uint64_t db, float (&d)[N], gmma::ScaleOut sc,
-                                        std::index_sequence<I...>) {
-  Atom::fma(da, db, d[I]..., sc);
-}
-
-template <class Atom, size_t N, size_t... I>
-__device__ __forceinline__ void gmma_rs(const uint32_t (&a)[4], uint64_t db, float (&d)[N],
-                                        std::index_sequence<I...>) {
-  Atom::fma(a[0], a[1], a[2], a[3], db, d[I]..., gmma::ScaleOut::One);
-}
-
 template <int N>
 struct PvAtom;  // O[:, N dims] += P V: P from registers (rs, the scorer's) or from shared memory (ss)
 template <>
@@ -118,11 +94,6 @@ struct PvAtom<256> {
   using ss = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::MN>;
 };
 
-template <size_t N>
-__device__ __forceinline__ void fence_regs(float (&d)[N]) {
-#pragma unroll
-  for (size_t i = 0; i < N; ++i) cute::warpgroup_fence_operand(d[i]);
-}
 
 __device__ __forceinline__ float ex2(float x) {  // 2^x (MUFU; -inf -> 0)
   float y;
@@ -434,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
           cute::warpgroup_arrive();
 #pragma unroll
           for (int kk = 0; kk < kEntries / 16; ++kk) {
-            gmma_rs<typename PvAtom<kPvN>::rs>(pa[kk], gmma_desc(vb + kk * 2048, 8192, 1024), o,
+            mma_rs<typename PvAtom<kPvN>::rs>(pa[kk], desc(vb + kk * 2048, 8192, 1024), o,
                                                  std::make_index_sequence<kPvN / 2>{});
           }
           cute::warpgroup_commit_batch();
@@ -443,8 +414,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
           cute::warpgroup_arrive();
 #pragma unroll
           for (int kk = 0; kk < kEntries / 16; ++kk) {
-            gmma_ss<typename PvAtom<kPvN>::ss>(gmma_desc(pb + kk * 32, 16, 1024),
-                                                   gmma_desc(vb + kk * 2048, 8192, 1024), o, gmma::ScaleOut::One,
+            mma_ss<typename PvAtom<kPvN>::ss>(desc(pb + kk * 32, 16, 1024),
+                                                   desc(vb + kk * 2048, 8192, 1024), o, gmma::ScaleOut::One,
                                                    std::make_index_sequence<kPvN / 2>{});
           }
           cute::warpgroup_commit_batch();
@@ -459,8 +430,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
 #pragma unroll
         for (int kk = 0; kk < kDim / 16; ++kk) {
           const uint32_t off = (kk >> 2) * (64 * 128) + (kk & 3) * 32;
-          gmma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
-              gmma_desc(q_s + off, 16, 1024), gmma_desc(kb + off, 16, 1024), s,
+          mma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
+              desc(q_s + off, 16, 1024), desc(kb + off, 16, 1024), s,
               kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, std::make_index_sequence<32>{});
         }
         cute::warpgroup_commit_batch();
@@ -495,8 +466,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
       for (int kk = 0; kk < kHalf / 16; ++kk) {
         const int dim = c * kHalf + kk * 16;
         const uint32_t off = (dim >> 6) * (64 * 128) + (dim & 63) * 2;
-        gmma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
-            gmma_desc(q_s + off, 16, 1024), gmma_desc(kb + off, 16, 1024), s,
+        mma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
+            desc(q_s + off, 16, 1024), desc(kb + off, 16, 1024), s,
             kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, std::make_index_sequence<32>{});
       }
       cute::warpgroup_commit_batch();
@@ -535,8 +506,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
       cute::warpgroup_arrive();
 #pragma unroll
       for (int kk = 0; kk < kEntries / 16; ++kk) {
-        gmma_rs<typename PvAtom<kPvN>::rs>(pa[kk],
-                                             gmma_desc(kb + (pv_col0 / 64) * (64 * 128) + kk * 2048, 8192, 1024), o,
+        mma_rs<typename PvAtom<kPvN>::rs>(pa[kk],
+                                             desc(kb + (pv_col0 / 64) * (64 * 128) + kk * 2048, 8192, 1024), o,
                                              std::make_index_sequence<kPvN / 2>{});
       }
       cute::warpgroup_commit_batch();

@@ -2,6 +2,8 @@
 // tensors into the layouts the kernels read), workspace allocation, then the launchers in
 // csrc/cuda/gemm/instantiations/ (CUTLASS) and swiglu_clamp_quant_fp8.cu.
 #include <array>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "common/gemm_checks.h"
@@ -122,6 +124,13 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   // so the choice may depend on M.
   const bool pingpong =
       !fp32 && !use_split && (M <= 64 || gemm_ceil_div(M, 64) * gemm_ceil_div(N, 128) <= p.num_sms);
+  // M <= 64: one warpgroup per 32-128 columns (weights streamed from every SM), same bits again. Under test: opt-in
+  // through DEEPINFER_FP8_GEMM_SMALL_M=1 (read per call) until it has run on a GPU (bench/NOTES-fp8-gemm.md).
+  const char* small_m_env = std::getenv("DEEPINFER_FP8_GEMM_SMALL_M");
+  if (!fp32 && small_m_env != nullptr && std::strcmp(small_m_env, "1") == 0 && gemm::fp8_gemm_small_m_fits(p)) {
+    gemm::launch_fp8_gemm_nt_bf16_small_m(p, current_stream());
+    return;
+  }
   const size_t ws = fp32        ? gemm::fp8_gemm_nt_fp32_workspace_size(p)
                     : use_split ? gemm::fp8_gemm_nt_bf16_splitk_workspace_size(p)
                     : pingpong  ? gemm::fp8_gemm_nt_bf16_pingpong_workspace_size(p)

@@ -49,6 +49,11 @@ void launch_fp8_gemm_nt_bf16_pingpong(const Fp8GemmParams& p, cudaStream_t strea
 void launch_fp8_gemm_nt_fp32(const Fp8GemmParams& p, cudaStream_t stream);
 size_t fp8_gemm_nt_bf16_splitk_workspace_size(const Fp8GemmParams& p);
 void launch_fp8_gemm_nt_bf16_splitk(const Fp8GemmParams& p, cudaStream_t stream);
+// bf16 out, M <= 64, K % 128 == 0 (fp8_gemm_small_m_fits): one warpgroup per 32 / 64 / 128 columns of D, so the
+// weights stream from every SM (csrc/cuda/gemm/fp8_gemm_small_m.cu). The same bits as the kernels above; no
+// workspace.
+bool fp8_gemm_small_m_fits(const Fp8GemmParams& p);
+void launch_fp8_gemm_nt_bf16_small_m(const Fp8GemmParams& p, cudaStream_t stream);
 
 // Grouped GEMM over G groups sharing N and K; group g multiplies its rows of A by B[g] ([N, K]).
 // The per-group problem sizes and pointers are derived on the device (no host sync) by a setup kernel,
