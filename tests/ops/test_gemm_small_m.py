@@ -14,7 +14,7 @@ import deepinfer_ops
 from deepinfer_ops.testing import refs
 from deepinfer_ops.testing.compare import CALC_DIFF_MAX, calc_diff, poison_
 
-from test_gemm import _col_major, _cuda_gen, _dense_inputs
+from test_gemm import _col_major, _cuda_gen, _dense_inputs, _grouped_b, _rand_fp8, _rand_scales
 
 MODE = "DEEPINFER_FP8_GEMM_SMALL_M"
 
@@ -45,3 +45,26 @@ def test_cuda_small_m_gemm_batch_invariant_and_strided_out(monkeypatch):
     wide = torch.full((64, 4096 + 64), 7.0, dtype=torch.bfloat16, device="cuda")
     deepinfer_ops.fp8_gemm_nt(a, sa, b, sb, out=wide[:, :4096])
     assert torch.equal(wide[:, :4096], full) and bool((wide[:, 4096:] == 7.0).all())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("g,max_m,n,k", [(6, 64, 4096, 4096), (32, 8, 4096, 7168), (3, 1, 576, 7168),
+                                         (5, 33, 1000, 256)])
+def test_cuda_small_m_masked_gemm_equals_cutlass(monkeypatch, g, max_m, n, k):
+    """The masked grouped layout: one grid row per group, groups with 0 rows read nothing, rows past a group's count
+    are not written; the bits equal the CUTLASS grouped kernel's."""
+    gen = _cuda_gen(g * 7 + max_m + n)
+    a = _rand_fp8((g, max_m, k), gen, 30)
+    sa = _rand_scales((g, max_m, k // 128), gen)
+    b, sb = _grouped_b(g, n, k, gen)
+    counts = torch.randint(0, max_m + 1, (g,), generator=torch.Generator().manual_seed(g), dtype=torch.int32)
+    counts[0], counts[-1] = 0, max_m
+    masked = counts.cuda()
+    want = poison_(torch.empty(g, max_m, n, dtype=torch.bfloat16, device="cuda"))
+    deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked, out=want)
+    monkeypatch.setenv(MODE, "1")
+    out = poison_(torch.empty(g, max_m, n, dtype=torch.bfloat16, device="cuda"))
+    deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked, out=out)
+    valid = torch.arange(max_m, device="cuda")[None, :] < masked[:, None]
+    assert torch.isnan(out[~valid]).all(), "rows past a group's count were written"
+    assert torch.equal(out[valid], want[valid]), "small-M masked bits differ from the CUTLASS grouped kernel's"

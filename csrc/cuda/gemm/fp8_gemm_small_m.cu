@@ -1,4 +1,5 @@
-// FP8 block-scaled GEMM for few rows (M <= 64, K % 128 == 0, bf16 out), sm90a: the recipe of fp8_gemm.cuh.
+// FP8 block-scaled GEMM for few rows (M <= 64, K % 128 == 0, bf16 out), sm90a: the recipe of fp8_gemm.cuh, dense
+// or grouped with the masked layout (one grid row per group; a group without rows reads nothing).
 // One warpgroup per CTA and one CTA per BN columns of D (BN 32 / 64 / 128, the widest tile whose CTAs still cover
 // the SMs): the CUTLASS kernels' N tile is 128 (the scale granularity fixes it there), so at N = 4096 they run 32
 // CTAs and stream the weights from a quarter of the SMs. The A tile (64 rows, rows >= M zero-filled) and the B tile
@@ -49,9 +50,24 @@ struct Smem {
   static constexpr int alloc = kStages * stage + 1024;  // the base aligned up to 1024 B (the swizzle's repeat)
 };
 
+// Dense (one group, group strides unused) or masked grouped: group g multiplies rows [0, min(masked_m[g], M)) of
+// A[g] by B[g]. Strides in elements; A scales sfa[g * sfa_g + m * sfa_m + kb * sfa_k], B scales sfb[g * sfb_g +
+// nb * sfb_n + kb].
+struct SmallMParams {
+  const uint8_t* a;
+  const float* sfa;
+  const uint8_t* b;
+  const float* sfb;
+  __nv_bfloat16* d;
+  const int32_t* masked_m;  // null: dense
+  int M, N, K;
+  int64_t lda, a_g, sfa_m, sfa_k, sfa_g, ldb, b_g, sfb_n, sfb_g, ldd, d_g;
+};
+
 template <int BN>
 struct SmallM {
-  const Fp8GemmParams& p;
+  const SmallMParams& p;
+  int M;          // rows of this CTA's group
   uint32_t base;  // shared address of stage 0
   int n0, r0, r1, t4;
   float acc[BN / 2];
@@ -59,11 +75,11 @@ struct SmallM {
   // Block kb's A and B tiles into stage kb % kStages (zero-filled rows past M / N).
   __device__ __forceinline__ void load(int kb) const {
     const uint32_t st = base + (kb % kStages) * Smem<BN>::stage;
-    const uint8_t* a = static_cast<const uint8_t*>(p.a);
-    const uint8_t* b = static_cast<const uint8_t*>(p.b);
+    const uint8_t* a = p.a + blockIdx.y * p.a_g;
+    const uint8_t* b = p.b + blockIdx.y * p.b_g;
     for (int i = threadIdx.x; i < kRowsA * 8; i += kThreads) {
       const int r = i / 8, c = i % 8;
-      const bool ok = r < p.M;
+      const bool ok = r < M;
       cp_async_16_zfill(st + swizzled(r, c), ok ? a + r * p.lda + kb * kBlockK + c * 16 : a, ok ? 16u : 0u);
     }
     for (int i = threadIdx.x; i < BN * 8; i += kThreads) {
@@ -91,9 +107,9 @@ struct SmallM {
   // acc = fma(blk, sfa[m, kb] * sfb[n / 128, kb], acc) for this thread's rows r0, r1 (rows past M: scale 0).
   __device__ __forceinline__ void promote(int kb, float (&blk)[BN / 2]) {
     fence_regs(blk);
-    const float sb = p.sfb[static_cast<int64_t>(n0 / kScaleBlock) * p.ld_sfb + kb];
-    const float* sa = p.sfa + static_cast<int64_t>(kb) * p.ld_sfa;
-    const float s0 = r0 < p.M ? sa[r0] * sb : 0.f, s1 = r1 < p.M ? sa[r1] * sb : 0.f;
+    const float sb = p.sfb[blockIdx.y * p.sfb_g + (n0 / kScaleBlock) * p.sfb_n + kb];
+    const float* sa = p.sfa + blockIdx.y * p.sfa_g + kb * p.sfa_k;
+    const float s0 = r0 < M ? sa[r0 * p.sfa_m] * sb : 0.f, s1 = r1 < M ? sa[r1 * p.sfa_m] * sb : 0.f;
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       acc[4 * j] = __fmaf_rn(blk[4 * j], s0, acc[4 * j]);
@@ -119,12 +135,15 @@ struct SmallM {
 };
 
 template <int BN>
-__global__ void __launch_bounds__(kThreads) fp8_gemm_small_m_kernel(const __grid_constant__ Fp8GemmParams p) {
+__global__ void __launch_bounds__(kThreads) fp8_gemm_small_m_kernel(const __grid_constant__ SmallMParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  const int rows = p.masked_m == nullptr ? p.M : min(max(p.masked_m[blockIdx.y], 0), p.M);
+  if (rows == 0) return;  // a group without tokens: no weight read
   extern __shared__ char smem_raw[];
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  SmallM<BN> k{p, base, static_cast<int>(blockIdx.x) * BN, warp * 16 + lane / 4, warp * 16 + lane / 4 + 8, lane % 4};
+  SmallM<BN> k{p, rows, base, static_cast<int>(blockIdx.x) * BN, warp * 16 + lane / 4, warp * 16 + lane / 4 + 8,
+               lane % 4};
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) k.acc[i] = 0.f;
   const int num_kb = p.K / kBlockK;
@@ -136,14 +155,14 @@ __global__ void __launch_bounds__(kThreads) fp8_gemm_small_m_kernel(const __grid
 #pragma unroll 1
   for (int kb = 0; kb < num_kb; ++kb) k.step(kb, num_kb, blk);
   // D = bf16(acc): rows r0, r1; columns n0 + 8 j + 2 t4 (+1).
-  __nv_bfloat16* d = static_cast<__nv_bfloat16*>(p.d);
+  __nv_bfloat16* d = p.d + blockIdx.y * p.d_g;
 #pragma unroll
   for (int j = 0; j < BN / 8; ++j) {
     const int n = k.n0 + 8 * j + 2 * k.t4;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = h == 0 ? k.r0 : k.r1;
-      if (r >= p.M || n >= p.N) continue;
+      if (r >= rows || n >= p.N) continue;
       __nv_bfloat16* dst = d + static_cast<int64_t>(r) * p.ldd + n;
       if (n + 1 < p.N) {
         *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(k.acc[4 * j + 2 * h], k.acc[4 * j + 2 * h + 1]);
@@ -158,12 +177,24 @@ __global__ void __launch_bounds__(kThreads) fp8_gemm_small_m_kernel(const __grid
 }
 
 template <int BN>
-void launch_bn(const Fp8GemmParams& p, cudaStream_t stream) {
+void launch_bn(const SmallMParams& p, int groups, cudaStream_t stream) {
   constexpr int smem = Smem<BN>::alloc;
   ensure_dynamic_smem(fp8_gemm_small_m_kernel<BN>, smem);
-  const unsigned grid = static_cast<unsigned>((p.N + BN - 1) / BN);
+  const dim3 grid(static_cast<unsigned>((p.N + BN - 1) / BN), static_cast<unsigned>(groups));
   fp8_gemm_small_m_kernel<BN><<<grid, kThreads, smem, stream>>>(p);
   DEEPINFER_CHECK_LAUNCH("fp8_gemm_small_m_kernel");
+}
+
+// The widest tile whose CTAs (over all groups) still cover the SMs: the weights stream from every SM.
+void launch(const SmallMParams& p, int groups, int num_sms, cudaStream_t stream) {
+  const int64_t g = groups;
+  if ((p.N + 127) / 128 * g >= num_sms) {
+    launch_bn<128>(p, groups, stream);
+  } else if ((p.N + 63) / 64 * g >= num_sms) {
+    launch_bn<64>(p, groups, stream);
+  } else {
+    launch_bn<32>(p, groups, stream);
+  }
 }
 
 }  // namespace
@@ -173,15 +204,49 @@ bool fp8_gemm_small_m_fits(const Fp8GemmParams& p) {
          p.ldd % 2 == 0;
 }
 
+// The operands common to both layouts (group strides and masked_m zero).
+static SmallMParams small_m_params(const void* a, const float* sfa, const void* b, const float* sfb, void* d, int M,
+                                   int N, int K, int64_t lda, int64_t ldb, int64_t ldd, int64_t ld_sfb) {
+  SmallMParams s{};
+  s.a = static_cast<const uint8_t*>(a);
+  s.sfa = sfa;
+  s.b = static_cast<const uint8_t*>(b);
+  s.sfb = sfb;
+  s.d = static_cast<__nv_bfloat16*>(d);
+  s.M = M;
+  s.N = N;
+  s.K = K;
+  s.lda = lda;
+  s.ldb = ldb;
+  s.ldd = ldd;
+  s.sfb_n = ld_sfb;
+  return s;
+}
+
 void launch_fp8_gemm_nt_bf16_small_m(const Fp8GemmParams& p, cudaStream_t stream) {
-  // The widest tile whose CTAs still cover the SMs (weights stream from every SM).
-  if ((p.N + 127) / 128 >= p.num_sms) {
-    launch_bn<128>(p, stream);
-  } else if ((p.N + 63) / 64 >= p.num_sms) {
-    launch_bn<64>(p, stream);
-  } else {
-    launch_bn<32>(p, stream);
-  }
+  SmallMParams s = small_m_params(p.a, p.sfa, p.b, p.sfb, p.d, p.M, p.N, p.K, p.lda, p.ldb, p.ldd, p.ld_sfb);
+  s.sfa_m = 1;
+  s.sfa_k = p.ld_sfa;
+  launch(s, 1, p.num_sms, stream);
+}
+
+bool grouped_fp8_gemm_small_m_fits(const GroupedFp8GemmParams& p) {
+  return p.layout == GroupedLayout::kMasked && p.M_total >= 1 && p.M_total <= kRowsA && p.K % kBlockK == 0 &&
+         p.K > 0 && p.ldd % 2 == 0 && p.d_group_stride % 2 == 0;
+}
+
+void launch_grouped_fp8_gemm_nt_bf16_small_m(const GroupedFp8GemmParams& p, cudaStream_t stream) {
+  SmallMParams s =
+      small_m_params(p.a, p.sfa, p.b, p.sfb, p.d, p.M_total, p.N, p.K, p.lda, p.ldb, p.ldd, p.ld_sfb);
+  s.masked_m = p.masked_m;
+  s.a_g = p.a_group_stride;
+  s.sfa_m = p.sfa_row_stride;
+  s.sfa_k = p.sfa_k_stride;
+  s.sfa_g = p.sfa_group_stride;
+  s.b_g = p.b_group_stride;
+  s.sfb_g = p.sfb_group_stride;
+  s.d_g = p.d_group_stride;
+  launch(s, p.num_groups, p.num_sms, stream);
 }
 
 }  // namespace deepinfer::gemm

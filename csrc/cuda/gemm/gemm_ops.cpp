@@ -16,6 +16,13 @@ namespace deepinfer {
 namespace {
 
 // SM count of the current device (cached per device index; read once with the runtime API).
+// The small-M FP8 GEMM kernels are opt-in while under test (bench/NOTES-fp8-gemm.md): DEEPINFER_FP8_GEMM_SMALL_M=1,
+// read per call.
+bool small_m_opted_in() {
+  const char* v = std::getenv("DEEPINFER_FP8_GEMM_SMALL_M");
+  return v != nullptr && std::strcmp(v, "1") == 0;
+}
+
 int num_sms() {
   static std::array<int, 64> cache{};
   int dev = 0;
@@ -124,10 +131,8 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   // so the choice may depend on M.
   const bool pingpong =
       !fp32 && !use_split && (M <= 64 || gemm_ceil_div(M, 64) * gemm_ceil_div(N, 128) <= p.num_sms);
-  // M <= 64: one warpgroup per 32-128 columns (weights streamed from every SM), same bits again. Under test: opt-in
-  // through DEEPINFER_FP8_GEMM_SMALL_M=1 (read per call) until it has run on a GPU (bench/NOTES-fp8-gemm.md).
-  const char* small_m_env = std::getenv("DEEPINFER_FP8_GEMM_SMALL_M");
-  if (!fp32 && small_m_env != nullptr && std::strcmp(small_m_env, "1") == 0 && gemm::fp8_gemm_small_m_fits(p)) {
+  // M <= 64: one warpgroup per 32-128 columns (weights streamed from every SM), same bits again (opt-in for now).
+  if (!fp32 && small_m_opted_in() && gemm::fp8_gemm_small_m_fits(p)) {
     gemm::launch_fp8_gemm_nt_bf16_small_m(p, current_stream());
     return;
   }
@@ -259,6 +264,13 @@ void m_grouped_fp8_gemm_nt_masked_cuda(at::Tensor& out, const at::Tensor& a, con
   p.d_group_stride = out.stride(0);
   p.masked_m = masked_m.const_data_ptr<int32_t>();
   p.M_total = static_cast<int>(max_m);
+  if (small_m_opted_in()) {
+    p.num_sms = num_sms();
+    if (gemm::grouped_fp8_gemm_small_m_fits(p)) {
+      gemm::launch_grouped_fp8_gemm_nt_bf16_small_m(p, current_stream());
+      return;
+    }
+  }
   run_grouped(p, out);
 }
 

@@ -97,6 +97,11 @@ struct GroupedFp8GemmParams {
   void* workspace;      // >= grouped_fp8_gemm_nt_bf16_workspace_size(...) bytes, 256-byte aligned
 };
 
+// Masked layout with max_m <= 64 and K % 128 == 0 (grouped_fp8_gemm_small_m_fits): the small-M kernel with one grid
+// row per group; a group without rows reads nothing. The same bits as the CUTLASS grouped kernels.
+bool grouped_fp8_gemm_small_m_fits(const GroupedFp8GemmParams& p);
+void launch_grouped_fp8_gemm_nt_bf16_small_m(const GroupedFp8GemmParams& p, cudaStream_t stream);
+
 // Workspace bytes: per-group argument arrays, the packed A scales (sfa_rows * ceil(K/128) floats, where sfa_rows =
 // M_total (contiguous) or G * max_m (masked)) and CUTLASS's own workspace.
 // Two configurations with the same bits: tile 128x128 cooperative, or (_pingpong) tile 64x128 ping-pong for groups
