@@ -360,9 +360,9 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
       const int b = t & 1;                  // register copies of S while a wgmma is in flight)
       if (t >= 0) {
         const uint32_t kb = k_s + b * L::kTileBytes;
-        cute::warpgroup_wait<0>();  // this consumer's PV of tile t - 1, and its QK^T of tile t when t is its own
+        cute::warpgroup_wait<0>();  // its own PV of tile t - 1, or its QK^T of tile t
         fence_regs(o);
-        if (t > 0) mbar_arrive(bar_empty + (b ^ 1));  // tile t - 1's buffer is no longer read by this consumer
+        if (t > 0 && (b ^ 1) == c) mbar_arrive(bar_empty + (b ^ 1));  // own tile t - 1's buffer is read no more
         if (b == c) {
           fence_regs(s);
           const uint64_t vmask = *reinterpret_cast<const uint64_t*>(smem + L::valid_off + b * 8);
@@ -419,6 +419,11 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
                                                    std::make_index_sequence<kPvN / 2>{});
           }
           cute::warpgroup_commit_batch();
+          // Release the buffer now, before waiting for the next tile: its refill must not wait for that tile's
+          // gather and QK^T (the gathers would run one after another).
+          cute::warpgroup_wait<0>();
+          fence_regs(o);
+          mbar_arrive(bar_empty + b);
         }
       }
       if (b != c && t + 1 < num_tiles) {  // S = Q K^T of this consumer's next tile over all dims, behind the PV

@@ -72,15 +72,25 @@ struct SmallM {
   int n0, r0, r1, t4;
   float acc[BN / 2];
 
-  // Block kb's A and B tiles into stage kb % kStages (zero-filled rows past M / N).
+  // Zeros in every stage's A rows past M (written once: the loads never touch them).
+  __device__ __forceinline__ void zero_pad_rows() const {
+    for (int i = M * 8 + threadIdx.x; i < kRowsA * 8; i += kThreads) {
+      const int r = i / 8, c = i % 8;
+#pragma unroll
+      for (int s = 0; s < kStages; ++s) {
+        st_shared_16(base + s * Smem<BN>::stage + swizzled(r, c), make_uint4(0u, 0u, 0u, 0u));
+      }
+    }
+  }
+
+  // Block kb's A rows (< M) and B tile (rows past N zero-filled) into stage kb % kStages.
   __device__ __forceinline__ void load(int kb) const {
     const uint32_t st = base + (kb % kStages) * Smem<BN>::stage;
     const uint8_t* a = p.a + blockIdx.y * p.a_g;
     const uint8_t* b = p.b + blockIdx.y * p.b_g;
-    for (int i = threadIdx.x; i < kRowsA * 8; i += kThreads) {
+    for (int i = threadIdx.x; i < M * 8; i += kThreads) {
       const int r = i / 8, c = i % 8;
-      const bool ok = r < M;
-      cp_async_16_zfill(st + swizzled(r, c), ok ? a + r * p.lda + kb * kBlockK + c * 16 : a, ok ? 16u : 0u);
+      cp_async_16_zfill(st + swizzled(r, c), a + r * p.lda + kb * kBlockK + c * 16, 16u);
     }
     for (int i = threadIdx.x; i < BN * 8; i += kThreads) {
       const int r = i / 8, c = i % 8;
@@ -123,9 +133,8 @@ struct SmallM {
   // its products and their promotion.
   __device__ __forceinline__ void step(int kb, int num_kb, float (&blk)[BN / 2]) {
     cp_async_wait_group<kStages - 2>();  // this thread's copies of block kb
-    fence_proxy_async_shared();
-    __syncthreads();  // everyone's copies of block kb
-    fence_proxy_async_shared();
+    fence_proxy_async_shared();          // (they and the zero rows) before the wgmma of any thread reads them
+    __syncthreads();
     if (kb + kStages - 1 < num_kb) load(kb + kStages - 1);
     cp_async_commit();
     issue(kb, blk);
@@ -147,6 +156,7 @@ __global__ void __launch_bounds__(kThreads) fp8_gemm_small_m_kernel(const __grid
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) k.acc[i] = 0.f;
   const int num_kb = p.K / kBlockK;
+  k.zero_pad_rows();
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < num_kb) k.load(s);
     cp_async_commit();
@@ -231,8 +241,8 @@ void launch_fp8_gemm_nt_bf16_small_m(const Fp8GemmParams& p, cudaStream_t stream
 }
 
 bool grouped_fp8_gemm_small_m_fits(const GroupedFp8GemmParams& p) {
-  return p.layout == GroupedLayout::kMasked && p.M_total >= 1 && p.M_total <= kRowsA && p.K % kBlockK == 0 &&
-         p.K > 0 && p.ldd % 2 == 0 && p.d_group_stride % 2 == 0;
+  return p.layout == GroupedLayout::kMasked && p.num_groups <= 65535 && p.M_total >= 1 && p.M_total <= kRowsA &&
+         p.K % kBlockK == 0 && p.K > 0 && p.ldd % 2 == 0 && p.d_group_stride % 2 == 0;
 }
 
 void launch_grouped_fp8_gemm_nt_bf16_small_m(const GroupedFp8GemmParams& p, cudaStream_t stream) {

@@ -102,7 +102,9 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   // M < 2^31 - 4: the A-scale layout covers round_up(M, 4) rows in int.
   DEEPINFER_CHECK(M < (1ll << 31) - 4 && N < (1ll << 31) && K < (1ll << 31), op,
                   "sizes must be < 2^31 (M < 2^31 - 4)");
-  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/true);
+  // The small-M kernel reads A scales with any leading dimension (no TMA padding rule, so no copy for it).
+  const bool small_m = !fp32 && small_m_opted_in() && M <= 64 && K % kGemmScaleBlock == 0 && split_k <= 1;
+  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/!small_m);
   const auto sfb = k_major_scales(b_scale);
   gemm::Fp8GemmParams p{};
   p.a = a.const_data_ptr();
@@ -132,7 +134,8 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   const bool pingpong =
       !fp32 && !use_split && (M <= 64 || gemm_ceil_div(M, 64) * gemm_ceil_div(N, 128) <= p.num_sms);
   // M <= 64: one warpgroup per 32-128 columns (weights streamed from every SM), same bits again (opt-in for now).
-  if (!fp32 && small_m_opted_in() && gemm::fp8_gemm_small_m_fits(p)) {
+  if (small_m) {  // the scales above were taken without the TMA rule: no fallback to CUTLASS from here
+    DEEPINFER_CHECK(gemm::fp8_gemm_small_m_fits(p), op, "internal error: the small-M kernel refuses M = ", M);
     gemm::launch_fp8_gemm_nt_bf16_small_m(p, current_stream());
     return;
   }

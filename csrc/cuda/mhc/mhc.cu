@@ -497,7 +497,10 @@ namespace {
 constexpr int64_t kFusedMinTokens = 2048;
 constexpr int kFusedMaxM = 24;
 
-bool hc_mix_fused(const HcMixParams& p) { return p.tokens >= kFusedMinTokens && p.m <= kFusedMaxM; }
+// bf16 streams only (the engine's; the other dtypes keep the split path, which also bounds the instantiations).
+bool hc_mix_fused(const HcMixParams& p) {
+  return p.dtype == DType::kBFloat16 && p.tokens >= kFusedMinTokens && p.m <= kFusedMaxM;
+}
 
 template <typename T, int kMaxM>
 void launch_fused_typed(const HcMixParams& p, bool vec, cudaStream_t stream) {
@@ -518,27 +521,34 @@ int64_t hc_mix_workspace_floats(const HcMixParams& p) {
 void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream) {
   if (p.tokens == 0) return;
   const int parts = static_cast<int>((p.k + kPartK - 1) / kPartK);
+  const auto vec_ok = [&](size_t elem) {
+    return p.k % 4 == 0 && p.x_row_stride % 4 == 0 && is_aligned(p.x, static_cast<int>(4 * elem)) &&
+           is_aligned(p.fn, 16);
+  };
+  if (hc_mix_fused(p)) {
+    using T = __nv_bfloat16;
+    const bool vec = vec_ok(sizeof(T));
+    if (p.m <= 4) {
+      launch_fused_typed<T, 4>(p, vec, stream);
+    } else if (p.m <= 8) {
+      launch_fused_typed<T, 8>(p, vec, stream);
+    } else if (p.m <= 16) {
+      launch_fused_typed<T, 16>(p, vec, stream);
+    } else {
+      launch_fused_typed<T, 24>(p, vec, stream);
+    }
+    DEEPINFER_CHECK_LAUNCH("hc_mix_fused_kernel");
+    return;
+  }
   DEEPINFER_DISPATCH_FLOAT(p.dtype, [&] {
-    const bool vec = p.k % 4 == 0 && p.x_row_stride % 4 == 0 && is_aligned(p.x, 4 * sizeof(scalar_t)) &&
-                     is_aligned(p.fn, 16);
-    if (hc_mix_fused(p)) {
-      if (p.m <= 4) {
-        launch_fused_typed<scalar_t, 4>(p, vec, stream);
-      } else if (p.m <= 8) {
-        launch_fused_typed<scalar_t, 8>(p, vec, stream);
-      } else if (p.m <= 16) {
-        launch_fused_typed<scalar_t, 16>(p, vec, stream);
-      } else {
-        launch_fused_typed<scalar_t, 24>(p, vec, stream);
-      }
-    } else if (p.tokens >= 1024) {  // 2 tokens per thread share the weight reads once tokens fill the GPU
+    const bool vec = vec_ok(sizeof(scalar_t));
+    if (p.tokens >= 1024) {  // 2 tokens per thread share the weight reads once tokens fill the GPU
       launch_mix_m<scalar_t, 2>(p, workspace, parts, vec, stream);
     } else {
       launch_mix_m<scalar_t, 1>(p, workspace, parts, vec, stream);
     }
   });
-  DEEPINFER_CHECK_LAUNCH("hc_mix kernel");
-  if (hc_mix_fused(p)) return;
+  DEEPINFER_CHECK_LAUNCH("hc_mix_partial_kernel");
   const int64_t n = p.tokens * p.m;
   hc_mix_finish_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(p, workspace, parts);
   DEEPINFER_CHECK_LAUNCH("hc_mix_finish_kernel");
