@@ -31,8 +31,8 @@ __host__ __device__ constexpr int mix_threads() {
   return (kTpt == 1 ? 8 : 16) * kSlices;  // token groups per CTA x kSlices
 }
 
-// Stages the weights of the chunk at column c0 in w_s [kMaxM][kChunk / 4] (asynchronous copies when vec; zeros past
-// K or past m rows are not read).
+// Stages the weights of the chunk at column c0 in w_s [kMaxM][kChunk / 4]: asynchronous copies when vec, columns
+// past K as zeros; rows m >= p.m are neither written nor read.
 template <int kMaxM, int kThreads>
 __device__ __forceinline__ void stage_weights(const HcMixParams& p, float4 (*w_s)[kChunk / 4], int64_t c0, bool vec) {
   for (int i = threadIdx.x; i < p.m * (kChunk / 4); i += kThreads) {
