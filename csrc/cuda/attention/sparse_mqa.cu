@@ -576,7 +576,12 @@ void launch(const SparseMqaParams& p, cudaStream_t stream) {
   // DEEPINFER_SPARSE_MQA_CONSUMERS=alternate picks the alternate-tile consumers (under test; read per launch so
   // that one process can time both).
   const char* mode = std::getenv("DEEPINFER_SPARSE_MQA_CONSUMERS");
-  if (mode != nullptr && std::strcmp(mode, "alternate") == 0) {
+  const bool alternate = mode != nullptr && std::strcmp(mode, "alternate") == 0;
+  if (mode != nullptr && !alternate && mode[0] != '\0' && std::strcmp(mode, "default") != 0) {
+    throw std::runtime_error(std::string("deepinfer sparse_mqa: DEEPINFER_SPARSE_MQA_CONSUMERS must be 'default' or "
+                                         "'alternate', got '") + mode + "'");
+  }
+  if (alternate) {
     ensure_dynamic_smem(sparse_mqa_sm90_kernel<kDim, true>, smem);
     sparse_mqa_sm90_kernel<kDim, true><<<grid, kThreads, smem, stream>>>(p);
   } else {

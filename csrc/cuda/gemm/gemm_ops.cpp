@@ -18,9 +18,11 @@ namespace {
 // SM count of the current device (cached per device index; read once with the runtime API).
 // The small-M FP8 GEMM kernels are opt-in while under test (bench/NOTES-fp8-gemm.md): DEEPINFER_FP8_GEMM_SMALL_M=1,
 // read per call.
-bool small_m_opted_in() {
+bool small_m_opted_in(const char* op) {
   const char* v = std::getenv("DEEPINFER_FP8_GEMM_SMALL_M");
-  return v != nullptr && std::strcmp(v, "1") == 0;
+  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "0") == 0) return false;
+  DEEPINFER_CHECK(std::strcmp(v, "1") == 0, op, "DEEPINFER_FP8_GEMM_SMALL_M must be 0 or 1, got '", v, "'");
+  return true;
 }
 
 int num_sms() {
@@ -103,7 +105,7 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   DEEPINFER_CHECK(M < (1ll << 31) - 4 && N < (1ll << 31) && K < (1ll << 31), op,
                   "sizes must be < 2^31 (M < 2^31 - 4)");
   // The small-M kernel reads A scales with any leading dimension (no TMA padding rule, so no copy for it).
-  const bool small_m = !fp32 && small_m_opted_in() && M <= 64 && K % kGemmScaleBlock == 0 && split_k <= 1;
+  const bool small_m = !fp32 && small_m_opted_in(op) && M <= 64 && K % kGemmScaleBlock == 0 && split_k <= 1;
   auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/!small_m);
   const auto sfb = k_major_scales(b_scale);
   gemm::Fp8GemmParams p{};
@@ -267,7 +269,7 @@ void m_grouped_fp8_gemm_nt_masked_cuda(at::Tensor& out, const at::Tensor& a, con
   p.d_group_stride = out.stride(0);
   p.masked_m = masked_m.const_data_ptr<int32_t>();
   p.M_total = static_cast<int>(max_m);
-  if (small_m_opted_in()) {
+  if (small_m_opted_in(op)) {
     p.num_sms = num_sms();
     if (gemm::grouped_fp8_gemm_small_m_fits(p)) {
       gemm::launch_grouped_fp8_gemm_nt_bf16_small_m(p, current_stream());
