@@ -215,6 +215,10 @@ def main() -> None:
         rows.append(bench_dense(4096, 7168, 16384, "reference"))
         rows.append(bench_contiguous([8192] * 4, 4096, 7168, "reference"))
         rows.append(bench_masked(4, 256, 256, 4096, 7168, "reference"))
+        for m in (1, 64):  # the small-M kernel's shapes
+            rows.append(bench_dense(m, 4096, 8192, "wo_b"))
+        for g, max_m, exp_m in [(32, 64, 32), (256, 32, 6)]:
+            rows.append(bench_masked(g, max_m, exp_m, 4096, 7168, "reference"))
     else:
         for m, n, k in REFERENCE_MNK:
             rows.append(bench_dense(m, n, k, "reference"))

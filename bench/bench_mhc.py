@@ -12,6 +12,7 @@ Run on a GPU: python bench/bench_mhc.py [--quick] [--out-dir DIR]
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -29,7 +30,7 @@ HC, HIDDEN, MIX = 4, 4096, 24
 def main() -> None:
     args = bench_args(__doc__.splitlines()[0])
     torch.manual_seed(0)
-    tokens = [8192] if args.quick else [1, 64, 512, 2048, 8192, 16384]
+    tokens = [2048, 8192, 16384] if args.quick else [1, 64, 512, 2048, 8192, 16384]
     rows = []
     for t in tokens:
         streams = torch.randn(t, HC, HIDDEN, device="cuda", dtype=torch.bfloat16)
@@ -44,8 +45,18 @@ def main() -> None:
         us = time_cuda(lambda: deepinfer_ops.hc_mix(flat, fn, 1e-6))
         peer = time_cuda(lambda: F.linear(deepinfer_ops.rms_norm(flat.float(), None, 1e-6), fn))
         nbytes = sb + 4 * t * MIX
+        peers = {"torch_eager": metrics(peer, bytes_moved=nbytes)}
+        if t >= 1024:  # the split path (partials + finish), which the fused kernel replaces from 2048 tokens
+            ref = deepinfer_ops.hc_mix(flat, fn, 1e-6)
+            os.environ["DEEPINFER_HC_MIX_FUSED"] = "0"
+            try:
+                split = time_cuda(lambda: deepinfer_ops.hc_mix(flat, fn, 1e-6))
+                same = bool(torch.equal(deepinfer_ops.hc_mix(flat, fn, 1e-6), ref))
+            finally:
+                del os.environ["DEEPINFER_HC_MIX_FUSED"]
+            peers["ours_split_path"] = {**metrics(split, bytes_moved=nbytes), "same_bits": same}
         rows.append({"op": "hc_mix", "shape": {**shape, "M": MIX}, **metrics(us, bytes_moved=nbytes),
-                     "peers": {"torch_eager": metrics(peer, bytes_moved=nbytes)}})
+                     "peers": peers})
 
         us = time_cuda(lambda: deepinfer_ops.hc_collapse(streams, pre))
         peer = time_cuda(lambda: (pre.unsqueeze(-1) * streams.float()).sum(dim=1).to(streams.dtype))

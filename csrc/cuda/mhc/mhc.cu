@@ -1,6 +1,10 @@
 #include "deepinfer/mhc/mhc.cuh"
 #include "deepinfer/ptx.cuh"
 #include "common/mhc_math.h"
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 
 namespace deepinfer::mhc {
 namespace {
@@ -498,7 +502,13 @@ constexpr int64_t kFusedMinTokens = 2048;
 constexpr int kFusedMaxM = 24;
 
 // bf16 streams only (the engine's; the other dtypes keep the split path, which also bounds the instantiations).
+// DEEPINFER_HC_MIX_FUSED=0 keeps the split path (read per call, so that bench_mhc can time both on one card).
 bool hc_mix_fused(const HcMixParams& p) {
+  const char* v = std::getenv("DEEPINFER_HC_MIX_FUSED");
+  if (v != nullptr && v[0] != '\0' && std::strcmp(v, "1") != 0) {
+    if (std::strcmp(v, "0") == 0) return false;
+    throw std::runtime_error(std::string("deepinfer hc_mix: DEEPINFER_HC_MIX_FUSED must be 0 or 1, got '") + v + "'");
+  }
   return p.dtype == DType::kBFloat16 && p.tokens >= kFusedMinTokens && p.m <= kFusedMaxM;
 }
 
