@@ -16,7 +16,6 @@ Run on a GPU: python bench/bench_attention.py [--quick] [--out-dir DIR]
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -54,23 +53,6 @@ def _sparse_case(rows, topk, gen_blocks):
     return comp, win, idx, widx, sink
 
 
-def _alternate(fn, flops, nbytes, iters=50):
-    """``fn`` (a sparse MQA call) with the alternate-tile consumers (``DEEPINFER_SPARSE_MQA_CONSUMERS``, under test):
-    its metrics and the largest difference of its output from the default consumers'."""
-    if os.environ.get("DEEPINFER_BENCH_SKIP_ALTERNATE"):  # set by tools/gpu_check.sh when the mode's tests fail
-        return {"skipped": os.environ["DEEPINFER_BENCH_SKIP_ALTERNATE"]}
-    mode = os.environ.pop("DEEPINFER_SPARSE_MQA_CONSUMERS", None)
-    try:
-        ref = fn()[0].float()
-        os.environ["DEEPINFER_SPARSE_MQA_CONSUMERS"] = "alternate"
-        diff = (fn()[0].float() - ref).abs().max().item()
-        return {**metrics(time_cuda(fn, iters=iters), flops, nbytes), "max_abs_diff_vs_default": diff}
-    finally:
-        os.environ.pop("DEEPINFER_SPARSE_MQA_CONSUMERS", None)
-        if mode is not None:
-            os.environ["DEEPINFER_SPARSE_MQA_CONSUMERS"] = mode
-
-
 def _sparse_metrics(rows, n):
     nbytes = rows * n * DIM * 2 + 2 * rows * HEADS * DIM * 2 + rows * n * 4
     return 4 * rows * HEADS * n * DIM, nbytes
@@ -93,7 +75,6 @@ def bench_decode(quick):
             out.append({"op": "sparse_mqa_decode",
                         "shape": {"b": b, "s_q": s_q, "h": HEADS, "topk": TOPK, "window": WINDOW, "dtype": "bf16"},
                         **metrics(time_cuda(fn), flops, nbytes),
-                        "alternate_consumers": _alternate(fn, flops, nbytes),
                         "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes)}})
             # FP8 MODEL1 compressed cache (584 B entries), bf16 window: same math, fewer bytes.
             comp8 = torch.empty(comp.shape[0], BLOCK, 584, device="cuda", dtype=torch.uint8)
@@ -106,7 +87,6 @@ def bench_decode(quick):
                         "shape": {"b": b, "s_q": s_q, "h": HEADS, "topk": TOPK, "window": WINDOW,
                                   "dtype": "fp8_model1+bf16_window"},
                         **metrics(time_cuda(fn8), flops, nbytes8),
-                        "alternate_consumers": _alternate(fn8, flops, nbytes8),
                         "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes8)}})
     return out
 
@@ -124,7 +104,6 @@ def bench_prefill(quick):
         out.append({"op": "sparse_mqa_prefill",
                     "shape": {"tokens": t, "h": HEADS, "topk": topk, "window": WINDOW, "dtype": "bf16"},
                     **metrics(time_cuda(fn, iters=20), flops, nbytes),
-                    "alternate_consumers": _alternate(fn, flops, nbytes, iters=20),
                     "peers": {"torch_gather_sdpa": metrics(peer, flops, nbytes)}})
     return out
 

@@ -18,7 +18,6 @@ Run on a GPU: python bench/bench_fp8_gemm.py [--quick] [--out-dir DIR]
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -77,24 +76,6 @@ def _split_peers(peers):
             "peer_errors": {k: v["error"] for k, v in peers.items() if "error" in v}}
 
 
-def _small_m_peer(peers, fn, out, flops, nbytes):
-    """The small-M kernels (opt-in while under test) as peer ``ours_small_m``: ``fn`` timed with them on, and
-    whether ``out`` keeps the default kernel's bits (``fn`` writes ``out``; rows a masked group leaves out are
-    compared too, as both kernels leave them alone)."""
-    skip = os.environ.get("DEEPINFER_BENCH_SKIP_SMALL_M")  # set by tools/gpu_check.sh when their tests fail
-    if skip:
-        peers["ours_small_m"] = {"us": float("nan"), "error": f"skipped: {skip}"}
-        return
-    fn()
-    ref = out.clone()
-    os.environ["DEEPINFER_FP8_GEMM_SMALL_M"] = "1"
-    try:
-        us = time_cuda(fn)
-        peers["ours_small_m"] = {**metrics(us, flops, nbytes), "same_bits": bool(torch.equal(out, ref))}
-    finally:
-        del os.environ["DEEPINFER_FP8_GEMM_SMALL_M"]
-
-
 def bench_dense(m, n, k, name):
     a, b = _fp8((m, k)), _fp8((n, k))
     sa = _scales((_cdiv(k, 128), m)).t()  # column-major [M, K/128] (cuBLASLt's layout)
@@ -109,8 +90,6 @@ def bench_dense(m, n, k, name):
     if split > 1:  # our opt-in split-K schedule, reported as a second line-item ("ours_split_k")
         split_us = time_cuda(lambda: deepinfer_ops.fp8_gemm_nt(a, sa_ours, b, sb, out=out, split_k=split))
         peers[f"ours_split_k{split}"] = metrics(split_us, flops, nbytes)
-    if m <= 64 and k % 128 == 0:
-        _small_m_peer(peers, lambda: deepinfer_ops.fp8_gemm_nt(a, sa_ours, b, sb, out=out), out, flops, nbytes)
     _peer(peers, "cublaslt_scaled_mm", lambda: torch._scaled_mm(a, b.t(), sa, sb.t(), out_dtype=torch.bfloat16),
           flops, nbytes)
     _deepgemm_peer(peers, name, lambda: deep_gemm.fp8_gemm_nt((a, sa_ours), (b, sb), out), flops, nbytes)
@@ -173,9 +152,6 @@ def bench_masked(g, max_m, expected_m, n, k, name):
     nbytes = m * k + g * n * k + 2 * m * n + 4 * m * _cdiv(k, 128)
     us = time_cuda(lambda: deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked, out=out))
     peers = {}
-    if max_m <= 64 and k % 128 == 0:
-        _small_m_peer(peers, lambda: deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, masked, out=out), out,
-                      flops, nbytes)
     _grouped_bf16_peer(peers, [expected_m] * g, n, k, flops, nbytes)
     _deepgemm_peer(peers, name,
                    lambda: deep_gemm.m_grouped_fp8_gemm_nt_masked((a, sa), (b, sb), out, masked, expected_m),
@@ -215,10 +191,6 @@ def main() -> None:
         rows.append(bench_dense(4096, 7168, 16384, "reference"))
         rows.append(bench_contiguous([8192] * 4, 4096, 7168, "reference"))
         rows.append(bench_masked(4, 256, 256, 4096, 7168, "reference"))
-        for m in (1, 64):  # the small-M kernel's shapes
-            rows.append(bench_dense(m, 4096, 8192, "wo_b"))
-        for g, max_m, exp_m in [(32, 64, 32), (256, 32, 6)]:
-            rows.append(bench_masked(g, max_m, exp_m, 4096, 7168, "reference"))
     else:
         for m, n, k in REFERENCE_MNK:
             rows.append(bench_dense(m, n, k, "reference"))

@@ -42,34 +42,9 @@ echo "build took $(( $(date +%s) - t0 )) s" | tee -a "$OUT/build.log"
 fi
 
 echo "== tests"
-DEEPINFER_REQUIRE_CUDA=1 python3 -m pytest -q -rs --ignore=tests/ops/test_attention_consumers.py \
-  --ignore=tests/ops/test_gemm_small_m.py ${PYTEST_ARGS:-tests} >"$OUT/pytest.log" 2>&1
+DEEPINFER_REQUIRE_CUDA=1 python3 -m pytest -q -rs ${PYTEST_ARGS:-tests} >"$OUT/pytest.log" 2>&1
 test_rc=$?
 tail -25 "$OUT/pytest.log"
-# Kernels under test, opt-in by environment until they have run here: their tests run apart, under a time limit
-# (an untested kernel may hang), and their bench rows are skipped when the tests fail. Drop a block when its kernel
-# becomes the default.
-under_test() {  # name, skip variable, then the command
-  local name=$1 skip=$2; shift 2
-  DEEPINFER_REQUIRE_CUDA=1 timeout ${UNDER_TEST_TIMEOUT:-300} "$@" >"$OUT/pytest_$name.log" 2>&1
-  local rc=$?
-  echo "$name: rc=$rc $(tail -1 "$OUT/pytest_$name.log")"
-  [ $rc -eq 0 ] || { test_rc=1; export "$skip=its tests failed (rc $rc)"; }
-}
-if [ -z "${PYTEST_ARGS:-}" ] || [[ "${PYTEST_ARGS}" == *attention* ]]; then
-  # the sparse MQA alternate-tile consumers (bench/NOTES-attention.md 12): their own tests, then the attention
-  # suite in that mode
-  under_test alternate_consumers DEEPINFER_BENCH_SKIP_ALTERNATE \
-    python3 -m pytest -q -rs tests/ops/test_attention_consumers.py
-  [ -n "${DEEPINFER_BENCH_SKIP_ALTERNATE:-}" ] || under_test alternate_attention DEEPINFER_BENCH_SKIP_ALTERNATE \
-    env DEEPINFER_SPARSE_MQA_CONSUMERS=alternate python3 -m pytest -q -rs tests/ops/test_attention.py \
-    tests/ops/test_attention_lse.py
-fi
-if [ -z "${PYTEST_ARGS:-}" ] || [[ "${PYTEST_ARGS}" == *gemm* ]]; then
-  # the small-M FP8 GEMM (bench/NOTES-fp8-gemm.md)
-  under_test small_m_gemm DEEPINFER_BENCH_SKIP_SMALL_M python3 -m pytest -q -rs tests/ops/test_gemm_small_m.py
-fi
-
 echo "== main job on the GPU: deepinfer generate over examples/requests.jsonl (built-in tiny model)"
 DEEPINFER_ACCELERATOR=nvidia DEEPINFER_CACHE_DIR=/tmp/deepinfer-cache timeout ${GENERATE_TIMEOUT:-240} \
   python3 -m deepinfer.cli generate --input examples/requests.jsonl --output "$OUT/generate.jsonl" \

@@ -804,6 +804,7 @@ class LLM:
         seqs = []
         for i, (p, sp) in enumerate(zip(prompts, params_list)):
             ids: list[int] = []
+            field = "prompt"  # what the error record's param names
             try:  # a bad prompt or parameter set becomes that request's error; the others run
                 if isinstance(p, str):
                     ids = self.encode(p)
@@ -812,9 +813,11 @@ class LLM:
                         if isinstance(t, bool):
                             raise TypeError("bool")
                         ids.append(operator.index(t))  # ints, numpy / 0-dim torch integers; never floats
+                field = "sampling_params"
                 if not isinstance(sp, SamplingParams):
                     raise ValueError(f"sampling_params[{i}] must be a SamplingParams, got {type(sp).__name__}")
                 sp.validate(self.vocab_size or None)
+                field = "prompt"
                 bad = [t for t in ids if not 0 <= t < self.vocab_size] if self.vocab_size else []
                 if bad:
                     raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
@@ -823,7 +826,8 @@ class LLM:
                 msg = (str(e) if isinstance(e, ValueError)
                        else f"prompts[{i}] must be a string or a list of integer token ids")
                 seq = self._new_seq(ids, SamplingParams())
-                seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": msg}
+                seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": msg,
+                             "param": getattr(e, "param", None) or field, "status_code": 400}
                 seq.status = SequenceStatus.FINISHED
             seqs.append(seq)
         return seqs

@@ -86,11 +86,13 @@ class SamplingParams:
                                      f"top_logprobs must be an integer in [0, 20], got {self.top_logprobs!r}")
         if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise SamplingParamError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
-        if (isinstance(self.stop_token_ids, (str, bytes)) or not hasattr(self.stop_token_ids, "__iter__")
-                or not all(integer(t) and t >= 0 for t in self.stop_token_ids)):
+        ids = self.stop_token_ids
+        if not isinstance(ids, (str, bytes)) and hasattr(ids, "__iter__"):
+            ids = tuple(ids)  # once: a generator or other one-shot iterable is read here, and kept as read
+        if not isinstance(ids, tuple) or not all(integer(t) and t >= 0 for t in ids):
             raise SamplingParamError("stop_token_ids",
-                                     f"stop_token_ids must be a sequence of token ids >= 0, got "
-                                     f"{self.stop_token_ids!r}")
+                                     f"stop_token_ids must be a sequence of token ids >= 0, got {ids!r}")
+        self.stop_token_ids = ids
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -11,12 +11,6 @@ Run time:
     DEEPINFER_DEBUG        ``1``: the ``deepinfer`` CLI re-raises errors with their traceback instead of one line.
     DEEPINFER_CACHE_DIR    where generated artefacts (the built-in tiny checkpoint) are kept;
                            default ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``.
-Kernels under test (read by the CUDA ops at each call; opt-in until they have run on a GPU; another value makes
-the op raise, naming the variable):
-    DEEPINFER_SPARSE_MQA_CONSUMERS  ``default`` or ``alternate``: sparse MQA's alternate-tile consumers
-                                    (bench/NOTES-attention.md).
-    DEEPINFER_FP8_GEMM_SMALL_M      ``0`` or ``1``: the small-M FP8 GEMM for M <= 64 and masked max_m <= 64
-                                    (bench/NOTES-fp8-gemm.md).
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
-"""The sparse MQA kernel's alternate-tile consumers (``DEEPINFER_SPARSE_MQA_CONSUMERS=alternate``, CUDA only).
-
-Each consumer warpgroup scores every other 64-entry tile over all dims and passes its weights to the other
-(bench/NOTES-attention.md section 12). Its numerics differ from the default consumers' in the last bits (a
-different fp32 summation order), so it is held to the fp32 reference with the usual bf16 tolerances, to the default
-kernel within the same tolerances, and to its own rules: batch invariance and decode == prefill bit for bit.
-``tools/gpu_check.sh`` also runs the whole attention suite a second time in this mode.
+"""The sparse MQA kernel's alternate-tile consumers (CUDA only): each consumer warpgroup scores every other 64-entry
+tile over all dims and passes its weights to the other (bench/NOTES-attention.md section 12). Every tile count from
+0 to 11 (odd and even: either consumer scores the last tile) against the fp32 reference, with batch invariance and
+decode == prefill bit for bit, and the FP8 cache.
 """
 
 from __future__ import annotations
@@ -17,9 +14,6 @@ from deepinfer_ops.testing import refs
 
 from test_attention import _check, _decode_case, _run_decode
 
-MODE = "DEEPINFER_SPARSE_MQA_CONSUMERS"
-
-
 # Tile counts 0 .. 11 per row (topk_length draws vary them inside a case), odd and even; every head_dim the kernel
 # takes; head counts that leave padded rows in the 64-row tile.
 @pytest.mark.cuda
@@ -27,16 +21,13 @@ MODE = "DEEPINFER_SPARSE_MQA_CONSUMERS"
     (5, 1, 64, 512, 512, 128, 64), (3, 2, 64, 512, 200, 64, 64), (2, 3, 16, 512, 70, 7, 16),
     (4, 1, 128, 256, 130, 60, 32), (3, 2, 8, 128, 33, 31, 7), (6, 1, 40, 64, 64, 0, 64), (1, 4, 64, 512, 1, 1, 64),
 ])
-def test_cuda_alternate_consumers_match_ref_and_default(monkeypatch, b, s_q, h, dim, topk, window, block_size):
+def test_cuda_alternate_consumers_match_ref(b, s_q, h, dim, topk, window, block_size):
     q, comp, idx, kw = _decode_case("cuda", b, s_q, h, dim, topk, window, block_size, 7 * b + dim + topk)
     if window == 0:
         kw = {k: v for k, v in kw.items() if k not in ("extra_kv_cache", "extra_indices", "extra_topk_length")}
     scale = dim ** -0.5
-    out_d, lse_d = _run_decode(q, comp, idx, scale, **kw)
-    monkeypatch.setenv(MODE, "alternate")
     out, lse = _run_decode(q, comp, idx, scale, **kw)
     _check(out, lse, *refs.sparse_mqa_decode_ref(q, comp, idx, scale, **kw))
-    _check(out, lse, out_d, lse_d)
     again = _run_decode(q, comp, idx, scale, **kw)
     assert torch.equal(again[0], out) and torch.equal(again[1], lse)
     # Batch invariance: one sequence alone gives its rows of the batch bit for bit.
@@ -48,9 +39,8 @@ def test_cuda_alternate_consumers_match_ref_and_default(monkeypatch, b, s_q, h, 
 
 
 @pytest.mark.cuda
-def test_cuda_alternate_consumers_decode_equals_prefill(monkeypatch):
+def test_cuda_alternate_consumers_decode_equals_prefill():
     """One query row per token through sparse_mqa_prefill gives the decode rows bit for bit (one kernel)."""
-    monkeypatch.setenv(MODE, "alternate")
     q, comp, idx, kw = _decode_case("cuda", 6, 1, 64, 512, 300, 128, 64, 3, lengths=False)
     win, widx, sink = kw["extra_kv_cache"], kw["extra_indices"], kw["attn_sink"]
     out, lse = _run_decode(q, comp, idx, 512 ** -0.5, **kw)
@@ -61,13 +51,13 @@ def test_cuda_alternate_consumers_decode_equals_prefill(monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_alternate_consumers_fp8_cache(monkeypatch):
-    """The FP8 MODEL1 compressed cache: the alternate consumers read the producer's decoded rows alike."""
+def test_cuda_alternate_consumers_fp8_cache():
+    """The FP8 MODEL1 compressed cache (rows decoded by the producer) against the reference on the decoded cache."""
     q, comp, idx, kw = _decode_case("cuda", 3, 2, 64, 512, 256, 128, 64, 11)
     comp8 = torch.empty(comp.shape[0], comp.shape[1], 584, dtype=torch.uint8, device="cuda")
     deepinfer_ops.kv_cache_write_fp8(comp8, comp.reshape(-1, 512), torch.arange(comp8.shape[0] * comp8.shape[1],
                                                                                  device="cuda"))
-    out_d, lse_d = _run_decode(q, comp8, idx, 512 ** -0.5, **kw)
-    monkeypatch.setenv(MODE, "alternate")
     out, lse = _run_decode(q, comp8, idx, 512 ** -0.5, **kw)
-    _check(out, lse, out_d, lse_d)
+    slots = torch.arange(comp8.shape[0] * comp8.shape[1], device="cuda")
+    deq = deepinfer_ops.kv_cache_dequant_fp8(comp8, slots).view(comp.shape)
+    _check(out, lse, *refs.sparse_mqa_decode_ref(q, deq, idx, 512 ** -0.5, **kw))

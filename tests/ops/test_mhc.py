@@ -33,10 +33,11 @@ def test_hc_mix_matches_reference(device, tokens, k, m, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("k,m", [(16384, 24), (4099, 13), (1000, 8), (300, 4), (256, 1), (5000, 16)])
-def test_cuda_hc_mix_fused_equals_split_path(k, m):
-    """bf16 streams from 2048 tokens: one CTA walks all of K (the fused kernel); fewer tokens spread K's parts over
-    CTAs and sum them in a second kernel. A token's bits are the same either way; strided and misaligned rows too."""
+@pytest.mark.parametrize("k,m", [(16384, 24), (4099, 13), (1000, 8), (300, 4), (256, 1), (5000, 16), (4096, 25)])
+def test_cuda_hc_mix_bf16_any_token_count(k, m):
+    """bf16 streams with M <= 24 take the tensor-core kernel (split fp32 weights): close to the fp32 reference and to
+    the FMA kernel (DEEPINFER_HC_MIX_MMA=0), and a token's bits do not depend on how many tokens share the call;
+    strided and misaligned rows too. M = 25 keeps the FMA kernel."""
     dtype = torch.bfloat16
     g = torch.Generator().manual_seed(k + m)
     tokens = 2048 + 37
@@ -46,7 +47,13 @@ def test_cuda_hc_mix_fused_equals_split_path(k, m):
         full = deepinfer_ops.hc_mix(x, fn, 1e-6)
         assert_close(full, refs.hc_mix_ref(x, fn, 1e-6), MIX_TOL, name="hc_mix")
         split = torch.cat([deepinfer_ops.hc_mix(x[lo:lo + 1000], fn, 1e-6) for lo in range(0, tokens, 1000)])
-        assert torch.equal(full, split), "hc_mix: the fused kernel's bits differ from the split path's"
+        assert torch.equal(full, split), "hc_mix: a token's bits depend on the number of tokens"
+        assert torch.equal(deepinfer_ops.hc_mix(x[5:6], fn, 1e-6), full[5:6])
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("DEEPINFER_HC_MIX_MMA", "0")
+            fma = deepinfer_ops.hc_mix(x, fn, 1e-6)
+        assert_close(full, fma, MIX_TOL, name="hc_mix (tensor cores vs FMA)")
+        assert torch.equal(full, fma) == (m > 24), "the M > 24 call should take the FMA kernel, the others not"
 
 
 def test_hc_mix_row_strided_and_misaligned(device):

@@ -8,19 +8,16 @@
 // `full` mbarrier once for its stores and once more through cp.async.mbarrier.arrive.noinc, which fires when its
 // copies have landed, so the next tile's gathers go out as soon as the consumers release that buffer through its
 // `empty` mbarrier (after their PV product has read it).
-// Per tile, consumer c computes the partial S_c = Q[:, half c] K[:, half c]^T over its half of the dims (wgmma
-// m64n64k16, both operands from shared memory); the two partials are exchanged through shared memory and summed as
-// S_0 + S_1 (the same fp32 bits in both warpgroups), so both run the same online softmax (base-2 exponent, weights
-// rounded to bf16 and summed as rounded) and then O[:, half c] += P V[:, half c] (wgmma with P from registers, V as
-// the MN-major operand); the sink logit joins the denominator at the end. No split-KV: every head row is computed
-// the same way whatever the batch or the heads beside it, so results are batch-invariant by construction.
-// DEEPINFER_SPARSE_MQA_CONSUMERS=alternate selects the alternate-tile consumers instead (kAlt; under test): each
-// consumer scores every other tile over all dims and hands its weights to the other (bench/NOTES-attention.md 12).
+// Consumers on alternate tiles: tile t is scored by consumer t % 2 over all dims (S = Q K^T, wgmma m64n64k16 with
+// both operands from shared memory), which runs the online softmax (base-2 exponent, weights rounded to bf16 and
+// summed as rounded) and hands its bf16 weights P and new running max to the other consumer through shared memory
+// and a named barrier. Both then apply every tile in order to their half of O: O = alpha O + P V[:, half c] (the
+// scorer with P from registers, the other from shared memory; V as the MN-major operand). The sink logit joins the
+// denominator at the end. No split-KV: every head row is computed the same way whatever the batch or the heads
+// beside it, so results are batch-invariant by construction (bench/NOTES-attention.md 12).
 #include <cuda_fp8.h>
 #include <math_constants.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <utility>
 
 #include "deepinfer/attention/sparse_mqa.cuh"
@@ -63,16 +60,14 @@ struct Layout {
   static constexpr int kTileBytes = kRows * kDim * 2;  // Q tile or one K buffer
   static constexpr int q_off = 0;
   static constexpr int k_off = kTileBytes;                 // two K buffers
-  static constexpr int x_off = k_off + 2 * kTileBytes;     // QK^T partials: per consumer, 8 x 128 float4
-  static constexpr int valid_off = x_off + 2 * kRows * kEntries * 4;  // per buffer a 64-bit mask of valid entries
-  static constexpr int bar_off = valid_off + 2 * 8;                    // full[2], empty[2]
-  static constexpr int bytes = bar_off + 4 * 8;
-  // Alternate-tile consumers (kAlt) use the partials' space for: per buffer the scorer's bf16 weights P (64 heads x
-  // 64 entries, one swizzled 128-byte column block) and its running max per head; per consumer its row sums.
-  static constexpr int p_off = x_off;
+  // Per buffer the scorer's bf16 weights P (64 heads x 64 entries, one swizzled 128-byte column block, 1024-byte
+  // aligned) and its running max per head; per consumer its row sums (l, lf).
+  static constexpr int p_off = k_off + 2 * kTileBytes;
   static constexpr int m_off = p_off + 2 * kRows * kEntries * 2;
   static constexpr int l_off = m_off + 2 * kRows * 4;
-  static_assert(l_off + 2 * kRows * 2 * 4 <= valid_off, "alternate-tile state fits the partials' space");
+  static constexpr int valid_off = l_off + 2 * kRows * 2 * 4;  // per buffer a 64-bit mask of valid entries
+  static constexpr int bar_off = valid_off + 2 * 8;            // full[2], empty[2]
+  static constexpr int bytes = bar_off + 4 * 8;
   static constexpr int alloc = bytes + 1024;  // the base is aligned up to 1024 B (the swizzle's repeat)
 };
 
@@ -178,12 +173,11 @@ __device__ __forceinline__ void rescale_o(float (&o)[N], float alpha0, float alp
   }
 }
 
-template <int kDim, bool kAlt>
+template <int kDim>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __grid_constant__ SparseMqaParams p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using L = Layout<kDim>;
   constexpr int kChunks = kDim / 8;                   // 16-byte chunks per row
-  constexpr int kHalf = kDim / 2;                     // dims of each consumer's QK^T share
   constexpr int kPvN = kDim >= 128 ? kDim / 2 : kDim;  // dims of each consumer's PV share (head_dim 64: both all)
   constexpr float kLog2e = 1.4426950408889634f, kLn2 = 0.6931471805599453f;
   extern __shared__ char smem_raw[];
@@ -345,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
   uint32_t pa[4][4];
   float alpha0, alpha1, sum0, sum1, sumf0, sumf1;
 
-  if constexpr (kAlt) {
+  {
     // Alternate tiles: tile t sits in buffer b = t & 1 and is scored by consumer b over all dims (S = Q K^T, then
     // the online softmax against the running max the other consumer left in shared memory); the scorer writes
     // its weights P and new max for the other consumer, and both apply every tile in order to their half of O:
@@ -456,70 +450,6 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mqa_sm90_kernel(const __gr
     lf0 = l_s[r0 * 2 + 1] + l_s[(kRows + r0) * 2 + 1];
     l1 = l_s[r1 * 2] + l_s[(kRows + r1) * 2];
     lf1 = l_s[r1 * 2 + 1] + l_s[(kRows + r1) * 2 + 1];
-  } else {
-    const uint32_t xbuf = smem_u32(smem + L::x_off);  // per consumer 8 x 128 float4
-#pragma unroll 1
-    for (int t = 0; t < num_tiles; ++t) {
-      const int b = t & 1;
-      mbar_wait(bar_full + b, (t >> 1) & 1);
-      fence_proxy_async_shared();  // the cp.async rows (generic proxy) before this warpgroup's wgmma reads them
-      const uint32_t kb = k_s + b * L::kTileBytes;
-
-      // 1. S_c = Q[:, half c] K[:, half c]^T (64 heads x 64 entries, fp32).
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kHalf / 16; ++kk) {
-        const int dim = c * kHalf + kk * 16;
-        const uint32_t off = (dim >> 6) * (64 * 128) + (dim & 63) * 2;
-        mma_ss<gmma::MMA_64x64x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>>(
-            desc(q_s + off, 16, 1024), desc(kb + off, 16, 1024), s,
-            kk == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One, std::make_index_sequence<32>{});
-      }
-      cute::warpgroup_commit_batch();
-      const uint64_t vmask = *reinterpret_cast<const uint64_t*>(smem + L::valid_off + b * 8);
-      cute::warpgroup_wait<0>();
-      fence_regs(s);
-
-      // 2. S = S_0 + S_1: exchange the partials (fp32 addition commutes: both consumers hold the same bits).
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const float4 v = make_float4(s[4 * j], s[4 * j + 1], s[4 * j + 2], s[4 * j + 3]);
-        st_shared_16(xbuf + ((c * 1024 + j * 128 + ct) << 4), *reinterpret_cast<const uint4*>(&v));
-      }
-      named_bar_sync(1, 256);
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const uint4 u = ld_shared_u4(xbuf + (((1 - c) * 1024 + j * 128 + ct) << 4));
-        const float4 v = *reinterpret_cast<const float4*>(&u);
-        s[4 * j] += v.x;
-        s[4 * j + 1] += v.y;
-        s[4 * j + 2] += v.z;
-        s[4 * j + 3] += v.w;
-      }
-      named_bar_sync(2, 256);  // both partials read before either is overwritten by the next tile
-
-      // 3. Online softmax (both consumers, the same bits).
-      softmax_tile(s, vmask, sl2, t4, m0, m1, alpha0, alpha1, pa, sum0, sum1, sumf0, sumf1);
-      l0 = l0 * alpha0 + sum0;
-      l1 = l1 * alpha1 + sum1;
-      lf0 = lf0 * alpha0 + sumf0;
-      lf1 = lf1 * alpha1 + sumf1;
-
-      // 4. O = alpha O + P V[:, this consumer's dims].
-      rescale_o(o, alpha0, alpha1);
-      fence_regs(o);
-      cute::warpgroup_arrive();
-#pragma unroll
-      for (int kk = 0; kk < kEntries / 16; ++kk) {
-        mma_rs<typename PvAtom<kPvN>::rs>(pa[kk],
-                                             desc(kb + (pv_col0 / 64) * (64 * 128) + kk * 2048, 8192, 1024), o,
-                                             std::make_index_sequence<kPvN / 2>{});
-      }
-      cute::warpgroup_commit_batch();
-      cute::warpgroup_wait<0>();
-      fence_regs(o);
-      mbar_arrive(bar_empty + b);
-    }
   }
 
   // Epilogue: out = O / (l + exp(sink - m)); lse = m + log(lf) (natural log, without the sink), -inf when nothing
@@ -573,21 +503,8 @@ void launch(const SparseMqaParams& p, cudaStream_t stream) {
   constexpr int smem = Layout<kDim>::alloc;
   static_assert(smem <= 227 * 1024, "shared memory");
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>((p.num_heads + kRows - 1) / kRows));
-  // DEEPINFER_SPARSE_MQA_CONSUMERS=alternate picks the alternate-tile consumers (under test; read per launch so
-  // that one process can time both).
-  const char* mode = std::getenv("DEEPINFER_SPARSE_MQA_CONSUMERS");
-  const bool alternate = mode != nullptr && std::strcmp(mode, "alternate") == 0;
-  if (mode != nullptr && !alternate && mode[0] != '\0' && std::strcmp(mode, "default") != 0) {
-    throw std::runtime_error(std::string("deepinfer sparse_mqa: DEEPINFER_SPARSE_MQA_CONSUMERS must be 'default' or "
-                                         "'alternate', got '") + mode + "'");
-  }
-  if (alternate) {
-    ensure_dynamic_smem(sparse_mqa_sm90_kernel<kDim, true>, smem);
-    sparse_mqa_sm90_kernel<kDim, true><<<grid, kThreads, smem, stream>>>(p);
-  } else {
-    ensure_dynamic_smem(sparse_mqa_sm90_kernel<kDim, false>, smem);
-    sparse_mqa_sm90_kernel<kDim, false><<<grid, kThreads, smem, stream>>>(p);
-  }
+  ensure_dynamic_smem(sparse_mqa_sm90_kernel<kDim>, smem);
+  sparse_mqa_sm90_kernel<kDim><<<grid, kThreads, smem, stream>>>(p);
   DEEPINFER_CHECK_LAUNCH("sparse_mqa_sm90_kernel");
 }
 

@@ -2,8 +2,6 @@
 // tensors into the layouts the kernels read), workspace allocation, then the launchers in
 // csrc/cuda/gemm/instantiations/ (CUTLASS) and swiglu_clamp_quant_fp8.cu.
 #include <array>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 
 #include "common/gemm_checks.h"
@@ -16,15 +14,6 @@ namespace deepinfer {
 namespace {
 
 // SM count of the current device (cached per device index; read once with the runtime API).
-// The small-M FP8 GEMM kernels are opt-in while under test (bench/NOTES-fp8-gemm.md): DEEPINFER_FP8_GEMM_SMALL_M=1,
-// read per call.
-bool small_m_opted_in(const char* op) {
-  const char* v = std::getenv("DEEPINFER_FP8_GEMM_SMALL_M");
-  if (v == nullptr || v[0] == '\0' || std::strcmp(v, "0") == 0) return false;
-  DEEPINFER_CHECK(std::strcmp(v, "1") == 0, op, "DEEPINFER_FP8_GEMM_SMALL_M must be 0 or 1, got '", v, "'");
-  return true;
-}
-
 int num_sms() {
   static std::array<int, 64> cache{};
   int dev = 0;
@@ -104,9 +93,7 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   // M < 2^31 - 4: the A-scale layout covers round_up(M, 4) rows in int.
   DEEPINFER_CHECK(M < (1ll << 31) - 4 && N < (1ll << 31) && K < (1ll << 31), op,
                   "sizes must be < 2^31 (M < 2^31 - 4)");
-  // The small-M kernel reads A scales with any leading dimension (no TMA padding rule, so no copy for it).
-  const bool small_m = !fp32 && small_m_opted_in(op) && M <= 64 && K % kGemmScaleBlock == 0 && split_k <= 1;
-  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/!small_m);
+  auto [sfa, ld_sfa] = m_major_scales(a_scale, /*tma=*/true);
   const auto sfb = k_major_scales(b_scale);
   gemm::Fp8GemmParams p{};
   p.a = a.const_data_ptr();
@@ -135,12 +122,6 @@ void fp8_gemm_nt_cuda(at::Tensor& out, const at::Tensor& a, const at::Tensor& a_
   // so the choice may depend on M.
   const bool pingpong =
       !fp32 && !use_split && (M <= 64 || gemm_ceil_div(M, 64) * gemm_ceil_div(N, 128) <= p.num_sms);
-  // M <= 64: one warpgroup per 32-128 columns (weights streamed from every SM), same bits again (opt-in for now).
-  if (small_m) {  // the scales above were taken without the TMA rule: no fallback to CUTLASS from here
-    DEEPINFER_CHECK(gemm::fp8_gemm_small_m_fits(p), op, "internal error: the small-M kernel refuses M = ", M);
-    gemm::launch_fp8_gemm_nt_bf16_small_m(p, current_stream());
-    return;
-  }
   const size_t ws = fp32        ? gemm::fp8_gemm_nt_fp32_workspace_size(p)
                     : use_split ? gemm::fp8_gemm_nt_bf16_splitk_workspace_size(p)
                     : pingpong  ? gemm::fp8_gemm_nt_bf16_pingpong_workspace_size(p)
@@ -269,13 +250,6 @@ void m_grouped_fp8_gemm_nt_masked_cuda(at::Tensor& out, const at::Tensor& a, con
   p.d_group_stride = out.stride(0);
   p.masked_m = masked_m.const_data_ptr<int32_t>();
   p.M_total = static_cast<int>(max_m);
-  if (small_m_opted_in(op)) {
-    p.num_sms = num_sms();
-    if (gemm::grouped_fp8_gemm_small_m_fits(p)) {
-      gemm::launch_grouped_fp8_gemm_nt_bf16_small_m(p, current_stream());
-      return;
-    }
-  }
   run_grouped(p, out);
 }
 

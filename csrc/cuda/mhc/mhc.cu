@@ -21,10 +21,10 @@ __device__ __forceinline__ void load4(const T* src, int64_t valid, float (&v)[4]
 // The reduction order of a token is fixed by K alone: K is cut into parts of kPartK elements, a part into chunks of
 // kChunk, and a chunk's 4-element groups are dealt to kSlices threads (slice s takes groups s, s + kSlices, ...). A
 // thread accumulates its groups in K order; the kSlices partials go through a fixed xor-shuffle tree; the parts are
-// added in order and the norm applied. Few tokens: one CTA column per part writes the partials, a second kernel adds
-// them. Many tokens: one CTA per 32 tokens walks all parts and adds them as it goes (hc_mix_fused_kernel). kTpt
-// (tokens per thread), the CTA's token count and the path only decide which tokens share the weight reads, never a
-// token's arithmetic: batch-invariant for any number of tokens.
+// added in order and the norm applied: one CTA column per part writes the partials, a second kernel adds them. kTpt
+// (tokens per thread) and the CTA's token count only decide which tokens share the weight reads, never a token's
+// arithmetic: batch-invariant for any number of tokens. bf16 streams take the tensor-core kernel below instead of
+// the FMA one (hc_mix_mma_kernel), for every number of tokens.
 constexpr int kSlices = 8;
 constexpr int kChunk = 256;
 constexpr int kPartK = static_cast<int>(kHcMixPartK);
@@ -149,88 +149,140 @@ __global__ void __launch_bounds__(mix_threads<kTpt>()) hc_mix_partial_kernel(HcM
   }
 }
 
-// The partials' xor-shuffle sum over a token's kSlices lanes (pairs 4, 2 and 1 apart), as a reduce-scatter: every
-// level exchanges only the half of the values the partner keeps, and lane `slice` ends with values
-// [slice * kV / 8, (slice + 1) * kV / 8). fp32 addition commutes, so each value has the tree's bits.
-template <int kV>
-__device__ __forceinline__ void reduce_scatter_slices(const float (&v)[kV], float (&r)[kV / 8], int slice) {
-  static_assert(kSlices == 8 && kV % 8 == 0, "three halving levels over 8 lanes");
-  float a[kV / 2], b[kV / 4];
-  const bool h4 = slice & 4, h2 = slice & 2, h1 = slice & 1;
-#pragma unroll
-  for (int i = 0; i < kV / 2; ++i) {
-    a[i] = (h4 ? v[kV / 2 + i] : v[i]) + __shfl_xor_sync(0xffffffffu, h4 ? v[i] : v[kV / 2 + i], 4);
-  }
-#pragma unroll
-  for (int i = 0; i < kV / 4; ++i) {
-    b[i] = (h2 ? a[kV / 4 + i] : a[i]) + __shfl_xor_sync(0xffffffffu, h2 ? a[i] : a[kV / 4 + i], 2);
-  }
-#pragma unroll
-  for (int i = 0; i < kV / 8; ++i) {
-    r[i] = (h1 ? b[kV / 8 + i] : b[i]) + __shfl_xor_sync(0xffffffffu, h1 ? b[i] : b[kV / 8 + i], 1);
-  }
+// bf16 streams, M <= 24: the part's products on tensor cores (mma.sync m16n8k16, fp32 accumulators). The fp32
+// weights are split into three bf16 terms, hi + mid + lo == w exactly, and a bf16 x times a bf16 term is exact in
+// fp32, so the part's dot products keep fp32 accuracy; only the order of the additions differs from the FMA path.
+// A CTA takes kMmaTokens tokens (16 a warp tile, kMmaTiles tiles a warp) of one part; x and the split weights are
+// staged in shared memory with rows padded by 16 bytes (ldmatrix without bank conflicts). A token's arithmetic
+// depends on K alone: batch-invariant. The sum of squares comes from the same fragments on the CUDA cores.
+constexpr int kMmaWarps = 4, kMmaTiles = 2, kMmaTokens = kMmaWarps * kMmaTiles * 16;
+constexpr int kMmaPitch = kPartK + 8;  // bf16 elements per staged row
+
+template <int kNT>
+__host__ __device__ constexpr size_t mma_smem_bytes() {  // x [kMmaTokens][pitch], w [3][kNT * 8][pitch]
+  return static_cast<size_t>(kMmaTokens + 3 * kNT * 8) * kMmaPitch * 2;
 }
 
-// Many tokens: one CTA per 32 tokens walks every part of K in order (weights double-buffered by cp.async), sums
-// each part over the slices and adds it to running totals in part order -- exactly the partial + finish kernels'
-// operations, without the partials' round trip through memory. Bit for bit the same as those two kernels.
-template <int kMaxM>
-__host__ __device__ constexpr int fused_values() {  // the partials per token (kMaxM + 1) padded to 8 * 2^n
-  return kMaxM + 1 <= 8 ? 8 : kMaxM + 1 <= 16 ? 16 : 32;
-}
-
-template <typename T, int kMaxM>
-__global__ void __launch_bounds__(mix_threads<2>(), 3) hc_mix_fused_kernel(HcMixParams p, bool vec) {
-  constexpr int kTpt = 2, kThreads = mix_threads<kTpt>(), kV = fused_values<kMaxM>();
-  static_assert(kPartK == kChunk && kMaxM + 1 <= kV, "one chunk per part; the partials fit the padded values");
-  extern __shared__ float4 w_dyn[];  // [2][kMaxM][kChunk / 4]
-  auto w_buf = [&](int64_t q) {  // part q's weights
-    return reinterpret_cast<float4(*)[kChunk / 4]>(w_dyn + (q & 1) * kMaxM * (kChunk / 4));
-  };
-  const int slice = threadIdx.x % kSlices, group = threadIdx.x / kSlices;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * (kThreads / kSlices) * kTpt + group * kTpt;
-  const int64_t parts = (p.k + kPartK - 1) / kPartK;
-  float tot[kTpt][kV / 8];
+// Stages part q's x rows (zeros past the tokens or K) and weight terms (zeros past M or K).
+template <int kNT>
+__device__ __forceinline__ void mma_stage(const HcMixParams& p, int64_t t0, int64_t k0, bool vec,
+                                          __nv_bfloat16* xs, __nv_bfloat16* ws) {
+  const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
+  constexpr int kSeg = kPartK / 8;  // 16-byte segments a row
+  for (int i = threadIdx.x; i < kMmaTokens * kSeg; i += kMmaWarps * 32) {
+    const int r = i / kSeg, c = (i % kSeg) * 8;
+    const int64_t t = t0 + r, k = k0 + c;
+    __nv_bfloat16* dst = xs + r * kMmaPitch + c;
+    if (vec && t < p.tokens && k + 8 <= p.k) {
+      cp_async_16(dst, x + t * p.x_row_stride + k);
+    } else {
+      const __nv_bfloat16* src = x + t * p.x_row_stride + k;
+      __align__(16) __nv_bfloat16 v[8];
 #pragma unroll
-  for (int t = 0; t < kTpt; ++t)
-#pragma unroll
-    for (int i = 0; i < kV / 8; ++i) tot[t][i] = 0.f;
-  stage_weights<kMaxM, kThreads>(p, w_buf(0), 0, vec);
-  cp_async_commit();
-  for (int64_t q = 0; q < parts; ++q) {
-    Vec<T, 4> xr[kTpt][kGroupsPerSlice];
-    load_x<T, kTpt>(p, t0, q * kPartK, slice, vec, xr);
-    if (q + 1 < parts) stage_weights<kMaxM, kThreads>(p, w_buf(q + 1), (q + 1) * kPartK, vec);
-    cp_async_commit();
-    cp_async_wait_group<1>();  // this thread's copies of part q; the barrier makes every thread's visible
-    __syncthreads();
-    float acc[kTpt][kMaxM + 1];
-#pragma unroll
-    for (int t = 0; t < kTpt; ++t)
-#pragma unroll
-      for (int m = 0; m <= kMaxM; ++m) acc[t][m] = 0.f;
-    mix_chunk<T, kTpt, kMaxM>(w_buf(q), xr, slice, p.m, acc);
-#pragma unroll
-    for (int t = 0; t < kTpt; ++t) {
-      float v[kV], r[kV / 8];
-#pragma unroll
-      for (int i = 0; i < kV; ++i) v[i] = i <= kMaxM ? acc[t][i] : 0.f;
-      reduce_scatter_slices<kV>(v, r, slice);
-#pragma unroll
-      for (int i = 0; i < kV / 8; ++i) tot[t][i] += r[i];
+      for (int e = 0; e < 8; ++e) v[e] = t < p.tokens && k + e < p.k ? src[e] : __float2bfloat16_rn(0.f);
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
     }
-    __syncthreads();  // part q's weights are read before part q + 2's copies go to the same buffer
   }
-  // out = dot * rsqrt(ss / K + eps): the sum of squares is value kMaxM, held by lane slice kMaxM / (kV / 8).
-  const int ss_lane = (threadIdx.x % 32 & ~(kSlices - 1)) | (kMaxM / (kV / 8));
+  for (int i = threadIdx.x; i < kNT * 8 * (kPartK / 4); i += kMmaWarps * 32) {
+    const int m = i / (kPartK / 4), c = (i % (kPartK / 4)) * 4;
+    const int64_t k = k0 + c;
+    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    if (m < p.m && k < p.k) {
+      const float* src = p.fn + static_cast<int64_t>(m) * p.k + k;
+      if (vec && k + 4 <= p.k) {
+        const float4 f = *reinterpret_cast<const float4*>(src);
+        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+      } else {
+        load4(src, p.k - k, v);
+      }
+    }
+    __align__(8) __nv_bfloat16 term[3][4];
 #pragma unroll
-  for (int t = 0; t < kTpt; ++t) {
-    const float ss = __shfl_sync(0xffffffffu, tot[t][kMaxM % (kV / 8)], ss_lane);
-    const float inv = rsqrtf(ss / static_cast<float>(p.k) + p.eps);
+    for (int e = 0; e < 4; ++e) {
+      float r = v[e];
 #pragma unroll
-    for (int i = 0; i < kV / 8; ++i) {
-      const int m = slice * (kV / 8) + i;
-      if (m < p.m && t0 + t < p.tokens) p.out[(t0 + t) * p.m + m] = tot[t][i] * inv;
+      for (int s = 0; s < 3; ++s) {  // hi, mid, lo: each the rounding of what the previous terms leave
+        term[s][e] = __float2bfloat16_rn(r);
+        r -= __bfloat162float(term[s][e]);
+      }
+    }
+#pragma unroll
+    for (int s = 0; s < 3; ++s) {
+      *reinterpret_cast<uint2*>(ws + (s * kNT * 8 + m) * kMmaPitch + c) = *reinterpret_cast<const uint2*>(term[s]);
+    }
+  }
+}
+
+template <int kNT>
+__global__ void __launch_bounds__(kMmaWarps * 32) hc_mix_mma_kernel(HcMixParams p, float* partial, bool vec) {
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(mma_smem);
+  __nv_bfloat16* ws = xs + kMmaTokens * kMmaPitch;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kMmaTokens;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kPartK;
+  mma_stage<kNT>(p, t0, k0, vec, xs, ws);
+  cp_async_wait_all();
+  __syncthreads();
+  float acc[kMmaTiles][kNT][4], ss[kMmaTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < kMmaTiles; ++mt) {
+    ss[mt][0] = ss[mt][1] = 0.f;
+#pragma unroll
+    for (int j = 0; j < kNT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[mt][j][e] = 0.f;
+  }
+  const uint32_t x_base = smem_u32(xs + (warp * kMmaTiles * 16 + lane % 16) * kMmaPitch + (lane / 16) * 8);
+  const uint32_t w_base = smem_u32(ws + (lane % 8) * kMmaPitch + ((lane / 8) % 2) * 8);
+#pragma unroll 4
+  for (int kk = 0; kk < kPartK; kk += 16) {
+    uint32_t a[kMmaTiles][4];
+#pragma unroll
+    for (int mt = 0; mt < kMmaTiles; ++mt) {
+      ldsm_x4(a[mt][0], a[mt][1], a[mt][2], a[mt][3], x_base + (mt * 16 * kMmaPitch + kk) * 2);
+      // a[0], a[2]: row lane / 4 of the tile; a[1], a[3]: row lane / 4 + 8
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float lo = __uint_as_float(a[mt][r] << 16), hi = __uint_as_float(a[mt][r] & 0xffff0000u);
+        ss[mt][r & 1] += lo * lo;
+        ss[mt][r & 1] += hi * hi;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+      for (int s = 2; s >= 0; --s) {  // lo, mid, hi: the small terms first
+        uint32_t b0, b1;
+        ldsm_x2(b0, b1, w_base + ((s * kNT * 8 + j * 8) * kMmaPitch + kk) * 2);
+#pragma unroll
+        for (int mt = 0; mt < kMmaTiles; ++mt) {
+          mma_16816(acc[mt][j], a[mt][0], a[mt][1], a[mt][2], a[mt][3], b0, b1);
+        }
+      }
+    }
+  }
+  const int g = lane / 4, c = lane % 4;
+  float* base = partial + static_cast<int64_t>(blockIdx.y) * p.tokens * (p.m + 1);
+#pragma unroll
+  for (int mt = 0; mt < kMmaTiles; ++mt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows g and g + 8
+      float v = ss[mt][h];
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      const int64_t t = t0 + (warp * kMmaTiles + mt) * 16 + g + 8 * h;
+      if (t >= p.tokens) continue;
+      float* row = base + t * (p.m + 1);
+      if (c == 0) row[p.m] = v;
+#pragma unroll
+      for (int j = 0; j < kNT; ++j) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int m = j * 8 + 2 * c + e;
+          if (m < p.m) row[m] = acc[mt][j][2 * h + e];
+        }
+      }
     }
   }
 }
@@ -496,36 +548,29 @@ void launch_hc_weights(const HcWeightsParams& p, cudaStream_t stream) {
 
 namespace {
 
-// The fused kernel needs tokens to fill the GPU (one CTA per 32); fewer tokens spread over K's parts instead. Both
-// paths give the same bits, so the choice is by speed alone.
-constexpr int64_t kFusedMinTokens = 2048;
-constexpr int kFusedMaxM = 24;
-
-// bf16 streams only (the engine's; the other dtypes keep the split path, which also bounds the instantiations).
-// DEEPINFER_HC_MIX_FUSED=0 keeps the split path (read per call, so that bench_mhc can time both on one card).
-bool hc_mix_fused(const HcMixParams& p) {
-  const char* v = std::getenv("DEEPINFER_HC_MIX_FUSED");
+// DEEPINFER_HC_MIX_MMA=0 keeps the FMA kernel for bf16 too (read per call, so that bench_mhc can time both on one
+// card).
+bool hc_mix_mma(const HcMixParams& p) {
+  const char* v = std::getenv("DEEPINFER_HC_MIX_MMA");
   if (v != nullptr && v[0] != '\0' && std::strcmp(v, "1") != 0) {
     if (std::strcmp(v, "0") == 0) return false;
-    throw std::runtime_error(std::string("deepinfer hc_mix: DEEPINFER_HC_MIX_FUSED must be 0 or 1, got '") + v + "'");
+    throw std::runtime_error(std::string("deepinfer hc_mix: DEEPINFER_HC_MIX_MMA must be 0 or 1, got '") + v + "'");
   }
-  return p.dtype == DType::kBFloat16 && p.tokens >= kFusedMinTokens && p.m <= kFusedMaxM;
+  return p.dtype == DType::kBFloat16 && p.m <= 24;
 }
 
-template <typename T, int kMaxM>
-void launch_fused_typed(const HcMixParams& p, bool vec, cudaStream_t stream) {
-  constexpr int kThreads = mix_threads<2>();
-  constexpr size_t smem = 2 * kMaxM * (kChunk / 4) * sizeof(float4);
-  const int64_t tile = static_cast<int64_t>(kThreads / kSlices) * 2;
-  ensure_dynamic_smem(hc_mix_fused_kernel<T, kMaxM>, smem);
-  const unsigned grid = static_cast<unsigned>((p.tokens + tile - 1) / tile);
-  hc_mix_fused_kernel<T, kMaxM><<<grid, kThreads, smem, stream>>>(p, vec);
+template <int kNT>
+void launch_mma(const HcMixParams& p, float* partial, int parts, bool vec, cudaStream_t stream) {
+  constexpr size_t smem = mma_smem_bytes<kNT>();
+  ensure_dynamic_smem(hc_mix_mma_kernel<kNT>, smem);
+  const dim3 grid(static_cast<unsigned>((p.tokens + kMmaTokens - 1) / kMmaTokens), static_cast<unsigned>(parts));
+  hc_mix_mma_kernel<kNT><<<grid, kMmaWarps * 32, smem, stream>>>(p, partial, vec);
 }
 
 }  // namespace
 
 int64_t hc_mix_workspace_floats(const HcMixParams& p) {
-  return hc_mix_fused(p) ? 0 : (p.k + kPartK - 1) / kPartK * p.tokens * (p.m + 1);
+  return (p.k + kPartK - 1) / kPartK * p.tokens * (p.m + 1);
 }
 
 void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream) {
@@ -535,30 +580,27 @@ void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream) 
     return p.k % 4 == 0 && p.x_row_stride % 4 == 0 && is_aligned(p.x, static_cast<int>(4 * elem)) &&
            is_aligned(p.fn, 16);
   };
-  if (hc_mix_fused(p)) {
-    using T = __nv_bfloat16;
-    const bool vec = vec_ok(sizeof(T));
-    if (p.m <= 4) {
-      launch_fused_typed<T, 4>(p, vec, stream);
-    } else if (p.m <= 8) {
-      launch_fused_typed<T, 8>(p, vec, stream);
+  if (hc_mix_mma(p)) {
+    const bool vec = p.k % 8 == 0 && p.x_row_stride % 8 == 0 && is_aligned(p.x, 16) && is_aligned(p.fn, 16);
+    if (p.m <= 8) {
+      launch_mma<1>(p, workspace, parts, vec, stream);
     } else if (p.m <= 16) {
-      launch_fused_typed<T, 16>(p, vec, stream);
+      launch_mma<2>(p, workspace, parts, vec, stream);
     } else {
-      launch_fused_typed<T, 24>(p, vec, stream);
+      launch_mma<3>(p, workspace, parts, vec, stream);
     }
-    DEEPINFER_CHECK_LAUNCH("hc_mix_fused_kernel");
-    return;
+    DEEPINFER_CHECK_LAUNCH("hc_mix_mma_kernel");
+  } else {
+    DEEPINFER_DISPATCH_FLOAT(p.dtype, [&] {
+      const bool vec = vec_ok(sizeof(scalar_t));
+      if (p.tokens >= 1024) {  // 2 tokens per thread share the weight reads once tokens fill the GPU
+        launch_mix_m<scalar_t, 2>(p, workspace, parts, vec, stream);
+      } else {
+        launch_mix_m<scalar_t, 1>(p, workspace, parts, vec, stream);
+      }
+    });
+    DEEPINFER_CHECK_LAUNCH("hc_mix_partial_kernel");
   }
-  DEEPINFER_DISPATCH_FLOAT(p.dtype, [&] {
-    const bool vec = vec_ok(sizeof(scalar_t));
-    if (p.tokens >= 1024) {  // 2 tokens per thread share the weight reads once tokens fill the GPU
-      launch_mix_m<scalar_t, 2>(p, workspace, parts, vec, stream);
-    } else {
-      launch_mix_m<scalar_t, 1>(p, workspace, parts, vec, stream);
-    }
-  });
-  DEEPINFER_CHECK_LAUNCH("hc_mix_partial_kernel");
   const int64_t n = p.tokens * p.m;
   hc_mix_finish_kernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(p, workspace, parts);
   DEEPINFER_CHECK_LAUNCH("hc_mix_finish_kernel");

@@ -49,11 +49,6 @@ void launch_fp8_gemm_nt_bf16_pingpong(const Fp8GemmParams& p, cudaStream_t strea
 void launch_fp8_gemm_nt_fp32(const Fp8GemmParams& p, cudaStream_t stream);
 size_t fp8_gemm_nt_bf16_splitk_workspace_size(const Fp8GemmParams& p);
 void launch_fp8_gemm_nt_bf16_splitk(const Fp8GemmParams& p, cudaStream_t stream);
-// bf16 out, M <= 64, K % 128 == 0 (fp8_gemm_small_m_fits): one warpgroup per 32 / 64 / 128 columns of D, so the
-// weights stream from every SM (csrc/cuda/gemm/fp8_gemm_small_m.cu). The same bits as the kernels above; no
-// workspace.
-bool fp8_gemm_small_m_fits(const Fp8GemmParams& p);
-void launch_fp8_gemm_nt_bf16_small_m(const Fp8GemmParams& p, cudaStream_t stream);
 
 // Grouped GEMM over G groups sharing N and K; group g multiplies its rows of A by B[g] ([N, K]).
 // The per-group problem sizes and pointers are derived on the device (no host sync) by a setup kernel,
@@ -96,11 +91,6 @@ struct GroupedFp8GemmParams {
                         // M; visiting order only, never the arithmetic
   void* workspace;      // >= grouped_fp8_gemm_nt_bf16_workspace_size(...) bytes, 256-byte aligned
 };
-
-// Masked layout with max_m <= 64 and K % 128 == 0 (grouped_fp8_gemm_small_m_fits): the small-M kernel with one grid
-// row per group; a group without rows reads nothing. The same bits as the CUTLASS grouped kernels.
-bool grouped_fp8_gemm_small_m_fits(const GroupedFp8GemmParams& p);
-void launch_grouped_fp8_gemm_nt_bf16_small_m(const GroupedFp8GemmParams& p, cudaStream_t stream);
 
 // Workspace bytes: per-group argument arrays, the packed A scales (sfa_rows * ceil(K/128) floats, where sfa_rows =
 // M_total (contiguous) or G * max_m (masked)) and CUTLASS's own workspace.

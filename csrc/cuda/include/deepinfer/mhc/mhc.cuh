@@ -33,7 +33,7 @@ struct HcStreamParams {
 };
 
 // float32 scratch hc_mix needs for p (tokens, k, m set): one partial per kHcMixPartK-wide part of K, token and
-// output + 1; none when the fused kernel runs (many tokens)
+// output + 1
 int64_t hc_mix_workspace_floats(const HcMixParams& p);
 void launch_hc_mix(const HcMixParams& p, float* workspace, cudaStream_t stream);
 struct HcWeightsParams {
