@@ -183,23 +183,32 @@ __device__ __forceinline__ void mma_stage(const HcMixParams& p, int64_t t0, int6
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
     }
   }
-  for (int i = threadIdx.x; i < kNT * 8 * (kPartK / 4); i += kMmaWarps * 32) {
-    const int m = i / (kPartK / 4), c = (i % (kPartK / 4)) * 4;
+  // The weights: every load of this thread first (all in flight together), then the splits and stores.
+  constexpr int kW = kNT * 8 * (kPartK / 4) / (kMmaWarps * 32);  // float4 groups per thread
+  static_assert(kNT * 8 * (kPartK / 4) % (kMmaWarps * 32) == 0, "whole groups per thread");
+  float v[kW][4];
+#pragma unroll
+  for (int w = 0; w < kW; ++w) {
+    const int i = threadIdx.x + w * kMmaWarps * 32, m = i / (kPartK / 4), c = (i % (kPartK / 4)) * 4;
     const int64_t k = k0 + c;
-    float v[4] = {0.f, 0.f, 0.f, 0.f};
+    v[w][0] = v[w][1] = v[w][2] = v[w][3] = 0.f;
     if (m < p.m && k < p.k) {
       const float* src = p.fn + static_cast<int64_t>(m) * p.k + k;
       if (vec && k + 4 <= p.k) {
-        const float4 f = *reinterpret_cast<const float4*>(src);
-        v[0] = f.x, v[1] = f.y, v[2] = f.z, v[3] = f.w;
+        const float4 f = __ldg(reinterpret_cast<const float4*>(src));
+        v[w][0] = f.x, v[w][1] = f.y, v[w][2] = f.z, v[w][3] = f.w;
       } else {
-        load4(src, p.k - k, v);
+        load4(src, p.k - k, v[w]);
       }
     }
+  }
+#pragma unroll
+  for (int w = 0; w < kW; ++w) {
+    const int i = threadIdx.x + w * kMmaWarps * 32, m = i / (kPartK / 4), c = (i % (kPartK / 4)) * 4;
     __align__(8) __nv_bfloat16 term[3][4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float r = v[e];
+      float r = v[w][e];
 #pragma unroll
       for (int s = 0; s < 3; ++s) {  // hi, mid, lo: each the rounding of what the previous terms leave
         term[s][e] = __float2bfloat16_rn(r);
