@@ -228,6 +228,9 @@ class LLM:
             if not hasattr(cfg, k):
                 raise TypeError(f"LLM got an unknown setting {k!r}")
             setattr(cfg, k, v)
+        for k in ("num_speculative_tokens", "spec_schedule", "spec_admit_hold"):  # as the CLI: never ignored silently
+            if k in overrides and cfg.speculative_method is None:
+                raise ValueError(f"{k}: needs speculative_method='mtp' (speculation is off)")
         if not isinstance(model, (str, os.PathLike)) and not callable(getattr(model, "forward", None)):
             raise TypeError(f"LLM: model must be a preset name, a checkpoint folder or a built model with forward(), "
                             f"got {type(model).__name__}")

@@ -162,10 +162,32 @@ def test_bad_request_in_generate_is_its_own_error():
             SamplingParams(temperature="x"), SamplingParams(seed=1.5), None]
     outs = llm.generate([[5, 6, 7]] * (len(bads) + 1), [good, *bads])
     assert outs[0].error is None and len(outs[0].token_ids) == 2
-    for o, b in zip(outs[1:], bads):
+    fields = ["top_logprobs", "top_k", "stop_token_ids", "temperature", "seed", "sampling_params"]
+    for o, b, field in zip(outs[1:], bads, fields):
         assert o.error is not None and o.token_ids == [], b
-    outs = llm.generate([[5, 6], [0, "a"], [1.5], [True]], good)
-    assert outs[0].error is None and all(o.error and "prompts[" in o.error["message"] for o in outs[1:])
+        assert o.error["param"] == field and o.error["status_code"] == 400, o.error
+    outs = llm.generate([[5, 6], [0, "a"], [1.5], [True], [5, 10 ** 6]], good)
+    assert outs[0].error is None and all(o.error and "prompts[" in o.error["message"] for o in outs[1:4])
+    assert "out of range" in outs[4].error["message"]
+    assert all(o.error["param"] == "prompt" for o in outs[1:])
+
+
+def test_stop_token_ids_from_a_generator_are_kept():
+    """A one-shot iterable of stop ids is read once by validation and kept: the stop still ends the output."""
+    model, llm = _llm()
+    first = reference_greedy(model, [5, 6, 7], 4)
+    assert first, "the fake model emits a token for this prompt"
+    sp = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=(t for t in [first[0]]))
+    out = llm.generate([[5, 6, 7]], sp)[0]
+    assert out.error is None and out.token_ids == [] and out.finish_reason == "stop"
+    assert sp.stop_token_ids == (first[0],)
+
+
+def test_speculation_settings_without_a_method_are_refused():
+    """As on the CLI: a speculation setting without speculative_method would be ignored, so it is an error."""
+    for kw in ({"num_speculative_tokens": 2}, {"spec_schedule": "fixed"}, {"spec_admit_hold": 1}):
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}: needs speculative_method"):
+            LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), **kw)
 
 
 def test_engine_config_types_are_checked():
