@@ -26,6 +26,7 @@ Sources: DeepSeek-V4 inference ``model.py``/``convert.py`` (as read through publ
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -498,6 +499,12 @@ def load_checkpoint(
     root = Path(path)
     config_dict = read_config(root)
     config = parse_config(config_dict, root / CONFIG_FILE)
+    if getattr(config, "num_nextn_predict_layers", 0) and not any(n.startswith("mtp.") for n in list_tensors(root)):
+        # MTP layers declared but not shipped (a checkpoint saved without them): load the main model; speculative
+        # decoding then refuses this model (it has no MTP layer)
+        warnings.warn(f"{root / CONFIG_FILE}: num_nextn_predict_layers={config.num_nextn_predict_layers} but the "
+                      f"checkpoint has no mtp.* tensors; loading without MTP layers", stacklevel=2)
+        config = dataclasses.replace(config, num_nextn_predict_layers=0, mtp_compress_ratios=())
     expected = family_of(config_dict).expected_parameters(config)
     params, formats = load_state_dict(
         root, expected, dequantize=dequantize, dtype=dtype, device=device, block=_block_size(config_dict),

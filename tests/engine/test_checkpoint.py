@@ -550,6 +550,28 @@ def test_tiny_preset_native_format_and_bad_config_key(tmp_path):
         C.load_checkpoint(folder)
 
 
+def test_checkpoint_without_its_mtp_layers_loads_the_main_model(tmp_path):
+    """A config declaring MTP layers whose mtp.* tensors were not saved: the main model loads (with a warning),
+    generates, and speculative decoding is refused naming the missing layer. A partial MTP layer stays an error."""
+    from deepinfer import LLM, SamplingParams
+
+    folder = P.make_checkpoint("tiny", tmp_path / "t", seed=0)
+    full = raw_tensors(folder)
+    rewrite(folder, lambda t: [t.pop(k) for k in [k for k in t if k.startswith("mtp.")]])
+    with pytest.warns(UserWarning, match="no mtp.* tensors"):
+        ck = C.load_checkpoint(folder)
+    assert ck.config.num_nextn_predict_layers == 0 and not any(k.startswith("mtp.") for k in ck.params)
+    with pytest.warns(UserWarning, match="no mtp.* tensors"):
+        out = LLM(str(folder), device="cpu").generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))[0]
+    assert out.error is None and len(out.token_ids) == 3
+    with pytest.warns(UserWarning, match="no mtp.* tensors"), pytest.raises(ValueError, match="MTP layer"):
+        LLM(str(folder), device="cpu", speculative_method="mtp")
+    one = next(k for k in full if k.startswith("mtp."))
+    rewrite(folder, lambda t: t.update({one: full[one]}))
+    with pytest.raises(C.CheckpointError, match="missing tensor 'mtp."):
+        C.load_checkpoint(folder)
+
+
 def test_tiny_preset_is_deterministic(tmp_path):
     a = P.make_checkpoint("tiny", tmp_path / "a", seed=1)
     b = P.make_checkpoint("tiny", tmp_path / "b", seed=1)
