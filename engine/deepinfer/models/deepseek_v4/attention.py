@@ -178,9 +178,12 @@ class Attention(nn.Module):
             #                   by construction, any mode; bfloat16 out, which wo_b re-quantises to FP8 anyway)
             xq, xs = quant_groups_fp8(out.view(T, G, -1))
             w, ws = self.wo_a.fp8_groups(G)
-            o = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(xq.view(G, T, -1), xs.view(G, T, -1), w, ws,
-                                                           torch.full((G,), T, dtype=torch.int32, device=out.device))
-            return self.wo_b(o.transpose(0, 1).reshape(T, G * olr).to(out.dtype), rows)
+            # written straight into wo_b's [T, G * olr] input (group g at columns g * olr): no transposing copy
+            o = torch.empty(T, G, olr, dtype=torch.bfloat16, device=out.device)
+            deepinfer_ops.m_grouped_fp8_gemm_nt_masked(xq.view(G, T, -1), xs.view(G, T, -1), w, ws,
+                                                       torch.full((G,), T, dtype=torch.int32, device=out.device),
+                                                       out=o.transpose(0, 1))
+            return self.wo_b(o.view(T, G * olr).to(out.dtype), rows)
         wa = self.wo_a.weight.view(G, olr, -1)
         if rows:  # one fixed-shape GEMM chain per group (the einsum below is a bmm whose kernel depends on T)
             per_group = out.view(T, G, -1).transpose(0, 1).contiguous()
