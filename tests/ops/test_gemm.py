@@ -536,6 +536,25 @@ def test_m_grouped_masked(device, masked_nk, integer, scale_layout):
             assert calc_diff(got[gi, :mv].float(), ref[gi, :mv].float()) < CALC_DIFF_MAX["fp8"]
 
 
+def test_m_grouped_masked_group_interleaved_out(device):
+    """out as a [T, G, N] buffer seen as [G, T, N] (group stride N, row stride G * N; the attention's wo_a output,
+    written straight into wo_b's input): the same bits as a contiguous out, and nothing outside the valid rows."""
+    g, t, n, k = 3, 37, 256, 384
+    gen = torch.Generator().manual_seed(5)
+    a = _rand_fp8((g, t, k), gen, 30)
+    sa = _rand_scales((g, t, k // 128), gen)
+    b, sb = _grouped_b(g, n, k, gen, False)
+    masked = torch.tensor([t, 5, t], dtype=torch.int32)
+    a, sa, b, sb, mm = _to(device, a, sa, b, sb, masked)
+    ref = deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, mm)
+    buf = poison_(torch.empty(t, g, n, dtype=torch.bfloat16, device=device))
+    deepinfer_ops.m_grouped_fp8_gemm_nt_masked(a, sa, b, sb, mm, out=buf.transpose(0, 1))
+    got = buf.transpose(0, 1)
+    for gi, mv in enumerate(masked.tolist()):
+        assert torch.equal(got[gi, :mv], ref[gi, :mv]), f"group {gi}"
+        assert torch.isnan(got[gi, mv:].float()).all(), f"group {gi}: rows >= masked_m written"
+
+
 @pytest.mark.native_errors
 def test_m_grouped_masked_errors(device):
     a = torch.zeros(2, 4, 128, dtype=FP8, device=device)
