@@ -11,6 +11,10 @@ Run time:
     DEEPINFER_DEBUG        ``1``: the ``deepinfer`` CLI re-raises errors with their traceback instead of one line.
     DEEPINFER_CACHE_DIR    where generated artefacts (the built-in tiny checkpoint) are kept;
                            default ``$XDG_CACHE_HOME/deepinfer`` or ``~/.cache/deepinfer``.
+A/B switch (read by the CUDA op at each call, so that one process can time both kernels; another value makes the
+op raise, naming the variable):
+    DEEPINFER_HC_MIX_MMA   ``1`` (default) or ``0``: ``0`` runs bf16 hc_mix on the FMA kernel instead of the
+                           tensor-core one (bench/NOTES-engine.md section 8).
 """
 
 from __future__ import annotations
