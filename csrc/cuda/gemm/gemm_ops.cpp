@@ -1,31 +1,17 @@
 // Torch-facing CUDA entry points of the gemm domain: argument checks, operand layout normalisation (scale
 // tensors into the layouts the kernels read), workspace allocation, then the launchers in
 // csrc/cuda/gemm/instantiations/ (CUTLASS) and swiglu_clamp_quant_fp8.cu.
-#include <array>
 #include <limits>
 
 #include "common/gemm_checks.h"
 #include "cuda/torch_utils.h"
+#include "deepinfer/common.cuh"
 #include "deepinfer/gemm/fp8_gemm.cuh"
 #include "deepinfer/gemm/swiglu_clamp_quant_fp8.cuh"
 #include "ops.h"
 
 namespace deepinfer {
 namespace {
-
-// SM count of the current device (cached per device index; read once with the runtime API).
-int num_sms() {
-  static std::array<int, 64> cache{};
-  int dev = 0;
-  DEEPINFER_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < 0 || dev >= static_cast<int>(cache.size())) dev = 0;
-  if (cache[dev] == 0) {
-    int n = 0;
-    DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    cache[dev] = n;
-  }
-  return cache[dev];
-}
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 

@@ -1,6 +1,7 @@
 #include "deepinfer/mhc/mhc.cuh"
 #include "deepinfer/ptx.cuh"
 #include "common/mhc_math.h"
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
@@ -152,21 +153,23 @@ __global__ void __launch_bounds__(mix_threads<kTpt>()) hc_mix_partial_kernel(HcM
 // bf16 streams, M <= 24: the part's products on tensor cores (mma.sync m16n8k16, fp32 accumulators). The fp32
 // weights are split into three bf16 terms, hi + mid + lo == w exactly, and a bf16 x times a bf16 term is exact in
 // fp32, so the part's dot products keep fp32 accuracy; only the order of the additions differs from the FMA path.
-// A CTA takes kMmaTokens tokens (16 a warp tile, kMmaTiles tiles a warp) of one part; x and the split weights are
-// staged in shared memory with rows padded by 16 bytes (ldmatrix without bank conflicts). A token's arithmetic
-// depends on K alone: batch-invariant. The sum of squares comes from the same fragments on the CUDA cores.
+// A CTA owns one part: it stages the part's split weights once, then walks token tiles blockIdx.x,
+// blockIdx.x + gridDim.x, ... (kMmaTokens tokens each: 16 a warp tile, kMmaTiles tiles a warp) with the next tile's
+// x in flight (cp.async, two buffers) while the current one is multiplied. Rows are padded by 16 bytes (ldmatrix
+// without bank conflicts). A token's arithmetic depends on K alone, never on the tile or the CTA: batch-invariant.
+// The sum of squares comes from the same fragments on the CUDA cores.
 constexpr int kMmaWarps = 4, kMmaTiles = 2, kMmaTokens = kMmaWarps * kMmaTiles * 16;
 constexpr int kMmaPitch = kPartK + 8;  // bf16 elements per staged row
 
 template <int kNT>
-__host__ __device__ constexpr size_t mma_smem_bytes() {  // x [kMmaTokens][pitch], w [3][kNT * 8][pitch]
-  return static_cast<size_t>(kMmaTokens + 3 * kNT * 8) * kMmaPitch * 2;
+__host__ __device__ constexpr size_t mma_smem_bytes() {  // x [2][kMmaTokens][pitch], w [3][kNT * 8][pitch]
+  return static_cast<size_t>(2 * kMmaTokens + 3 * kNT * 8) * kMmaPitch * 2;
 }
 
-// Stages part q's x rows (zeros past the tokens or K) and weight terms (zeros past M or K).
-template <int kNT>
-__device__ __forceinline__ void mma_stage(const HcMixParams& p, int64_t t0, int64_t k0, bool vec,
-                                          __nv_bfloat16* xs, __nv_bfloat16* ws) {
+// Issues the copies of one token tile's x rows of the part at column k0 (rows past the tokens and columns past K
+// are zeros, stored directly).
+__device__ __forceinline__ void mma_stage_x(const HcMixParams& p, int64_t t0, int64_t k0, bool vec,
+                                            __nv_bfloat16* xs) {
   const __nv_bfloat16* x = static_cast<const __nv_bfloat16*>(p.x);
   constexpr int kSeg = kPartK / 8;  // 16-byte segments a row
   for (int i = threadIdx.x; i < kMmaTokens * kSeg; i += kMmaWarps * 32) {
@@ -183,7 +186,12 @@ __device__ __forceinline__ void mma_stage(const HcMixParams& p, int64_t t0, int6
       *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(v);
     }
   }
-  // The weights: every load of this thread first (all in flight together), then the splits and stores.
+}
+
+// Stages the part's weight terms (zeros past M or K): every load of this thread first (all in flight together),
+// then the splits and stores.
+template <int kNT>
+__device__ __forceinline__ void mma_stage_w(const HcMixParams& p, int64_t k0, bool vec, __nv_bfloat16* ws) {
   constexpr int kW = kNT * 8 * (kPartK / 4) / (kMmaWarps * 32);  // float4 groups per thread
   static_assert(kNT * 8 * (kPartK / 4) % (kMmaWarps * 32) == 0, "whole groups per thread");
   float v[kW][4];
@@ -222,17 +230,11 @@ __device__ __forceinline__ void mma_stage(const HcMixParams& p, int64_t t0, int6
   }
 }
 
+// One staged token tile times the part's weights: the partial dot products and sum of squares of its tokens.
 template <int kNT>
-__global__ void __launch_bounds__(kMmaWarps * 32) hc_mix_mma_kernel(HcMixParams p, float* partial, bool vec) {
-  extern __shared__ __align__(16) unsigned char mma_smem[];
-  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(mma_smem);
-  __nv_bfloat16* ws = xs + kMmaTokens * kMmaPitch;
+__device__ __forceinline__ void mma_tile(const HcMixParams& p, const __nv_bfloat16* xs, const __nv_bfloat16* ws,
+                                         int64_t t0, float* base) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t t0 = static_cast<int64_t>(blockIdx.x) * kMmaTokens;
-  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kPartK;
-  mma_stage<kNT>(p, t0, k0, vec, xs, ws);
-  cp_async_wait_all();
-  __syncthreads();
   float acc[kMmaTiles][kNT][4], ss[kMmaTiles][2];
 #pragma unroll
   for (int mt = 0; mt < kMmaTiles; ++mt) {
@@ -272,7 +274,6 @@ __global__ void __launch_bounds__(kMmaWarps * 32) hc_mix_mma_kernel(HcMixParams 
     }
   }
   const int g = lane / 4, c = lane % 4;
-  float* base = partial + static_cast<int64_t>(blockIdx.y) * p.tokens * (p.m + 1);
 #pragma unroll
   for (int mt = 0; mt < kMmaTiles; ++mt) {
 #pragma unroll
@@ -293,6 +294,29 @@ __global__ void __launch_bounds__(kMmaWarps * 32) hc_mix_mma_kernel(HcMixParams 
         }
       }
     }
+  }
+}
+
+template <int kNT>
+__global__ void __launch_bounds__(kMmaWarps * 32) hc_mix_mma_kernel(HcMixParams p, float* partial, bool vec) {
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  __nv_bfloat16* xs = reinterpret_cast<__nv_bfloat16*>(mma_smem);  // two buffers of kMmaTokens rows
+  __nv_bfloat16* ws = xs + 2 * kMmaTokens * kMmaPitch;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.y) * kPartK;
+  const int64_t tiles = (p.tokens + kMmaTokens - 1) / kMmaTokens;
+  float* base = partial + static_cast<int64_t>(blockIdx.y) * p.tokens * (p.m + 1);
+  int64_t tile = blockIdx.x;
+  mma_stage_x(p, tile * kMmaTokens, k0, vec, xs);
+  cp_async_commit();
+  mma_stage_w<kNT>(p, k0, vec, ws);
+  for (int it = 0; tile < tiles; ++it, tile += gridDim.x) {
+    const int64_t next = tile + gridDim.x;
+    if (next < tiles) mma_stage_x(p, next * kMmaTokens, k0, vec, xs + ((it + 1) & 1) * kMmaTokens * kMmaPitch);
+    cp_async_commit();  // (an empty group when there is no next tile)
+    cp_async_wait_group<1>();  // this thread's copies of the current tile; the barrier makes every thread's visible
+    __syncthreads();
+    mma_tile<kNT>(p, xs + (it & 1) * kMmaTokens * kMmaPitch, ws, tile * kMmaTokens, base);
+    __syncthreads();  // the current buffer is read before the tile after next is staged into it
   }
 }
 
@@ -568,11 +592,14 @@ bool hc_mix_mma(const HcMixParams& p) {
   return p.dtype == DType::kBFloat16 && p.m <= 24;
 }
 
+// One CTA per SM (the shared memory allows one): the grid's columns per part fill the SMs, at most one per tile.
 template <int kNT>
 void launch_mma(const HcMixParams& p, float* partial, int parts, bool vec, cudaStream_t stream) {
   constexpr size_t smem = mma_smem_bytes<kNT>();
   ensure_dynamic_smem(hc_mix_mma_kernel<kNT>, smem);
-  const dim3 grid(static_cast<unsigned>((p.tokens + kMmaTokens - 1) / kMmaTokens), static_cast<unsigned>(parts));
+  const int64_t tiles = (p.tokens + kMmaTokens - 1) / kMmaTokens;
+  const int64_t cols = std::max<int64_t>(1, std::min<int64_t>(tiles, num_sms() / parts));
+  const dim3 grid(static_cast<unsigned>(cols), static_cast<unsigned>(parts));
   hc_mix_mma_kernel<kNT><<<grid, kMmaWarps * 32, smem, stream>>>(p, partial, vec);
 }
 

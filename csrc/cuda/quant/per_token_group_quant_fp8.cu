@@ -133,16 +133,6 @@ __global__ void __launch_bounds__(256) per_token_group_quant_fp8_vec_kernel(PerT
 
 
 
-int num_sms() {
-  static int count = [] {
-    int dev = 0, n = 0;
-    DEEPINFER_CUDA_CHECK(cudaGetDevice(&dev));
-    DEEPINFER_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
-    return n;
-  }();
-  return count;
-}
-
 template <typename T, int kThreadsPerGroup, int kVecsPerThread, int kUnroll>
 void launch_flat(const PerTokenGroupQuantParams& p, cudaStream_t stream) {
   constexpr int kGroupsPerIter = 256 / kThreadsPerGroup * kUnroll;

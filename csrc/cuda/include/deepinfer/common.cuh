@@ -70,6 +70,18 @@ void ensure_dynamic_smem(Kernel* kernel, size_t bytes) {
 
 inline bool is_aligned(const void* p, int bytes) { return (reinterpret_cast<uintptr_t>(p) % bytes) == 0; }
 
+// SM count of the current device (cached per device index; read once with the runtime API).
+inline int num_sms() {
+  static std::mutex mu;
+  static std::map<int, int> cache;
+  int dev = 0;
+  cuda_check(cudaGetDevice(&dev), "cudaGetDevice");
+  std::lock_guard<std::mutex> lock(mu);
+  int& n = cache[dev];
+  if (n == 0) cuda_check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  return n;
+}
+
 
 #if defined(__CUDACC__)  // device helpers; params headers are also read by the host compiler
 template <typename T>
