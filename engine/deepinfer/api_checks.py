@@ -182,7 +182,8 @@ def _kind(v: Any) -> str:
     return next((name for t, name in _JSON_KINDS if isinstance(v, t)), type(v).__name__)  # bool before int
 
 
-def _show(v: Any) -> str:
+def brief(v: Any) -> str:
+    """``repr(v)`` cut to 80 characters: what an error message may echo of a request's value or field name."""
     return repr(v)[:80]
 
 
@@ -191,7 +192,7 @@ def _check_field(name: str, spec: Field, v: Any) -> None:
     ok = kind in spec.kinds or (kind == "int" and "number" in spec.kinds)
     if not ok:
         want = " or ".join(_KIND_NAMES[k] for k in spec.kinds)
-        raise RequestError(f"{name} must be {want}, got {_KIND_NAMES.get(kind, kind)} {_show(v)}", param=name)
+        raise RequestError(f"{name} must be {want}, got {_KIND_NAMES.get(kind, kind)} {brief(v)}", param=name)
     if kind == "number" and not math.isfinite(v):
         raise RequestError(f"{name} must be a finite number, got {v}", param=name)
     if kind in ("int", "number") and (spec.lo is not None or spec.hi is not None):
@@ -200,16 +201,16 @@ def _check_field(name: str, spec: Field, v: Any) -> None:
             rng = f"[{spec.lo}, {hi}]" if spec.hi is not None else f">= {spec.lo}"
             if spec.hi == MAX_OUTPUT_TOKENS:
                 rng += " (deepseek-recipe's limit; the prompt and the answer must also fit the model's context)"
-            raise RequestError(f"{name} must be {'in ' if rng[0] == '[' else ''}{rng}, got {_show(v)}", param=name)
+            raise RequestError(f"{name} must be {'in ' if rng[0] == '[' else ''}{rng}, got {brief(v)}", param=name)
     if spec.among is not None and kind == "string" and v not in spec.among:
-        raise RequestError(f"{name} must be one of {', '.join(map(repr, spec.among))}, got {_show(v)}", param=name)
+        raise RequestError(f"{name} must be one of {', '.join(map(repr, spec.among))}, got {brief(v)}", param=name)
     if spec.only is not None and v != spec.only:
         raise RequestError(f"{name}: {json_text(v)} is not supported: {spec.why}",
                            code="unsupported_parameter", param=name)
 
 
 def json_text(v: Any) -> str:
-    return "true" if v is True else "false" if v is False else _show(v)
+    return "true" if v is True else "false" if v is False else brief(v)
 
 
 def _walk_values(body: dict) -> None:
@@ -221,7 +222,7 @@ def _walk_values(body: dict) -> None:
         if depth > MAX_NESTING:
             raise RequestError(f"{path}: nested deeper than {MAX_NESTING} levels", param=path.split(".")[0])
         if isinstance(node, int) and not isinstance(node, bool) and not -INT63 <= node < 2 * INT63:
-            raise RequestError(f"{path}: integer {_show(node)} is outside the JSON number range (64 bits)",
+            raise RequestError(f"{path}: integer {brief(node)} is outside the JSON number range (64 bits)",
                                param=path)
         if isinstance(node, float) and not math.isfinite(node):
             raise RequestError(f"{path}: {node} is not a finite JSON number", param=path)
@@ -271,13 +272,13 @@ def _check_object(v: Any, path: str, table: dict[str, Field], required: tuple[st
     """``v`` is an object whose keys are in ``table`` (each value checked like a top-level field; null passes) and
     whose ``required`` keys are set. Returns it."""
     if not isinstance(v, dict):
-        raise RequestError(f"{path} must be an object, got {_KIND_NAMES.get(_kind(v), _kind(v))} {_show(v)}",
+        raise RequestError(f"{path} must be an object, got {_KIND_NAMES.get(_kind(v), _kind(v))} {brief(v)}",
                            param=path)
     for k, x in v.items():
         spec = table.get(k)
         if spec is None:
-            raise RequestError(f"{path}: unrecognized field {k!r} (known: {', '.join(table)})",
-                               code="unknown_parameter", param=f"{path}.{k}")
+            raise RequestError(f"{path}: unrecognized field {brief(k)} (known: {', '.join(table)})",
+                               code="unknown_parameter", param=f"{path}.{k[:80]}")
         if x is not None:
             _check_field(f"{path}.{k}", spec, x)
     for k in required:
@@ -293,11 +294,11 @@ def _check_parts(content: Any, path: str) -> None:
     for j, part in enumerate(content):
         where = f"{path}[{j}]"
         if not isinstance(part, dict):
-            raise RequestError(f"{where} must be a content part (an object), got {_show(part)}", param=where)
+            raise RequestError(f"{where} must be a content part (an object), got {brief(part)}", param=where)
         if not isinstance(part.get("type"), str):
-            raise RequestError(f"{where}.type must be a string, got {_show(part.get('type'))}", param=f"{where}.type")
+            raise RequestError(f"{where}.type must be a string, got {brief(part.get('type'))}", param=f"{where}.type")
         if part["type"] in ("text", "input_text", "output_text") and not isinstance(part.get("text"), str):
-            raise RequestError(f"{where}.text must be a string, got {_show(part.get('text'))}", param=f"{where}.text")
+            raise RequestError(f"{where}.text must be a string, got {brief(part.get('text'))}", param=f"{where}.text")
 
 
 def _check_messages(body: dict, api: str) -> None:
@@ -324,7 +325,7 @@ def _check_tool_list(body: dict, api: str) -> None:
     for i, t in enumerate(body.get("tools") or []):
         path = f"tools[{i}]"
         if not isinstance(t, dict):
-            raise RequestError(f"{path} must be a tool (an object), got {_show(t)}", param=path)
+            raise RequestError(f"{path} must be a tool (an object), got {brief(t)}", param=path)
         if api == "chat":
             _check_object(t, path, CHAT_TOOL, ("type",))
             if t["type"] == "function":
@@ -332,7 +333,7 @@ def _check_tool_list(body: dict, api: str) -> None:
         elif api == "messages" or t.get("type") == "function":  # Messages: a custom tool; server tools carry a type
             if t.get("type") is None or t.get("type") in ("custom", "function"):
                 if not isinstance(t.get("name"), str):
-                    raise RequestError(f"{path}.name must be a string, got {_show(t.get('name'))}",
+                    raise RequestError(f"{path}.name must be a string, got {brief(t.get('name'))}",
                                        param=f"{path}.name")
 
 
@@ -389,7 +390,7 @@ def _check_tool_choice(body: dict, api: str) -> None:
         return
     if isinstance(choice, str) and choice not in TOOL_CHOICE_STRINGS:
         raise RequestError(f"tool_choice must be one of {', '.join(map(repr, TOOL_CHOICE_STRINGS))} or an object, "
-                           f"got {_show(choice)}", param="tool_choice")
+                           f"got {brief(choice)}", param="tool_choice")
     if api == "chat" and isinstance(choice, dict):
         _check_object(choice, "tool_choice", CHAT_TOOL_CHOICE, ("type", "function"))
         _check_object(choice["function"], "tool_choice.function", {"name": _f("string")}, ("name",))
@@ -399,7 +400,7 @@ def _check_tool_choice(body: dict, api: str) -> None:
             raise RequestError("tool_choice.name is required (a string) with type 'tool'", param="tool_choice.name")
     elif api == "responses" and isinstance(choice, dict) and choice.get("type") == "function" \
             and not isinstance(choice.get("name"), str):
-        raise RequestError(f"tool_choice.name must be a string, got {_show(choice.get('name'))}",
+        raise RequestError(f"tool_choice.name must be a string, got {brief(choice.get('name'))}",
                            param="tool_choice.name")
     if tool_choice_requires_call(body, api) and not body.get("tools"):
         raise RequestError(f"tool_choice {json_text(choice)} asks for a tool call, but the body declares no tools",
@@ -432,7 +433,7 @@ def _check_input_items(body: dict) -> None:
             continue
         path = f"input[{i}].type"
         if not isinstance(ty, str):
-            raise RequestError(f"{path} must be a string, got {_show(ty)}", param=path)
+            raise RequestError(f"{path} must be a string, got {brief(ty)}", param=path)
         if ty not in RESPONSES_INPUT_ITEMS:
             why = _NO_STORE if ty == "item_reference" else "this engine renders only " + ", ".join(
                 RESPONSES_INPUT_ITEMS)
@@ -515,7 +516,7 @@ def check_request(body: dict, api: str, stream: bool = False) -> None:
     table = {**FIELDS[api], "stream": _f("bool")} if stream else FIELDS[api]
     for name, v in body.items():
         if not isinstance(name, str):
-            raise RequestError(f"field names must be strings, got {_show(name)}")
+            raise RequestError(f"field names must be strings, got {brief(name)}")
         spec = table.get(name)
         if spec is None and name in UNSUPPORTED:  # Completions' prompt is a field; elsewhere a stored prompt
             if v is None:
@@ -523,8 +524,8 @@ def check_request(body: dict, api: str, stream: bool = False) -> None:
             raise RequestError(f"{name} is not supported: {UNSUPPORTED[name]}", code="unsupported_parameter",
                                param=name)
         if spec is None:
-            raise RequestError(f"unrecognized request field {name!r} for the {api} API", code="unknown_parameter",
-                               param=name)
+            raise RequestError(f"unrecognized request field {brief(name)} for the {api} API",
+                               code="unknown_parameter", param=name[:80])
         if v is not None:
             _check_field(name, spec, v)
     for name in REQUIRED[api]:
@@ -539,7 +540,7 @@ def check_request(body: dict, api: str, stream: bool = False) -> None:
             raise RequestError(f"{key}: at most {MAX_STOP_SEQUENCES} stop strings, got {len(stops)}", param=key)
         for i, s in enumerate(stops):
             if not isinstance(s, str) or not s:
-                raise RequestError(f"{key}[{i}] must be a non-empty string, got {_show(s)}", param=f"{key}[{i}]")
+                raise RequestError(f"{key}[{i}] must be a non-empty string, got {brief(s)}", param=f"{key}[{i}]")
     _walk_values(body)
     _check_nested(body, api)
     _check_tools(body, api)

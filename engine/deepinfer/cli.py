@@ -39,7 +39,7 @@ import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from deepinfer import MODEL_PRESETS  # noqa: E402
-from deepinfer.api_checks import is_error_record  # noqa: E402
+from deepinfer.api_checks import brief, is_error_record  # noqa: E402
 from deepinfer.sequence import interrupted_error  # noqa: E402
 
 
@@ -267,6 +267,15 @@ def _batch_error(line_no: int, custom_id, message: str, param: str) -> dict:
                       "line": line_no}}
 
 
+def _utf8(text: str) -> bool:
+    """False for a string holding a lone surrogate (not encodable as UTF-8; body strings refuse them alike)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _unwrap_batch_line(line: dict, line_no: int, api: str, seen: dict[str, int]) -> tuple:
     """``(request body, None, custom_id)`` for a valid Batch line of ``api``'s endpoint, else ``(None, error record,
     None)`` naming the field at fault (unknown key, ``method`` not POST, ``url`` of another endpoint, a
@@ -274,17 +283,19 @@ def _unwrap_batch_line(line: dict, line_no: int, api: str, seen: dict[str, int])
     cid = line.get("custom_id")
     extra = [k for k in line if k not in BATCH_KEYS]
     if extra:
-        return None, _batch_error(line_no, cid, f"unknown Batch line field {extra[0]!r}", extra[0]), None
-    if not isinstance(cid, str) or not cid or len(cid) > 512:
-        return None, _batch_error(line_no, cid, "custom_id must be a non-empty string (at most 512 characters)",
+        return None, _batch_error(line_no, cid, f"unknown Batch line field {brief(extra[0])}", extra[0][:80]), None
+    if not isinstance(cid, str) or not cid or len(cid) > 512 or not _utf8(cid):
+        return None, _batch_error(line_no, cid if isinstance(cid, str) and _utf8(cid) else None,
+                                  "custom_id must be a non-empty string of valid Unicode (at most 512 characters)",
                                   "custom_id"), None
     if cid in seen:
         return None, _batch_error(line_no, cid, f"custom_id {cid!r} repeats line {seen[cid] + 1}", "custom_id"), None
     if line.get("method") != "POST":
-        return None, _batch_error(line_no, cid, f"method must be \"POST\", got {line.get('method')!r}", "method"), None
+        return None, _batch_error(line_no, cid, f"method must be \"POST\", got {brief(line.get('method'))}",
+                                  "method"), None
     if line.get("url") != BATCH_URLS[api]:
         return None, _batch_error(line_no, cid, f"url must be {BATCH_URLS[api]!r} with --api {api}, got "
-                                  f"{line.get('url')!r}"[:300], "url"), None
+                                  f"{brief(line.get('url'))}", "url"), None
     if not isinstance(line.get("body"), dict):
         return None, _batch_error(line_no, cid, "body must be a JSON object (the request)", "body"), None
     return line["body"], None, cid

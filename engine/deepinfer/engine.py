@@ -19,21 +19,15 @@ from deepinfer.sequence import RequestFailure, Sequence, SequenceStatus
 # failure kinds that refuse a request as invalid (400); every other kind is a server error
 _INVALID_REQUEST_KINDS = frozenset({"invalid_request", "context_length_exceeded", "cache_exhausted",
                                     "grammar_dead_end"})
-# kinds whose records carry an explicit HTTP status (the record shapes users have seen stay as they were)
-_STATUS_CODES = {"nan_logits": 500}
 
 
 def error_record(failure: RequestFailure) -> dict:
     """The error record of a failed request, as ``LLM.generate`` / ``LLM.chat`` return it: ``{"type", "code",
-    "message"}`` (``type`` ``"invalid_request_error"`` for a refusal, else ``"server_error"``; ``status_code`` for
-    kinds that fix one)."""
-    rec = {"type": "invalid_request_error" if failure.kind in _INVALID_REQUEST_KINDS else "server_error",
-           "code": failure.kind, "message": failure.message}
-    if failure.kind in _STATUS_CODES:
-        rec["status_code"] = _STATUS_CODES[failure.kind]
-    if failure.param is not None:
-        rec["param"] = failure.param
-    return rec
+    "message", "param", "status_code"}`` (``type`` ``"invalid_request_error"`` with status 400 for a refusal, else
+    ``"server_error"`` with 500; ``param`` the request field at fault, or None)."""
+    invalid = failure.kind in _INVALID_REQUEST_KINDS
+    return {"type": "invalid_request_error" if invalid else "server_error", "code": failure.kind,
+            "message": failure.message, "param": failure.param, "status_code": 400 if invalid else 500}
 
 
 _gc_depth = 0  # open gc_frozen blocks, all threads
@@ -120,8 +114,8 @@ class LLMEngine:
         return False
 
     def _refuse(self, seq: Sequence, message: str, param: str = "structured_outputs") -> bool:
-        seq.failure = RequestFailure("invalid_request", message)
-        seq.error = dict(error_record(seq.failure), param=param)
+        seq.failure = RequestFailure("invalid_request", message, param)
+        seq.error = error_record(seq.failure)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = "error"
         seq.finish_time = time.perf_counter()

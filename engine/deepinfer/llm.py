@@ -6,6 +6,7 @@ import dataclasses
 import operator
 import os
 import random
+import reprlib
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -229,7 +230,8 @@ class LLM:
                 raise TypeError(f"LLM got an unknown setting {k!r}")
             setattr(cfg, k, v)
         for k in ("num_speculative_tokens", "spec_schedule", "spec_admit_hold"):  # as the CLI: never ignored silently
-            if k in overrides and cfg.speculative_method is None:
+            set_here = k in overrides or getattr(cfg, k) != getattr(EngineConfig, k)
+            if set_here and cfg.speculative_method is None:
                 raise ValueError(f"{k}: needs speculative_method='mtp' (speculation is off)")
         if not isinstance(model, (str, os.PathLike)) and not callable(getattr(model, "forward", None)):
             raise TypeError(f"LLM: model must be a preset name, a checkpoint folder or a built model with forward(), "
@@ -825,9 +827,11 @@ class LLM:
                 if bad:
                     raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
                 seq = self._new_seq(ids, sp)
-            except (ValueError, TypeError) as e:
+            except Exception as e:  # noqa: BLE001 -- whatever one request's inputs raise is that request's error
                 msg = (str(e) if isinstance(e, ValueError)
-                       else f"prompts[{i}] must be a string or a list of integer token ids")
+                       else f"prompts[{i}] must be a string or a list of integer token ids"
+                       if isinstance(e, TypeError) and field == "prompt"
+                       else f"{field}: {type(e).__name__}: {reprlib.repr(str(e))}")
                 seq = self._new_seq(ids, SamplingParams())
                 seq.error = {"type": "invalid_request_error", "code": "invalid_request_error", "message": msg,
                              "param": getattr(e, "param", None) or field, "status_code": 400}

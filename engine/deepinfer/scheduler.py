@@ -159,7 +159,7 @@ class Scheduler:
         if seq.seq_id in self._live:
             return self._refuse(seq, "invalid_request", f"request id {seq.seq_id} is already in use")
         if seq.num_prompt_tokens == 0:
-            return self._refuse(seq, "invalid_request", "the prompt is empty")
+            return self._refuse(seq, "invalid_request", "the prompt is empty", "prompt")
         if need_len > self.max_model_len:
             return self._refuse(
                 seq, "context_length_exceeded",

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import math
+import reprlib
 import secrets
 from dataclasses import dataclass, field
 
 SEED_LIMIT = 1 << 63
 PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| <= 2 (OpenAI's range)
 LOGIT_BIAS_LIMIT = 100.0  # |logit_bias[token]| <= 100 (OpenAI's range)
+MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids per request
 # the top_logprobs entry of a token whose request asked for none: one shared empty tuple, so that a step stores
 # no new container per token (the garbage collector would scan every one; RequestOutput gives lists)
 NO_TOP_LOGPROBS: tuple = ()
@@ -34,7 +37,8 @@ class SamplingParams:
         max_tokens: most output tokens; must be >= 1.
         seed: seed of the counter-based draws, in ``[0, 2**63)``; ``None`` draws one, which the output reports.
         stop_token_ids: token ids that end the output (the id is not appended); the model's EOS is always one
-            unless ``ignore_eos``.
+            unless ``ignore_eos``. At most ``MAX_STOP_TOKEN_IDS``, each below the vocabulary size; any iterable
+            is read once by :meth:`validate` and kept as a tuple.
         ignore_eos: keep generating past EOS (benchmarks).
         top_logprobs: also report this many most likely tokens and their log-probabilities per step (0..20).
         frequency_penalty / presence_penalty: in [-2, 2]; before temperature and filtering, the logit of every token
@@ -87,12 +91,16 @@ class SamplingParams:
         if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise SamplingParamError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         ids = self.stop_token_ids
-        if not isinstance(ids, (str, bytes)) and hasattr(ids, "__iter__"):
-            ids = tuple(ids)  # once: a generator or other one-shot iterable is read here, and kept as read
-        if not isinstance(ids, tuple) or not all(integer(t) and t >= 0 for t in ids):
-            raise SamplingParamError("stop_token_ids",
-                                     f"stop_token_ids must be a sequence of token ids >= 0, got {ids!r}")
-        self.stop_token_ids = ids
+        if not isinstance(ids, (str, bytes, dict)) and hasattr(ids, "__iter__") and not isinstance(ids, tuple):
+            # read once, at most one past the limit (an endless iterable ends here), and kept as read, so that
+            # every request sharing these parameters sees the same ids, valid or not
+            ids = tuple(itertools.islice(ids, MAX_STOP_TOKEN_IDS + 1))
+            self.stop_token_ids = ids
+        limit = f"[0, {vocab_size})" if vocab_size else ">= 0"
+        if not isinstance(ids, tuple) or len(ids) > MAX_STOP_TOKEN_IDS \
+                or not all(integer(t) and 0 <= t and (not vocab_size or t < vocab_size) for t in ids):
+            raise SamplingParamError("stop_token_ids", f"stop_token_ids must be a sequence of at most "
+                                     f"{MAX_STOP_TOKEN_IDS} token ids in {limit}, got {reprlib.repr(ids)}")
         if not isinstance(self.ignore_eos, bool):
             raise SamplingParamError("ignore_eos", f"ignore_eos must be a bool, got {self.ignore_eos!r}")
         for name in ("frequency_penalty", "presence_penalty"):

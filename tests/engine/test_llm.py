@@ -184,10 +184,42 @@ def test_stop_token_ids_from_a_generator_are_kept():
 
 
 def test_speculation_settings_without_a_method_are_refused():
-    """As on the CLI: a speculation setting without speculative_method would be ignored, so it is an error."""
+    """As on the CLI: a speculation setting without speculative_method would be ignored, so it is an error, as a
+    keyword or in an EngineConfig."""
+    from deepinfer import EngineConfig
+
     for kw in ({"num_speculative_tokens": 2}, {"spec_schedule": "fixed"}, {"spec_admit_hold": 1}):
         with pytest.raises(ValueError, match=f"{next(iter(kw))}: needs speculative_method"):
             LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), **kw)
+        with pytest.raises(ValueError, match=f"{next(iter(kw))}: needs speculative_method"):
+            LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), config=EngineConfig(**kw))
+
+
+def test_hostile_stop_ids_and_raising_inputs_stay_their_requests_errors():
+    """A shared SamplingParams whose one-shot stop ids are bad fails every request that uses it; endless or
+    out-of-vocabulary stop ids are refused without reading them all; anything a prompt or parameter raises is
+    that request's error record, and the good requests run."""
+    import itertools
+
+    _, llm = _llm()
+    bad = SamplingParams(max_tokens=2, stop_token_ids=(t for t in [5, -1]))
+    outs = llm.generate([[5, 6], [7, 8], [9]], bad)
+    assert all(o.error and o.error["param"] == "stop_token_ids" for o in outs)
+    for ids in (itertools.count(1), range(10 ** 9), [VOCAB], [2 ** 70]):
+        out = llm.generate([[5, 6]], SamplingParams(max_tokens=2, stop_token_ids=ids))[0]
+        assert out.error["param"] == "stop_token_ids" and out.error["status_code"] == 400, ids
+
+    def boom():
+        yield 1
+        raise RuntimeError("x" * 10 ** 6)
+
+    good = SamplingParams(temperature=0, max_tokens=2)
+    outs = llm.generate([[5, 6], [5, 6]], [good, SamplingParams(max_tokens=2, stop_token_ids=boom())])
+    assert outs[0].error is None and len(outs[0].token_ids) == 2
+    assert outs[1].error["param"] == "sampling_params" and len(outs[1].error["message"]) < 200
+    outs = llm.generate([boom(), [5, 6]], good)
+    assert outs[0].error["param"] == "prompt" and "RuntimeError" in outs[0].error["message"]
+    assert outs[1].error is None and len(outs[1].token_ids) == 2
 
 
 def test_engine_config_types_are_checked():

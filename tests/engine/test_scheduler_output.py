@@ -81,10 +81,10 @@ def test_failures_are_kinds_and_the_engine_builds_records():
     dup = _seq(0, 4)
     assert s.add(_seq(0, 4)) and not s.add(dup)
     assert dup.failure == RequestFailure("invalid_request", "request id 0 is already in use") and dup.error is None
-    assert error_record(RequestFailure("cache_exhausted", "m")) == {"type": "invalid_request_error",
-                                                                   "code": "cache_exhausted", "message": "m"}
+    assert error_record(RequestFailure("cache_exhausted", "m")) == {
+        "type": "invalid_request_error", "code": "cache_exhausted", "message": "m", "param": None, "status_code": 400}
     assert error_record(RequestFailure("nan_logits", "m")) == {"type": "server_error", "code": "nan_logits",
-                                                              "status_code": 500, "message": "m"}
+                                                              "message": "m", "param": None, "status_code": 500}
     with pytest.raises(TypeError, match="failure must be a RequestFailure"):
         s.abort(_seq(5, 3), {"code": "x", "message": "y"})
     llm = LLM("tiny")
@@ -96,7 +96,7 @@ def test_failures_are_kinds_and_the_engine_builds_records():
     assert seq.failure.kind == "client_disconnected" and seq.error["code"] == "client_disconnected"
     assert seq.finish_reason == "error"
     assert llm.generate([[]])[0].error == {"type": "invalid_request_error", "code": "invalid_request",
-                                           "message": "the prompt is empty"}
+                                           "message": "the prompt is empty", "param": "prompt", "status_code": 400}
 
 
 def _loop_lists(b, c0, bt, wbt, w0, m, overlap, cap):
