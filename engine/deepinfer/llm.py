@@ -813,6 +813,8 @@ class LLM:
             try:  # a bad prompt or parameter set becomes that request's error; the others run
                 if isinstance(p, str):
                     ids = self.encode(p)
+                elif isinstance(p, (bytes, bytearray, dict)):  # iterable, but not token ids
+                    raise TypeError(type(p).__name__)
                 else:
                     for t in p:
                         if isinstance(t, bool):

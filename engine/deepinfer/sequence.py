@@ -13,6 +13,7 @@ SEED_LIMIT = 1 << 63
 PENALTY_LIMIT = 2.0  # |frequency_penalty|, |presence_penalty| <= 2 (OpenAI's range)
 LOGIT_BIAS_LIMIT = 100.0  # |logit_bias[token]| <= 100 (OpenAI's range)
 MAX_STOP_TOKEN_IDS = 1024  # stop_token_ids per request
+FLOAT32_MAX = 3.4028234663852886e38  # temperature's bound: the sampler divides float32 logits by it
 # the top_logprobs entry of a token whose request asked for none: one shared empty tuple, so that a step stores
 # no new container per token (the garbage collector would scan every one; RequestOutput gives lists)
 NO_TOP_LOGPROBS: tuple = ()
@@ -75,9 +76,9 @@ class SamplingParams:
         def integer(v) -> bool:
             return not isinstance(v, bool) and isinstance(v, int)
 
-        if not number(self.temperature) or not (self.temperature >= 0.0) or math.isinf(self.temperature):
-            raise SamplingParamError("temperature",
-                                     f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not number(self.temperature) or not (0.0 <= self.temperature <= FLOAT32_MAX):
+            raise SamplingParamError("temperature", f"temperature must be a finite number >= 0 (at most float32's "
+                                     f"largest, the sampler's dtype), got {self.temperature!r}")
         if not integer(self.top_k) or not -1 <= self.top_k < 2 ** 31:
             raise SamplingParamError("top_k",
                                      f"top_k must be an integer: -1, 0 or positive (< 2**31), got {self.top_k!r}")

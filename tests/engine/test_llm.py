@@ -159,16 +159,16 @@ def test_bad_request_in_generate_is_its_own_error():
     llm = LLM(FakeModel(FakeConfig(max_position_embeddings=1024)), num_blocks=16)
     good = SamplingParams(temperature=0, max_tokens=2)
     bads = [SamplingParams(top_logprobs=True), SamplingParams(top_k=2 ** 64), SamplingParams(stop_token_ids=None),
-            SamplingParams(temperature="x"), SamplingParams(seed=1.5), None]
+            SamplingParams(temperature="x"), SamplingParams(temperature=1e308), SamplingParams(seed=1.5), None]
     outs = llm.generate([[5, 6, 7]] * (len(bads) + 1), [good, *bads])
     assert outs[0].error is None and len(outs[0].token_ids) == 2
-    fields = ["top_logprobs", "top_k", "stop_token_ids", "temperature", "seed", "sampling_params"]
+    fields = ["top_logprobs", "top_k", "stop_token_ids", "temperature", "temperature", "seed", "sampling_params"]
     for o, b, field in zip(outs[1:], bads, fields):
         assert o.error is not None and o.token_ids == [], b
         assert o.error["param"] == field and o.error["status_code"] == 400, o.error
-    outs = llm.generate([[5, 6], [0, "a"], [1.5], [True], [5, 10 ** 6]], good)
-    assert outs[0].error is None and all(o.error and "prompts[" in o.error["message"] for o in outs[1:4])
-    assert "out of range" in outs[4].error["message"]
+    outs = llm.generate([[5, 6], [0, "a"], [1.5], [True], b"abc", {5: 6}, [5, 10 ** 6]], good)
+    assert outs[0].error is None and all(o.error and "prompts[" in o.error["message"] for o in outs[1:6])
+    assert "out of range" in outs[6].error["message"]
     assert all(o.error["param"] == "prompt" for o in outs[1:])
 
 
