@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import math
+import numbers
 import reprlib
 import secrets
 from dataclasses import dataclass, field
@@ -76,6 +77,18 @@ class SamplingParams:
         def integer(v) -> bool:
             return not isinstance(v, bool) and isinstance(v, int)
 
+        def plain(v):  # NumPy (or other registered) scalars as Python numbers, as prompts take NumPy ints
+            if isinstance(v, (bool, int, float)) or not isinstance(v, numbers.Real):
+                return v
+            return int(v) if isinstance(v, numbers.Integral) else float(v)
+
+        for name in ("temperature", "top_k", "top_p", "max_tokens", "seed", "top_logprobs", "frequency_penalty",
+                     "presence_penalty"):
+            setattr(self, name, plain(getattr(self, name)))
+        if isinstance(self.logit_bias, dict) and any(type(k) is not int or type(b) not in (int, float)
+                                                     for k, b in self.logit_bias.items()):
+            self.logit_bias = {plain(k): plain(b) for k, b in self.logit_bias.items()}
+
         if not number(self.temperature) or not (0.0 <= self.temperature <= FLOAT32_MAX):
             raise SamplingParamError("temperature", f"temperature must be a finite number >= 0 (at most float32's "
                                      f"largest, the sampler's dtype), got {self.temperature!r}")
@@ -95,7 +108,7 @@ class SamplingParams:
         if not isinstance(ids, (str, bytes, dict)) and hasattr(ids, "__iter__") and not isinstance(ids, tuple):
             # read once, at most one past the limit (an endless iterable ends here), and kept as read, so that
             # every request sharing these parameters sees the same ids, valid or not
-            ids = tuple(itertools.islice(ids, MAX_STOP_TOKEN_IDS + 1))
+            ids = tuple(plain(t) for t in itertools.islice(ids, MAX_STOP_TOKEN_IDS + 1))
             self.stop_token_ids = ids
         limit = f"[0, {vocab_size})" if vocab_size else ">= 0"
         if not isinstance(ids, tuple) or len(ids) > MAX_STOP_TOKEN_IDS \

@@ -250,3 +250,19 @@ def test_nan_logits_end_that_request_with_an_error():
     outs = llm.generate([[5, 6], [7, 8], [9]], SamplingParams(temperature=0, max_tokens=3))
     assert outs[1].error is not None and outs[1].error["code"] == "nan_logits" and outs[1].token_ids == []
     assert outs[0].error is None and len(outs[0].token_ids) == 3 and outs[2].error is None
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    """NumPy scalars in SamplingParams behave as the Python numbers they hold (prompts already take NumPy ints);
+    a NumPy bool is no integer, as a Python bool is not."""
+    import numpy as np
+
+    model, llm = _llm()
+    ref = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3, seed=7))[0]
+    sp = SamplingParams(temperature=np.float32(0), max_tokens=np.int64(3), top_p=np.float32(0.5), seed=np.uint64(7),
+                        stop_token_ids=np.array([VOCAB - 1]), logit_bias={np.int64(5): np.float32(0)})
+    out = llm.generate([[5, 6, 7]], sp)[0]
+    assert out.error is None and out.token_ids == ref.token_ids
+    assert type(sp.max_tokens) is int and sp.stop_token_ids == (VOCAB - 1,) and sp.logit_bias == {5: 0.0}
+    bad = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=np.bool_(True)))[0]
+    assert bad.error["param"] == "max_tokens"
