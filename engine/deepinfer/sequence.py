@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import math
 import numbers
 import reprlib
 import secrets
@@ -105,7 +104,7 @@ class SamplingParams:
         if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise SamplingParamError("seed", f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         ids = self.stop_token_ids
-        if not isinstance(ids, (str, bytes, dict)) and hasattr(ids, "__iter__") and not isinstance(ids, tuple):
+        if not isinstance(ids, (str, bytes, dict)) and hasattr(ids, "__iter__"):
             # read once, at most one past the limit (an endless iterable ends here), and kept as read, so that
             # every request sharing these parameters sees the same ids, valid or not
             ids = tuple(plain(t) for t in itertools.islice(ids, MAX_STOP_TOKEN_IDS + 1))
