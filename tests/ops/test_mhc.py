@@ -43,7 +43,8 @@ def test_cuda_hc_mix_bf16_any_token_count(k, m):
     tokens = 2048 + 37
     base = (torch.randn(tokens, k + 3, generator=g) * 3).to(dtype).cuda()
     fn = (torch.randn(m, k, generator=g) * 0.02).cuda()
-    for x in (base[:, :k], base[:, 1:k + 1]):
+    # contiguous rows (the cp.async path, several tiles a CTA when K is long), strided, strided and misaligned
+    for x in (base[:, :k].contiguous(), base[:, :k], base[:, 1:k + 1]):
         full = deepinfer_ops.hc_mix(x, fn, 1e-6)
         assert_close(full, refs.hc_mix_ref(x, fn, 1e-6), MIX_TOL, name="hc_mix")
         split = torch.cat([deepinfer_ops.hc_mix(x[lo:lo + 1000], fn, 1e-6) for lo in range(0, tokens, 1000)])

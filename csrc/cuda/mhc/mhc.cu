@@ -151,7 +151,8 @@ __global__ void __launch_bounds__(mix_threads<kTpt>()) hc_mix_partial_kernel(HcM
 }
 
 // bf16 streams, M <= 24: the part's products on tensor cores (mma.sync m16n8k16, fp32 accumulators). The fp32
-// weights are split into three bf16 terms, hi + mid + lo == w exactly, and a bf16 x times a bf16 term is exact in
+// weights are split into three bf16 terms, hi + mid + lo == w exactly for |w| in [2^-100, 3.39e38) (outside it the
+// split loses bits below 2^-133, or overflows to NaN), and a bf16 x times a bf16 term is exact in
 // fp32, so the part's dot products keep fp32 accuracy; only the order of the additions differs from the FMA path.
 // A CTA owns one part: it stages the part's split weights once, then walks token tiles blockIdx.x,
 // blockIdx.x + gridDim.x, ... (kMmaTokens tokens each: 16 a warp tile, kMmaTiles tiles a warp) with the next tile's
